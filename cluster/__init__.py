@@ -1,0 +1,1 @@
+"""Ray control plane: placement, supervision, scaling (issue 6)."""

@@ -1,0 +1,1 @@
+"""Draft replica: proposes tokens for many sequences at once (issue 4)."""

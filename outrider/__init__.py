@@ -1,0 +1,3 @@
+"""Outrider: distributed, disaggregated speculative decoding."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,94 @@
+"""Starting a tensor-parallel group: rank 0 in this process, ranks 1.. as child processes.
+
+Ranks meet over a TCP rendezvous on a free loopback port (or an address from config)
+and form two process groups: one for tensors (NCCL on CUDA, gloo on CPU) and a gloo one
+for the driver's forward descriptions.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from outrider.engine.model_config import ModelConfig
+from outrider.engine.parallel import TPGroup
+from outrider.engine.runner import ModelRunner, RunnerConfig
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_tp_group(rank: int, size: int, init_method: str, device: str) -> TPGroup:
+    if size == 1:
+        return TPGroup()
+    is_cuda = device.startswith("cuda")
+    if is_cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if is_cuda else "gloo", init_method=init_method,
+                            rank=rank, world_size=size, timeout=timedelta(seconds=120))
+    cpu_group = dist.new_group(backend="gloo") if is_cuda else dist.group.WORLD
+    return TPGroup(rank=rank, size=size, group=dist.group.WORLD, cpu_group=cpu_group)
+
+
+def rank_device(device: str, rank: int) -> str:
+    return f"cuda:{rank % torch.cuda.device_count()}" if device.startswith("cuda") else device
+
+
+def set_cpu_threads(tp: int) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+
+
+def _worker_main(cfg: RunnerConfig, rank: int, init_method: str) -> None:
+    set_cpu_threads(cfg.tp)
+    tp = init_tp_group(rank, cfg.tp, init_method, cfg.device)
+    runner = ModelRunner(replace(cfg, device=rank_device(cfg.device, rank)), tp)
+    try:
+        runner.serve_driver()
+    finally:
+        dist.destroy_process_group()
+
+
+class TPRunnerGroup:
+    """The driver's ModelRunner plus the worker processes holding the other shards."""
+
+    def __init__(self, cfg: RunnerConfig, init_method: str | None = None) -> None:
+        ModelConfig.from_dir(cfg.model_dir).check_tp(cfg.tp)  # fail before spawning ranks
+        self.processes: list[mp.Process] = []
+        init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
+        if cfg.tp > 1:
+            ctx = mp.get_context("spawn")
+            for rank in range(1, cfg.tp):
+                proc = ctx.Process(target=_worker_main, args=(cfg, rank, init_method),
+                                   daemon=True)
+                proc.start()
+                self.processes.append(proc)
+        set_cpu_threads(cfg.tp)
+        try:
+            tp = init_tp_group(0, cfg.tp, init_method, cfg.device)
+            self.runner = ModelRunner(replace(cfg, device=rank_device(cfg.device, 0)), tp)
+        except BaseException:
+            self._kill()
+            raise
+
+    def close(self) -> None:
+        if self.processes:
+            self.runner.stop_workers()
+            for proc in self.processes:
+                proc.join(timeout=30)
+            self._kill()
+            dist.destroy_process_group()
+
+    def _kill(self) -> None:
+        for proc in self.processes:
+            if proc.is_alive():
+                proc.kill()
+        self.processes = []

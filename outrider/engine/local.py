@@ -1,0 +1,57 @@
+"""A target (tensor-parallel group) and an optional draft in this process, with the
+tokenizer: what `outrider generate --local` and the tests drive."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from outrider.engine.distributed import TPRunnerGroup
+from outrider.engine.model_config import ModelConfig
+from outrider.engine.runner import ModelRunner, RunnerConfig
+from outrider.engine.spec_decode import RequestError, SpeculativeDecoder
+from outrider.engine.tokenizer import Tokenizer, TokenizerError
+
+
+@dataclass(frozen=True)
+class LocalEngineConfig:
+    target: RunnerConfig
+    draft_dir: str | None = None
+    draft_kv_cache_mb: float = 64.0
+
+
+class LocalEngine:
+    def __init__(self, cfg: LocalEngineConfig) -> None:
+        self.tokenizer = Tokenizer(cfg.target.model_dir)
+        if cfg.draft_dir is not None:
+            check_pair_compatible(cfg.target.model_dir, cfg.draft_dir)
+        self._target_group = TPRunnerGroup(cfg.target)
+        draft = None
+        if cfg.draft_dir is not None:
+            draft_cfg = replace(cfg.target, model_dir=cfg.draft_dir, tp=1,
+                                kv_cache_mb=cfg.draft_kv_cache_mb)
+            draft = ModelRunner(draft_cfg)
+        self.decoder = SpeculativeDecoder(self._target_group.runner, draft)
+
+    def close(self) -> None:
+        self._target_group.close()
+
+    def __enter__(self) -> LocalEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def check_pair_compatible(target_dir: str, draft_dir: str) -> None:
+    """Draft and target must share one vocabulary (same ids for the same tokens)."""
+    target_cfg, draft_cfg = ModelConfig.from_dir(target_dir), ModelConfig.from_dir(draft_dir)
+    if target_cfg.vocab_size != draft_cfg.vocab_size:
+        raise RequestError(f"draft and target have different vocabularies: "
+                           f"{draft_cfg.vocab_size} vs {target_cfg.vocab_size} tokens")
+    try:
+        same = Tokenizer(target_dir).vocab == Tokenizer(draft_dir).vocab
+    except TokenizerError:
+        return  # a draft without its own tokenizer.json uses the target's
+    if not same:
+        raise RequestError("draft and target have different vocabularies: "
+                           "their tokenizer.json files map tokens to different ids")

@@ -1,0 +1,161 @@
+"""The Llama-family decoder (Llama, Qwen2, Mistral) built from tensor-parallel layers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from outrider.engine.attention import AttentionMetadata, paged_attention
+from outrider.engine.checkpoint import CheckpointError, iter_tensor_slices
+from outrider.engine.model_config import ModelConfig
+from outrider.engine.parallel import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    load_replicated,
+)
+from outrider.engine.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the model dtype, as the reference implementation does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup,
+                 rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads // tp.size
+        self.num_kv_heads = cfg.num_kv_heads // tp.size
+        self.head_dim = cfg.head_dim
+        self.window = cfg.sliding_windows[layer]
+        self.scale = cfg.head_dim ** -0.5
+        self.rope = rope
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, cfg.qkv_bias, tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                        False, tp)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # x: [num_tokens, hidden]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.window, self.scale)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
+                                           cfg.mlp_bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup,
+                 rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer, tp, rope)
+        self.mlp = MLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM over flattened ragged tokens; logits only for the rows asked for."""
+
+    # checkpoint name fragment -> (our fused parameter, shard index)
+    FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, rope) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = rope
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [num_tokens]; logits_rows: [num_rows] -> [num_rows, vocab]
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, meta)
+        return self.lm_head(self.norm(x.index_select(0, logits_rows))).float()
+
+    def load_weights(self, model_dir: Path) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor_slice in iter_tensor_slices(model_dir):
+            target = self._param_for(name)
+            if target is None:
+                continue
+            param_name, shard_id = target
+            if param_name not in params:
+                raise CheckpointError(f"{model_dir}: unexpected tensor {name!r} for "
+                                      f"{self.cfg.architecture}")
+            module = self.get_submodule(param_name.rsplit(".", 1)[0])
+            loader = getattr(module, "weight_loader", load_replicated)
+            try:
+                loader(params[param_name], tensor_slice, shard_id)
+            except ValueError as exc:
+                raise CheckpointError(f"{model_dir}: tensor {name!r}: {exc}") from exc
+            loaded.add(param_name if shard_id is None else f"{param_name}#{shard_id}")
+        self._check_complete(params, loaded, model_dir)
+
+    def _param_for(self, name: str) -> tuple[str, int | None] | None:
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+            return None
+        name = name.removeprefix("model.")
+        for part, (fused, shard_id) in self.FUSED.items():
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused}."), shard_id
+        return name, None
+
+    def _check_complete(self, params: dict, loaded: set[str], model_dir: Path) -> None:
+        shards = {"qkv_proj": 3, "gate_up_proj": 2}
+        missing = []
+        for name in params:
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            fused = next((f for f in shards if f".{f}." in name), None)
+            wanted = [f"{name}#{i}" for i in range(shards[fused])] if fused else [name]
+            missing += [w for w in wanted if w not in loaded]
+        if missing:
+            raise CheckpointError(f"{model_dir}: checkpoint lacks tensors for {missing[:5]}"
+                                  f"{' ...' if len(missing) > 5 else ''}")

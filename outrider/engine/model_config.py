@@ -1,0 +1,212 @@
+"""Model configuration read from a Hugging Face `config.json`.
+
+One frozen dataclass covers the Llama family (Llama, Qwen2, Mistral): they differ only
+in QKV bias, sliding-window attention and RoPE scaling, which are fields here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_TP = (1, 2, 4, 8)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class ModelConfigError(ValueError):
+    """A checkpoint directory or its config.json cannot be used."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (`rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    dtype: torch.dtype
+    qkv_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+    # per layer: window in tokens, or None for full attention
+    sliding_windows: tuple[int | None, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ModelConfigError(f"config.json: {name} must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelConfigError(
+                f"config.json: num_attention_heads ({self.num_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ModelConfigError(f"config.json: head_dim ({self.head_dim}) must be even for RoPE")
+        if len(self.sliding_windows) != self.num_layers:
+            raise ModelConfigError("config.json: layer_types does not match num_hidden_layers")
+
+    def check_tp(self, tp: int) -> None:
+        """Raise a clear error when `tp` cannot shard this model."""
+        if tp not in SUPPORTED_TP:
+            raise ModelConfigError(f"tp={tp} is not supported; choose one of {SUPPORTED_TP}")
+        for what, count in (("num_attention_heads", self.num_heads),
+                            ("num_key_value_heads", self.num_kv_heads)):
+            if count % tp:
+                raise ModelConfigError(f"tp={tp} does not divide {what} ({count})")
+        if self.intermediate_size % tp:
+            raise ModelConfigError(
+                f"tp={tp} does not divide intermediate_size ({self.intermediate_size})")
+
+    @property
+    def num_params(self) -> int:
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(f"{model_dir}: no config.json (not a Hugging Face checkpoint dir)")
+        try:
+            raw = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelConfigError(f"{path}: not valid JSON ({exc})") from exc
+        generation = _read_generation_config(Path(model_dir))
+        return cls.from_hf_dict(raw, generation, source=str(path))
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict, generation: dict | None = None,
+                     source: str = "config.json") -> ModelConfig:
+        arch = (raw.get("architectures") or [None])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelConfigError(
+                f"{source}: unsupported architecture {arch!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (only silu)")
+        try:
+            hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+            num_layers = int(raw["num_hidden_layers"])
+            rope = _rope_parameters(raw)
+            return cls(
+                architecture=arch,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=num_layers,
+                num_heads=heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                dtype=_parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32", source),
+                qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+                mlp_bias=bool(raw.get("mlp_bias", False)),
+                rope_scaling=_parse_rope_scaling(rope, source),
+                sliding_windows=_sliding_windows(raw, arch, num_layers),
+                eos_token_ids=_token_ids((generation or {}).get("eos_token_id",
+                                                                raw.get("eos_token_id"))),
+                bos_token_id=raw.get("bos_token_id"),
+            )
+        except KeyError as exc:
+            raise ModelConfigError(f"{source}: missing required key {exc.args[0]!r}") from exc
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, ModelConfigError):
+                raise
+            raise ModelConfigError(f"{source}: bad value ({exc})") from exc
+
+
+def _read_generation_config(model_dir: Path) -> dict | None:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelConfigError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def _rope_parameters(raw: dict) -> dict:
+    # transformers >= 5 writes `rope_parameters`; older checkpoints use `rope_scaling`.
+    return dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+
+
+def _parse_rope_scaling(rope: dict, source: str) -> RopeScaling | None:
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ModelConfigError(f"{source}: rope_scaling type {kind!r} is not supported "
+                               "(supported: default, llama3)")
+    return RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+    )
+
+
+def _sliding_windows(raw: dict, arch: str, num_layers: int) -> tuple[int | None, ...]:
+    window = raw.get("sliding_window")
+    if arch == "MistralForCausalLM":
+        return (int(window) if window else None,) * num_layers
+    if arch == "Qwen2ForCausalLM" and raw.get("use_sliding_window") and window:
+        types = raw.get("layer_types") or [
+            "sliding_attention" if i >= int(raw.get("max_window_layers", num_layers))
+            else "full_attention" for i in range(num_layers)]
+        return tuple(int(window) if t == "sliding_attention" else None for t in types)
+    return (None,) * num_layers
+
+
+def _parse_dtype(name: str, source: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ModelConfigError(f"{source}: torch_dtype {name!r} is not supported "
+                               "(float32, bfloat16, float16)")
+    return _DTYPES[name]
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    return _parse_dtype(name, "dtype")
+
+
+def _token_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)

@@ -1,0 +1,174 @@
+"""Tensor parallelism as layer types.
+
+Each parallel layer owns the rule for cutting its shard out of a full checkpoint tensor
+(`weight_loader`), so the model reads like single-device code. Checkpoint tensors arrive
+as lazy safetensors slices: a rank reads only the rows or columns it keeps.
+Collectives go through torch.distributed (gloo on CPU, NCCL on CUDA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """Where this process sits in its tensor-parallel group (tp=1: no group at all)."""
+
+    rank: int = 0
+    size: int = 1
+    group: object | None = None      # tensor collectives (NCCL on CUDA, gloo on CPU)
+    cpu_group: object | None = None  # gloo: the driver's forward descriptions
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def _rows(tensor_slice, start: int, end: int) -> torch.Tensor:
+    return tensor_slice[start:end]
+
+
+def _cols(tensor_slice, start: int, end: int) -> torch.Tensor:
+    return tensor_slice[:, start:end]
+
+
+def _full(tensor_slice) -> torch.Tensor:
+    return tensor_slice[:]
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"{name}: checkpoint shard has shape {tuple(src.shape)}, "
+                         f"model expects {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def load_replicated(param: nn.Parameter, tensor_slice, shard_id=None) -> None:
+    """Loader for parameters every rank holds whole (norms, replicated layers)."""
+    _copy_checked(param.data, _full(tensor_slice), "replicated")
+
+
+class ReplicatedLinear(nn.Module):
+    """A linear layer every rank holds whole (norms and small projections)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    weight_loader = staticmethod(load_replicated)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(ReplicatedLinear):
+    """Output features split across ranks; the output stays sharded (no collective)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__(in_features, out_features // tp.size, bias, tp)
+        self.shard_size = out_features // tp.size
+
+    def weight_loader(self, param: nn.Parameter, tensor_slice, shard_id=None) -> None:
+        start = self.tp.rank * self.shard_size
+        _copy_checked(param.data, _rows(tensor_slice, start, start + self.shard_size), "column")
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input fused into one matmul.
+
+    `output_sizes` are the full (unsharded) sizes, in the order the shards are stacked.
+    Checkpoint tensors name their part with `shard_id` (an index into output_sizes).
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup) -> None:
+        super().__init__(in_features, sum(output_sizes), bias, tp)
+        self.local_sizes = [size // tp.size for size in output_sizes]
+
+    def weight_loader(self, param: nn.Parameter, tensor_slice, shard_id=None) -> None:
+        offset = sum(self.local_sizes[:shard_id])
+        local = self.local_sizes[shard_id]
+        start = self.tp.rank * local
+        _copy_checked(param.data.narrow(0, offset, local),
+                      _rows(tensor_slice, start, start + local), f"merged[{shard_id}]")
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """Query, key and value projections fused; heads are split across ranks."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool, tp: TPGroup) -> None:
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        super().__init__(hidden, sizes, bias, tp)
+
+
+class RowParallelLinear(ReplicatedLinear):
+    """Input features split across ranks; partial outputs are summed with all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__(in_features // tp.size, out_features, bias, tp)
+        self.shard_size = in_features // tp.size
+
+    def weight_loader(self, param: nn.Parameter, tensor_slice, shard_id=None) -> None:
+        if param is self.bias:
+            _copy_checked(param.data, _full(tensor_slice), "row bias")
+            return
+        start = self.tp.rank * self.shard_size
+        _copy_checked(param.data, _cols(tensor_slice, start, start + self.shard_size), "row")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split by vocabulary range; each rank embeds the ids it owns."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.shard_size = -(-vocab_size // tp.size)  # ceil: the last shard may be short
+        self.vocab_start = tp.rank * self.shard_size
+        self.vocab_end = min(vocab_size, self.vocab_start + self.shard_size)
+        self.vocab_size = vocab_size
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden), requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, tensor_slice, shard_id=None) -> None:
+        rows = _rows(tensor_slice, self.vocab_start, self.vocab_end)
+        _copy_checked(param.data[: rows.shape[0]], rows, "vocab")
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        is_local = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(is_local, input_ids - self.vocab_start, 0)
+        out = F.embedding(local_ids, self.weight) * is_local.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection split by vocabulary; logits are gathered to full width."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [num_rows, hidden] -> logits [num_rows, vocab_size]
+        logits = F.linear(hidden, self.weight)
+        return self.tp.all_gather_last_dim(logits)[:, : self.vocab_size]

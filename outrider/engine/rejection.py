@@ -1,0 +1,81 @@
+"""Exact speculative verification (rejection sampling), batched, a different γ per row.
+
+Draft token x at a position is accepted with probability min(1, p(x) / q(x)); at the first
+rejection the *recovered* token is drawn from norm(max(0, p - q)); when every draft token
+is accepted the *bonus* token is drawn from p at the extra position. Greedy requests
+arrive as point masses (p = one-hot argmax, q = one-hot draft), which makes the same
+arithmetic accept exactly the draft tokens equal to the target argmax.
+
+q formats (DESIGN §3) only differ on the wire; `dense_draft_probs` turns each into the
+dense q rows used here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from outrider.engine.sampling import sample_from_probs
+
+
+@dataclass
+class RejectionResult:
+    token_ids: torch.Tensor     # [batch, max_gamma + 1] emitted tokens, -1 after the last one
+    num_accepted: torch.Tensor  # [batch] accepted draft tokens (0..γ_i)
+
+    @property
+    def num_emitted(self) -> torch.Tensor:  # [batch] accepted + one recovered or bonus token
+        return self.num_accepted + 1
+
+
+def rejection_sample(
+    target_probs: torch.Tensor,     # [batch, max_gamma + 1, vocab]; row γ_i is the bonus row
+    draft_token_ids: torch.Tensor,  # [batch, max_gamma] int64, any value in padding
+    draft_probs: torch.Tensor,      # [batch, max_gamma, vocab] q after processing
+    num_draft: torch.Tensor,        # [batch] γ_i
+    accept_uniforms: torch.Tensor,  # [batch, max_gamma] in [0, 1)
+    sample_uniforms: torch.Tensor,  # [batch, max_gamma + 1] in [0, 1), indexed by emit row
+) -> RejectionResult:
+    batch, max_gamma = draft_token_ids.shape
+    device = target_probs.device
+    ids = draft_token_ids.clamp(min=0).unsqueeze(-1)  # [batch, max_gamma, 1]
+    p_draft = target_probs[:, :max_gamma].gather(-1, ids).squeeze(-1)  # [batch, max_gamma]
+    q_draft = draft_probs.gather(-1, ids).squeeze(-1)
+    is_in_draft = torch.arange(max_gamma, device=device) < num_draft[:, None]
+    # u < p/q without dividing: q(x) > 0 for every sampled x
+    is_accepted = (accept_uniforms.to(device) * q_draft < p_draft) & is_in_draft
+    num_accepted = is_accepted.long().cumprod(-1).sum(-1)  # [batch]
+
+    rows = torch.arange(batch, device=device)
+    p_final = target_probs[rows, num_accepted]  # [batch, vocab]
+    is_bonus = num_accepted == num_draft
+    if max_gamma:
+        q_final = draft_probs[rows, num_accepted.clamp(max=max_gamma - 1)]
+        residual = (p_final - q_final).clamp(min=0)
+        # a rejection implies p(x) < q(x), so the residual has mass; guard rounding anyway
+        is_degenerate = residual.sum(-1) <= 0
+        residual = torch.where((is_bonus | is_degenerate)[:, None], p_final, residual)
+    else:
+        residual = p_final
+    final = sample_from_probs(residual, sample_uniforms.to(device)[rows, num_accepted])
+
+    token_ids = torch.full((batch, max_gamma + 1), -1, dtype=torch.long, device=device)
+    token_ids[:, :max_gamma] = torch.where(is_accepted.long().cumprod(-1).bool(),
+                                           draft_token_ids, -1)
+    token_ids[rows, num_accepted] = final
+    return RejectionResult(token_ids=token_ids, num_accepted=num_accepted)
+
+
+def dense_draft_probs(draft_token_ids: torch.Tensor, vocab: int,
+                      sparse_ids: torch.Tensor | None = None,
+                      sparse_probs: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense q [batch, max_gamma, vocab] from the compact wire formats.
+
+    ids only / point mass: one-hot at each draft token (sparse_* None).
+    sparse: sparse_ids, sparse_probs [batch, max_gamma, support] (pad probs with 0)."""
+    shape = (*draft_token_ids.shape, vocab)
+    q = torch.zeros(shape, dtype=torch.float32, device=draft_token_ids.device)
+    if sparse_ids is None:
+        return q.scatter_(-1, draft_token_ids.clamp(min=0).unsqueeze(-1), 1.0)
+    return q.scatter_add_(-1, sparse_ids.long(), sparse_probs.float())

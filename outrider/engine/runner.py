@@ -1,0 +1,166 @@
+"""Model runner: one rank's weights and KV memory, and the forward over a ragged batch.
+
+The driver (rank 0) decides everything — which sequences, which KV blocks — and hands
+each forward to the other ranks of its tensor-parallel group as a flat int64 tensor
+(`encode_requests`), so every rank runs the same forward. No Python objects cross
+process boundaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from outrider.engine.attention import AttentionMetadata, SequenceSlice
+from outrider.engine.block_manager import BlockManager
+from outrider.engine.model import CausalLM
+from outrider.engine.model_config import ModelConfig, ModelConfigError, parse_dtype
+from outrider.engine.parallel import TPGroup
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model_dir: str
+    device: str = "cpu"
+    dtype: str = "auto"        # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    tp: int = 1
+    block_size: int = 16
+    kv_cache_mb: float = 256.0  # KV budget per rank
+    max_model_len: int = 8192   # capped by the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.kv_cache_mb <= 0 or self.max_model_len < 1:
+            raise ValueError("block_size, kv_cache_mb and max_model_len must be positive")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+
+@dataclass
+class ForwardRequest:
+    """One sequence's part of a forward: new tokens after `cached_len` cached positions."""
+
+    token_ids: list[int]
+    cached_len: int
+    block_table: list[int]
+    num_logits: int  # logits wanted for the last `num_logits` new positions
+
+
+class ModelRunner:
+    def __init__(self, cfg: RunnerConfig, tp: TPGroup | None = None) -> None:
+        self.cfg = cfg
+        self.tp = tp or TPGroup()
+        self.model_config = ModelConfig.from_dir(cfg.model_dir)
+        self.model_config.check_tp(cfg.tp)
+        if cfg.tp != self.tp.size:
+            raise ModelConfigError(f"tp={cfg.tp} but the process group has {self.tp.size} ranks")
+        self.device = torch.device(cfg.device)
+        self.dtype = _resolve_dtype(cfg, self.model_config)
+        self.max_model_len = min(cfg.max_model_len, self.model_config.max_position_embeddings)
+        self.model = self._load_model()
+        self.kv_caches, num_blocks = self._allocate_kv()
+        self.blocks = BlockManager(num_blocks, cfg.block_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def _load_model(self) -> CausalLM:
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = CausalLM(self.model_config, self.tp, self.max_model_len)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        model.load_weights(Path(self.cfg.model_dir))
+        return model.eval()
+
+    def _allocate_kv(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        mc = self.model_config
+        kv_heads = mc.num_kv_heads // self.tp.size
+        slot_bytes = 2 * mc.num_layers * kv_heads * mc.head_dim * self.dtype.itemsize
+        num_blocks = int(self.cfg.kv_cache_mb * 2**20) // (slot_bytes * self.cfg.block_size)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_mb={self.cfg.kv_cache_mb} holds no KV block "
+                             f"({slot_bytes * self.cfg.block_size} bytes each)")
+        num_slots = num_blocks * self.cfg.block_size
+        kv = torch.zeros(2, mc.num_layers, num_slots, kv_heads, mc.head_dim,
+                         dtype=self.dtype, device=self.device)
+        return [(kv[0, i], kv[1, i]) for i in range(mc.num_layers)], num_blocks
+
+    @torch.inference_mode()
+    def forward(self, requests: list[ForwardRequest]) -> torch.Tensor:
+        """Run one forward; returns logits [sum(num_logits), vocab] in fp32."""
+        if self.tp.size > 1 and self.tp.is_driver:
+            broadcast_requests(self.tp, encode_requests(requests))
+        return self._forward(requests)
+
+    def _forward(self, requests: list[ForwardRequest]) -> torch.Tensor:
+        device = self.device
+        input_ids, positions, logits_rows, offset = [], [], [], 0
+        for r in requests:
+            n = len(r.token_ids)
+            input_ids.extend(r.token_ids)
+            positions.extend(range(r.cached_len, r.cached_len + n))
+            logits_rows.extend(range(offset + n - r.num_logits, offset + n))
+            offset += n
+        meta = AttentionMetadata.build(
+            [SequenceSlice(r.cached_len, len(r.token_ids), r.block_table) for r in requests],
+            self.cfg.block_size, device)
+        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        return self.model(as_long(input_ids), as_long(positions), self.kv_caches, meta,
+                          as_long(logits_rows))
+
+    def serve_driver(self) -> None:
+        """Non-driver ranks: run every forward the driver broadcasts until told to stop."""
+        while (requests := receive_requests(self.tp)) is not None:
+            with torch.inference_mode():
+                self._forward(requests)
+
+    def stop_workers(self) -> None:
+        if self.tp.size > 1 and self.tp.is_driver:
+            broadcast_requests(self.tp, torch.tensor([-1], dtype=torch.long))
+
+
+def _resolve_dtype(cfg: RunnerConfig, mc: ModelConfig) -> torch.dtype:
+    if cfg.dtype != "auto":
+        return parse_dtype(cfg.dtype)
+    # Half-precision matmuls on CPU are slower than fp32 and less exact: compute in fp32.
+    return mc.dtype if cfg.device.startswith("cuda") else torch.float32
+
+
+# -- driver -> worker forward descriptions (flat int64, no pickling) ------------------------
+
+def encode_requests(requests: list[ForwardRequest]) -> torch.Tensor:
+    flat = [len(requests)]
+    for r in requests:
+        flat += [len(r.token_ids), r.cached_len, len(r.block_table), r.num_logits]
+        flat += r.token_ids + r.block_table
+    return torch.tensor(flat, dtype=torch.long)
+
+
+def decode_requests(flat: list[int]) -> list[ForwardRequest]:
+    requests, i = [], 1
+    for _ in range(flat[0]):
+        n, cached, num_blocks, num_logits = flat[i:i + 4]
+        i += 4
+        tokens, table = flat[i:i + n], flat[i + n:i + n + num_blocks]
+        i += n + num_blocks
+        requests.append(ForwardRequest(tokens, cached, table, num_logits))
+    return requests
+
+
+def broadcast_requests(tp: TPGroup, payload: torch.Tensor) -> None:
+    dist.broadcast(torch.tensor([payload.numel()], dtype=torch.long), 0, group=tp.cpu_group)
+    dist.broadcast(payload, 0, group=tp.cpu_group)
+
+
+def receive_requests(tp: TPGroup) -> list[ForwardRequest] | None:
+    size = torch.empty(1, dtype=torch.long)
+    dist.broadcast(size, 0, group=tp.cpu_group)
+    payload = torch.empty(int(size), dtype=torch.long)
+    dist.broadcast(payload, 0, group=tp.cpu_group)
+    flat = payload.tolist()
+    return None if flat == [-1] else decode_requests(flat)

@@ -1,0 +1,254 @@
+"""The single-process speculative loop: a draft runner proposes, the target verifies.
+
+One round for a batch of sequences (DESIGN §2, steps 2–4):
+  1. the draft catches up on committed tokens it has not seen and drafts γ_i tokens,
+     batched across sequences;
+  2. ONE target forward over every sequence's pending tokens + its γ_i draft tokens;
+  3. exact rejection sampling; commit accepted + recovered/bonus; roll both KV caches
+     back to what was committed.
+γ_i = 0 (or no draft) is plain decoding through the same path.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from outrider.engine.block_manager import OutOfBlocksError
+from outrider.engine.rejection import rejection_sample
+from outrider.engine.runner import ForwardRequest, ModelRunner
+from outrider.engine.sampling import (
+    MAX_SEED,
+    STREAM_ACCEPT,
+    STREAM_DRAFT,
+    STREAM_SAMPLE,
+    SamplingParams,
+    logits_to_probs,
+    position_uniforms,
+    sample_from_probs,
+)
+
+
+class RequestError(ValueError):
+    """A prompt the engine cannot run; the message says why."""
+
+
+@dataclass
+class SpecStats:
+    num_rounds: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.num_rounds += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        grow = num_draft - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for j in range(num_draft):
+            self.drafted_per_position[j] += 1
+            self.accepted_per_position[j] += j < num_accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Tokens emitted per round: accepted draft tokens + the recovered/bonus token."""
+        return (self.num_accepted_tokens + self.num_rounds) / self.num_rounds if self.num_rounds else 0.0
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    token_ids: list[int]  # prompt + output
+    prompt_len: int
+    params: SamplingParams
+    seed: int
+    target_len: int = 0   # positions in the target's KV cache
+    draft_len: int = 0    # positions in the draft's KV cache
+    finish_reason: str | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SpeculativeDecoder:
+    def __init__(self, target: ModelRunner, draft: ModelRunner | None = None) -> None:
+        if draft is not None and draft.vocab_size != target.vocab_size:
+            raise RequestError(
+                f"draft and target have different vocabularies "
+                f"({draft.vocab_size} vs {target.vocab_size} tokens)")
+        self.target, self.draft = target, draft
+        self.eos_token_ids = frozenset(target.model_config.eos_token_ids)
+        self.max_model_len = min(target.max_model_len,
+                                 draft.max_model_len if draft else target.max_model_len)
+        self._next_id = 0
+
+    # -- requests --------------------------------------------------------------------------
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        if not prompt_ids:
+            raise RequestError("prompt is empty")
+        vocab = self.target.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(f"prompt has {len(prompt_ids)} tokens; the model's context "
+                               f"is {self.max_model_len}")
+        seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
+        self._next_id += 1
+        return Sequence(self._next_id, list(prompt_ids), len(prompt_ids), params, seed)
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
+                 gamma: int) -> list[Sequence]:
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.new_sequence(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        running = list(seqs)
+        while running:
+            self.step(running, [gamma] * len(running))
+            running = [s for s in running if not s.is_finished]
+        return seqs
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams,
+               gamma: int) -> Iterator[tuple[Sequence, list[int]]]:
+        """Yield (sequence, tokens committed this round) until the sequence finishes."""
+        seq = self.new_sequence(prompt_ids, params)
+        while not seq.is_finished:
+            yield seq, self.step([seq], [gamma])[0]
+
+    def release(self, seq: Sequence) -> None:
+        self.target.blocks.free(seq.seq_id)
+        if self.draft is not None:
+            self.draft.blocks.free(seq.seq_id)
+
+    # -- one round -------------------------------------------------------------------------
+    def step(self, seqs: list[Sequence], gammas: list[int]) -> list[list[int]]:
+        """Run one speculative round; returns the tokens each sequence committed."""
+        gammas = [self._clip_gamma(s, g) for s, g in zip(seqs, gammas, strict=True)]
+        draft_ids, draft_probs, gammas = self._propose(seqs, gammas)
+        target_probs = self._verify_probs(seqs, draft_ids, gammas)
+        positions = [[len(s.token_ids) + j for j in range(draft_ids.shape[1] + 1)] for s in seqs]
+        seeds = [s.seed for s in seqs]
+        result = rejection_sample(
+            target_probs, draft_ids, draft_probs, torch.tensor(gammas),
+            position_uniforms(seeds, [p[:-1] for p in positions], STREAM_ACCEPT),
+            position_uniforms(seeds, positions, STREAM_SAMPLE))
+        emitted = result.token_ids.tolist()
+        accepted = result.num_accepted.tolist()
+        return [self._commit(s, g, k, row[:k + 1])
+                for s, g, k, row in zip(seqs, gammas, accepted, emitted, strict=True)]
+
+    def _clip_gamma(self, seq: Sequence, gamma: int) -> int:
+        if self.draft is None:
+            return 0
+        room = min(seq.params.max_tokens - seq.num_output,
+                   self.max_model_len - len(seq.token_ids))
+        return max(0, min(gamma, room - 1))
+
+    def _propose(self, seqs: list[Sequence], gammas: list[int]):
+        """Draft γ_i tokens per sequence. Returns draft ids [batch, max_gamma], dense
+        q [batch, max_gamma, vocab], and the γ actually drafted (0 if the draft's KV is full)."""
+        vocab = self.target.vocab_size
+        gammas = [g if g and self._reserve_draft(s, g) else 0 for s, g in zip(seqs, gammas)]
+        max_gamma = max(gammas, default=0)
+        draft_ids = torch.zeros(len(seqs), max_gamma, dtype=torch.long)
+        draft_probs = torch.zeros(len(seqs), max_gamma, vocab)
+        for j in range(max_gamma):
+            rows = [i for i, g in enumerate(gammas) if g > j]
+            requests = []
+            for i in rows:
+                s = seqs[i]
+                new = s.token_ids[s.draft_len:] if j == 0 else [int(draft_ids[i, j - 1])]
+                blocks = self.draft.blocks
+                requests.append(ForwardRequest(new, s.draft_len, blocks.block_table(s.seq_id), 1))
+                s.draft_len += len(new)
+            probs = logits_to_probs(self.draft.forward(requests), [seqs[i].params for i in rows])
+            uniforms = position_uniforms([seqs[i].seed for i in rows],
+                                         [len(seqs[i].token_ids) + j for i in rows], STREAM_DRAFT)
+            draft_ids[rows, j] = sample_from_probs(probs, uniforms)
+            draft_probs[rows, j] = probs
+        return draft_ids, draft_probs, gammas
+
+    def _reserve_draft(self, seq: Sequence, gamma: int) -> bool:
+        """KV room in the draft for catching up and γ-1 draft positions; False: skip drafting."""
+        blocks = self.draft.blocks
+        if not blocks.has(seq.seq_id):
+            blocks.append(seq.seq_id, 0)
+        needed = len(seq.token_ids) - seq.draft_len + gamma - 1
+        if not blocks.can_append(seq.seq_id, needed):
+            return False
+        blocks.append(seq.seq_id, needed)
+        return True
+
+    def _verify_probs(self, seqs: list[Sequence], draft_ids: torch.Tensor,
+                      gammas: list[int]) -> torch.Tensor:
+        """ONE target forward over all sequences' pending + draft tokens.
+        Returns p [batch, max_gamma + 1, vocab]; row γ_i of each sequence is its bonus row."""
+        blocks = self.target.blocks
+        inputs = [s.token_ids[s.target_len:] + draft_ids[i, :g].tolist()
+                  for i, (s, g) in enumerate(zip(seqs, gammas))]
+        if sum(blocks.blocks_needed(s.seq_id, len(x)) for s, x in zip(seqs, inputs)) \
+                > blocks.num_free_blocks:
+            raise OutOfBlocksError("target KV cache cannot hold this round")
+        requests = []
+        for s, x, g in zip(seqs, inputs, gammas):
+            blocks.append(s.seq_id, len(x))
+            requests.append(ForwardRequest(x, s.target_len, blocks.block_table(s.seq_id), g + 1))
+            s.target_len += len(x)
+        row_params = [s.params for s, g in zip(seqs, gammas) for _ in range(g + 1)]
+        probs = logits_to_probs(self.target.forward(requests), row_params)  # [sum(γ+1), vocab]
+        padded = probs.new_zeros(len(seqs), draft_ids.shape[1] + 1, probs.shape[-1])
+        offset = 0
+        for i, g in enumerate(gammas):
+            padded[i, :g + 1] = probs[offset:offset + g + 1]
+            offset += g + 1
+        return padded
+
+    def _commit(self, seq: Sequence, gamma: int, num_accepted: int,
+                emitted: list[int]) -> list[int]:
+        base = len(seq.token_ids)
+        seq.stats.record(gamma, num_accepted)
+        committed = []
+        for token in emitted:
+            seq.token_ids.append(token)
+            committed.append(token)
+            seq.finish_reason = self._finish_reason(seq, token)
+            if seq.is_finished:
+                break
+        if seq.is_finished:
+            self.release(seq)
+            return committed
+        # KV keeps the committed prefix; the last emitted token is fed next round.
+        seq.target_len = base + num_accepted
+        self.target.blocks.rollback(seq.seq_id, seq.target_len)
+        if gamma:
+            seq.draft_len = min(seq.draft_len, base + num_accepted)
+            self.draft.blocks.rollback(seq.seq_id, seq.draft_len)
+        return committed
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        is_eos = token in self.eos_token_ids and not seq.params.ignore_eos
+        if is_eos or token in seq.params.stop_token_ids:
+            return "stop"
+        if seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,1 @@
+"""Router: public API, replica choice, the gamma policy, Redis state (issue 5)."""

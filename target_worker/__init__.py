@@ -1,0 +1,1 @@
+"""Target replica: continuous-batching scheduler and verification (issue 4)."""
