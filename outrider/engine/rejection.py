@@ -39,7 +39,8 @@ def rejection_sample(
 ) -> RejectionResult:
     batch, max_gamma = draft_token_ids.shape
     device = target_probs.device
-    ids = draft_token_ids.clamp(min=0).unsqueeze(-1)  # [batch, max_gamma, 1]
+    vocab = target_probs.shape[-1]
+    ids = draft_token_ids.clamp(0, vocab - 1).unsqueeze(-1)  # [batch, max_gamma, 1]
     p_draft = target_probs[:, :max_gamma].gather(-1, ids).squeeze(-1)  # [batch, max_gamma]
     q_draft = draft_probs.gather(-1, ids).squeeze(-1)
     is_in_draft = torch.arange(max_gamma, device=device) < num_draft[:, None]
@@ -77,5 +78,5 @@ def dense_draft_probs(draft_token_ids: torch.Tensor, vocab: int,
     shape = (*draft_token_ids.shape, vocab)
     q = torch.zeros(shape, dtype=torch.float32, device=draft_token_ids.device)
     if sparse_ids is None:
-        return q.scatter_(-1, draft_token_ids.clamp(min=0).unsqueeze(-1), 1.0)
+        return q.scatter_(-1, draft_token_ids.clamp(0, vocab - 1).unsqueeze(-1), 1.0)
     return q.scatter_add_(-1, sparse_ids.long(), sparse_probs.float())

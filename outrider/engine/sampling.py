@@ -36,22 +36,26 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise SamplingError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_real(self.temperature) or self.temperature < 0:
             raise SamplingError(f"temperature must be a finite number >= 0, "
                                 f"got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise SamplingError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int)
+        if self.seed is not None and (not _is_int(self.seed)
                                       or not 0 <= self.seed <= MAX_SEED):
             raise SamplingError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_real(x) -> bool:

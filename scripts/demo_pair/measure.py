@@ -242,7 +242,7 @@ def main():
             one = torch.tensor([[17]])
             def f():
                 m(input_ids=one, past_key_values=pk, use_cache=True)
-                pk.crop(x.size(1))
+                pk.crop(-1)
             return f
         ft, fd = hf_step(hf_t), hf_step(hf_d)
         for _ in range(10):
@@ -252,7 +252,7 @@ def main():
     res["c_hf"] = hd / ht
 
     # sample text
-    m, p = prompts[1]
+    m, p = prompts[min(1, len(prompts) - 1)]
     with torch.no_grad():
         g = hf_t.generate(torch.tensor([p[-48:]]), max_new_tokens=120, do_sample=False)
     print(f"--- sample (target greedy, prompt = last 48 prompt tokens of {m}) ---")

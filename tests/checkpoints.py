@@ -1,0 +1,70 @@
+"""Small random Hugging Face checkpoints, saved with `transformers`, for engine tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 320
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def _config(arch: str, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+                # a wide init gives peaked logits, so greedy argmax has no near-ties that
+                # fp32 rounding differences between implementations could flip
+                initializer_range=0.25, bos_token_id=1, eos_token_id=2)
+    base.update(overrides)
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    return cls(**base)
+
+
+def save_random_checkpoint(path: Path, arch: str = "llama", seed: int = 0,
+                           tokenizer_from: Path | None = None, dtype=torch.float32,
+                           max_shard_size: str | None = None, **overrides) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(arch, **overrides)).eval().to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    if tokenizer_from is not None:
+        (path / "tokenizer.json").write_bytes((tokenizer_from / "tokenizer.json").read_bytes())
+    return path
+
+
+def perturbed_copy(src: Path, dst: Path, noise: float, seed: int = 1) -> Path:
+    """A 'draft' that mostly agrees with `src`: its weights plus Gaussian noise."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(src)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * noise * p.std())
+    model.save_pretrained(dst)
+    (dst / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    return dst
+
+
+def train_tokenizer(path: Path) -> Path:
+    """A byte-level BPE with fewer ids than VOCAB, trained on a little Python source."""
+    import inspect
+    import json as json_module
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([inspect.getsource(json_module)], trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    return path

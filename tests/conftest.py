@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.checkpoints import perturbed_copy, save_random_checkpoint, train_tokenizer
+
+# Test models are tiny: one thread is fastest, and leaves the other core to the
+# processes (TP ranks, servers) that system tests start.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    return train_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory, tokenizer_dir):
+    """Llama with GQA and llama3 RoPE scaling."""
+    from tests.checkpoints import LLAMA3_ROPE
+
+    return save_random_checkpoint(tmp_path_factory.mktemp("llama"), "llama",
+                                  tokenizer_from=tokenizer_dir, rope_scaling=LLAMA3_ROPE)
+
+
+@pytest.fixture(scope="session")
+def draft_dir(tmp_path_factory, llama_dir):
+    """A draft that agrees with llama_dir often but not always."""
+    return perturbed_copy(llama_dir, tmp_path_factory.mktemp("draft"), noise=0.15)
+
+
+@pytest.fixture(scope="session")
+def small_draft_dir(tmp_path_factory, tokenizer_dir):
+    """An unrelated 1-layer draft with the same vocabulary (mostly rejected)."""
+    return save_random_checkpoint(tmp_path_factory.mktemp("small_draft"), "llama", seed=7,
+                                  tokenizer_from=tokenizer_dir, num_hidden_layers=1,
+                                  hidden_size=32, intermediate_size=64,
+                                  num_attention_heads=4, num_key_value_heads=2)

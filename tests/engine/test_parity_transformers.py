@@ -1,0 +1,71 @@
+"""Must show 1: greedy output is token-identical to transformers' generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from outrider.engine.runner import ModelRunner, RunnerConfig
+from outrider.engine.sampling import SamplingParams
+from outrider.engine.spec_decode import SpeculativeDecoder
+from tests.checkpoints import LLAMA3_ROPE, VOCAB, save_random_checkpoint
+
+NEW_TOKENS = 64
+
+
+def prompts(n: int = 8, seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (int(length),), generator=g).tolist()
+            for length in torch.randint(1, 40, (n,), generator=g)]
+
+
+def hf_greedy(model_dir, prompt_list) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = []
+    for p in prompt_list:
+        ids = torch.tensor([p])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             pad_token_id=0)
+        outputs.append(out[0, len(p):].tolist())
+    return outputs
+
+
+def outrider_greedy(model_dir, prompt_list) -> list[list[int]]:
+    decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(str(model_dir))))
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    return [s.output_ids for s in decoder.generate(prompt_list, params, gamma=0)]
+
+
+CASES = {
+    "llama-gqa-llama3-rope": dict(arch="llama", rope_scaling=LLAMA3_ROPE),
+    "qwen2-qkv-bias-tied-sharded": dict(arch="qwen2", tie_word_embeddings=True,
+                                        max_shard_size="60KB"),
+    "mistral-sliding-window": dict(arch="mistral", sliding_window=24, head_dim=16),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_matches_transformers(tmp_path, case):
+    model_dir = save_random_checkpoint(tmp_path, seed=11, **CASES[case])
+    prompt_list = prompts()
+    assert outrider_greedy(model_dir, prompt_list) == hf_greedy(model_dir, prompt_list)
+
+
+def test_sharded_checkpoint_has_index(tmp_path):
+    model_dir = save_random_checkpoint(tmp_path, "qwen2", max_shard_size="60KB")
+    assert (model_dir / "model.safetensors.index.json").is_file()
+    assert len(list(model_dir.glob("*.safetensors"))) > 1
+
+
+def test_checkpoint_dtype_is_honoured(tmp_path):
+    model_dir = save_random_checkpoint(tmp_path, dtype=torch.bfloat16)
+    runner = ModelRunner(RunnerConfig(str(model_dir), dtype="auto"))
+    assert runner.model_config.dtype == torch.bfloat16
+    assert runner.dtype == torch.float32  # CPU computes half-precision checkpoints in fp32
+    half = ModelRunner(RunnerConfig(str(model_dir), dtype="bfloat16"))
+    assert half.model.embed_tokens.weight.dtype == torch.bfloat16
+    out = SpeculativeDecoder(half).generate([[5, 6, 7]], SamplingParams(max_tokens=8), 0)
+    assert len(out[0].output_ids) >= 1

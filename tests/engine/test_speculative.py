@@ -1,0 +1,88 @@
+"""Must show 2: speculative greedy output equals target-only greedy output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from outrider.engine.runner import ModelRunner, RunnerConfig
+from outrider.engine.sampling import SamplingParams
+from outrider.engine.spec_decode import SpeculativeDecoder
+from tests.checkpoints import VOCAB
+
+
+def ragged_prompts(n: int = 6, seed: int = 5) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (1 + 7 * i,), generator=g).tolist() for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def target_only(llama_dir):
+    decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir))))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    return [s.output_ids for s in decoder.generate(ragged_prompts(), params, gamma=0)]
+
+
+@pytest.fixture(scope="module", params=["perturbed", "unrelated"])
+def decoder(request, llama_dir, draft_dir, small_draft_dir):
+    draft = draft_dir if request.param == "perturbed" else small_draft_dir
+    return SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir))),
+                              ModelRunner(RunnerConfig(str(draft))))
+
+
+@pytest.mark.parametrize("gamma", range(1, 9))
+def test_speculative_greedy_equals_target_greedy(decoder, target_only, gamma):
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    seqs = decoder.generate(ragged_prompts(), params, gamma=gamma)
+    assert [s.output_ids for s in seqs] == target_only
+    assert decoder.target.blocks.num_used_blocks == 0
+    assert decoder.draft.blocks.num_used_blocks == 0
+
+
+def test_perturbed_draft_is_partly_accepted(llama_dir, draft_dir):
+    decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir))),
+                                 ModelRunner(RunnerConfig(str(draft_dir))))
+    seqs = decoder.generate(ragged_prompts(), SamplingParams(max_tokens=40, ignore_eos=True), 4)
+    accepted = sum(s.stats.num_accepted_tokens for s in seqs)
+    drafted = sum(s.stats.num_draft_tokens for s in seqs)
+    assert 0 < accepted < drafted  # both the accept and the reject paths ran
+
+
+def test_mixed_gammas_in_one_batch(llama_dir, draft_dir, target_only):
+    """Different γ per sequence in one batch (0 included) change nobody's output."""
+    decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir))),
+                                 ModelRunner(RunnerConfig(str(draft_dir))))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    seqs = [decoder.new_sequence(p, params) for p in ragged_prompts()]
+    gammas = [0, 1, 3, 8, 2, 5]
+    round_no = 0
+    while not all(s.is_finished for s in seqs):
+        running = [(s, (g + round_no) % 7) for s, g in zip(seqs, gammas) if not s.is_finished]
+        decoder.step([s for s, _ in running], [g for _, g in running])
+        round_no += 1
+    assert [s.output_ids for s in seqs] == target_only
+
+
+def test_seeded_sampling_is_batch_invariant(llama_dir, draft_dir):
+    """A seeded sampled sequence yields the same tokens alone and inside a batch."""
+    decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir))),
+                                 ModelRunner(RunnerConfig(str(draft_dir))))
+    params = [SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=100 + i,
+                             ignore_eos=True) for i in range(len(ragged_prompts()))]
+    batched = [s.output_ids for s in decoder.generate(ragged_prompts(), params, gamma=4)]
+    alone = [decoder.generate([p], [sp], gamma=4)[0].output_ids
+             for p, sp in zip(ragged_prompts(), params)]
+    assert batched == alone
+
+
+def test_stop_tokens_and_max_tokens(llama_dir, draft_dir, target_only):
+    decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir))),
+                                 ModelRunner(RunnerConfig(str(draft_dir))))
+    prompt, expected = ragged_prompts()[2], target_only[2]
+    stop = expected[10]
+    seq = decoder.generate([prompt], SamplingParams(max_tokens=40, stop_token_ids=(stop,),
+                                                    ignore_eos=True), gamma=6)[0]
+    assert seq.output_ids == expected[:expected.index(stop) + 1]
+    assert seq.finish_reason == "stop"
+    seq = decoder.generate([prompt], SamplingParams(max_tokens=7, ignore_eos=True), gamma=6)[0]
+    assert seq.output_ids == expected[:7] and seq.finish_reason == "length"
