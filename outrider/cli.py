@@ -48,7 +48,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target checkpoint dir (default: the shipped demo target)")
     p.add_argument("--draft", help="draft checkpoint dir (default: the demo draft when the "
                                    "target is the demo target, else none)")
-    p.add_argument("--gamma", type=int, default=4, help="draft tokens per round (0: no speculation)")
+    p.add_argument("--gamma", type=int, default=4,
+                   help="draft tokens per round (0: no speculation)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the target")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
@@ -112,7 +113,7 @@ def _run_stream(engine, prompt: str, params, gamma: int, echo: bool):
 
     detok = IncrementalDetokenizer(engine.tokenizer)
     start, seq = time.perf_counter(), None
-    for seq, new_ids in engine.decoder.stream(engine.tokenizer.encode(prompt), params, gamma):
+    for seq, new_ids in engine.decoder.stream(engine.tokenizer.encode(prompt), params, gamma):  # noqa: B007
         delta = detok.push(new_ids)
         if echo and delta:
             sys.stdout.write(delta)
@@ -148,7 +149,8 @@ def _stats_line(seq, seconds: float) -> str:
                         zip(s.accepted_per_position, s.drafted_per_position, strict=True) if d)
     return (f"[{seq.num_output} tokens in {seconds:.2f}s = {seq.num_output / seconds:.1f} tok/s; "
             f"rounds {s.num_rounds}; draft tokens {s.num_draft_tokens}, accepted "
-            f"{s.num_accepted_tokens} (α = {s.acceptance_rate:.3f}; per position: {per_pos or '-'}); "
+            f"{s.num_accepted_tokens} (α = {s.acceptance_rate:.3f}; "
+            f"per position: {per_pos or '-'}); "
             f"mean accepted length {s.mean_accepted_len:.2f} tokens/round]")
 
 

@@ -42,4 +42,5 @@ def iter_tensor_slices(model_dir: Path) -> Iterator[tuple[str, object]]:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     yield name, f.get_slice(name)
         except SafetensorError as exc:
-            raise CheckpointError(f"{path}: corrupt or unreadable safetensors file ({exc})") from exc
+            raise CheckpointError(
+                f"{path}: corrupt or unreadable safetensors file ({exc})") from exc

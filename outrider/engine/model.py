@@ -11,7 +11,6 @@ from outrider.engine.attention import AttentionMetadata, paged_attention
 from outrider.engine.checkpoint import CheckpointError, iter_tensor_slices
 from outrider.engine.model_config import ModelConfig
 from outrider.engine.parallel import (
-    ColumnParallelLinear,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,

@@ -98,7 +98,8 @@ class ModelConfig:
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
-            raise ModelConfigError(f"{model_dir}: no config.json (not a Hugging Face checkpoint dir)")
+            raise ModelConfigError(
+                f"{model_dir}: no config.json (not a Hugging Face checkpoint dir)")
         try:
             raw = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -54,16 +54,25 @@ def _full(tensor_slice) -> torch.Tensor:
     return tensor_slice[:]
 
 
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"{name}: checkpoint shard has shape {tuple(src.shape)}, "
-                         f"model expects {tuple(dst.shape)}")
-    dst.copy_(src)
+def _check_shape(tensor_slice, expected: tuple[int, ...]) -> None:
+    """Compare the checkpoint's full (unsharded) shape with what the config implies."""
+    shape = tuple(tensor_slice.get_shape() if hasattr(tensor_slice, "get_shape")
+                  else tensor_slice.shape)
+    if shape != tuple(expected):
+        raise ValueError(f"checkpoint tensor has shape {shape}, the config implies {expected}")
+
+
+def _full_shape(param: nn.Parameter, dim: int, full: int) -> tuple[int, ...]:
+    shape = list(param.shape)
+    if dim < len(shape):
+        shape[dim] = full
+    return tuple(shape)
 
 
 def load_replicated(param: nn.Parameter, tensor_slice, shard_id=None) -> None:
     """Loader for parameters every rank holds whole (norms, replicated layers)."""
-    _copy_checked(param.data, _full(tensor_slice), "replicated")
+    _check_shape(tensor_slice, tuple(param.shape))
+    param.data.copy_(_full(tensor_slice))
 
 
 class ReplicatedLinear(nn.Module):
@@ -89,8 +98,9 @@ class ColumnParallelLinear(ReplicatedLinear):
         self.shard_size = out_features // tp.size
 
     def weight_loader(self, param: nn.Parameter, tensor_slice, shard_id=None) -> None:
+        _check_shape(tensor_slice, _full_shape(param, 0, self.shard_size * self.tp.size))
         start = self.tp.rank * self.shard_size
-        _copy_checked(param.data, _rows(tensor_slice, start, start + self.shard_size), "column")
+        param.data.copy_(_rows(tensor_slice, start, start + self.shard_size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -107,9 +117,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, tensor_slice, shard_id=None) -> None:
         offset = sum(self.local_sizes[:shard_id])
         local = self.local_sizes[shard_id]
+        _check_shape(tensor_slice, _full_shape(param, 0, local * self.tp.size))
         start = self.tp.rank * local
-        _copy_checked(param.data.narrow(0, offset, local),
-                      _rows(tensor_slice, start, start + local), f"merged[{shard_id}]")
+        param.data.narrow(0, offset, local).copy_(_rows(tensor_slice, start, start + local))
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -130,10 +140,11 @@ class RowParallelLinear(ReplicatedLinear):
 
     def weight_loader(self, param: nn.Parameter, tensor_slice, shard_id=None) -> None:
         if param is self.bias:
-            _copy_checked(param.data, _full(tensor_slice), "row bias")
+            load_replicated(param, tensor_slice)
             return
+        _check_shape(tensor_slice, _full_shape(param, 1, self.shard_size * self.tp.size))
         start = self.tp.rank * self.shard_size
-        _copy_checked(param.data, _cols(tensor_slice, start, start + self.shard_size), "row")
+        param.data.copy_(_cols(tensor_slice, start, start + self.shard_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.tp.all_reduce(F.linear(x, self.weight))
@@ -153,8 +164,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden), requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, tensor_slice, shard_id=None) -> None:
+        _check_shape(tensor_slice, (self.vocab_size, param.shape[1]))
         rows = _rows(tensor_slice, self.vocab_start, self.vocab_end)
-        _copy_checked(param.data[: rows.shape[0]], rows, "vocab")
+        param.data[: rows.shape[0]].copy_(rows)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -63,7 +63,9 @@ class SpecStats:
     @property
     def mean_accepted_len(self) -> float:
         """Tokens emitted per round: accepted draft tokens + the recovered/bonus token."""
-        return (self.num_accepted_tokens + self.num_rounds) / self.num_rounds if self.num_rounds else 0.0
+        if not self.num_rounds:
+            return 0.0
+        return (self.num_accepted_tokens + self.num_rounds) / self.num_rounds
 
 
 @dataclass

@@ -1,0 +1,147 @@
+"""Must show 7: each kind of bad input gets one clear error that names the problem."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from outrider.engine.checkpoint import CheckpointError
+from outrider.engine.local import check_pair_compatible
+from outrider.engine.model_config import ModelConfigError
+from outrider.engine.runner import ModelRunner, RunnerConfig
+from outrider.engine.sampling import SamplingParams
+from outrider.engine.spec_decode import RequestError, SpeculativeDecoder
+from tests.checkpoints import save_random_checkpoint
+from tests.cli_utils import run_cli
+
+
+@pytest.fixture
+def model_copy(tmp_path, llama_dir):
+    return shutil.copytree(llama_dir, tmp_path / "model")
+
+
+def load(model_dir, **kwargs):
+    return ModelRunner(RunnerConfig(str(model_dir), **kwargs))
+
+
+def edit_config(model_dir, **changes):
+    path = model_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+def test_unknown_architecture(model_copy):
+    edit_config(model_copy, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ModelConfigError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        load(model_copy)
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(ModelConfigError, match="no config.json"):
+        load(tmp_path)
+
+
+def test_config_missing_key_and_bad_json(model_copy):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    del cfg["hidden_size"]
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match="missing required key 'hidden_size'"):
+        load(model_copy)
+    (model_copy / "config.json").write_text("{not json")
+    with pytest.raises(ModelConfigError, match="not valid JSON"):
+        load(model_copy)
+
+
+def test_missing_weights(model_copy):
+    (model_copy / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"no \*.safetensors weights found"):
+        load(model_copy)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_weights(model_copy, damage):
+    path = model_copy / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x07" * 4096)
+    with pytest.raises(CheckpointError, match="corrupt or unreadable safetensors"):
+        load(model_copy)
+
+
+def test_missing_tensor(tmp_path, llama_dir):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(llama_dir / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    model_dir = shutil.copytree(llama_dir, tmp_path / "m")
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="lacks tensors .*layers.1.mlp.gate_up_proj"):
+        load(model_dir)
+
+
+def test_wrong_tensor_shape(model_copy):
+    edit_config(model_copy, intermediate_size=96)
+    pattern = r"mlp\.\w+_proj\.weight.*has shape \(\d+, \d+\), the config implies"
+    with pytest.raises(CheckpointError, match=pattern):
+        load(model_copy)
+
+
+def test_missing_shard(tmp_path):
+    model_dir = save_random_checkpoint(tmp_path, "qwen2", max_shard_size="60KB")
+    next(model_dir.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(CheckpointError, match="shard.*missing"):
+        load(model_dir)
+
+
+def test_draft_with_different_vocabulary(tmp_path, llama_dir, tokenizer_dir):
+    other = save_random_checkpoint(tmp_path / "other", vocab_size=400,
+                                   tokenizer_from=tokenizer_dir)
+    with pytest.raises(RequestError, match="different vocabularies: 400 vs 320"):
+        check_pair_compatible(str(llama_dir), str(other))
+    with pytest.raises(RequestError, match="different vocabularies"):
+        SpeculativeDecoder(load(llama_dir), load(other))
+
+
+def test_draft_with_different_tokenizer(model_copy, llama_dir):
+    tok = json.loads((model_copy / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[10:12]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (model_copy / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(RequestError, match="tokenizer.json files map tokens to different ids"):
+        check_pair_compatible(str(llama_dir), str(model_copy))
+
+
+@pytest.mark.parametrize("bad", [{"tp": 3}, {"device": "tpu"}, {"kv_cache_mb": 0},
+                                 {"dtype": "int8"}])
+def test_bad_runner_settings(llama_dir, bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        load(llama_dir, **bad)
+
+
+@pytest.mark.parametrize("prompt,message", [([], "prompt is empty"),
+                                            ([5, 320], "token id 320 is outside"),
+                                            ([5] * 600, "prompt has 600 tokens")])
+def test_bad_prompts(llama_dir, prompt, message):
+    with pytest.raises(RequestError, match=message):
+        SpeculativeDecoder(load(llama_dir)).new_sequence(prompt, SamplingParams())
+
+
+@pytest.mark.parametrize("flag,value,field", [
+    ("--temperature", "nan", "temperature"), ("--temperature", "-1", "temperature"),
+    ("--top-p", "1.5", "top_p"), ("--top-p", "0", "top_p"), ("--top-k", "-2", "top_k"),
+    ("--max-tokens", "0", "max_tokens"), ("--gamma", "-1", "gamma"), ("--tp", "3", "tp=3"),
+])
+def test_cli_reports_one_readable_line(llama_dir, flag, value, field):
+    proc = run_cli("generate", "--local", "--target", str(llama_dir), flag, value, "hello")
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("outrider: error:"), proc.stderr
+    assert field in lines[0]
+
+
+def test_cli_missing_model_dir(tmp_path):
+    proc = run_cli("generate", "--local", "--target", str(tmp_path / "nope"), "hi")
+    assert proc.returncode == 1 and "no model at" in proc.stderr

@@ -1,0 +1,54 @@
+"""The `outrider generate --local` contract other work relies on."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.cli_utils import generate_json, run_cli
+
+PROMPT = "import os\n"
+
+
+def test_help_lists_subcommands_and_examples():
+    proc = run_cli("--help")
+    assert proc.returncode == 0
+    assert "generate" in proc.stdout and "examples:" in proc.stdout
+    proc = run_cli("generate", "--help")
+    for flag in ("--local", "--target", "--draft", "--gamma", "--tp", "--max-tokens",
+                 "--temperature", "--top-p", "--top-k", "--seed", "--json"):
+        assert flag in proc.stdout
+
+
+def test_json_output_contract(llama_dir, draft_dir):
+    out = generate_json("--target", str(llama_dir), "--draft", str(draft_dir), "--gamma", "3",
+                        "--max-tokens", "20", PROMPT)
+    assert set(out) >= {"token_ids", "text", "stats", "finish_reason"}
+    assert set(out["stats"]) >= {"draft_tokens", "accepted_tokens", "rounds"}
+    assert 1 <= len(out["token_ids"]) <= 20
+    assert out["stats"]["rounds"] >= 1
+    assert 0 <= out["stats"]["accepted_tokens"] <= out["stats"]["draft_tokens"]
+    plain = generate_json("--target", str(llama_dir), "--gamma", "0", "--max-tokens", "20", PROMPT)
+    assert plain["token_ids"] == out["token_ids"]
+    assert plain["stats"]["draft_tokens"] == 0
+
+
+def test_seeded_sampling_is_reproducible(llama_dir, draft_dir):
+    args = ("--target", str(llama_dir), "--draft", str(draft_dir), "--temperature", "0.8",
+            "--top-p", "0.9", "--top-k", "50", "--seed", "42", "--max-tokens", "24", PROMPT)
+    assert generate_json(*args)["token_ids"] == generate_json(*args)["token_ids"]
+
+
+def test_streamed_text_equals_json_text(llama_dir):
+    args = ("--target", str(llama_dir), "--gamma", "0", "--max-tokens", "24")
+    streamed = subprocess.run(
+        [sys.executable, "-m", "outrider.cli", "generate", "--local", "--stats", *args, "-"],
+        input=PROMPT, capture_output=True, text=True, timeout=120)
+    assert streamed.returncode == 0, streamed.stderr
+    assert "tok/s" in streamed.stderr and "rounds" in streamed.stderr
+    assert streamed.stdout.rstrip("\n") == generate_json(*args, PROMPT)["text"].rstrip("\n")
+
+
+def test_router_mode_is_refused_clearly(llama_dir):
+    proc = run_cli("generate", "--target", str(llama_dir), PROMPT)
+    assert proc.returncode == 1 and "--local" in proc.stderr
