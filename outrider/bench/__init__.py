@@ -1,0 +1,1 @@
+"""Benchmarks: each reports what it measured, with the machine and the command."""
