@@ -145,8 +145,7 @@ def _result_json(engine, seq, seconds: float) -> dict:
 
 def _stats_line(seq, seconds: float) -> str:
     s = seq.stats
-    per_pos = ", ".join(f"{a / d:.2f}" for a, d in
-                        zip(s.accepted_per_position, s.drafted_per_position, strict=True) if d)
+    per_pos = ", ".join(f"{a:.2f}" for a in s.acceptance_per_position)
     return (f"[{seq.num_output} tokens in {seconds:.2f}s = {seq.num_output / seconds:.1f} tok/s; "
             f"rounds {s.num_rounds}; draft tokens {s.num_draft_tokens}, accepted "
             f"{s.num_accepted_tokens} (α = {s.acceptance_rate:.3f}; "

@@ -48,13 +48,30 @@ class SpecStats:
         self.num_rounds += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
-        grow = num_draft - len(self.drafted_per_position)
-        if grow > 0:
-            self.drafted_per_position += [0] * grow
-            self.accepted_per_position += [0] * grow
+        self._grow(num_draft)
         for j in range(num_draft):
             self.drafted_per_position[j] += 1
             self.accepted_per_position[j] += j < num_accepted
+
+    def merge(self, other: SpecStats) -> None:
+        self.num_rounds += other.num_rounds
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self._grow(len(other.drafted_per_position))
+        for j, (d, a) in enumerate(zip(other.drafted_per_position, other.accepted_per_position)):
+            self.drafted_per_position[j] += d
+            self.accepted_per_position[j] += a
+
+    def _grow(self, num_positions: int) -> None:
+        missing = num_positions - len(self.drafted_per_position)
+        if missing > 0:
+            self.drafted_per_position += [0] * missing
+            self.accepted_per_position += [0] * missing
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / d if d else 0.0
+                for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
     @property
     def acceptance_rate(self) -> float:
