@@ -19,7 +19,7 @@ from outrider.engine.parallel import (
     VocabParallelEmbedding,
     load_replicated,
 )
-from outrider.engine.rope import RotaryEmbedding
+from outrider.engine.rope import RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -38,29 +38,25 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup,
-                 rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads // tp.size
         self.num_kv_heads = cfg.num_kv_heads // tp.size
         self.head_dim = cfg.head_dim
         self.window = cfg.sliding_windows[layer]
         self.scale = cfg.head_dim ** -0.5
-        self.rope = rope
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
                                           cfg.num_kv_heads, cfg.qkv_bias, tp)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
                                         False, tp)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple,
+    def forward(self, x: torch.Tensor, cos_sin: tuple, kv_cache: tuple,
                 meta: AttentionMetadata) -> torch.Tensor:
         # x: [num_tokens, hidden]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(-1, heads + 2 * kv_heads, self.head_dim)
+        qk = apply_rope(qkv[:, :heads + kv_heads], cos_sin)  # queries and keys in one go
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.window, self.scale)
         return self.o_proj(out)
 
@@ -79,16 +75,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup,
-                 rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer, tp, rope)
+        self.self_attn = Attention(cfg, layer, tp)
         self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+    def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -102,21 +97,22 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
-        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
+                                    cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, rope) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rope = rope
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [num_tokens]; logits_rows: [num_rows] -> [num_rows, vocab]
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rope.lookup(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, meta)
+            x = layer(x, cos_sin, kv_cache, meta)
         return self.lm_head(self.norm(x.index_select(0, logits_rows))).float()
 
     def load_weights(self, model_dir: Path) -> None:

@@ -39,15 +39,16 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # positions: [num_tokens]; q: [num_tokens, heads, head_dim];
-        # k: [num_tokens, kv_heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos, sin for a forward's positions [num_tokens] -> 2 x [num_tokens, 1, head_dim];
+        looked up once per forward and shared by every layer."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim] (queries and keys stacked on the heads axis)."""
+    cos, sin = cos_sin
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
