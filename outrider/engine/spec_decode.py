@@ -168,7 +168,7 @@ class SpeculativeDecoder:
         positions = [[len(s.token_ids) + j for j in range(draft_ids.shape[1] + 1)] for s in seqs]
         seeds = [s.seed for s in seqs]
         result = rejection_sample(
-            target_probs, draft_ids, draft_probs, torch.tensor(gammas),
+            target_probs, draft_ids, draft_probs, torch.tensor(gammas, device=draft_ids.device),
             position_uniforms(seeds, [p[:-1] for p in positions], STREAM_ACCEPT),
             position_uniforms(seeds, positions, STREAM_SAMPLE))
         emitted = result.token_ids.tolist()
@@ -189,8 +189,9 @@ class SpeculativeDecoder:
         vocab = self.target.vocab_size
         gammas = [g if g and self._reserve_draft(s, g) else 0 for s, g in zip(seqs, gammas)]
         max_gamma = max(gammas, default=0)
-        draft_ids = torch.zeros(len(seqs), max_gamma, dtype=torch.long)
-        draft_probs = torch.zeros(len(seqs), max_gamma, vocab)
+        device = self.target.device  # the draft may sit on another device
+        draft_ids = torch.zeros(len(seqs), max_gamma, dtype=torch.long, device=device)
+        draft_probs = torch.zeros(len(seqs), max_gamma, vocab, device=device)
         for j in range(max_gamma):
             rows = [i for i, g in enumerate(gammas) if g > j]
             requests = []
@@ -203,8 +204,8 @@ class SpeculativeDecoder:
             probs = logits_to_probs(self.draft.forward(requests), [seqs[i].params for i in rows])
             uniforms = position_uniforms([seqs[i].seed for i in rows],
                                          [len(seqs[i].token_ids) + j for i in rows], STREAM_DRAFT)
-            draft_ids[rows, j] = sample_from_probs(probs, uniforms)
-            draft_probs[rows, j] = probs
+            draft_ids[rows, j] = sample_from_probs(probs, uniforms).to(device)
+            draft_probs[rows, j] = probs.to(device)
         return draft_ids, draft_probs, gammas
 
     def _reserve_draft(self, seq: Sequence, gamma: int) -> bool:
