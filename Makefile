@@ -38,11 +38,10 @@ test-fast: setup
 lint: setup
 	$(VENV)/bin/ruff check outrider draft_worker target_worker router cluster tests scripts
 
+# Stubs land next to the package (protos/outrider/v1/x.proto -> outrider/v1/x_pb2.py),
+# so their own `from outrider.v1 import ...` imports resolve; they are committed.
 protos: setup
-	@if [ -n "$(PROTO_SRC)" ]; then \
-	  $(PY) -m grpc_tools.protoc -Iprotos --python_out=outrider/proto --pyi_out=outrider/proto \
-	    --grpc_python_out=outrider/proto $(PROTO_SRC); \
-	else echo "no .proto files yet"; fi
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

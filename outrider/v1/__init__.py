@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC stubs (`make protos`); the sources are in protos/outrider/v1."""

@@ -1,0 +1,196 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class QFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    Q_FORMAT_UNSPECIFIED: _ClassVar[QFormat]
+    Q_FORMAT_IDS: _ClassVar[QFormat]
+    Q_FORMAT_POINT_MASS: _ClassVar[QFormat]
+    Q_FORMAT_SPARSE: _ClassVar[QFormat]
+    Q_FORMAT_DENSE_FP16: _ClassVar[QFormat]
+
+class SpecMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SPEC_MODE_AUTO: _ClassVar[SpecMode]
+    SPEC_MODE_OFF: _ClassVar[SpecMode]
+    SPEC_MODE_FIXED: _ClassVar[SpecMode]
+Q_FORMAT_UNSPECIFIED: QFormat
+Q_FORMAT_IDS: QFormat
+Q_FORMAT_POINT_MASS: QFormat
+Q_FORMAT_SPARSE: QFormat
+Q_FORMAT_DENSE_FP16: QFormat
+SPEC_MODE_AUTO: SpecMode
+SPEC_MODE_OFF: SpecMode
+SPEC_MODE_FIXED: SpecMode
+
+class Sampling(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class ProposeSequence(_message.Message):
+    __slots__ = ("seq_id", "committed_len", "new_token_ids", "gamma", "sampling", "q_format")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    Q_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    committed_len: int
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    gamma: int
+    sampling: Sampling
+    q_format: QFormat
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., q_format: _Optional[_Union[QFormat, str]] = ...) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[ProposeSequence]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[ProposeSequence, _Mapping]]] = ...) -> None: ...
+
+class Proposal(_message.Message):
+    __slots__ = ("seq_id", "miss", "token_ids", "support_lens", "support_ids", "support_probs", "dense_q", "vocab_size")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    MISS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SUPPORT_LENS_FIELD_NUMBER: _ClassVar[int]
+    SUPPORT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SUPPORT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    DENSE_Q_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    miss: bool
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    support_lens: _containers.RepeatedScalarFieldContainer[int]
+    support_ids: _containers.RepeatedScalarFieldContainer[int]
+    support_probs: _containers.RepeatedScalarFieldContainer[float]
+    dense_q: bytes
+    vocab_size: int
+    def __init__(self, seq_id: _Optional[str] = ..., miss: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., support_lens: _Optional[_Iterable[int]] = ..., support_ids: _Optional[_Iterable[int]] = ..., support_probs: _Optional[_Iterable[float]] = ..., dense_q: _Optional[bytes] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("proposals", "draft_seconds")
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
+    draft_seconds: float
+    def __init__(self, proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("seq_ids",)
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("num_released",)
+    NUM_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    num_released: int
+    def __init__(self, num_released: _Optional[int] = ...) -> None: ...
+
+class DraftStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DraftStats(_message.Message):
+    __slots__ = ("num_sequences", "num_used_blocks", "num_total_blocks", "num_evicted", "num_misses")
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_MISSES_FIELD_NUMBER: _ClassVar[int]
+    num_sequences: int
+    num_used_blocks: int
+    num_total_blocks: int
+    num_evicted: int
+    num_misses: int
+    def __init__(self, num_sequences: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_evicted: _Optional[int] = ..., num_misses: _Optional[int] = ...) -> None: ...
+
+class TargetRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_ids", "resume_output_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "spec_mode", "gamma")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_MODE_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    resume_output_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: Sampling
+    max_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    spec_mode: SpecMode
+    gamma: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., resume_output_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., spec_mode: _Optional[_Union[SpecMode, str]] = ..., gamma: _Optional[int] = ...) -> None: ...
+
+class RoundStats(_message.Message):
+    __slots__ = ("gamma", "num_accepted", "heat")
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    HEAT_FIELD_NUMBER: _ClassVar[int]
+    gamma: int
+    num_accepted: int
+    heat: float
+    def __init__(self, gamma: _Optional[int] = ..., num_accepted: _Optional[int] = ..., heat: _Optional[float] = ...) -> None: ...
+
+class TargetChunk(_message.Message):
+    __slots__ = ("token_ids", "rounds", "finish_reason")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    rounds: _containers.RepeatedCompositeFieldContainer[RoundStats]
+    finish_reason: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., rounds: _Optional[_Iterable[_Union[RoundStats, _Mapping]]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class CancelResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Load(_message.Message):
+    __slots__ = ("num_running", "num_waiting", "heat", "kv_used_blocks", "kv_total_blocks", "tokens_per_s")
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    HEAT_FIELD_NUMBER: _ClassVar[int]
+    KV_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    num_running: int
+    num_waiting: int
+    heat: float
+    kv_used_blocks: int
+    kv_total_blocks: int
+    tokens_per_s: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., heat: _Optional[float] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., tokens_per_s: _Optional[float] = ...) -> None: ...
