@@ -8,6 +8,7 @@ import torch
 
 from outrider import paths
 from outrider.bench.acceptance import heldout_prompts
+from outrider.engine.drafter import Drafter
 from outrider.engine.local import check_pair_compatible
 from outrider.engine.model_config import ModelConfig
 from outrider.engine.runner import ModelRunner, RunnerConfig
@@ -26,7 +27,7 @@ def prompts():
 @pytest.fixture(scope="module")
 def decoder():
     return SpeculativeDecoder(ModelRunner(RunnerConfig(str(paths.demo_target_dir()))),
-                              ModelRunner(RunnerConfig(str(paths.demo_draft_dir()))))
+                              Drafter(ModelRunner(RunnerConfig(str(paths.demo_draft_dir())))))
 
 
 def test_pair_shape_and_size():

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from outrider import paths
+from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 from outrider.engine.sampling import SamplingParams
 from outrider.engine.spec_decode import SpecStats, SpeculativeDecoder
@@ -85,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, draft = ModelRunner(RunnerConfig(args.target)), ModelRunner(RunnerConfig(args.draft))
-    decoder = SpeculativeDecoder(target, draft)
+    decoder = SpeculativeDecoder(target, Drafter(draft))
     prompts = heldout_prompts(Tokenizer(args.target), args.prompts, args.prompt_tokens)
     report = {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
                          f"torch {torch.__version__}",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from outrider.engine.distributed import TPRunnerGroup
+from outrider.engine.drafter import Drafter
 from outrider.engine.model_config import ModelConfig
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import RequestError, SpeculativeDecoder
@@ -29,7 +30,7 @@ class LocalEngine:
         if cfg.draft_dir is not None:
             draft_cfg = replace(cfg.target, model_dir=cfg.draft_dir, tp=1,
                                 kv_cache_mb=cfg.draft_kv_cache_mb)
-            draft = ModelRunner(draft_cfg)
+            draft = Drafter(ModelRunner(draft_cfg))
         self.decoder = SpeculativeDecoder(self._target_group.runner, draft)
 
     def close(self) -> None:

@@ -18,17 +18,16 @@ from dataclasses import dataclass, field
 import torch
 
 from outrider.engine.block_manager import OutOfBlocksError
+from outrider.engine.drafter import Drafter, DraftItem, DraftOutput
 from outrider.engine.rejection import rejection_sample
 from outrider.engine.runner import ForwardRequest, ModelRunner
 from outrider.engine.sampling import (
     MAX_SEED,
     STREAM_ACCEPT,
-    STREAM_DRAFT,
     STREAM_SAMPLE,
     SamplingParams,
     logits_to_probs,
     position_uniforms,
-    sample_from_probs,
 )
 
 
@@ -111,15 +110,15 @@ class Sequence:
 
 
 class SpeculativeDecoder:
-    def __init__(self, target: ModelRunner, draft: ModelRunner | None = None) -> None:
-        if draft is not None and draft.vocab_size != target.vocab_size:
+    def __init__(self, target: ModelRunner, drafter: Drafter | None = None) -> None:
+        if drafter is not None and drafter.vocab_size != target.vocab_size:
             raise RequestError(
                 f"draft and target have different vocabularies "
-                f"({draft.vocab_size} vs {target.vocab_size} tokens)")
-        self.target, self.draft = target, draft
+                f"({drafter.vocab_size} vs {target.vocab_size} tokens)")
+        self.target, self.drafter = target, drafter
         self.eos_token_ids = frozenset(target.model_config.eos_token_ids)
         self.max_model_len = min(target.max_model_len,
-                                 draft.max_model_len if draft else target.max_model_len)
+                                 drafter.max_model_len if drafter else target.max_model_len)
         self._next_id = 0
 
     # -- requests --------------------------------------------------------------------------
@@ -156,8 +155,8 @@ class SpeculativeDecoder:
 
     def release(self, seq: Sequence) -> None:
         self.target.blocks.free(seq.seq_id)
-        if self.draft is not None:
-            self.draft.blocks.free(seq.seq_id)
+        if self.drafter is not None:
+            self.drafter.release(seq.seq_id)
 
     # -- one round -------------------------------------------------------------------------
     def step(self, seqs: list[Sequence], gammas: list[int]) -> list[list[int]]:
@@ -177,7 +176,7 @@ class SpeculativeDecoder:
                 for s, g, k, row in zip(seqs, gammas, accepted, emitted, strict=True)]
 
     def _clip_gamma(self, seq: Sequence, gamma: int) -> int:
-        if self.draft is None:
+        if self.drafter is None:
             return 0
         room = min(seq.params.max_tokens - seq.num_output,
                    self.max_model_len - len(seq.token_ids))
@@ -185,39 +184,29 @@ class SpeculativeDecoder:
 
     def _propose(self, seqs: list[Sequence], gammas: list[int]):
         """Draft γ_i tokens per sequence. Returns draft ids [batch, max_gamma], dense
-        q [batch, max_gamma, vocab], and the γ actually drafted (0 if the draft's KV is full)."""
-        vocab = self.target.vocab_size
-        gammas = [g if g and self._reserve_draft(s, g) else 0 for s, g in zip(seqs, gammas)]
-        max_gamma = max(gammas, default=0)
-        device = self.target.device  # the draft may sit on another device
-        draft_ids = torch.zeros(len(seqs), max_gamma, dtype=torch.long, device=device)
-        draft_probs = torch.zeros(len(seqs), max_gamma, vocab, device=device)
-        for j in range(max_gamma):
-            rows = [i for i, g in enumerate(gammas) if g > j]
-            requests = []
-            for i in rows:
-                s = seqs[i]
-                new = s.token_ids[s.draft_len:] if j == 0 else [int(draft_ids[i, j - 1])]
-                blocks = self.draft.blocks
-                requests.append(ForwardRequest(new, s.draft_len, blocks.block_table(s.seq_id), 1))
-                s.draft_len += len(new)
-            probs = logits_to_probs(self.draft.forward(requests), [seqs[i].params for i in rows])
-            uniforms = position_uniforms([seqs[i].seed for i in rows],
-                                         [len(seqs[i].token_ids) + j for i in rows], STREAM_DRAFT)
-            draft_ids[rows, j] = sample_from_probs(probs, uniforms).to(device)
-            draft_probs[rows, j] = probs.to(device)
-        return draft_ids, draft_probs, gammas
+        q [batch, max_gamma, vocab], and the γ actually drafted (0 when the draft could not)."""
+        if not any(gammas):
+            device, vocab = self.target.device, self.target.vocab_size
+            return (torch.zeros(len(seqs), 0, dtype=torch.long, device=device),
+                    torch.zeros(len(seqs), 0, vocab, device=device), gammas)
+        out = self.drafter.draft([self._draft_item(s, g) for s, g in zip(seqs, gammas)],
+                                 self.target.device)
+        missed = [i for i, miss in enumerate(out.is_miss) if miss]
+        if missed:  # the draft lost these prefixes: resend their whole context once
+            for i in missed:
+                seqs[i].draft_len = 0
+            retry = self.drafter.draft([self._draft_item(seqs[i], gammas[i]) for i in missed],
+                                       self.target.device)
+            out = _merge_retry(out, retry, missed)
+        for s, g in zip(seqs, out.gammas):
+            if g:  # the draft now holds the context and its first γ-1 draft tokens
+                s.draft_len = len(s.token_ids) + g - 1
+        return out.token_ids, out.probs, out.gammas
 
-    def _reserve_draft(self, seq: Sequence, gamma: int) -> bool:
-        """KV room in the draft for catching up and γ-1 draft positions; False: skip drafting."""
-        blocks = self.draft.blocks
-        if not blocks.has(seq.seq_id):
-            blocks.append(seq.seq_id, 0)
-        needed = len(seq.token_ids) - seq.draft_len + gamma - 1
-        if not blocks.can_append(seq.seq_id, needed):
-            return False
-        blocks.append(seq.seq_id, needed)
-        return True
+    @staticmethod
+    def _draft_item(seq: Sequence, gamma: int) -> DraftItem:
+        return DraftItem(seq.seq_id, seq.draft_len, seq.token_ids[seq.draft_len:] if gamma else [],
+                         gamma, seq.params, seq.seed)
 
     def _verify_probs(self, seqs: list[Sequence], draft_ids: torch.Tensor,
                       gammas: list[int]) -> torch.Tensor:
@@ -257,12 +246,11 @@ class SpeculativeDecoder:
         if seq.is_finished:
             self.release(seq)
             return committed
-        # KV keeps the committed prefix; the last emitted token is fed next round.
+        # KV keeps the committed prefix; the last emitted token is fed next round. The
+        # draft rolls back to `draft_len` itself when it drafts next.
         seq.target_len = base + num_accepted
         self.target.blocks.rollback(seq.seq_id, seq.target_len)
-        if gamma:
-            seq.draft_len = min(seq.draft_len, base + num_accepted)
-            self.draft.blocks.rollback(seq.seq_id, seq.draft_len)
+        seq.draft_len = min(seq.draft_len, base + num_accepted)
         return committed
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -272,3 +260,15 @@ class SpeculativeDecoder:
         if seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
+
+
+def _merge_retry(first: DraftOutput, retry: DraftOutput, rows: list[int]) -> DraftOutput:
+    """Put the retried rows' drafts into the first call's output (widening γ if needed)."""
+    max_gamma = max(first.token_ids.shape[1], retry.token_ids.shape[1])
+    token_ids = torch.nn.functional.pad(first.token_ids, (0, max_gamma - first.token_ids.shape[1]))
+    probs = torch.nn.functional.pad(first.probs, (0, 0, 0, max_gamma - first.probs.shape[1]))
+    gammas = list(first.gammas)
+    for k, i in enumerate(rows):
+        g = retry.gammas[k]
+        token_ids[i, :g], probs[i, :g], gammas[i] = retry.token_ids[k, :g], retry.probs[k, :g], g
+    return DraftOutput(token_ids, probs, gammas, [False] * len(gammas))

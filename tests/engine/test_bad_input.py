@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from outrider.engine.checkpoint import CheckpointError
+from outrider.engine.drafter import Drafter
 from outrider.engine.local import check_pair_compatible
 from outrider.engine.model_config import ModelConfigError
 from outrider.engine.runner import ModelRunner, RunnerConfig
@@ -101,7 +102,7 @@ def test_draft_with_different_vocabulary(tmp_path, llama_dir, tokenizer_dir):
     with pytest.raises(RequestError, match="different vocabularies: 400 vs 320"):
         check_pair_compatible(str(llama_dir), str(other))
     with pytest.raises(RequestError, match="different vocabularies"):
-        SpeculativeDecoder(load(llama_dir), load(other))
+        SpeculativeDecoder(load(llama_dir), Drafter(load(other)))
 
 
 def test_draft_with_different_tokenizer(model_copy, llama_dir):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
 
+from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.sampling import SamplingParams
 from outrider.engine.spec_decode import SpeculativeDecoder
@@ -40,7 +41,7 @@ def two_sample_pvalue(a: list, b: list, min_count: int = 10) -> float:
 def decoder(llama_dir, draft_dir):
     big = RunnerConfig(str(llama_dir), kv_cache_mb=64)
     return SpeculativeDecoder(ModelRunner(big),
-                              ModelRunner(RunnerConfig(str(draft_dir), kv_cache_mb=64)))
+                              Drafter(ModelRunner(RunnerConfig(str(draft_dir), kv_cache_mb=64))))
 
 
 @pytest.mark.slow

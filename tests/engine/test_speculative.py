@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.sampling import SamplingParams
 from outrider.engine.spec_decode import SpeculativeDecoder
@@ -27,7 +28,7 @@ def target_only(llama_dir):
 def decoder(request, llama_dir, draft_dir, small_draft_dir):
     draft = draft_dir if request.param == "perturbed" else small_draft_dir
     return SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir))),
-                              ModelRunner(RunnerConfig(str(draft))))
+                              Drafter(ModelRunner(RunnerConfig(str(draft)))))
 
 
 @pytest.mark.parametrize("gamma", range(1, 9))
@@ -36,12 +37,12 @@ def test_speculative_greedy_equals_target_greedy(decoder, target_only, gamma):
     seqs = decoder.generate(ragged_prompts(), params, gamma=gamma)
     assert [s.output_ids for s in seqs] == target_only
     assert decoder.target.blocks.num_used_blocks == 0
-    assert decoder.draft.blocks.num_used_blocks == 0
+    assert decoder.drafter.runner.blocks.num_used_blocks == 0
 
 
 def test_perturbed_draft_is_partly_accepted(llama_dir, draft_dir):
     decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir))),
-                                 ModelRunner(RunnerConfig(str(draft_dir))))
+                                 Drafter(ModelRunner(RunnerConfig(str(draft_dir)))))
     seqs = decoder.generate(ragged_prompts(), SamplingParams(max_tokens=40, ignore_eos=True), 4)
     accepted = sum(s.stats.num_accepted_tokens for s in seqs)
     drafted = sum(s.stats.num_draft_tokens for s in seqs)
@@ -51,7 +52,7 @@ def test_perturbed_draft_is_partly_accepted(llama_dir, draft_dir):
 def test_mixed_gammas_in_one_batch(llama_dir, draft_dir, target_only):
     """Different γ per sequence in one batch (0 included) change nobody's output."""
     decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir))),
-                                 ModelRunner(RunnerConfig(str(draft_dir))))
+                                 Drafter(ModelRunner(RunnerConfig(str(draft_dir)))))
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     seqs = [decoder.new_sequence(p, params) for p in ragged_prompts()]
     gammas = [0, 1, 3, 8, 2, 5]
@@ -66,7 +67,7 @@ def test_mixed_gammas_in_one_batch(llama_dir, draft_dir, target_only):
 def test_seeded_sampling_is_batch_invariant(llama_dir, draft_dir):
     """A seeded sampled sequence yields the same tokens alone and inside a batch."""
     decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir))),
-                                 ModelRunner(RunnerConfig(str(draft_dir))))
+                                 Drafter(ModelRunner(RunnerConfig(str(draft_dir)))))
     params = [SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=100 + i,
                              ignore_eos=True) for i in range(len(ragged_prompts()))]
     batched = [s.output_ids for s in decoder.generate(ragged_prompts(), params, gamma=4)]
@@ -77,7 +78,7 @@ def test_seeded_sampling_is_batch_invariant(llama_dir, draft_dir):
 
 def test_stop_tokens_and_max_tokens(llama_dir, draft_dir, target_only):
     decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir))),
-                                 ModelRunner(RunnerConfig(str(draft_dir))))
+                                 Drafter(ModelRunner(RunnerConfig(str(draft_dir)))))
     prompt, expected = ragged_prompts()[2], target_only[2]
     stop = expected[10]
     seq = decoder.generate([prompt], SamplingParams(max_tokens=40, stop_token_ids=(stop,),

@@ -1,0 +1,148 @@
+"""Drafting γ tokens for many sequences at once, with a per-sequence draft KV cache.
+
+The contract mirrors the wire protocol's Propose (protos/outrider/v1/worker.proto): the
+caller says which prefix it believes the draft holds (`committed_len`) and sends the
+committed tokens after it. The drafter rolls its cache back to that prefix — dropping its
+own unverified tokens — appends the new ones and drafts. A drafter that no longer holds
+the prefix answers MISS and the caller resends the whole context. The in-process loop and
+the draft replica process use this same class.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from outrider.engine.runner import ForwardRequest, ModelRunner
+from outrider.engine.sampling import (
+    STREAM_DRAFT,
+    SamplingParams,
+    logits_to_probs,
+    position_uniforms,
+    sample_from_probs,
+)
+
+
+@dataclass
+class DraftItem:
+    seq_id: object
+    committed_len: int          # prefix the caller believes the draft holds
+    new_token_ids: list[int]    # committed tokens from committed_len on
+    gamma: int
+    params: SamplingParams
+    seed: int
+
+
+@dataclass
+class DraftOutput:
+    token_ids: torch.Tensor  # [batch, max_gamma] int64 (0 in padding)
+    probs: torch.Tensor      # [batch, max_gamma, vocab] q after the request's processing
+    gammas: list[int]        # tokens drafted per item (0 on a miss or when the KV is full)
+    is_miss: list[bool]
+
+
+class Drafter:
+    def __init__(self, runner: ModelRunner, evict_lru: bool = False) -> None:
+        self.runner = runner
+        self.evict_lru = evict_lru
+        self.last_used: OrderedDict[object, float] = OrderedDict()  # LRU order, oldest first
+        self.num_evicted = 0
+        self.num_misses = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def release(self, seq_id) -> bool:
+        self.last_used.pop(seq_id, None)
+        found = self.runner.blocks.has(seq_id)
+        self.runner.blocks.free(seq_id)
+        return found
+
+    def evict_idle(self, max_idle_s: float) -> int:
+        """Free sequences unused for `max_idle_s`; they answer MISS if they come back."""
+        now, evicted = time.monotonic(), 0
+        while self.last_used and now - next(iter(self.last_used.values())) > max_idle_s:
+            self.release(next(iter(self.last_used)))
+            evicted += 1
+        self.num_evicted += evicted
+        return evicted
+
+    def draft(self, items: list[DraftItem], device: torch.device | None = None) -> DraftOutput:
+        is_miss = [it.gamma > 0 and not self._sync(it) for it in items]
+        self.num_misses += sum(is_miss)
+        protected = {it.seq_id for it in items}
+        gammas = [0 if miss or not it.gamma or not self._reserve(it, protected) else it.gamma
+                  for it, miss in zip(items, is_miss)]
+        token_ids, probs = self._draft_tokens(items, gammas, device or self.runner.device)
+        return DraftOutput(token_ids, probs, gammas, is_miss)
+
+    # -- cache bookkeeping -----------------------------------------------------------------
+    def _sync(self, item: DraftItem) -> bool:
+        """Roll the cache back to the caller's committed prefix; False: a MISS."""
+        blocks = self.runner.blocks
+        if item.committed_len == 0:
+            blocks.free(item.seq_id)
+            blocks.append(item.seq_id, 0)
+        elif not blocks.has(item.seq_id) or blocks.seq_len(item.seq_id) < item.committed_len:
+            return False
+        blocks.rollback(item.seq_id, item.committed_len)
+        self.last_used[item.seq_id] = time.monotonic()
+        self.last_used.move_to_end(item.seq_id)
+        return True
+
+    def _reserve(self, item: DraftItem, protected: set) -> bool:
+        """KV room for the new tokens and γ-1 draft positions (the last draft token is
+        never fed back); evicts least-recently-used other sequences when allowed."""
+        blocks = self.runner.blocks
+        needed = len(item.new_token_ids) + item.gamma - 1
+        context = item.committed_len + needed + 1
+        if context > self.max_model_len:
+            return False
+        while not blocks.can_append(item.seq_id, needed) and self._evict_one(protected):
+            pass
+        if not blocks.can_append(item.seq_id, needed):
+            return False
+        blocks.append(item.seq_id, needed)
+        return True
+
+    def _evict_one(self, protected: set) -> bool:
+        if not self.evict_lru:
+            return False
+        victim = next((s for s in self.last_used if s not in protected), None)
+        if victim is None:
+            return False
+        self.release(victim)
+        self.num_evicted += 1
+        return True
+
+    # -- the drafting chain: γ batched forwards ---------------------------------------------
+    def _draft_tokens(self, items: list[DraftItem], gammas: list[int], device: torch.device):
+        max_gamma = max(gammas, default=0)
+        drafted: list[list[int]] = [[] for _ in items]
+        probs_out = torch.zeros(len(items), max_gamma, self.vocab_size, device=device)
+        blocks = self.runner.blocks
+        for j in range(max_gamma):
+            rows = [i for i, g in enumerate(gammas) if g > j]
+            requests = []
+            for i in rows:
+                it = items[i]
+                cached = it.committed_len + (0 if j == 0 else len(it.new_token_ids) + j - 1)
+                new = it.new_token_ids if j == 0 else drafted[i][-1:]
+                requests.append(ForwardRequest(new, cached, blocks.block_table(it.seq_id), 1))
+            probs = logits_to_probs(self.runner.forward(requests), [items[i].params for i in rows])
+            positions = [items[i].committed_len + len(items[i].new_token_ids) + j for i in rows]
+            uniforms = position_uniforms([items[i].seed for i in rows], positions, STREAM_DRAFT)
+            for i, token in zip(rows, sample_from_probs(probs, uniforms).tolist()):
+                drafted[i].append(token)
+            probs_out[rows, j] = probs.to(device)
+        token_ids = torch.tensor([d + [0] * (max_gamma - len(d)) for d in drafted],
+                                 dtype=torch.long, device=device).view(len(items), max_gamma)
+        return token_ids, probs_out
