@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from outrider.engine.drafter import DraftItem, Drafter
+from outrider.engine.drafter import Drafter, DraftItem
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.sampling import SamplingParams
 
