@@ -37,6 +37,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print acceptance figures to stderr")
     gen.set_defaults(func=cmd_generate)
 
+    draft = sub.add_parser("draft-worker", help="run one draft replica (gRPC server)")
+    draft.add_argument("--model", required=True, help="draft checkpoint dir")
+    draft.add_argument("--host", default="127.0.0.1")
+    draft.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    draft.add_argument("--device", default="cpu")
+    draft.add_argument("--dtype", default="auto")
+    draft.add_argument("--kv-cache-mb", type=float, default=256.0)
+    draft.add_argument("--idle-ttl-s", type=float, default=300.0,
+                       help="free sequences idle this long (they MISS later)")
+    draft.set_defaults(func=cmd_draft_worker)
+
     demo = sub.add_parser("demo", help="stream a generation from the shipped demo pair")
     demo.add_argument("--max-tokens", type=int, default=160)
     demo.add_argument("--gamma", type=int, default=4)
@@ -151,6 +162,21 @@ def _stats_line(seq, seconds: float) -> str:
             f"{s.num_accepted_tokens} (α = {s.acceptance_rate:.3f}; "
             f"per position: {per_pos or '-'}); "
             f"mean accepted length {s.mean_accepted_len:.2f} tokens/round]")
+
+
+def cmd_draft_worker(args) -> int:
+    from outrider.draft_worker.main import serve
+
+    serve(args.model, args.host, args.port, cluster_token(), device=args.device,
+          dtype=args.dtype, kv_cache_mb=args.kv_cache_mb, idle_ttl_s=args.idle_ttl_s)
+    return 0
+
+
+def cluster_token() -> str | None:
+    """The cluster's shared token, from the environment (never from argv, which `ps` shows)."""
+    import os
+
+    return os.environ.get("OUTRIDER_CLUSTER_TOKEN") or None
 
 
 def cmd_demo(args) -> int:

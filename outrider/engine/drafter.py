@@ -25,6 +25,11 @@ from outrider.engine.sampling import (
     sample_from_probs,
 )
 
+# How q leaves the drafter (DESIGN §3). "dense" stays in-process at full precision;
+# "dense_fp16" rounds q to fp16 BEFORE sampling, so the draft samples from exactly the
+# distribution it sends; "point_mass" proposes the argmax with q = one-hot.
+Q_FORMATS = ("dense", "ids", "point_mass", "sparse", "dense_fp16")
+
 
 @dataclass
 class DraftItem:
@@ -34,6 +39,7 @@ class DraftItem:
     gamma: int
     params: SamplingParams
     seed: int
+    q_format: str = "dense"
 
 
 @dataclass
@@ -138,6 +144,7 @@ class Drafter:
                 new = it.new_token_ids if j == 0 else drafted[i][-1:]
                 requests.append(ForwardRequest(new, cached, blocks.block_table(it.seq_id), 1))
             probs = logits_to_probs(self.runner.forward(requests), [items[i].params for i in rows])
+            probs = _as_sent(probs, [items[i].q_format for i in rows])
             positions = [items[i].committed_len + len(items[i].new_token_ids) + j for i in rows]
             uniforms = position_uniforms([items[i].seed for i in rows], positions, STREAM_DRAFT)
             for i, token in zip(rows, sample_from_probs(probs, uniforms).tolist()):
@@ -146,3 +153,16 @@ class Drafter:
         token_ids = torch.tensor([d + [0] * (max_gamma - len(d)) for d in drafted],
                                  dtype=torch.long, device=device).view(len(items), max_gamma)
         return token_ids, probs_out
+
+
+def _as_sent(probs: torch.Tensor, q_formats: list[str]) -> torch.Tensor:
+    """q rows [num_rows, vocab] as the caller will see them; sampling uses these rows."""
+    if all(f in ("dense", "ids", "sparse") for f in q_formats):
+        return probs
+    probs = probs.clone()
+    for row, fmt in enumerate(q_formats):
+        if fmt == "dense_fp16":
+            probs[row] = probs[row].half().float()
+        elif fmt == "point_mass":
+            probs[row] = torch.nn.functional.one_hot(probs[row].argmax(), probs.shape[-1])
+    return probs

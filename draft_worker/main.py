@@ -1,0 +1,33 @@
+"""`outrider draft-worker`: one draft replica as a gRPC server."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from outrider.draft_worker.service import DraftService
+
+from outrider.engine.drafter import Drafter
+from outrider.engine.runner import ModelRunner, RunnerConfig
+from outrider.grpc_server import build_server
+from outrider.v1 import worker_pb2_grpc
+from outrider.v1.worker_pb2 import DESCRIPTOR
+
+SERVICE_NAME = DESCRIPTOR.services_by_name["Draft"].full_name
+
+
+def serve(model_dir: str, host: str, port: int, token: str | None, device: str = "cpu",
+          dtype: str = "auto", kv_cache_mb: float = 256.0, idle_ttl_s: float = 300.0) -> None:
+    runner = ModelRunner(RunnerConfig(model_dir, device=device, dtype=dtype,
+                                      kv_cache_mb=kv_cache_mb))
+    service = DraftService(Drafter(runner, evict_lru=True), idle_ttl_s=idle_ttl_s)
+    server, bound = build_server(
+        lambda s: worker_pb2_grpc.add_DraftServicer_to_server(service, s),
+        [SERVICE_NAME], f"{host}:{port}", token)
+    server.start()
+    print(f"draft worker listening on {host}:{bound}", flush=True)
+    stopped = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopped.set())
+    stopped.wait()
+    server.stop(grace=5).wait()

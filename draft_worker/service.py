@@ -1,0 +1,72 @@
+"""The draft replica's gRPC service: Propose for many sequences in one call."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import torch
+
+from outrider.engine.drafter import Drafter, DraftItem
+from outrider.engine.sampling import SamplingError
+from outrider.v1 import worker_pb2 as pb
+from outrider.v1 import worker_pb2_grpc
+from outrider.wire import Q_FORMAT_NAMES, WireError, encode_proposal, sampling_from_proto
+
+MAX_GAMMA = 32
+
+
+class DraftService(worker_pb2_grpc.DraftServicer):
+    def __init__(self, drafter: Drafter, idle_ttl_s: float = 300.0) -> None:
+        self.drafter = drafter
+        self.idle_ttl_s = idle_ttl_s
+        self._lock = threading.Lock()  # one model, one forward at a time
+
+    def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
+        try:
+            items = [self._item(s) for s in request.sequences]
+        except (SamplingError, WireError) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        start = time.perf_counter()
+        with self._lock:
+            self.drafter.evict_idle(self.idle_ttl_s)
+            out = self.drafter.draft(items, torch.device("cpu"))
+        proposals = []
+        for i, it in enumerate(items):
+            g = out.gammas[i]
+            msg = encode_proposal(it.seq_id, out.token_ids[i, :g].tolist(), out.probs[i, :g],
+                                  it.q_format)
+            msg.miss = out.is_miss[i]
+            proposals.append(msg)
+        return pb.ProposeResponse(proposals=proposals, draft_seconds=time.perf_counter() - start)
+
+    def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        with self._lock:
+            released = sum(self.drafter.release(seq_id) for seq_id in request.seq_ids)
+        return pb.ReleaseResponse(num_released=released)
+
+    def Stats(self, request, context) -> pb.DraftStats:
+        blocks = self.drafter.runner.blocks
+        return pb.DraftStats(num_sequences=blocks.num_sequences,
+                             num_used_blocks=blocks.num_used_blocks,
+                             num_total_blocks=blocks.num_blocks,
+                             num_evicted=self.drafter.num_evicted,
+                             num_misses=self.drafter.num_misses)
+
+    def _item(self, s: pb.ProposeSequence) -> DraftItem:
+        where = f"sequences[{s.seq_id!r}]"
+        if not s.seq_id:
+            raise WireError("sequences[].seq_id is empty")
+        if s.gamma > MAX_GAMMA:
+            raise WireError(f"{where}.gamma={s.gamma} exceeds {MAX_GAMMA}")
+        if s.q_format not in Q_FORMAT_NAMES:
+            raise WireError(f"{where}.q_format is not set")
+        vocab = self.drafter.vocab_size
+        if any(not 0 <= t < vocab for t in s.new_token_ids):
+            raise WireError(f"{where}.new_token_ids holds ids outside [0, {vocab})")
+        if s.committed_len + len(s.new_token_ids) == 0 and s.gamma:
+            raise WireError(f"{where}: nothing to draft from (empty context)")
+        params, seed = sampling_from_proto(s.sampling)
+        return DraftItem(s.seq_id, s.committed_len, list(s.new_token_ids), s.gamma, params,
+                         seed, Q_FORMAT_NAMES[s.q_format])

@@ -1,0 +1,62 @@
+"""What every Outrider gRPC server has: the cluster-token check, the standard health
+service, server reflection, and a clean stop."""
+
+from __future__ import annotations
+
+import hmac
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+TOKEN_METADATA_KEY = "x-outrider-cluster-token"
+_OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+class ClusterTokenInterceptor(grpc.ServerInterceptor):
+    """Refuses calls that do not carry the cluster's shared token (health and
+    reflection stay open so probes work)."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+    def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        if method.startswith(_OPEN_METHODS):
+            return continuation(handler_call_details)
+        sent = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_METADATA_KEY, "")
+        if hmac.compare_digest(sent.encode(), self._token):
+            return continuation(handler_call_details)
+        return _refuse(f"missing or wrong {TOKEN_METADATA_KEY}")
+
+
+def _refuse(message: str):
+    def deny(request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    return grpc.unary_unary_rpc_method_handler(deny)
+
+
+def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return ((TOKEN_METADATA_KEY, token),) if token else ()
+
+
+def build_server(add_servicers, service_names: list[str], address: str,
+                 token: str | None, max_workers: int = 16) -> tuple[grpc.Server, int]:
+    """Start-ready server with health + reflection; returns (server, bound port)."""
+    interceptors = [ClusterTokenInterceptor(token)] if token else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                         interceptors=interceptors,
+                         options=[("grpc.max_receive_message_length", 64 * 2**20),
+                                  ("grpc.max_send_message_length", 64 * 2**20)])
+    add_servicers(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in [*service_names, ""]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot listen on {address}")
+    return server, port

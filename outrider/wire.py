@@ -1,0 +1,91 @@
+"""Conversions between engine objects and the wire messages of protos/outrider/v1.
+
+The q payload codec lives here once, for the draft replica that encodes and the target
+replica that decodes (DESIGN §3: ids only, point mass, sparse support, dense fp16).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from outrider.engine.sampling import SamplingParams
+from outrider.v1 import worker_pb2 as pb
+
+Q_FORMAT_NAMES = {pb.Q_FORMAT_IDS: "ids", pb.Q_FORMAT_POINT_MASS: "point_mass",
+                  pb.Q_FORMAT_SPARSE: "sparse", pb.Q_FORMAT_DENSE_FP16: "dense_fp16"}
+Q_FORMAT_CODES = {name: code for code, name in Q_FORMAT_NAMES.items()}
+
+
+class WireError(ValueError):
+    """A message that cannot be what its sender meant; the text names the field."""
+
+
+def sampling_to_proto(params: SamplingParams, seed: int) -> pb.Sampling:
+    return pb.Sampling(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                       seed=seed)
+
+
+def sampling_from_proto(msg: pb.Sampling, **fields) -> tuple[SamplingParams, int]:
+    """SamplingParams (validated: raises SamplingError naming the field) and the seed."""
+    params = SamplingParams(temperature=msg.temperature, top_k=msg.top_k,
+                            top_p=msg.top_p or 1.0, seed=msg.seed, **fields)
+    return params, msg.seed
+
+
+def q_format_for(params: SamplingParams) -> str:
+    """The cheapest exact q format for a request (DESIGN §3)."""
+    if params.is_greedy:
+        return "ids"
+    return "sparse" if params.top_k or params.top_p < 1 else "dense_fp16"
+
+
+def encode_proposal(seq_id: str, token_ids: list[int], q_rows: torch.Tensor,
+                    q_format: str) -> pb.Proposal:
+    """q_rows: [gamma, vocab], the rows the draft sampled from."""
+    msg = pb.Proposal(seq_id=seq_id, token_ids=token_ids, vocab_size=q_rows.shape[-1])
+    if q_format == "sparse":
+        for row in q_rows:
+            support = row.nonzero().squeeze(-1)
+            msg.support_lens.append(len(support))
+            msg.support_ids.extend(support.tolist())
+            msg.support_probs.extend(row[support].tolist())
+    elif q_format == "dense_fp16":
+        msg.dense_q = q_rows.half().cpu().numpy().astype("<f2").tobytes()
+    return msg
+
+
+def decode_q(msg: pb.Proposal, q_format: str, vocab: int) -> torch.Tensor:
+    """Dense, normalised q [gamma, vocab] from a proposal."""
+    ids = torch.tensor(list(msg.token_ids), dtype=torch.long)
+    gamma = len(ids)
+    if gamma and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise WireError(f"proposal {msg.seq_id}: token_ids outside the vocabulary [0, {vocab})")
+    if q_format in ("ids", "point_mass"):
+        return torch.nn.functional.one_hot(ids, vocab).float()
+    if q_format == "sparse":
+        q = _sparse_rows(msg, gamma, vocab)
+    elif q_format == "dense_fp16":
+        if len(msg.dense_q) != gamma * vocab * 2:
+            raise WireError(f"proposal {msg.seq_id}: dense_q has {len(msg.dense_q)} bytes, "
+                            f"expected {gamma * vocab * 2}")
+        q = torch.from_numpy(np.frombuffer(msg.dense_q, dtype="<f2").astype(np.float32))
+        q = q.view(gamma, vocab)
+    else:
+        raise WireError(f"unknown q format {q_format!r}")
+    return q / q.sum(-1, keepdim=True).clamp(min=1e-30)
+
+
+def _sparse_rows(msg: pb.Proposal, gamma: int, vocab: int) -> torch.Tensor:
+    lens = list(msg.support_lens)
+    if (len(lens) != gamma or sum(lens) != len(msg.support_ids)
+            or len(msg.support_ids) != len(msg.support_probs)):
+        raise WireError(f"proposal {msg.seq_id}: support_lens/support_ids/support_probs "
+                        "do not describe one support per draft token")
+    q = torch.zeros(gamma, vocab)
+    ids = torch.tensor(list(msg.support_ids), dtype=torch.long)
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise WireError(f"proposal {msg.seq_id}: support_ids outside the vocabulary")
+    rows = torch.repeat_interleave(torch.arange(gamma), torch.tensor(lens, dtype=torch.long))
+    q[rows, ids] = torch.tensor(list(msg.support_probs), dtype=torch.float32)
+    return q

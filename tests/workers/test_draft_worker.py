@@ -1,0 +1,121 @@
+"""The draft replica over real gRPC on loopback: same drafts as in-process, every q
+format decodes to what the draft sampled from, MISS, release, auth, validation."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from outrider.engine.drafter import Drafter, DraftItem
+from outrider.engine.runner import ModelRunner, RunnerConfig
+from outrider.engine.sampling import SamplingParams
+from outrider.grpc_server import token_metadata
+from outrider.v1 import worker_pb2 as pb
+from outrider.v1 import worker_pb2_grpc
+from outrider.wire import Q_FORMAT_CODES, decode_q, sampling_to_proto
+from tests.processes import outrider_process
+
+TOKEN = "s3cret-test-token"
+CONTEXT = [5, 17, 33, 2, 41, 99, 150, 7]
+SAMPLINGS = {"ids": SamplingParams(),
+             "point_mass": SamplingParams(temperature=0.8),
+             "sparse": SamplingParams(temperature=0.8, top_k=20, top_p=0.9),
+             "dense_fp16": SamplingParams(temperature=1.0)}
+
+
+@pytest.fixture(scope="module")
+def channel(draft_dir):
+    with outrider_process("draft-worker", "--model", str(draft_dir), "--kv-cache-mb", "1",
+                          token=TOKEN) as (_, address), grpc.insecure_channel(address) as channel:
+        yield channel
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return worker_pb2_grpc.DraftStub(channel)
+
+
+def propose(stub, *seqs, token=TOKEN) -> pb.ProposeResponse:
+    return stub.Propose(pb.ProposeRequest(sequences=list(seqs)), metadata=token_metadata(token),
+                        timeout=30)
+
+
+def seq(seq_id, committed_len, new, gamma, fmt, params=SamplingParams(), seed=3):
+    return pb.ProposeSequence(seq_id=seq_id, committed_len=committed_len, new_token_ids=new,
+                              gamma=gamma, sampling=sampling_to_proto(params, seed),
+                              q_format=Q_FORMAT_CODES[fmt])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", list(SAMPLINGS))
+def test_remote_drafts_equal_in_process_drafts(stub, draft_dir, fmt):
+    params = SAMPLINGS[fmt]
+    local = Drafter(ModelRunner(RunnerConfig(str(draft_dir))))
+    expected = local.draft([DraftItem("x", 0, CONTEXT, 4, params, 3, fmt)])
+    reply = propose(stub, seq(f"x-{fmt}", 0, CONTEXT, 4, fmt, params)).proposals[0]
+    assert not reply.miss
+    assert list(reply.token_ids) == expected.token_ids[0].tolist()
+    q = decode_q(reply, fmt, local.vocab_size)  # [gamma, vocab]
+    want = expected.probs[0] / expected.probs[0].sum(-1, keepdim=True)
+    torch.testing.assert_close(q, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_sync_miss_and_release(stub):
+    first = propose(stub, seq("s", 0, CONTEXT[:5], 3, "ids")).proposals[0]
+    assert len(first.token_ids) == 3
+    fresh = propose(stub, seq("t", 0, CONTEXT, 3, "ids")).proposals[0]
+    synced = propose(stub, seq("s", 5, CONTEXT[5:], 3, "ids")).proposals[0]
+    assert list(synced.token_ids) == list(fresh.token_ids)
+    assert propose(stub, seq("unknown", 4, [1], 3, "ids")).proposals[0].miss
+    stats = stub.Stats(pb.DraftStatsRequest(), metadata=token_metadata(TOKEN))
+    assert stats.num_sequences >= 2 and stats.num_misses >= 1
+    released = stub.Release(pb.ReleaseRequest(seq_ids=["s", "t", "gone"]),
+                            metadata=token_metadata(TOKEN))
+    assert released.num_released == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("token", [None, "wrong"])
+def test_callers_without_the_cluster_token_are_refused(stub, token):
+    with pytest.raises(grpc.RpcError) as err:
+        propose(stub, seq("a", 0, CONTEXT, 2, "ids"), token=token)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad,field", [
+    (seq("", 0, CONTEXT, 2, "ids"), "seq_id"),
+    (seq("a", 0, CONTEXT, 99, "ids"), "gamma"),
+    (seq("a", 0, [1, 10**6], 2, "ids"), "new_token_ids"),
+    (seq("a", 0, CONTEXT, 2, "ids", SamplingParams(top_p=0.5)), None),
+    (pb.ProposeSequence(seq_id="a", new_token_ids=CONTEXT, gamma=2), "q_format"),
+])
+def test_bad_sequences_are_invalid_argument(stub, bad, field):
+    if field is None:  # a valid control case
+        assert not propose(stub, bad).proposals[0].miss
+        return
+    with pytest.raises(grpc.RpcError) as err:
+        propose(stub, bad)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+
+
+@pytest.mark.slow
+def test_bad_sampling_names_the_field(stub):
+    bad = seq("a", 0, CONTEXT, 2, "ids")
+    bad.sampling.temperature = float("nan")
+    with pytest.raises(grpc.RpcError) as err:
+        propose(stub, bad)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "temperature" in err.value.details()
+
+
+@pytest.mark.slow
+def test_health_is_open_without_the_token(channel):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service="outrider.v1.Draft"), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
