@@ -191,6 +191,7 @@ def main():
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--append-md", action="store_true", help="append the results to <models>/TRAINING.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -255,10 +256,32 @@ def main():
     m, p = prompts[min(1, len(prompts) - 1)]
     with torch.no_grad():
         g = hf_t.generate(torch.tensor([p[-48:]]), max_new_tokens=120, do_sample=False)
+    sample = tok.decode(p[-48:]) + "<<<|>>>" + tok.decode(g[0, 48:])
     print(f"--- sample (target greedy, prompt = last 48 prompt tokens of {m}) ---")
-    print(tok.decode(p[-48:]) + "<<<|>>>" + tok.decode(g[0, 48:]))
+    print(sample)
     print("---")
     print(json.dumps(res))
+    if args.append_md:
+        gr, sa = res["greedy"], res["sampled"]
+        pp = lambda r: ", ".join(f"{x:.3f}" for x in r["per_position"])
+        md_ = [
+            "", "## Measured speculative decoding (scripts/demo_pair/measure.py)", "",
+            f"{len(prompts)} held-out modules, prompt = first {args.plen} tokens, {args.new} new tokens each, "
+            f"gamma = {args.gamma}, batch 1, CPU fp32 ({args.threads} thread), weights as shipped (bf16 -> fp32). "
+            "alpha = accepted drafts / drafts tested (a draft is tested only if all earlier ones in the round were "
+            "accepted); tokens/round = accepted drafts + 1 target token.", "",
+            "| decoding | alpha | alpha at draft position 1..4 | accepted/(gamma*rounds) | tokens/round |",
+            "|---|---|---|---|---|",
+            f"| greedy | {gr['alpha']:.3f} | {pp(gr)} | {gr['frac']:.3f} | {gr['tokens_per_round']:.2f} |",
+            f"| T=0.7, top-p=0.95 (rejection sampling) | {sa['alpha']:.3f} | {pp(sa)} | {sa['frac']:.3f} | "
+            f"{sa['tokens_per_round']:.2f} |", "",
+            f"Cost ratio c = draft / target time for one decode token with KV cache (batch 1): "
+            f"{res['c_mini']:.3f} (plain-torch loop: target {tt*1e3:.2f} ms, draft {td*1e3:.2f} ms); "
+            f"{res['c_hf']:.3f} with transformers' forward (target {ht*1e3:.2f} ms, draft {hd*1e3:.2f} ms).", "",
+            f"Sample (target greedy; prompt = 48 tokens of held-out `{m}`, generation after `<<<|>>>`):", "",
+            "```python", sample, "```", ""]
+        with open(md / "TRAINING.md", "a") as f:
+            f.write("\n".join(md_))
 
 
 if __name__ == "__main__":

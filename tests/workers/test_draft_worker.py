@@ -41,7 +41,7 @@ def propose(stub, *seqs, token=TOKEN) -> pb.ProposeResponse:
                         timeout=30)
 
 
-def seq(seq_id, committed_len, new, gamma, fmt, params=SamplingParams(), seed=3):
+def seq(seq_id, committed_len, new, gamma, fmt, params=SAMPLINGS["ids"], seed=3):
     return pb.ProposeSequence(seq_id=seq_id, committed_len=committed_len, new_token_ids=new,
                               gamma=gamma, sampling=sampling_to_proto(params, seed),
                               q_format=Q_FORMAT_CODES[fmt])
