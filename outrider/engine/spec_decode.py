@@ -159,21 +159,36 @@ class SpeculativeDecoder:
             self.drafter.release(seq.seq_id)
 
     # -- one round -------------------------------------------------------------------------
-    def step(self, seqs: list[Sequence], gammas: list[int]) -> list[list[int]]:
-        """Run one speculative round; returns the tokens each sequence committed."""
-        gammas = [self._clip_gamma(s, g) for s, g in zip(seqs, gammas, strict=True)]
+    def step(self, seqs: list[Sequence], gammas: list[int],
+             chunk_lens: list[int] | None = None) -> list[list[int]]:
+        """Run one speculative round; returns the tokens each sequence committed.
+
+        chunk_lens caps how many pending tokens a sequence feeds the target this step
+        (chunked prefill); a sequence whose pending tokens do not all fit only advances
+        its prefill: no draft, no sampling, nothing committed."""
+        pending = [len(s.token_ids) - s.target_len for s in seqs]
+        feed = pending if chunk_lens is None else [min(p, c) for p, c in zip(pending, chunk_lens)]
+        is_ready = [f == p for f, p in zip(feed, pending)]
+        gammas = [self._clip_gamma(s, g) if ready else 0
+                  for s, g, ready in zip(seqs, gammas, is_ready, strict=True)]
         draft_ids, draft_probs, gammas = self._propose(seqs, gammas)
-        target_probs = self._verify_probs(seqs, draft_ids, gammas)
-        positions = [[len(s.token_ids) + j for j in range(draft_ids.shape[1] + 1)] for s in seqs]
-        seeds = [s.seed for s in seqs]
+        target_probs = self._verify_probs(seqs, draft_ids, gammas, feed, is_ready)
+        ready = [i for i, r in enumerate(is_ready) if r]
+        committed: list[list[int]] = [[] for _ in seqs]
+        if not ready:
+            return committed
+        rows = torch.tensor(ready, device=draft_ids.device)
+        positions = [[len(seqs[i].token_ids) + j for j in range(draft_ids.shape[1] + 1)]
+                     for i in ready]
+        seeds = [seqs[i].seed for i in ready]
         result = rejection_sample(
-            target_probs, draft_ids, draft_probs, torch.tensor(gammas, device=draft_ids.device),
+            target_probs, draft_ids[rows], draft_probs[rows],
+            torch.tensor([gammas[i] for i in ready], device=draft_ids.device),
             position_uniforms(seeds, [p[:-1] for p in positions], STREAM_ACCEPT),
             position_uniforms(seeds, positions, STREAM_SAMPLE))
-        emitted = result.token_ids.tolist()
-        accepted = result.num_accepted.tolist()
-        return [self._commit(s, g, k, row[:k + 1])
-                for s, g, k, row in zip(seqs, gammas, accepted, emitted, strict=True)]
+        for i, k, row in zip(ready, result.num_accepted.tolist(), result.token_ids.tolist()):
+            committed[i] = self._commit(seqs[i], gammas[i], k, row[:k + 1])
+        return committed
 
     def _clip_gamma(self, seq: Sequence, gamma: int) -> int:
         if self.drafter is None:
@@ -208,26 +223,30 @@ class SpeculativeDecoder:
         return DraftItem(seq.seq_id, seq.draft_len, seq.token_ids[seq.draft_len:] if gamma else [],
                          gamma, seq.params, seq.seed)
 
-    def _verify_probs(self, seqs: list[Sequence], draft_ids: torch.Tensor,
-                      gammas: list[int]) -> torch.Tensor:
-        """ONE target forward over all sequences' pending + draft tokens.
-        Returns p [batch, max_gamma + 1, vocab]; row γ_i of each sequence is its bonus row."""
+    def _verify_probs(self, seqs: list[Sequence], draft_ids: torch.Tensor, gammas: list[int],
+                      feed: list[int], is_ready: list[bool]) -> torch.Tensor:
+        """ONE target forward over all sequences' fed tokens + draft tokens. Returns p
+        [num_ready, max_gamma + 1, vocab] for the ready sequences; row γ_i is the bonus row."""
         blocks = self.target.blocks
-        inputs = [s.token_ids[s.target_len:] + draft_ids[i, :g].tolist()
-                  for i, (s, g) in enumerate(zip(seqs, gammas))]
+        inputs = [s.token_ids[s.target_len:s.target_len + n] + draft_ids[i, :g].tolist()
+                  for i, (s, g, n) in enumerate(zip(seqs, gammas, feed))]
         if sum(blocks.blocks_needed(s.seq_id, len(x)) for s, x in zip(seqs, inputs)) \
                 > blocks.num_free_blocks:
             raise OutOfBlocksError("target KV cache cannot hold this round")
         requests = []
-        for s, x, g in zip(seqs, inputs, gammas):
+        for s, x, g, ready in zip(seqs, inputs, gammas, is_ready):
             blocks.append(s.seq_id, len(x))
-            requests.append(ForwardRequest(x, s.target_len, blocks.block_table(s.seq_id), g + 1))
+            requests.append(ForwardRequest(x, s.target_len, blocks.block_table(s.seq_id),
+                                           g + 1 if ready else 0))
             s.target_len += len(x)
-        row_params = [s.params for s, g in zip(seqs, gammas) for _ in range(g + 1)]
-        probs = logits_to_probs(self.target.forward(requests), row_params)  # [sum(γ+1), vocab]
-        padded = probs.new_zeros(len(seqs), draft_ids.shape[1] + 1, probs.shape[-1])
+        row_params = [s.params for s, g, ready in zip(seqs, gammas, is_ready) if ready
+                      for _ in range(g + 1)]
+        logits = self.target.forward(requests)  # [sum over ready of (γ+1), vocab]
+        probs = logits_to_probs(logits, row_params) if row_params else logits
+        ready_gammas = [g for g, ready in zip(gammas, is_ready) if ready]
+        padded = probs.new_zeros(len(ready_gammas), draft_ids.shape[1] + 1, probs.shape[-1])
         offset = 0
-        for i, g in enumerate(gammas):
+        for i, g in enumerate(ready_gammas):
             padded[i, :g + 1] = probs[offset:offset + g + 1]
             offset += g + 1
         return padded

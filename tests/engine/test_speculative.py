@@ -87,3 +87,18 @@ def test_stop_tokens_and_max_tokens(llama_dir, draft_dir, target_only):
     assert seq.finish_reason == "stop"
     seq = decoder.generate([prompt], SamplingParams(max_tokens=7, ignore_eos=True), gamma=6)[0]
     assert seq.output_ids == expected[:7] and seq.finish_reason == "length"
+
+
+def test_chunked_prefill_changes_nothing(llama_dir, draft_dir, target_only):
+    decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir))),
+                                 Drafter(ModelRunner(RunnerConfig(str(draft_dir)))))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    seqs = [decoder.new_sequence(p, params) for p in ragged_prompts()]
+    num_steps = 0
+    while not all(s.is_finished for s in seqs):
+        running = [s for s in seqs if not s.is_finished]
+        committed = decoder.step(running, [3] * len(running), chunk_lens=[4] * len(running))
+        assert all(c == [] for s, c in zip(running, committed) if s.target_len < s.prompt_len)
+        num_steps += 1
+    assert [s.output_ids for s in seqs] == target_only
+    assert decoder.target.blocks.num_used_blocks == 0
