@@ -52,7 +52,9 @@ class DraftService(worker_pb2_grpc.DraftServicer):
                              num_used_blocks=blocks.num_used_blocks,
                              num_total_blocks=blocks.num_blocks,
                              num_evicted=self.drafter.num_evicted,
-                             num_misses=self.drafter.num_misses)
+                             num_misses=self.drafter.num_misses,
+                             vocab_size=self.drafter.vocab_size,
+                             max_model_len=self.drafter.max_model_len)
 
     def _item(self, s: pb.ProposeSequence) -> DraftItem:
         where = f"sequences[{s.seq_id!r}]"

@@ -48,6 +48,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="free sequences idle this long (they MISS later)")
     draft.set_defaults(func=cmd_draft_worker)
 
+    target = sub.add_parser("target-worker", help="run one target replica (gRPC server)")
+    target.add_argument("--model", required=True, help="target checkpoint dir")
+    target.add_argument("--draft-address", action="append", default=[],
+                        help="host:port of a draft replica (repeat for several)")
+    target.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    target.add_argument("--tp", type=int, default=1)
+    target.add_argument("--host", default="127.0.0.1")
+    target.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    target.add_argument("--device", default="cpu")
+    target.add_argument("--dtype", default="auto")
+    target.add_argument("--kv-cache-mb", type=float, default=256.0)
+    target.add_argument("--max-batch-tokens", type=int, default=512)
+    target.add_argument("--max-num-seqs", type=int, default=64)
+    target.set_defaults(func=cmd_target_worker)
+
     demo = sub.add_parser("demo", help="stream a generation from the shipped demo pair")
     demo.add_argument("--max-tokens", type=int, default=160)
     demo.add_argument("--gamma", type=int, default=4)
@@ -169,6 +184,19 @@ def cmd_draft_worker(args) -> int:
 
     serve(args.model, args.host, args.port, cluster_token(), device=args.device,
           dtype=args.dtype, kv_cache_mb=args.kv_cache_mb, idle_ttl_s=args.idle_ttl_s)
+    return 0
+
+
+def cmd_target_worker(args) -> int:
+    from outrider.engine.runner import RunnerConfig
+    from outrider.target_worker.main import serve
+    from outrider.target_worker.scheduler import SchedulerConfig
+
+    runner = RunnerConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
+                          tp=args.tp, kv_cache_mb=args.kv_cache_mb)
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                            max_batch_tokens=args.max_batch_tokens)
+    serve(runner, sched, args.draft_address, args.gamma, args.host, args.port, cluster_token())
     return 0
 
 

@@ -95,6 +95,7 @@ class Sequence:
     draft_len: int = 0    # positions in the draft's KV cache
     finish_reason: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
+    last_round: tuple[int, int] = (0, 0)  # (γ, accepted) of the latest round
 
     @property
     def output_ids(self) -> list[int]:
@@ -122,7 +123,9 @@ class SpeculativeDecoder:
         self._next_id = 0
 
     # -- requests --------------------------------------------------------------------------
-    def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams,
+                     resume_ids: list[int] = ()) -> Sequence:
+        """A new sequence; `resume_ids` are output tokens already committed elsewhere."""
         if not prompt_ids:
             raise RequestError("prompt is empty")
         vocab = self.target.vocab_size
@@ -132,9 +135,13 @@ class SpeculativeDecoder:
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(prompt_ids)} tokens; the model's context "
                                f"is {self.max_model_len}")
+        if len(prompt_ids) + len(resume_ids) >= self.max_model_len:
+            raise RequestError("prompt and resumed tokens fill the model's context")
+        if any(not 0 <= t < vocab for t in resume_ids):
+            raise RequestError("a resumed token id is outside the vocabulary")
         seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
         self._next_id += 1
-        return Sequence(self._next_id, list(prompt_ids), len(prompt_ids), params, seed)
+        return Sequence(self._next_id, [*prompt_ids, *resume_ids], len(prompt_ids), params, seed)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
                  gamma: int) -> list[Sequence]:
@@ -169,7 +176,7 @@ class SpeculativeDecoder:
         pending = [len(s.token_ids) - s.target_len for s in seqs]
         feed = pending if chunk_lens is None else [min(p, c) for p, c in zip(pending, chunk_lens)]
         is_ready = [f == p for f, p in zip(feed, pending)]
-        gammas = [self._clip_gamma(s, g) if ready else 0
+        gammas = [self.clip_gamma(s, g) if ready else 0
                   for s, g, ready in zip(seqs, gammas, is_ready, strict=True)]
         draft_ids, draft_probs, gammas = self._propose(seqs, gammas)
         target_probs = self._verify_probs(seqs, draft_ids, gammas, feed, is_ready)
@@ -190,7 +197,8 @@ class SpeculativeDecoder:
             committed[i] = self._commit(seqs[i], gammas[i], k, row[:k + 1])
         return committed
 
-    def _clip_gamma(self, seq: Sequence, gamma: int) -> int:
+    def clip_gamma(self, seq: Sequence, gamma: int) -> int:
+        """γ limited by what the request may still emit and the context (not by load)."""
         if self.drafter is None:
             return 0
         room = min(seq.params.max_tokens - seq.num_output,
@@ -255,6 +263,7 @@ class SpeculativeDecoder:
                 emitted: list[int]) -> list[int]:
         base = len(seq.token_ids)
         seq.stats.record(gamma, num_accepted)
+        seq.last_round = (gamma, num_accepted)
         committed = []
         for token in emitted:
             seq.token_ids.append(token)

@@ -108,18 +108,22 @@ class DraftStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftStats(_message.Message):
-    __slots__ = ("num_sequences", "num_used_blocks", "num_total_blocks", "num_evicted", "num_misses")
+    __slots__ = ("num_sequences", "num_used_blocks", "num_total_blocks", "num_evicted", "num_misses", "vocab_size", "max_model_len")
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_EVICTED_FIELD_NUMBER: _ClassVar[int]
     NUM_MISSES_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     num_sequences: int
     num_used_blocks: int
     num_total_blocks: int
     num_evicted: int
     num_misses: int
-    def __init__(self, num_sequences: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_evicted: _Optional[int] = ..., num_misses: _Optional[int] = ...) -> None: ...
+    vocab_size: int
+    max_model_len: int
+    def __init__(self, num_sequences: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_evicted: _Optional[int] = ..., num_misses: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class TargetRequest(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "resume_output_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "spec_mode", "gamma")

@@ -1,0 +1,126 @@
+"""The target replica's engine loop: one thread runs steps for the whole batch; gRPC
+handlers submit requests and read their tokens from per-request queues."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from outrider.target_worker.scheduler import Scheduler, SchedulerConfig
+
+from outrider.engine.spec_decode import Sequence, SpeculativeDecoder
+
+
+@dataclass
+class Chunk:
+    """What one step committed for one request."""
+
+    token_ids: list[int]
+    rounds: list[tuple[int, int, float]] = field(default_factory=list)  # (γ, accepted, heat)
+    finish_reason: str = ""  # "", "stop", "length", "cancelled", "error: ..."
+
+
+@dataclass
+class Handle:
+    request_id: str
+    seq: Sequence
+    gamma: int
+    chunks: queue.Queue = field(default_factory=queue.Queue)
+    is_cancelled: bool = False
+
+
+class TargetEngine:
+    def __init__(self, decoder: SpeculativeDecoder, sched_cfg: SchedulerConfig) -> None:
+        self.decoder = decoder
+        self.scheduler = Scheduler(sched_cfg, decoder.target.blocks, self._preempt)
+        self._inbox: queue.Queue[Handle] = queue.Queue()
+        self._handles: dict[str, Handle] = {}
+        self._by_seq: dict[int, Handle] = {}
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self.heat = 0.0
+        self.tokens_per_s = 0.0
+
+    # -- called from gRPC threads ---------------------------------------------------------
+    def submit(self, handle: Handle) -> None:
+        with self._lock:
+            if handle.request_id in self._handles:
+                raise ValueError(f"request_id {handle.request_id!r} is already running")
+            self._handles[handle.request_id] = handle
+        self._inbox.put(handle)
+        self._wake.set()
+
+    def cancel(self, request_id: str) -> bool:
+        with self._lock:
+            handle = self._handles.get(request_id)
+        if handle is None:
+            return False
+        handle.is_cancelled = True
+        self._wake.set()
+        return True
+
+    # -- the loop -------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self._admit_new()
+            self._drop_cancelled()
+            if not self.scheduler.has_work:
+                self._wake.wait(timeout=0.1)
+                self._wake.clear()
+                continue
+            self._step()
+
+    def _admit_new(self) -> None:
+        while not self._inbox.empty():
+            handle = self._inbox.get_nowait()
+            self._by_seq[handle.seq.seq_id] = handle
+            self.scheduler.add(handle.seq)
+
+    def _drop_cancelled(self) -> None:
+        for handle in [h for h in self._by_seq.values() if h.is_cancelled]:
+            self._finish(handle, "cancelled")
+
+    def _step(self) -> None:
+        plan = self.scheduler.schedule(
+            lambda seq: self.decoder.clip_gamma(seq, self._by_seq[seq.seq_id].gamma))
+        heat = plan.num_base_tokens / self.scheduler.cfg.max_batch_tokens
+        self.heat = 0.8 * self.heat + 0.2 * heat
+        start = time.perf_counter()
+        try:
+            committed = self.decoder.step(plan.seqs, plan.gammas, plan.chunk_lens)
+        except Exception as exc:  # a failed step fails its requests, not the replica
+            for seq in plan.seqs:
+                self._finish(self._by_seq[seq.seq_id], f"error: {exc}")
+            return
+        elapsed = time.perf_counter() - start
+        num_tokens = sum(len(c) for c in committed)
+        self.tokens_per_s = 0.9 * self.tokens_per_s + 0.1 * (num_tokens / max(elapsed, 1e-9))
+        for seq, tokens in zip(plan.seqs, committed):
+            handle = self._by_seq[seq.seq_id]
+            if tokens:
+                gamma, accepted = seq.last_round
+                handle.chunks.put(Chunk(tokens, [(gamma, accepted, heat)]))
+            if seq.is_finished:
+                self._finish(handle, seq.finish_reason)
+
+    def _finish(self, handle: Handle, reason: str) -> None:
+        self.scheduler.remove(handle.seq)
+        self.decoder.release(handle.seq)
+        self._by_seq.pop(handle.seq.seq_id, None)
+        with self._lock:
+            self._handles.pop(handle.request_id, None)
+        handle.chunks.put(Chunk([], finish_reason=reason))
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: free the target KV; the draft's cache stays valid."""
+        self.decoder.target.blocks.free(seq.seq_id)
+        seq.target_len = 0
+
+    def load(self) -> dict:
+        blocks = self.decoder.target.blocks
+        return {"num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting) + self._inbox.qsize(),
+                "heat": self.heat, "kv_used_blocks": blocks.num_used_blocks,
+                "kv_total_blocks": blocks.num_blocks, "tokens_per_s": self.tokens_per_s}

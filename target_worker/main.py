@@ -1,0 +1,46 @@
+"""`outrider target-worker`: one target replica (a TP group) as a gRPC server."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import uuid
+
+from outrider.target_worker.engine import TargetEngine
+from outrider.target_worker.remote_drafter import RemoteDrafter
+from outrider.target_worker.scheduler import SchedulerConfig
+from outrider.target_worker.service import TargetService
+
+from outrider.engine.distributed import TPRunnerGroup
+from outrider.engine.runner import RunnerConfig
+from outrider.engine.spec_decode import SpeculativeDecoder
+from outrider.grpc_server import build_server
+from outrider.v1 import worker_pb2_grpc
+from outrider.v1.worker_pb2 import DESCRIPTOR
+
+SERVICE_NAME = DESCRIPTOR.services_by_name["Target"].full_name
+
+
+def serve(runner_cfg: RunnerConfig, sched_cfg: SchedulerConfig, draft_addresses: list[str],
+          gamma: int, host: str, port: int, token: str | None) -> None:
+    group = TPRunnerGroup(runner_cfg)
+    drafter = (RemoteDrafter(draft_addresses, token, seq_prefix=f"{uuid.uuid4().hex[:8]}:")
+               if draft_addresses else None)
+    engine = TargetEngine(SpeculativeDecoder(group.runner, drafter), sched_cfg)
+    service = TargetService(engine, default_gamma=gamma if drafter else 0)
+    server, bound = build_server(
+        lambda s: worker_pb2_grpc.add_TargetServicer_to_server(service, s),
+        [SERVICE_NAME], f"{host}:{port}", token)
+    stop = threading.Event()
+    loop = threading.Thread(target=engine.run, args=(stop,), name="target-engine", daemon=True)
+    loop.start()
+    server.start()
+    print(f"target worker listening on {host}:{bound}", flush=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=5).wait()
+    loop.join(timeout=10)
+    group.close()
+    if drafter:
+        drafter.close()

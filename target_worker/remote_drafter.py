@@ -1,0 +1,146 @@
+"""The target's side of Propose: the Drafter contract served by draft replicas over gRPC.
+
+Sequences stick to one replica (hash of the id over the healthy replicas). One Propose
+per replica per round, all in flight at once. A replica that fails or times out is set
+aside for a while and its sequences run with γ = 0 this round; next round they move to
+a healthy replica, which answers MISS, and the decoder resends their whole context.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+import grpc
+import torch
+
+from outrider.engine.drafter import DraftItem, DraftOutput
+from outrider.grpc_server import token_metadata
+from outrider.v1 import worker_pb2 as pb
+from outrider.v1 import worker_pb2_grpc
+from outrider.wire import Q_FORMAT_CODES, WireError, decode_q, q_format_for, sampling_to_proto
+
+
+class DraftReplicaError(RuntimeError):
+    """No draft replica could be reached or they disagree with the target."""
+
+
+class RemoteDrafter:
+    def __init__(self, addresses: list[str], token: str | None, seq_prefix: str,
+                 timeout_s: float = 10.0, retry_after_s: float = 2.0) -> None:
+        if not addresses:
+            raise DraftReplicaError("no draft replica addresses given")
+        self.addresses = addresses
+        self.seq_prefix = seq_prefix  # keeps ids unique when targets share a draft replica
+        self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
+        self._metadata = token_metadata(token)
+        self._channels = [grpc.insecure_channel(a) for a in addresses]
+        self._stubs = [worker_pb2_grpc.DraftStub(c) for c in self._channels]
+        self._down_until = [0.0] * len(addresses)
+        self._assigned: dict[object, int] = {}
+        self._releases: list[grpc.Future] = []
+        self.num_failures = 0
+        stats = self._describe()
+        self.vocab_size, self.max_model_len = stats.vocab_size, stats.max_model_len
+
+    def _describe(self) -> pb.DraftStats:
+        for stub in self._stubs:
+            try:
+                return stub.Stats(pb.DraftStatsRequest(), metadata=self._metadata,
+                                  timeout=self.timeout_s)
+            except grpc.RpcError:
+                continue
+        raise DraftReplicaError(f"no draft replica answers at {', '.join(self.addresses)}")
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+
+    # -- the Drafter contract ----------------------------------------------------------------
+    def release(self, seq_id) -> bool:
+        """Fire-and-forget: the engine loop never waits on a Release; a dead replica holds
+        nothing and a live one that misses it evicts the idle sequence later anyway."""
+        replica = self._assigned.pop(seq_id, None)
+        if replica is not None:
+            # keep a reference: a collected call future cancels its RPC
+            self._releases = [f for f in self._releases if not f.done()]
+            self._releases.append(self._stubs[replica].Release.future(
+                pb.ReleaseRequest(seq_ids=[self._wire_id(seq_id)]), metadata=self._metadata,
+                timeout=self.timeout_s))
+        return replica is not None
+
+    def draft(self, items: list[DraftItem], device: torch.device) -> DraftOutput:
+        groups: dict[int, list[int]] = {}
+        for i, it in enumerate(items):
+            if it.gamma:
+                groups.setdefault(self._replica_for(it.seq_id), []).append(i)
+        calls = {r: self._stubs[r].Propose.future(self._request(items, rows),
+                                                  metadata=self._metadata, timeout=self.timeout_s)
+                 for r, rows in groups.items() if r >= 0}
+        gammas, is_miss = [0] * len(items), [False] * len(items)
+        token_rows: list[list[int]] = [[] for _ in items]
+        q_rows: dict[int, torch.Tensor] = {}
+        for replica, call in calls.items():
+            try:
+                reply = call.result()
+            except grpc.RpcError:
+                self._set_aside(replica)
+                continue
+            for i, proposal in zip(groups[replica], reply.proposals):
+                self._read(items[i], proposal, i, gammas, is_miss, token_rows, q_rows)
+        return _pack(items, gammas, is_miss, token_rows, q_rows, self.vocab_size, device)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _wire_id(self, seq_id) -> str:
+        return f"{self.seq_prefix}{seq_id}"
+
+    def _replica_for(self, seq_id) -> int:
+        now = time.monotonic()
+        current = self._assigned.get(seq_id)
+        if current is not None and self._down_until[current] <= now:
+            return current
+        healthy = [r for r, t in enumerate(self._down_until) if t <= now]
+        if not healthy:
+            return -1
+        replica = healthy[zlib.crc32(str(seq_id).encode()) % len(healthy)]
+        self._assigned[seq_id] = replica
+        return replica
+
+    def _set_aside(self, replica: int) -> None:
+        self.num_failures += 1
+        self._down_until[replica] = time.monotonic() + self.retry_after_s
+
+    def _request(self, items: list[DraftItem], rows: list[int]) -> pb.ProposeRequest:
+        seqs = []
+        for i in rows:
+            it = items[i]
+            seqs.append(pb.ProposeSequence(
+                seq_id=self._wire_id(it.seq_id), committed_len=it.committed_len,
+                new_token_ids=it.new_token_ids, gamma=it.gamma,
+                sampling=sampling_to_proto(it.params, it.seed),
+                q_format=Q_FORMAT_CODES[q_format_for(it.params)]))
+        return pb.ProposeRequest(sequences=seqs)
+
+    def _read(self, item: DraftItem, proposal: pb.Proposal, i: int, gammas, is_miss,
+              token_rows, q_rows) -> None:
+        if proposal.miss:
+            is_miss[i] = True
+            return
+        gamma = min(len(proposal.token_ids), item.gamma)
+        try:
+            q = decode_q(proposal, q_format_for(item.params), self.vocab_size)
+        except WireError:
+            return  # a malformed proposal is simply not used: γ = 0 this round
+        gammas[i], token_rows[i], q_rows[i] = gamma, list(proposal.token_ids)[:gamma], q[:gamma]
+
+
+def _pack(items, gammas, is_miss, token_rows, q_rows, vocab: int,
+          device: torch.device) -> DraftOutput:
+    max_gamma = max(gammas, default=0)
+    token_ids = torch.zeros(len(items), max_gamma, dtype=torch.long)
+    probs = torch.zeros(len(items), max_gamma, vocab)
+    for i, g in enumerate(gammas):
+        if g:
+            token_ids[i, :g] = torch.tensor(token_rows[i])
+            probs[i, :g] = q_rows[i]
+    return DraftOutput(token_ids.to(device), probs.to(device), gammas, is_miss)

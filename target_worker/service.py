@@ -1,0 +1,59 @@
+"""The target replica's gRPC service: Generate (server stream), Cancel, GetLoad."""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+from outrider.target_worker.engine import Handle, TargetEngine
+
+from outrider.engine.sampling import SamplingError
+from outrider.engine.spec_decode import RequestError
+from outrider.v1 import worker_pb2 as pb
+from outrider.v1 import worker_pb2_grpc
+from outrider.wire import sampling_from_proto
+
+MAX_GAMMA = 16
+
+
+class TargetService(worker_pb2_grpc.TargetServicer):
+    def __init__(self, engine: TargetEngine, default_gamma: int) -> None:
+        self.engine = engine
+        self.default_gamma = default_gamma
+
+    def Generate(self, request: pb.TargetRequest, context):
+        try:
+            handle = self._handle(request)
+            self.engine.submit(handle)
+        except (SamplingError, RequestError, ValueError) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        # runs when the stream ends for any reason, a client disconnect included
+        context.add_callback(lambda: self.engine.cancel(handle.request_id))
+        while True:
+            chunk = handle.chunks.get()
+            if chunk.finish_reason.startswith("error"):
+                context.abort(grpc.StatusCode.INTERNAL, chunk.finish_reason)
+            yield pb.TargetChunk(
+                token_ids=chunk.token_ids, finish_reason=chunk.finish_reason,
+                rounds=[pb.RoundStats(gamma=g, num_accepted=a, heat=h) for g, a, h in chunk.rounds])
+            if chunk.finish_reason:
+                return
+
+    def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
+        return pb.CancelResponse(found=self.engine.cancel(request.request_id))
+
+    def GetLoad(self, request, context) -> pb.Load:
+        return pb.Load(**self.engine.load())
+
+    def _handle(self, request: pb.TargetRequest) -> Handle:
+        if request.gamma > MAX_GAMMA:
+            raise ValueError(f"gamma={request.gamma} exceeds {MAX_GAMMA}")
+        params, _ = sampling_from_proto(
+            request.sampling, max_tokens=request.max_tokens,
+            stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos)
+        seq = self.engine.decoder.new_sequence(list(request.prompt_ids), params,
+                                               list(request.resume_output_ids))
+        # FIXED, and AUTO until the router's policy lands: a fixed γ
+        is_off = request.spec_mode == pb.SPEC_MODE_OFF
+        gamma = 0 if is_off else request.gamma or self.default_gamma
+        return Handle(request.request_id or uuid.uuid4().hex, seq, gamma)

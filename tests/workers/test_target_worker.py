@@ -1,0 +1,148 @@
+"""Target + draft replicas as separate processes on loopback (issue 4, must show 1, 2, 4, 5)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from outrider.engine.drafter import Drafter
+from outrider.engine.runner import ModelRunner, RunnerConfig
+from outrider.engine.sampling import SamplingParams
+from outrider.engine.spec_decode import SpeculativeDecoder
+from outrider.grpc_server import token_metadata
+from outrider.v1 import worker_pb2 as pb
+from outrider.v1 import worker_pb2_grpc
+from outrider.wire import sampling_to_proto
+from tests.checkpoints import VOCAB
+from tests.processes import outrider_process
+
+TOKEN = "cluster-token-for-tests"
+pytestmark = pytest.mark.slow
+
+
+def prompts(n: int, seed: int = 9) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (2 + (5 * i) % 37,), generator=g).tolist() for i in range(n)]
+
+
+def request_for(i: int, prompt: list[int], gamma: int, max_tokens: int,
+                sampled: bool) -> pb.TargetRequest:
+    params = (SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i) if sampled
+              else SamplingParams())
+    return pb.TargetRequest(request_id=f"r{i}-{time.monotonic_ns()}", prompt_ids=prompt,
+                            sampling=sampling_to_proto(params, params.seed or 0),
+                            max_tokens=max_tokens, ignore_eos=True,
+                            spec_mode=pb.SPEC_MODE_FIXED if gamma else pb.SPEC_MODE_OFF,
+                            gamma=gamma)
+
+
+def run_remote(stub, req: pb.TargetRequest) -> list[int]:
+    tokens = []
+    for chunk in stub.Generate(req, metadata=token_metadata(TOKEN), timeout=120):
+        tokens.extend(chunk.token_ids)
+    return tokens
+
+
+def run_local(llama_dir, draft_dir, req: pb.TargetRequest) -> list[int]:
+    decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir))),
+                                 Drafter(ModelRunner(RunnerConfig(str(draft_dir)))))
+    s = req.sampling
+    params = SamplingParams(max_tokens=req.max_tokens, temperature=s.temperature,
+                            top_p=s.top_p or 1.0, seed=s.seed, ignore_eos=True)
+    return decoder.generate([list(req.prompt_ids)], params, req.gamma)[0].output_ids
+
+
+@pytest.fixture(scope="module")
+def cluster(llama_dir, draft_dir):
+    with outrider_process("draft-worker", "--model", str(draft_dir), token=TOKEN) as (_, d_addr), \
+         outrider_process("target-worker", "--model", str(llama_dir), "--draft-address", d_addr,
+                          "--kv-cache-mb", "2", "--max-batch-tokens", "96",
+                          token=TOKEN) as (_, t_addr), \
+         grpc.insecure_channel(t_addr) as t_chan, grpc.insecure_channel(d_addr) as d_chan:
+        yield worker_pb2_grpc.TargetStub(t_chan), worker_pb2_grpc.DraftStub(d_chan)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-sampling"])
+def test_remote_output_equals_single_process_loop(cluster, llama_dir, draft_dir, sampled):
+    stub, _ = cluster
+    req = request_for(0, prompts(1)[0], gamma=4, max_tokens=40, sampled=sampled)
+    assert run_remote(stub, req) == run_local(llama_dir, draft_dir, req)
+
+
+def test_32_concurrent_sequences_match_their_solo_runs(cluster, llama_dir, draft_dir):
+    stub, _ = cluster
+    reqs = [request_for(i, p, gamma=(0, 2, 4, 7)[i % 4], max_tokens=8 + (i * 7) % 30,
+                        sampled=i % 3 == 0) for i, p in enumerate(prompts(32))]
+    with ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(lambda r: run_remote(stub, r), reqs))
+    solo = [run_remote(stub, r) for r in reqs[:6]]
+    assert together[:6] == solo
+    for req, tokens in zip(reqs, together):
+        assert len(tokens) == req.max_tokens
+    assert together[1] == run_local(llama_dir, draft_dir, reqs[1])
+
+
+def test_cancel_mid_stream_frees_everything(cluster):
+    stub, draft = cluster
+    req = request_for(7, prompts(1)[0], gamma=4, max_tokens=400, sampled=False)
+    stream = stub.Generate(req, metadata=token_metadata(TOKEN), timeout=120)
+    next(stream)
+    assert stub.Cancel(pb.CancelRequest(request_id=req.request_id),
+                       metadata=token_metadata(TOKEN)).found
+    reasons = [c.finish_reason for c in stream]
+    assert reasons[-1] == "cancelled"
+    _wait_idle(stub, draft)
+
+
+def test_client_disconnect_frees_everything(cluster):
+    stub, draft = cluster
+    req = request_for(8, prompts(1)[0], gamma=4, max_tokens=400, sampled=False)
+    stream = stub.Generate(req, metadata=token_metadata(TOKEN), timeout=120)
+    next(stream)
+    stream.cancel()
+    _wait_idle(stub, draft)
+
+
+def _wait_idle(stub, draft, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        load = stub.GetLoad(pb.LoadRequest(), metadata=token_metadata(TOKEN))
+        stats = draft.Stats(pb.DraftStatsRequest(), metadata=token_metadata(TOKEN))
+        if load.kv_used_blocks == 0 and load.num_running == 0 and stats.num_sequences == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"resources still held: {load} {stats}")
+
+
+def test_kv_pressure_preempts_and_finishes_everything(llama_dir, draft_dir):
+    reqs = [request_for(i, p, gamma=3, max_tokens=60, sampled=False)
+            for i, p in enumerate(prompts(12, seed=4))]
+    with outrider_process("draft-worker", "--model", str(draft_dir), token=TOKEN) as (_, d), \
+         outrider_process("target-worker", "--model", str(llama_dir), "--draft-address", d,
+                          "--kv-cache-mb", "0.15", "--max-batch-tokens", "64",
+                          token=TOKEN) as (_, t), grpc.insecure_channel(t) as chan:
+        stub = worker_pb2_grpc.TargetStub(chan)
+        with ThreadPoolExecutor(12) as pool:
+            outputs = list(pool.map(lambda r: run_remote(stub, r), reqs))
+    for req, tokens in zip(reqs[:3], outputs[:3]):
+        assert tokens == run_local(llama_dir, draft_dir, req)
+    assert all(len(t) == 60 for t in outputs)
+
+
+def test_wrong_token_and_bad_request(cluster):
+    stub, _ = cluster
+    req = request_for(9, [1, 2, 3], gamma=2, max_tokens=5, sampled=False)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(req, metadata=token_metadata("nope"), timeout=30))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    bad = request_for(10, [1, 2, VOCAB + 5], gamma=2, max_tokens=5, sampled=False)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(bad, metadata=token_metadata(TOKEN), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "vocabulary" in err.value.details()
+    threading.Event().wait(0)  # keep the module's imports honest
