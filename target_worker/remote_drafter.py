@@ -34,7 +34,10 @@ class RemoteDrafter:
         self.seq_prefix = seq_prefix  # keeps ids unique when targets share a draft replica
         self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
         self._metadata = token_metadata(token)
-        self._channels = [grpc.insecure_channel(a) for a in addresses]
+        # reconnect quickly to a restarted replica (gRPC's default backoff grows to 2 min)
+        options = [("grpc.initial_reconnect_backoff_ms", 200),
+                   ("grpc.max_reconnect_backoff_ms", 2000)]
+        self._channels = [grpc.insecure_channel(a, options=options) for a in addresses]
         self._stubs = [worker_pb2_grpc.DraftStub(c) for c in self._channels]
         self._down_until = [0.0] * len(addresses)
         self._assigned: dict[object, int] = {}

@@ -146,3 +146,36 @@ def test_wrong_token_and_bad_request(cluster):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "vocabulary" in err.value.details()
     threading.Event().wait(0)  # keep the module's imports honest
+
+
+def test_draft_killed_and_restarted_mid_generation(tmp_path, tokenizer_dir):
+    """γ = 0 while the draft is gone, MISS and a full resend after it returns: the
+    output does not change and speculation resumes in the same sequence."""
+    from outrider.engine.distributed import free_port
+    from tests.checkpoints import perturbed_copy, save_random_checkpoint
+
+    # a long context, so the sequence is still running when the draft is back
+    llama_dir = save_random_checkpoint(tmp_path / "t", tokenizer_from=tokenizer_dir,
+                                       max_position_embeddings=4096)
+    draft_dir = perturbed_copy(llama_dir, tmp_path / "d", noise=0.1)
+    port = free_port()
+    draft_args = ("draft-worker", "--model", str(draft_dir), "--port", str(port))
+    req = request_for(11, prompts(1, seed=2)[0], gamma=4, max_tokens=2500, sampled=False)
+    expected = run_local(llama_dir, draft_dir, req)
+    tokens, rounds_after_restart = [], []
+    with outrider_process(*draft_args, token=TOKEN) as (draft_proc, d_addr), \
+         outrider_process("target-worker", "--model", str(llama_dir), "--draft-address", d_addr,
+                          token=TOKEN) as (_, t_addr), grpc.insecure_channel(t_addr) as chan:
+        stream = worker_pb2_grpc.TargetStub(chan).Generate(
+            req, metadata=token_metadata(TOKEN), timeout=120)
+        tokens.extend(next(stream).token_ids)
+        draft_proc.kill()
+        draft_proc.wait()
+        tokens.extend(next(stream).token_ids)  # served with γ = 0 meanwhile
+        with outrider_process(*draft_args, token=TOKEN):
+            time.sleep(3)  # the target's next tries at the draft now reach the new process
+            for chunk in stream:
+                tokens.extend(chunk.token_ids)
+                rounds_after_restart.extend(chunk.rounds)
+    assert tokens == expected
+    assert any(r.gamma > 0 and r.num_accepted > 0 for r in rounds_after_restart[-20:])
