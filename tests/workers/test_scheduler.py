@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from outrider.target_worker.scheduler import Scheduler, SchedulerConfig
+
 from outrider.engine.block_manager import BlockManager
 from outrider.engine.sampling import SamplingParams
 from outrider.engine.spec_decode import Sequence
-from outrider.target_worker.scheduler import Scheduler, SchedulerConfig
 
 
 def make(num_blocks=8, block_size=4, budget=32, max_seqs=8):
