@@ -35,6 +35,7 @@ class AttentionMetadata:
     max_query_len: int
     query_positions: torch.Tensor    # [batch, max_q] absolute position of each padded query
     context_lens: torch.Tensor       # [batch]
+    is_uniform_context: bool         # every sequence has max_ctx positions
     masks: dict = field(default_factory=dict)  # window -> [batch, 1, max_q, max_ctx] bool | None
 
     @classmethod
@@ -42,24 +43,29 @@ class AttentionMetadata:
               device: torch.device) -> AttentionMetadata:
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
         batch = len(seqs)
+        # sizes from the host-side lists: no device round trips
         max_blocks = max(len(s.block_table) for s in seqs)
+        max_q = max(s.query_len for s in seqs)
+        context_lens = [s.context_len for s in seqs]
+        max_ctx = max(context_lens)
+        is_dense = all(s.query_len == max_q for s in seqs)
         tables = as_long([s.block_table + [0] * (max_blocks - len(s.block_table))
                           for s in seqs])  # [batch, max_blocks]
         cached = as_long([s.cached_len for s in seqs])  # [batch]
         query_lens = as_long([s.query_len for s in seqs])  # [batch]
-        max_q, max_ctx = int(query_lens.max()), int((cached + query_lens).max())
         pos = torch.arange(max_ctx, device=device)
         kv_slots = tables[:, pos // block_size] * block_size + pos % block_size  # [batch, max_ctx]
         offsets = torch.arange(max_q, device=device)
         q_pos = cached[:, None] + offsets  # [batch, max_q]
         is_real = offsets < query_lens[:, None]  # [batch, max_q]
-        slot_mapping = kv_slots.gather(1, q_pos.clamp(max=max_ctx - 1))[is_real]
-        is_dense = bool(is_real.all())
-        pad_index = (torch.arange(batch * max_q, device=device).view(batch, max_q)[is_real]
-                     if not is_dense else None)
+        slot_mapping = kv_slots.gather(1, q_pos.clamp(max=max_ctx - 1))
+        slot_mapping = slot_mapping.flatten() if is_dense else slot_mapping[is_real]
+        pad_index = (None if is_dense else
+                     torch.arange(batch * max_q, device=device).view(batch, max_q)[is_real])
         return cls(slot_mapping=slot_mapping, kv_slots=kv_slots, pad_index=pad_index,
                    max_query_len=max_q, query_positions=q_pos,
-                   context_lens=cached + query_lens)
+                   context_lens=as_long(context_lens),
+                   is_uniform_context=min(context_lens) == max_ctx)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
         """Causal (and sliding-window) mask, built once per window size per forward."""
@@ -69,8 +75,8 @@ class AttentionMetadata:
 
     def _build_mask(self, window: int | None) -> torch.Tensor | None:
         max_ctx = self.kv_slots.shape[1]
-        is_uniform = bool((self.context_lens == max_ctx).all())
-        if self.max_query_len == 1 and is_uniform and (window is None or max_ctx <= window):
+        if (self.max_query_len == 1 and self.is_uniform_context
+                and (window is None or max_ctx <= window)):
             return None  # every query sees every cached key
         key_pos = torch.arange(max_ctx, device=self.kv_slots.device)  # [max_ctx]
         q_pos = self.query_positions.unsqueeze(-1)  # [batch, max_q, 1]
