@@ -11,10 +11,10 @@ from outrider.engine.drafter import Drafter, DraftItem
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.sampling import SamplingParams
 from outrider.grpc_server import token_metadata
+from outrider.launch import outrider_process
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 from outrider.wire import Q_FORMAT_CODES, decode_q, sampling_to_proto
-from tests.processes import outrider_process
 
 TOKEN = "s3cret-test-token"
 CONTEXT = [5, 17, 33, 2, 41, 99, 150, 7]

@@ -15,11 +15,11 @@ from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.sampling import SamplingParams
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.grpc_server import token_metadata
+from outrider.launch import outrider_process
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 from outrider.wire import sampling_to_proto
 from tests.checkpoints import VOCAB
-from tests.processes import outrider_process
 
 TOKEN = "cluster-token-for-tests"
 pytestmark = pytest.mark.slow

@@ -1,4 +1,5 @@
-"""Starting Outrider server processes on loopback for system tests."""
+"""Starting Outrider server processes (workers) as children of this process; used by
+benchmarks and system tests."""
 
 from __future__ import annotations
 

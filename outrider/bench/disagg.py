@@ -1,0 +1,121 @@
+"""Disaggregated speculation: a target replica and a draft replica as separate processes
+on this machine, talking gRPC over loopback, against the same pair in one process.
+
+    python -m outrider.bench.disagg [--prompts 5] [--max-tokens 128] [--gamma 4]
+
+Reports batch-1 greedy tokens/s (γ = 0 and γ = γ, in-process and over gRPC), the gRPC
+cost per round (extra time per round over the in-process loop), and throughput with 8
+and 32 concurrent streams. Writes results/disagg.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+import grpc
+import torch
+
+from outrider import paths
+from outrider.bench.acceptance import heldout_prompts
+from outrider.engine.drafter import Drafter
+from outrider.engine.runner import ModelRunner, RunnerConfig
+from outrider.engine.sampling import SamplingParams
+from outrider.engine.spec_decode import SpeculativeDecoder
+from outrider.engine.tokenizer import Tokenizer
+from outrider.grpc_server import token_metadata
+from outrider.launch import outrider_process
+from outrider.v1 import worker_pb2 as pb
+from outrider.v1 import worker_pb2_grpc
+from outrider.wire import sampling_to_proto
+
+TOKEN = "bench-token"
+
+
+def remote_run(stub, prompt: list[int], gamma: int, max_tokens: int) -> tuple[int, int]:
+    req = pb.TargetRequest(prompt_ids=prompt, max_tokens=max_tokens, ignore_eos=True,
+                           sampling=sampling_to_proto(SamplingParams(), 0), gamma=gamma,
+                           spec_mode=pb.SPEC_MODE_FIXED if gamma else pb.SPEC_MODE_OFF)
+    tokens = rounds = 0
+    for chunk in stub.Generate(req, metadata=token_metadata(TOKEN), timeout=600):
+        tokens += len(chunk.token_ids)
+        rounds += len(chunk.rounds)
+    return tokens, rounds
+
+
+def batch1(run, prompts, gamma: int, max_tokens: int) -> dict:
+    start, tokens, rounds = time.perf_counter(), 0, 0
+    for p in prompts:
+        t, r = run(p, gamma, max_tokens)
+        tokens, rounds = tokens + t, rounds + r
+    seconds = time.perf_counter() - start
+    return {"tokens_per_s": tokens / seconds, "seconds_per_round": seconds / rounds,
+            "rounds": rounds, "tokens": tokens}
+
+
+def concurrent(stub, prompts, gamma: int, max_tokens: int, streams: int) -> float:
+    work = [prompts[i % len(prompts)] for i in range(streams)]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        done = list(pool.map(lambda p: remote_run(stub, p, gamma, max_tokens)[0], work))
+    return sum(done) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompts", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--out", default="results/disagg.json")
+    args = parser.parse_args()
+    target_dir, draft_dir = str(paths.demo_target_dir()), str(paths.demo_draft_dir())
+    prompts = heldout_prompts(Tokenizer(target_dir), args.prompts, 128)
+    local = SpeculativeDecoder(ModelRunner(RunnerConfig(target_dir)),
+                               Drafter(ModelRunner(RunnerConfig(draft_dir))))
+
+    def local_run(prompt, gamma, max_tokens):
+        seq = local.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                             gamma)[0]
+        return seq.num_output, seq.stats.num_rounds
+
+    report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+                         f"torch {torch.__version__}",
+              "command": f"python -m outrider.bench.disagg --prompts {args.prompts} "
+                         f"--max-tokens {args.max_tokens} --gamma {args.gamma}"}
+    with ExitStack() as stack:
+        _, d_addr = stack.enter_context(
+            outrider_process("draft-worker", "--model", draft_dir, token=TOKEN))
+        _, t_addr = stack.enter_context(
+            outrider_process("target-worker", "--model", target_dir, "--draft-address", d_addr,
+                             token=TOKEN))
+        stub = worker_pb2_grpc.TargetStub(stack.enter_context(grpc.insecure_channel(t_addr)))
+
+        def remote(prompt, gamma, max_tokens):
+            return remote_run(stub, prompt, gamma, max_tokens)
+
+        remote(prompts[0], args.gamma, 16)  # warm-up
+        for name, run in (("in_process", local_run), ("grpc", remote)):
+            for gamma in (0, args.gamma):
+                report[f"{name}_gamma{gamma}"] = batch1(run, prompts, gamma, args.max_tokens)
+        spec_local, spec_remote = report[f"in_process_gamma{args.gamma}"], \
+            report[f"grpc_gamma{args.gamma}"]
+        overhead = spec_remote["seconds_per_round"] - spec_local["seconds_per_round"]
+        report["grpc_overhead_ms_per_round"] = overhead * 1e3
+        report["grpc_overhead_pct_of_round"] = 100 * overhead / spec_remote["seconds_per_round"]
+        for streams in (8, 32):
+            for gamma in (0, args.gamma):
+                report[f"throughput_{streams}_streams_gamma{gamma}"] = concurrent(
+                    stub, prompts, gamma, args.max_tokens, streams)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
