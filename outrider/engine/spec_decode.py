@@ -129,16 +129,14 @@ class SpeculativeDecoder:
         if not prompt_ids:
             raise RequestError("prompt is empty")
         vocab = self.target.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise RequestError(f"prompt has {len(prompt_ids)} tokens; the model's context "
-                               f"is {self.max_model_len}")
+        for what, ids in (("prompt", prompt_ids), ("resumed", resume_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(f"{what} token id {bad} is outside the vocabulary [0, {vocab})")
         if len(prompt_ids) + len(resume_ids) >= self.max_model_len:
-            raise RequestError("prompt and resumed tokens fill the model's context")
-        if any(not 0 <= t < vocab for t in resume_ids):
-            raise RequestError("a resumed token id is outside the vocabulary")
+            resumed = f" (+{len(resume_ids)} resumed)" if resume_ids else ""
+            raise RequestError(f"prompt has {len(prompt_ids)} tokens{resumed}; the model's "
+                               f"context is {self.max_model_len}")
         seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
         self._next_id += 1
         return Sequence(self._next_id, [*prompt_ids, *resume_ids], len(prompt_ids), params, seed)
