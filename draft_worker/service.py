@@ -8,6 +8,7 @@ import time
 import grpc
 import torch
 
+from outrider.dense_channel import DenseChannel
 from outrider.engine.drafter import Drafter, DraftItem
 from outrider.engine.sampling import SamplingError
 from outrider.v1 import worker_pb2 as pb
@@ -18,9 +19,13 @@ MAX_GAMMA = 32
 
 
 class DraftService(worker_pb2_grpc.DraftServicer):
-    def __init__(self, drafter: Drafter, idle_ttl_s: float = 300.0) -> None:
+    def __init__(self, drafter: Drafter, idle_ttl_s: float = 300.0,
+                 dense_channel: DenseChannel | None = None) -> None:
         self.drafter = drafter
         self.idle_ttl_s = idle_ttl_s
+        self.dense_channel = dense_channel
+        self._pending_send = None  # (work, buffer) of the last dense-channel send
+        self.num_dense_sends = 0
         self._lock = threading.Lock()  # one model, one forward at a time
 
     def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
@@ -28,10 +33,16 @@ class DraftService(worker_pb2_grpc.DraftServicer):
             items = [self._item(s) for s in request.sequences]
         except (SamplingError, WireError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        is_dist = [it.q_format == "dense_dist" for it in items]
+        if any(is_dist) and not (self.dense_channel and self.dense_channel.wait_ready(30)):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "Q_FORMAT_DENSE_DIST needs a dense channel (--dist-address)")
         start = time.perf_counter()
         with self._lock:
             self.drafter.evict_idle(self.idle_ttl_s)
             out = self.drafter.draft(items, torch.device("cpu"))
+            if any(is_dist):
+                self._send_dense(out, is_dist, request.dist_tag)
         proposals = []
         for i, it in enumerate(items):
             g = out.gammas[i]
@@ -40,6 +51,17 @@ class DraftService(worker_pb2_grpc.DraftServicer):
             msg.miss = out.is_miss[i]
             proposals.append(msg)
         return pb.ProposeResponse(proposals=proposals, draft_seconds=time.perf_counter() - start)
+
+    def _send_dense(self, out, is_dist: list[bool], tag: int) -> None:
+        """One send of every dense_dist row, in request order; the target receives it
+        after reading this call's reply."""
+        rows = [out.probs[i, :g] for i, g in enumerate(out.gammas) if is_dist[i] and g]
+        if not rows:
+            return
+        if self._pending_send is not None:
+            self._pending_send[0].wait()
+        self._pending_send = self.dense_channel.send(torch.cat(rows), tag)
+        self.num_dense_sends += 1
 
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         with self._lock:
@@ -54,7 +76,8 @@ class DraftService(worker_pb2_grpc.DraftServicer):
                              num_evicted=self.drafter.num_evicted,
                              num_misses=self.drafter.num_misses,
                              vocab_size=self.drafter.vocab_size,
-                             max_model_len=self.drafter.max_model_len)
+                             max_model_len=self.drafter.max_model_len,
+                             num_dense_sends=self.num_dense_sends)
 
     def _item(self, s: pb.ProposeSequence) -> DraftItem:
         where = f"sequences[{s.seq_id!r}]"

@@ -46,12 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
     draft.add_argument("--kv-cache-mb", type=float, default=256.0)
     draft.add_argument("--idle-ttl-s", type=float, default=300.0,
                        help="free sequences idle this long (they MISS later)")
+    draft.add_argument("--dist-address", help="host:port of the co-located target's dense "
+                                              "q channel (torch.distributed, gloo on CPU)")
     draft.set_defaults(func=cmd_draft_worker)
 
     target = sub.add_parser("target-worker", help="run one target replica (gRPC server)")
     target.add_argument("--model", required=True, help="target checkpoint dir")
     target.add_argument("--draft-address", action="append", default=[],
                         help="host:port of a draft replica (repeat for several)")
+    target.add_argument("--draft-dist-address",
+                        help="host:port to host a dense q channel (torch.distributed) with "
+                             "the first draft replica, when it runs on this machine")
     target.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
     target.add_argument("--tp", type=int, default=1)
     target.add_argument("--host", default="127.0.0.1")
@@ -183,7 +188,8 @@ def cmd_draft_worker(args) -> int:
     from outrider.draft_worker.main import serve
 
     serve(args.model, args.host, args.port, cluster_token(), device=args.device,
-          dtype=args.dtype, kv_cache_mb=args.kv_cache_mb, idle_ttl_s=args.idle_ttl_s)
+          dtype=args.dtype, kv_cache_mb=args.kv_cache_mb, idle_ttl_s=args.idle_ttl_s,
+          dist_address=args.dist_address)
     return 0
 
 
@@ -196,7 +202,8 @@ def cmd_target_worker(args) -> int:
                           tp=args.tp, kv_cache_mb=args.kv_cache_mb)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                             max_batch_tokens=args.max_batch_tokens)
-    serve(runner, sched, args.draft_address, args.gamma, args.host, args.port, cluster_token())
+    serve(runner, sched, args.draft_address, args.gamma, args.host, args.port, cluster_token(),
+          dist_address=args.draft_dist_address)
     return 0
 
 

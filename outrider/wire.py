@@ -13,7 +13,8 @@ from outrider.engine.sampling import SamplingParams
 from outrider.v1 import worker_pb2 as pb
 
 Q_FORMAT_NAMES = {pb.Q_FORMAT_IDS: "ids", pb.Q_FORMAT_POINT_MASS: "point_mass",
-                  pb.Q_FORMAT_SPARSE: "sparse", pb.Q_FORMAT_DENSE_FP16: "dense_fp16"}
+                  pb.Q_FORMAT_SPARSE: "sparse", pb.Q_FORMAT_DENSE_FP16: "dense_fp16",
+                  pb.Q_FORMAT_DENSE_DIST: "dense_dist"}
 Q_FORMAT_CODES = {name: code for code, name in Q_FORMAT_NAMES.items()}
 
 
@@ -33,11 +34,13 @@ def sampling_from_proto(msg: pb.Sampling, **fields) -> tuple[SamplingParams, int
     return params, msg.seed
 
 
-def q_format_for(params: SamplingParams) -> str:
+def q_format_for(params: SamplingParams, has_dense_channel: bool = False) -> str:
     """The cheapest exact q format for a request (DESIGN §3)."""
     if params.is_greedy:
         return "ids"
-    return "sparse" if params.top_k or params.top_p < 1 else "dense_fp16"
+    if params.top_k or params.top_p < 1:
+        return "sparse"
+    return "dense_dist" if has_dense_channel else "dense_fp16"
 
 
 def encode_proposal(seq_id: str, token_ids: list[int], q_rows: torch.Tensor,

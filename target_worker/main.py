@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import uuid
 
@@ -11,6 +12,7 @@ from outrider.target_worker.remote_drafter import RemoteDrafter
 from outrider.target_worker.scheduler import SchedulerConfig
 from outrider.target_worker.service import TargetService
 
+from outrider.dense_channel import TARGET_RANK, DenseChannel
 from outrider.engine.distributed import TPRunnerGroup
 from outrider.engine.runner import RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
@@ -22,9 +24,15 @@ SERVICE_NAME = DESCRIPTOR.services_by_name["Target"].full_name
 
 
 def serve(runner_cfg: RunnerConfig, sched_cfg: SchedulerConfig, draft_addresses: list[str],
-          gamma: int, host: str, port: int, token: str | None) -> None:
+          gamma: int, host: str, port: int, token: str | None,
+          dist_address: str | None = None) -> None:
     group = TPRunnerGroup(runner_cfg)
-    drafter = (RemoteDrafter(draft_addresses, token, seq_prefix=f"{uuid.uuid4().hex[:8]}:")
+    channel = DenseChannel(dist_address, TARGET_RANK) if dist_address else None
+    if channel and not channel.wait_ready(timeout_s=60):
+        print("dense q channel did not come up; full-vocabulary q goes as fp16 over gRPC",
+              file=sys.stderr, flush=True)
+    drafter = (RemoteDrafter(draft_addresses, token, seq_prefix=f"{uuid.uuid4().hex[:8]}:",
+                             dense_channel=channel)
                if draft_addresses else None)
     engine = TargetEngine(SpeculativeDecoder(group.runner, drafter), sched_cfg)
     service = TargetService(engine, default_gamma=gamma if drafter else 0)

@@ -14,6 +14,7 @@ import zlib
 import grpc
 import torch
 
+from outrider.dense_channel import DenseChannel
 from outrider.engine.drafter import DraftItem, DraftOutput
 from outrider.grpc_server import token_metadata
 from outrider.v1 import worker_pb2 as pb
@@ -27,7 +28,8 @@ class DraftReplicaError(RuntimeError):
 
 class RemoteDrafter:
     def __init__(self, addresses: list[str], token: str | None, seq_prefix: str,
-                 timeout_s: float = 10.0, retry_after_s: float = 2.0) -> None:
+                 timeout_s: float = 10.0, retry_after_s: float = 2.0,
+                 dense_channel: DenseChannel | None = None) -> None:
         if not addresses:
             raise DraftReplicaError("no draft replica addresses given")
         self.addresses = addresses
@@ -42,6 +44,8 @@ class RemoteDrafter:
         self._down_until = [0.0] * len(addresses)
         self._assigned: dict[object, int] = {}
         self._releases: list[grpc.Future] = []
+        self.dense_channel = dense_channel  # to replica 0, when it is co-located
+        self._dist_tag = 0
         self.num_failures = 0
         stats = self._describe()
         self.vocab_size, self.max_model_len = stats.vocab_size, stats.max_model_len
@@ -77,7 +81,9 @@ class RemoteDrafter:
         for i, it in enumerate(items):
             if it.gamma:
                 groups.setdefault(self._replica_for(it.seq_id), []).append(i)
-        calls = {r: self._stubs[r].Propose.future(self._request(items, rows),
+        formats = [self._q_format(it, self._assigned.get(it.seq_id, -1)) for it in items]
+        self._dist_tag += 1
+        calls = {r: self._stubs[r].Propose.future(self._request(items, formats, rows),
                                                   metadata=self._metadata, timeout=self.timeout_s)
                  for r, rows in groups.items() if r >= 0}
         gammas, is_miss = [0] * len(items), [False] * len(items)
@@ -90,8 +96,28 @@ class RemoteDrafter:
                 self._set_aside(replica)
                 continue
             for i, proposal in zip(groups[replica], reply.proposals):
-                self._read(items[i], proposal, i, gammas, is_miss, token_rows, q_rows)
+                self._read(items[i], proposal, formats[i], i, gammas, is_miss, token_rows, q_rows)
+            self._receive_dense(groups[replica], reply, formats, gammas, q_rows)
         return _pack(items, gammas, is_miss, token_rows, q_rows, self.vocab_size, device)
+
+    def _q_format(self, item: DraftItem, replica: int) -> str:
+        has_channel = replica == 0 and self.dense_channel is not None \
+            and self.dense_channel.is_ready
+        return q_format_for(item.params, has_channel)
+
+    def _receive_dense(self, rows: list[int], reply: pb.ProposeResponse, formats: list[str],
+                       gammas: list[int], q_rows: dict[int, torch.Tensor]) -> None:
+        """The replica sent the q rows of every drafted dense_dist sequence of this call,
+        in request order, as one message."""
+        sent = [(i, len(p.token_ids)) for i, p in zip(rows, reply.proposals)
+                if formats[i] == "dense_dist" and not p.miss and p.token_ids]
+        if not sent:
+            return
+        dense = self.dense_channel.recv(sum(n for _, n in sent), self.vocab_size,
+                                        self._dist_tag)
+        for (i, _), q in zip(sent, dense.split([n for _, n in sent])):
+            if gammas[i]:
+                q_rows[i] = q / q.sum(-1, keepdim=True)
 
     # -- helpers -----------------------------------------------------------------------------
     def _wire_id(self, seq_id) -> str:
@@ -113,7 +139,8 @@ class RemoteDrafter:
         self.num_failures += 1
         self._down_until[replica] = time.monotonic() + self.retry_after_s
 
-    def _request(self, items: list[DraftItem], rows: list[int]) -> pb.ProposeRequest:
+    def _request(self, items: list[DraftItem], formats: list[str],
+                 rows: list[int]) -> pb.ProposeRequest:
         seqs = []
         for i in rows:
             it = items[i]
@@ -121,20 +148,23 @@ class RemoteDrafter:
                 seq_id=self._wire_id(it.seq_id), committed_len=it.committed_len,
                 new_token_ids=it.new_token_ids, gamma=it.gamma,
                 sampling=sampling_to_proto(it.params, it.seed),
-                q_format=Q_FORMAT_CODES[q_format_for(it.params)]))
-        return pb.ProposeRequest(sequences=seqs)
+                q_format=Q_FORMAT_CODES[formats[i]]))
+        return pb.ProposeRequest(sequences=seqs, dist_tag=self._dist_tag)
 
-    def _read(self, item: DraftItem, proposal: pb.Proposal, i: int, gammas, is_miss,
-              token_rows, q_rows) -> None:
+    def _read(self, item: DraftItem, proposal: pb.Proposal, q_format: str, i: int, gammas,
+              is_miss, token_rows, q_rows) -> None:
         if proposal.miss:
             is_miss[i] = True
             return
-        gamma = min(len(proposal.token_ids), item.gamma)
-        try:
-            q = decode_q(proposal, q_format_for(item.params), self.vocab_size)
-        except WireError:
-            return  # a malformed proposal is simply not used: γ = 0 this round
-        gammas[i], token_rows[i], q_rows[i] = gamma, list(proposal.token_ids)[:gamma], q[:gamma]
+        gamma = len(proposal.token_ids)
+        if gamma > item.gamma:
+            return  # not what was asked: unused, γ = 0 this round
+        if q_format != "dense_dist":  # dense_dist rows arrive over the channel
+            try:
+                q_rows[i] = decode_q(proposal, q_format, self.vocab_size)
+            except WireError:
+                return  # a malformed proposal is simply not used: γ = 0 this round
+        gammas[i], token_rows[i] = gamma, list(proposal.token_ids)
 
 
 def _pack(items, gammas, is_miss, token_rows, q_rows, vocab: int,

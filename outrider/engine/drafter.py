@@ -25,10 +25,11 @@ from outrider.engine.sampling import (
     sample_from_probs,
 )
 
-# How q leaves the drafter (DESIGN §3). "dense" stays in-process at full precision;
-# "dense_fp16" rounds q to fp16 BEFORE sampling, so the draft samples from exactly the
-# distribution it sends; "point_mass" proposes the argmax with q = one-hot.
-Q_FORMATS = ("dense", "ids", "point_mass", "sparse", "dense_fp16")
+# How q leaves the drafter (DESIGN §3). "dense" stays in-process and "dense_dist" goes
+# over a torch.distributed channel, both at full precision; "dense_fp16" rounds q to fp16
+# BEFORE sampling, so the draft samples from exactly the distribution it sends;
+# "point_mass" proposes the argmax with q = one-hot.
+Q_FORMATS = ("dense", "ids", "point_mass", "sparse", "dense_fp16", "dense_dist")
 
 
 @dataclass
@@ -157,7 +158,7 @@ class Drafter:
 
 def _as_sent(probs: torch.Tensor, q_formats: list[str]) -> torch.Tensor:
     """q rows [num_rows, vocab] as the caller will see them; sampling uses these rows."""
-    if all(f in ("dense", "ids", "sparse") for f in q_formats):
+    if all(f in ("dense", "ids", "sparse", "dense_dist") for f in q_formats):
         return probs
     probs = probs.clone()
     for row, fmt in enumerate(q_formats):

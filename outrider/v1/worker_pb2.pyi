@@ -14,6 +14,7 @@ class QFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     Q_FORMAT_POINT_MASS: _ClassVar[QFormat]
     Q_FORMAT_SPARSE: _ClassVar[QFormat]
     Q_FORMAT_DENSE_FP16: _ClassVar[QFormat]
+    Q_FORMAT_DENSE_DIST: _ClassVar[QFormat]
 
 class SpecMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -25,6 +26,7 @@ Q_FORMAT_IDS: QFormat
 Q_FORMAT_POINT_MASS: QFormat
 Q_FORMAT_SPARSE: QFormat
 Q_FORMAT_DENSE_FP16: QFormat
+Q_FORMAT_DENSE_DIST: QFormat
 SPEC_MODE_AUTO: SpecMode
 SPEC_MODE_OFF: SpecMode
 SPEC_MODE_FIXED: SpecMode
@@ -58,10 +60,12 @@ class ProposeSequence(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., q_format: _Optional[_Union[QFormat, str]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("sequences",)
+    __slots__ = ("sequences", "dist_tag")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    DIST_TAG_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[ProposeSequence]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[ProposeSequence, _Mapping]]] = ...) -> None: ...
+    dist_tag: int
+    def __init__(self, sequences: _Optional[_Iterable[_Union[ProposeSequence, _Mapping]]] = ..., dist_tag: _Optional[int] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("seq_id", "miss", "token_ids", "support_lens", "support_ids", "support_probs", "dense_q", "vocab_size")
@@ -108,7 +112,7 @@ class DraftStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftStats(_message.Message):
-    __slots__ = ("num_sequences", "num_used_blocks", "num_total_blocks", "num_evicted", "num_misses", "vocab_size", "max_model_len")
+    __slots__ = ("num_sequences", "num_used_blocks", "num_total_blocks", "num_evicted", "num_misses", "vocab_size", "max_model_len", "num_dense_sends")
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +120,7 @@ class DraftStats(_message.Message):
     NUM_MISSES_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_DENSE_SENDS_FIELD_NUMBER: _ClassVar[int]
     num_sequences: int
     num_used_blocks: int
     num_total_blocks: int
@@ -123,7 +128,8 @@ class DraftStats(_message.Message):
     num_misses: int
     vocab_size: int
     max_model_len: int
-    def __init__(self, num_sequences: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_evicted: _Optional[int] = ..., num_misses: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    num_dense_sends: int
+    def __init__(self, num_sequences: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_evicted: _Optional[int] = ..., num_misses: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_dense_sends: _Optional[int] = ...) -> None: ...
 
 class TargetRequest(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "resume_output_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "spec_mode", "gamma")

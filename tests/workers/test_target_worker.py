@@ -179,3 +179,27 @@ def test_draft_killed_and_restarted_mid_generation(tmp_path, tokenizer_dir):
                 rounds_after_restart.extend(chunk.rounds)
     assert tokens == expected
     assert any(r.gamma > 0 and r.num_accepted > 0 for r in rounds_after_restart[-20:])
+
+
+def test_dense_q_over_torch_distributed(llama_dir, draft_dir):
+    """Full-vocabulary sampling with the co-located draft's q sent as fp32 over a gloo
+    pair channel: the same tokens as the single-process loop."""
+    from outrider.engine.distributed import free_port
+
+    dist_address = f"127.0.0.1:{free_port()}"
+    reqs = [request_for(20 + i, p, gamma=4, max_tokens=24, sampled=False)
+            for i, p in enumerate(prompts(3, seed=5))]
+    for req in reqs:  # full vocabulary: temperature only
+        req.sampling.temperature, req.sampling.top_p, req.sampling.seed = 1.0, 1.0, 77
+    with outrider_process("draft-worker", "--model", str(draft_dir), "--dist-address",
+                          dist_address, token=TOKEN) as (_, d), \
+         outrider_process("target-worker", "--model", str(llama_dir), "--draft-address", d,
+                          "--draft-dist-address", dist_address, token=TOKEN) as (_, t), \
+         grpc.insecure_channel(t) as chan, grpc.insecure_channel(d) as d_chan:
+        stub = worker_pb2_grpc.TargetStub(chan)
+        with ThreadPoolExecutor(3) as pool:
+            outputs = list(pool.map(lambda r: run_remote(stub, r), reqs))
+        stats = worker_pb2_grpc.DraftStub(d_chan).Stats(pb.DraftStatsRequest(),
+                                                        metadata=token_metadata(TOKEN))
+    assert stats.num_dense_sends > 0
+    assert outputs == [run_local(llama_dir, draft_dir, r) for r in reqs]
