@@ -16,7 +16,7 @@ import os
 import platform
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -24,6 +24,7 @@ import torch
 
 from outrider import paths
 from outrider.bench.acceptance import heldout_prompts
+from outrider.engine.distributed import free_port
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.sampling import SamplingParams
@@ -36,11 +37,24 @@ from outrider.v1 import worker_pb2_grpc
 from outrider.wire import sampling_to_proto
 
 TOKEN = "bench-token"
+GREEDY = SamplingParams()
 
 
-def remote_run(stub, prompt: list[int], gamma: int, max_tokens: int) -> tuple[int, int]:
+@contextmanager
+def cluster(target_dir: str, draft_dir: str, dense_channel: bool = False):
+    """A draft and a target worker on loopback; yields a Target stub."""
+    dist = ["--dist-address", f"127.0.0.1:{free_port()}"] if dense_channel else []
+    with outrider_process("draft-worker", "--model", draft_dir, *dist, token=TOKEN) as (_, d), \
+         outrider_process("target-worker", "--model", target_dir, "--draft-address", d,
+                          *(["--draft-dist-address", dist[1]] if dist else []),
+                          token=TOKEN) as (_, t), grpc.insecure_channel(t) as channel:
+        yield worker_pb2_grpc.TargetStub(channel)
+
+
+def remote_run(stub, prompt: list[int], gamma: int, max_tokens: int,
+               params: SamplingParams = GREEDY) -> tuple[int, int]:
     req = pb.TargetRequest(prompt_ids=prompt, max_tokens=max_tokens, ignore_eos=True,
-                           sampling=sampling_to_proto(SamplingParams(), 0), gamma=gamma,
+                           sampling=sampling_to_proto(params, params.seed or 0), gamma=gamma,
                            spec_mode=pb.SPEC_MODE_FIXED if gamma else pb.SPEC_MODE_OFF)
     tokens = rounds = 0
     for chunk in stub.Generate(req, metadata=token_metadata(TOKEN), timeout=600):
@@ -59,12 +73,15 @@ def batch1(run, prompts, gamma: int, max_tokens: int) -> dict:
             "rounds": rounds, "tokens": tokens}
 
 
-def concurrent(stub, prompts, gamma: int, max_tokens: int, streams: int) -> float:
+def concurrent(stub, prompts, gamma: int, max_tokens: int, streams: int,
+               params: SamplingParams = GREEDY) -> dict:
     work = [prompts[i % len(prompts)] for i in range(streams)]
     start = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
-        done = list(pool.map(lambda p: remote_run(stub, p, gamma, max_tokens)[0], work))
-    return sum(done) / (time.perf_counter() - start)
+        done = list(pool.map(lambda p: remote_run(stub, p, gamma, max_tokens, params), work))
+    seconds = time.perf_counter() - start
+    return {"tokens_per_s": sum(t for t, _ in done) / seconds,
+            "rounds": max(r for _, r in done), "seconds": seconds}
 
 
 def main() -> None:
@@ -88,18 +105,13 @@ def main() -> None:
                          f"torch {torch.__version__}",
               "command": f"python -m outrider.bench.disagg --prompts {args.prompts} "
                          f"--max-tokens {args.max_tokens} --gamma {args.gamma}"}
-    with ExitStack() as stack:
-        _, d_addr = stack.enter_context(
-            outrider_process("draft-worker", "--model", draft_dir, token=TOKEN))
-        _, t_addr = stack.enter_context(
-            outrider_process("target-worker", "--model", target_dir, "--draft-address", d_addr,
-                             token=TOKEN))
-        stub = worker_pb2_grpc.TargetStub(stack.enter_context(grpc.insecure_channel(t_addr)))
+    with cluster(target_dir, draft_dir) as stub:
 
         def remote(prompt, gamma, max_tokens):
             return remote_run(stub, prompt, gamma, max_tokens)
 
-        remote(prompts[0], args.gamma, 16)  # warm-up
+        remote(prompts[0], args.gamma, 16)  # warm-up both
+        local_run(prompts[0], args.gamma, 16)
         for name, run in (("in_process", local_run), ("grpc", remote)):
             for gamma in (0, args.gamma):
                 report[f"{name}_gamma{gamma}"] = batch1(run, prompts, gamma, args.max_tokens)
@@ -111,7 +123,16 @@ def main() -> None:
         for streams in (8, 32):
             for gamma in (0, args.gamma):
                 report[f"throughput_{streams}_streams_gamma{gamma}"] = concurrent(
-                    stub, prompts, gamma, args.max_tokens, streams)
+                    stub, prompts, gamma, args.max_tokens, streams)["tokens_per_s"]
+    # full-vocabulary sampling: q as fp16 in the gRPC reply vs fp32 over a gloo channel
+    hot = SamplingParams(temperature=1.0, seed=5)
+    for name, dense_channel in (("grpc_fp16", False), ("gloo_fp32", True)):
+        with cluster(target_dir, draft_dir, dense_channel) as stub:
+            concurrent(stub, prompts, args.gamma, 16, 8, hot)  # warm-up
+            run = concurrent(stub, prompts, args.gamma, args.max_tokens, 8, hot)
+            report[f"dense_q_{name}_8_streams"] = {
+                "tokens_per_s": run["tokens_per_s"],
+                "ms_per_round": 1e3 * run["seconds"] / run["rounds"]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
