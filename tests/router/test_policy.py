@@ -1,0 +1,88 @@
+"""The γ policy (DESIGN §4), on its own: no torch, no processes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from outrider.router.policy import (
+    Acceptance,
+    CostModel,
+    GammaPolicy,
+    PolicyConfig,
+    RequestState,
+    SpecMode,
+)
+
+CHEAP_DRAFT = CostModel(verify_base_s=0.010, verify_per_token_s=0.0005,
+                        draft_per_position_s=0.001, draft_rtt_s=0.0005)
+
+
+def request(alpha: float, **kw) -> RequestState:
+    return RequestState(Acceptance([alpha] * 8), **kw)
+
+
+def policy(cost: CostModel = CHEAP_DRAFT, **kw) -> GammaPolicy:
+    return GammaPolicy(PolicyConfig(**kw), cost)
+
+
+def test_expected_tokens_is_the_accepted_prefix_plus_one():
+    acc = Acceptance([0.5, 0.5, 0.5])
+    assert acc.expected_tokens(0) == 1
+    assert acc.expected_tokens(3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+
+
+def test_acceptance_ewma_updates_tested_positions_only():
+    acc = Acceptance([0.5, 0.5, 0.5], weight=0.5)
+    acc.update(gamma=3, num_accepted=1)  # position 0 accepted, 1 rejected, 2 never tested
+    assert acc.alphas == [0.75, 0.25, 0.5]
+
+
+def test_gamma_turns_off_when_hot_and_back_on_when_cool_without_flapping():
+    p = policy(hot_heat=0.9, cool_heat=0.7)
+    reqs = [request(0.8) for _ in range(4)]
+    rng = random.Random(0)
+    heats = [0.2 + 0.9 * t / 50 for t in range(50)] + [1.1 - 0.9 * t / 50 for t in range(50)]
+    chosen = [max(p.choose(min(1.2, h + rng.uniform(-0.04, 0.04)), reqs)) for h in heats]
+    switches = sum((a == 0) != (b == 0) for a, b in zip(chosen, chosen[1:]))
+    assert chosen[0] > 0 and chosen[50] == 0 and chosen[-1] > 0
+    assert switches == 2  # once off, once on: the noise around a threshold does not flap
+
+
+def test_gamma_grows_with_acceptance():
+    p = policy()
+    low, high = p.choose(0.1, [request(0.3)])[0], p.choose(0.1, [request(0.95)])[0]
+    assert 0 <= low < high
+    assert p.choose(0.1, [request(0.0)]) == [0]
+
+
+def test_gamma_shrinks_with_cost():
+    cheap = policy().choose(0.1, [request(0.8)])[0]
+    costly = CostModel(verify_base_s=0.010, verify_per_token_s=0.0005,
+                       draft_per_position_s=0.006, draft_rtt_s=0.004)
+    assert 0 <= policy(costly).choose(0.1, [request(0.8)])[0] < cheap
+
+
+def test_a_big_batch_speculates_less_per_request():
+    compute_bound = CostModel(verify_base_s=0.01, verify_per_token_s=0.002,
+                              draft_per_position_s=0.0005, knee_tokens=8)
+    alone = policy(compute_bound).choose(0.1, [request(0.7)])[0]
+    crowd = policy(compute_bound).choose(0.5, [request(0.7) for _ in range(32)])
+    assert max(crowd) < alone
+
+
+def test_overrides_win():
+    p = policy()
+    reqs = [request(0.99, mode=SpecMode.OFF), request(0.0, mode=SpecMode.FIXED, fixed_gamma=3),
+            request(0.9, gamma_cap=2)]
+    assert p.choose(0.1, reqs)[:2] == [0, 3] and p.choose(0.1, reqs)[2] <= 2
+    hot = p.choose(0.95, reqs)
+    assert hot == [0, 3, 0]  # FIXED survives the heat, AUTO does not
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="hysteresis"):
+        PolicyConfig(hot_heat=0.5, cool_heat=0.6)
+    with pytest.raises(ValueError, match=">= 0"):
+        CostModel(verify_base_s=-1, verify_per_token_s=0, draft_per_position_s=0)
