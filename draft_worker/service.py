@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 
 import grpc
 import torch
@@ -16,6 +17,7 @@ from outrider.v1 import worker_pb2_grpc
 from outrider.wire import Q_FORMAT_NAMES, WireError, encode_proposal, sampling_from_proto
 
 MAX_GAMMA = 32
+SEND_TIMEOUT = timedelta(seconds=5)
 
 
 class DraftService(worker_pb2_grpc.DraftServicer):
@@ -42,7 +44,12 @@ class DraftService(worker_pb2_grpc.DraftServicer):
             self.drafter.evict_idle(self.idle_ttl_s)
             out = self.drafter.draft(items, torch.device("cpu"))
             if any(is_dist):
-                self._send_dense(out, is_dist, request.dist_tag)
+                try:
+                    self._send_dense(out, is_dist, request.dist_tag)
+                except RuntimeError as exc:  # the pair is out of step: the target falls back
+                    self.dense_channel.mark_broken()
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"dense q channel broken: {exc}")
         proposals = []
         for i, it in enumerate(items):
             g = out.gammas[i]
@@ -58,8 +65,9 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         rows = [out.probs[i, :g] for i, g in enumerate(out.gammas) if is_dist[i] and g]
         if not rows:
             return
-        if self._pending_send is not None:
-            self._pending_send[0].wait()
+        previous, self._pending_send = self._pending_send, None
+        if previous is not None:
+            previous[0].wait(SEND_TIMEOUT)  # raises if the target never took it
         self._pending_send = self.dense_channel.send(torch.cat(rows), tag)
         self.num_dense_sends += 1
 

@@ -25,6 +25,7 @@ class DenseChannel:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._group = None
+        self._is_broken = False
         threading.Thread(target=self._join, args=(host, int(port)), daemon=True,
                          name="dense-channel").start()
 
@@ -41,7 +42,12 @@ class DenseChannel:
 
     @property
     def is_ready(self) -> bool:
-        return self._ready.is_set() and self._error is None
+        return self._ready.is_set() and self._error is None and not self._is_broken
+
+    def mark_broken(self) -> None:
+        """A send or receive went unmatched: the pair cannot tell messages apart any more;
+        callers fall back to gRPC for good."""
+        self._is_broken = True
 
     def wait_ready(self, timeout_s: float) -> bool:
         self._ready.wait(timeout_s)

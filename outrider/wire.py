@@ -22,16 +22,18 @@ class WireError(ValueError):
     """A message that cannot be what its sender meant; the text names the field."""
 
 
-def sampling_to_proto(params: SamplingParams, seed: int) -> pb.Sampling:
+def sampling_to_proto(params: SamplingParams, seed: int | None) -> pb.Sampling:
     return pb.Sampling(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                        seed=seed)
 
 
-def sampling_from_proto(msg: pb.Sampling, **fields) -> tuple[SamplingParams, int]:
-    """SamplingParams (validated: raises SamplingError naming the field) and the seed."""
+def sampling_from_proto(msg: pb.Sampling, **fields) -> tuple[SamplingParams, int | None]:
+    """SamplingParams (validated: raises SamplingError naming the field) and the seed
+    (None when the sender left it unset)."""
+    seed = msg.seed if msg.HasField("seed") else None
     params = SamplingParams(temperature=msg.temperature, top_k=msg.top_k,
-                            top_p=msg.top_p or 1.0, seed=msg.seed, **fields)
-    return params, msg.seed
+                            top_p=msg.top_p or 1.0, seed=seed, **fields)
+    return params, seed
 
 
 def q_format_for(params: SamplingParams, has_dense_channel: bool = False) -> str:
@@ -76,7 +78,18 @@ def decode_q(msg: pb.Proposal, q_format: str, vocab: int) -> torch.Tensor:
         q = q.view(gamma, vocab)
     else:
         raise WireError(f"unknown q format {q_format!r}")
-    return q / q.sum(-1, keepdim=True).clamp(min=1e-30)
+    return checked_q(q, ids, msg.seq_id)
+
+
+def checked_q(q: torch.Tensor, token_ids: torch.Tensor, seq_id: str) -> torch.Tensor:
+    """Normalised q [gamma, vocab], refusing rows that cannot be what the draft sampled
+    from: the acceptance test u * q(x) < p(x) is only exact when q(x) > 0."""
+    is_valid = bool(torch.isfinite(q).all()) and bool((q >= 0).all())
+    if not is_valid or (len(token_ids) and
+                        bool((q.gather(-1, token_ids[:, None]) <= 0).any())):
+        raise WireError(f"proposal {seq_id}: q is not a distribution with its draft tokens "
+                        "in the support")
+    return q / q.sum(-1, keepdim=True)
 
 
 def _sparse_rows(msg: pb.Proposal, gamma: int, vocab: int) -> torch.Tensor:

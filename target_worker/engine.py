@@ -66,11 +66,11 @@ class TargetEngine:
         while not stop.is_set():
             self._admit_new()
             self._drop_cancelled()
-            if not self.scheduler.has_work:
+            if not (self.scheduler.has_work and self._step()):
                 self._wake.wait(timeout=0.1)
                 self._wake.clear()
-                continue
-            self._step()
+        for handle in list(self._by_seq.values()):  # nobody is left to serve them
+            self._finish(handle, "error: the replica is shutting down")
 
     def _admit_new(self) -> None:
         while not self._inbox.empty():
@@ -82,9 +82,12 @@ class TargetEngine:
         for handle in [h for h in self._by_seq.values() if h.is_cancelled]:
             self._finish(handle, "cancelled")
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One step; False when nothing could be scheduled (waiting for KV room)."""
         plan = self.scheduler.schedule(
             lambda seq: self.decoder.clip_gamma(seq, self._by_seq[seq.seq_id].gamma))
+        if not plan.seqs:
+            return False
         heat = plan.num_base_tokens / self.scheduler.cfg.max_batch_tokens
         self.heat = 0.8 * self.heat + 0.2 * heat
         start = time.perf_counter()
@@ -93,7 +96,7 @@ class TargetEngine:
         except Exception as exc:  # a failed step fails its requests, not the replica
             for seq in plan.seqs:
                 self._finish(self._by_seq[seq.seq_id], f"error: {exc}")
-            return
+            return True
         elapsed = time.perf_counter() - start
         num_tokens = sum(len(c) for c in committed)
         self.tokens_per_s = 0.9 * self.tokens_per_s + 0.1 * (num_tokens / max(elapsed, 1e-9))
@@ -104,6 +107,7 @@ class TargetEngine:
                 handle.chunks.put(Chunk(tokens, [(gamma, accepted, heat)]))
             if seq.is_finished:
                 self._finish(handle, seq.finish_reason)
+        return True
 
     def _finish(self, handle: Handle, reason: str) -> None:
         self.scheduler.remove(handle.seq)

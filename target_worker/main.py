@@ -36,18 +36,21 @@ def serve(runner_cfg: RunnerConfig, sched_cfg: SchedulerConfig, draft_addresses:
                if draft_addresses else None)
     engine = TargetEngine(SpeculativeDecoder(group.runner, drafter), sched_cfg)
     service = TargetService(engine, default_gamma=gamma if drafter else 0)
+    # every open stream holds a handler thread: room for a full batch, Cancel and GetLoad
     server, bound = build_server(
         lambda s: worker_pb2_grpc.add_TargetServicer_to_server(service, s),
-        [SERVICE_NAME], f"{host}:{port}", token)
+        [SERVICE_NAME], f"{host}:{port}", token, max_workers=sched_cfg.max_num_seqs + 16)
     stop = threading.Event()
     loop = threading.Thread(target=engine.run, args=(stop,), name="target-engine", daemon=True)
     loop.start()
     server.start()
     print(f"target worker listening on {host}:{bound}", flush=True)
+    stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    server.stop(grace=5).wait()
+        signal.signal(sig, lambda *_: stopping.set())
+    stopping.wait()
+    server.stop(grace=5).wait()  # streams in flight still get tokens while draining
+    stop.set()
     loop.join(timeout=10)
     group.close()
     if drafter:

@@ -19,7 +19,14 @@ from outrider.engine.drafter import DraftItem, DraftOutput
 from outrider.grpc_server import token_metadata
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from outrider.wire import Q_FORMAT_CODES, WireError, decode_q, q_format_for, sampling_to_proto
+from outrider.wire import (
+    Q_FORMAT_CODES,
+    WireError,
+    checked_q,
+    decode_q,
+    q_format_for,
+    sampling_to_proto,
+)
 
 
 class DraftReplicaError(RuntimeError):
@@ -46,6 +53,8 @@ class RemoteDrafter:
         self._releases: list[grpc.Future] = []
         self.dense_channel = dense_channel  # to replica 0, when it is co-located
         self._dist_tag = 0
+        self._backoff = [retry_after_s] * len(addresses)
+        self._rpc_seconds: float | None = None  # EWMA of Propose round trips
         self.num_failures = 0
         stats = self._describe()
         self.vocab_size, self.max_model_len = stats.vocab_size, stats.max_model_len
@@ -83,8 +92,10 @@ class RemoteDrafter:
                 groups.setdefault(self._replica_for(it.seq_id), []).append(i)
         formats = [self._q_format(it, self._assigned.get(it.seq_id, -1)) for it in items]
         self._dist_tag += 1
+        deadline = self._deadline()
+        start = time.monotonic()
         calls = {r: self._stubs[r].Propose.future(self._request(items, formats, rows),
-                                                  metadata=self._metadata, timeout=self.timeout_s)
+                                                  metadata=self._metadata, timeout=deadline)
                  for r, rows in groups.items() if r >= 0}
         gammas, is_miss = [0] * len(items), [False] * len(items)
         token_rows: list[list[int]] = [[] for _ in items]
@@ -95,10 +106,23 @@ class RemoteDrafter:
             except grpc.RpcError:
                 self._set_aside(replica)
                 continue
+            self._healthy(replica, time.monotonic() - start)
             for i, proposal in zip(groups[replica], reply.proposals):
                 self._read(items[i], proposal, formats[i], i, gammas, is_miss, token_rows, q_rows)
-            self._receive_dense(groups[replica], reply, formats, gammas, q_rows)
+            self._receive_dense(groups[replica], reply, formats, gammas, token_rows, q_rows)
         return _pack(items, gammas, is_miss, token_rows, q_rows, self.vocab_size, device)
+
+    def _deadline(self) -> float:
+        """Generous against the usual round trip, so a hung (not dead) replica stalls the
+        batch for a moment, not for the full timeout."""
+        if self._rpc_seconds is None:
+            return self.timeout_s
+        return min(self.timeout_s, max(0.5, 20 * self._rpc_seconds))
+
+    def _healthy(self, replica: int, seconds: float) -> None:
+        self._backoff[replica] = self.retry_after_s
+        previous = self._rpc_seconds if self._rpc_seconds is not None else seconds
+        self._rpc_seconds = 0.9 * previous + 0.1 * seconds
 
     def _q_format(self, item: DraftItem, replica: int) -> str:
         has_channel = replica == 0 and self.dense_channel is not None \
@@ -106,18 +130,29 @@ class RemoteDrafter:
         return q_format_for(item.params, has_channel)
 
     def _receive_dense(self, rows: list[int], reply: pb.ProposeResponse, formats: list[str],
-                       gammas: list[int], q_rows: dict[int, torch.Tensor]) -> None:
+                       gammas: list[int], token_rows: list[list[int]],
+                       q_rows: dict[int, torch.Tensor]) -> None:
         """The replica sent the q rows of every drafted dense_dist sequence of this call,
-        in request order, as one message."""
+        in request order, as one message; without them those drafts are not used."""
         sent = [(i, len(p.token_ids)) for i, p in zip(rows, reply.proposals)
                 if formats[i] == "dense_dist" and not p.miss and p.token_ids]
         if not sent:
             return
-        dense = self.dense_channel.recv(sum(n for _, n in sent), self.vocab_size,
-                                        self._dist_tag)
-        for (i, _), q in zip(sent, dense.split([n for _, n in sent])):
-            if gammas[i]:
-                q_rows[i] = q / q.sum(-1, keepdim=True)
+        try:
+            dense = self.dense_channel.recv(sum(n for _, n in sent), self.vocab_size,
+                                            self._dist_tag)
+        except RuntimeError:
+            self.dense_channel.mark_broken()
+            dense = None
+        offset = 0
+        for i, n in sent:
+            q = None if dense is None else _checked_or_none(dense[offset:offset + n],
+                                                             token_rows[i])
+            offset += n
+            if q is None or not gammas[i]:
+                gammas[i] = 0  # drafts without a usable q are not verified
+            else:
+                q_rows[i] = q
 
     # -- helpers -----------------------------------------------------------------------------
     def _wire_id(self, seq_id) -> str:
@@ -136,8 +171,12 @@ class RemoteDrafter:
         return replica
 
     def _set_aside(self, replica: int) -> None:
+        """Try the replica again after a back-off that doubles while it keeps failing."""
         self.num_failures += 1
-        self._down_until[replica] = time.monotonic() + self.retry_after_s
+        self._down_until[replica] = time.monotonic() + self._backoff[replica]
+        self._backoff[replica] = min(30.0, 2 * self._backoff[replica])
+        if replica == 0 and self.dense_channel is not None:
+            self.dense_channel.mark_broken()  # a send may be left unmatched
 
     def _request(self, items: list[DraftItem], formats: list[str],
                  rows: list[int]) -> pb.ProposeRequest:
@@ -165,6 +204,13 @@ class RemoteDrafter:
             except WireError:
                 return  # a malformed proposal is simply not used: γ = 0 this round
         gammas[i], token_rows[i] = gamma, list(proposal.token_ids)
+
+
+def _checked_or_none(q: torch.Tensor, token_ids: list[int]) -> torch.Tensor | None:
+    try:
+        return checked_q(q, torch.tensor(token_ids), "dense channel")
+    except WireError:
+        return None
 
 
 def _pack(items, gammas, is_miss, token_rows, q_rows, vocab: int,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import uuid
 
 import grpc
@@ -30,7 +31,12 @@ class TargetService(worker_pb2_grpc.TargetServicer):
         # runs when the stream ends for any reason, a client disconnect included
         context.add_callback(lambda: self.engine.cancel(handle.request_id))
         while True:
-            chunk = handle.chunks.get()
+            try:
+                chunk = handle.chunks.get(timeout=1.0)
+            except queue.Empty:
+                if not context.is_active():  # cancelled or the server is stopping
+                    return
+                continue
             if chunk.finish_reason.startswith("error"):
                 context.abort(grpc.StatusCode.INTERNAL, chunk.finish_reason)
             yield pb.TargetChunk(

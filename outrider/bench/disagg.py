@@ -54,7 +54,7 @@ def cluster(target_dir: str, draft_dir: str, dense_channel: bool = False):
 def remote_run(stub, prompt: list[int], gamma: int, max_tokens: int,
                params: SamplingParams = GREEDY) -> tuple[int, int]:
     req = pb.TargetRequest(prompt_ids=prompt, max_tokens=max_tokens, ignore_eos=True,
-                           sampling=sampling_to_proto(params, params.seed or 0), gamma=gamma,
+                           sampling=sampling_to_proto(params, params.seed), gamma=gamma,
                            spec_mode=pb.SPEC_MODE_FIXED if gamma else pb.SPEC_MODE_OFF)
     tokens = rounds = 0
     for chunk in stub.Generate(req, metadata=token_metadata(TOKEN), timeout=600):

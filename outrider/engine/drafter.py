@@ -95,6 +95,8 @@ class Drafter:
     def _sync(self, item: DraftItem) -> bool:
         """Roll the cache back to the caller's committed prefix; False: a MISS."""
         blocks = self.runner.blocks
+        if not item.new_token_ids:
+            return False  # drafting needs the logits of the last committed token: resend it
         if item.committed_len == 0:
             blocks.free(item.seq_id)
             blocks.append(item.seq_id, 0)
@@ -113,6 +115,10 @@ class Drafter:
         context = item.committed_len + needed + 1
         if context > self.max_model_len:
             return False
+        evictable = (sum(len(blocks.block_table(s)) for s in self.last_used
+                         if s not in protected) if self.evict_lru else 0)
+        if blocks.blocks_needed(item.seq_id, needed) > blocks.num_free_blocks + evictable:
+            return False  # evicting everyone else would not make room: evict no one
         while not blocks.can_append(item.seq_id, needed) and self._evict_one(protected):
             pass
         if not blocks.can_append(item.seq_id, needed):

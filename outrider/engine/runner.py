@@ -8,6 +8,7 @@ process boundaries.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,6 +94,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, requests: list[ForwardRequest]) -> torch.Tensor:
         """Run one forward; returns logits [sum(num_logits), vocab] in fp32."""
+        if not requests:
+            return torch.zeros(0, self.vocab_size, device=self.device)
         if self.tp.size > 1 and self.tp.is_driver:
             broadcast_requests(self.tp, encode_requests(requests))
         return self._forward(requests)
@@ -117,7 +120,11 @@ class ModelRunner:
         """Non-driver ranks: run every forward the driver broadcasts until told to stop."""
         while (requests := receive_requests(self.tp)) is not None:
             with torch.inference_mode():
-                self._forward(requests)
+                try:
+                    self._forward(requests)
+                except Exception as exc:  # the driver sees the same failure and reports it
+                    print(f"tp rank {self.tp.rank}: forward failed: {exc}", file=sys.stderr,
+                          flush=True)
 
     def stop_workers(self) -> None:
         if self.tp.size > 1 and self.tp.is_driver:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 MAX_SEED = 2**63 - 1
+GREEDY_BELOW = 1e-5  # temperatures this small are greedy: logits / T would overflow
 
 
 class SamplingError(ValueError):
@@ -51,7 +52,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def _is_int(x) -> bool:
@@ -66,7 +67,7 @@ def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     """logits: [num_rows, vocab] fp32, one SamplingParams per row -> probs [num_rows, vocab]."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device)  # [num_rows]
-    is_greedy = temperature == 0
+    is_greedy = temperature < GREEDY_BELOW
     probs = torch.zeros_like(logits)
     if bool(is_greedy.any()):
         greedy_rows = is_greedy.nonzero().squeeze(-1)

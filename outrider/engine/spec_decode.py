@@ -118,7 +118,9 @@ class SpeculativeDecoder:
                 f"({drafter.vocab_size} vs {target.vocab_size} tokens)")
         self.target, self.drafter = target, drafter
         self.eos_token_ids = frozenset(target.model_config.eos_token_ids)
-        self.max_model_len = min(target.max_model_len,
+        # a sequence must fit the target's KV cache on its own, or it could never run
+        kv_capacity = target.blocks.num_blocks * target.blocks.block_size
+        self.max_model_len = min(target.max_model_len, kv_capacity,
                                  drafter.max_model_len if drafter else target.max_model_len)
         self._next_id = 0
 
@@ -133,6 +135,11 @@ class SpeculativeDecoder:
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise RequestError(f"{what} token id {bad} is outside the vocabulary [0, {vocab})")
+        stops = frozenset() if params.ignore_eos else self.eos_token_ids
+        if len(resume_ids) >= params.max_tokens or set(resume_ids) & (
+                stops | set(params.stop_token_ids)):
+            raise RequestError("the resumed tokens already finish this request "
+                               "(max_tokens reached or a stop token among them)")
         if len(prompt_ids) + len(resume_ids) >= self.max_model_len:
             resumed = f" (+{len(resume_ids)} resumed)" if resume_ids else ""
             raise RequestError(f"prompt has {len(prompt_ids)} tokens{resumed}; the model's "

@@ -146,3 +146,27 @@ def test_cli_reports_one_readable_line(llama_dir, flag, value, field):
 def test_cli_missing_model_dir(tmp_path):
     proc = run_cli("generate", "--local", "--target", str(tmp_path / "nope"), "hi")
     assert proc.returncode == 1 and "no model at" in proc.stderr
+
+
+def test_prompt_larger_than_the_kv_cache_is_refused(llama_dir):
+    runner = load(llama_dir, block_size=4, kv_cache_mb=0.05)  # 100 positions
+    decoder = SpeculativeDecoder(runner)
+    assert decoder.max_model_len == 100
+    with pytest.raises(RequestError, match="context is 100"):
+        decoder.new_sequence([5] * 100, SamplingParams())
+
+
+@pytest.mark.parametrize("resume,params", [([5, 6, 7], SamplingParams(max_tokens=3)),
+                                           ([5, 2], SamplingParams(max_tokens=9)),
+                                           ([5, 9], SamplingParams(stop_token_ids=(9,)))])
+def test_resumed_tokens_that_already_finish_are_refused(llama_dir, resume, params):
+    with pytest.raises(RequestError, match="already finish"):
+        SpeculativeDecoder(load(llama_dir)).new_sequence([1, 2, 3], params, resume)
+
+
+def test_tiny_temperature_is_greedy(llama_dir):
+    decoder = SpeculativeDecoder(load(llama_dir))
+    greedy = decoder.generate([[5, 6, 7]], SamplingParams(max_tokens=12), 0)[0].output_ids
+    tiny = decoder.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=1e-39,
+                                                        seed=3), 0)[0].output_ids
+    assert tiny == greedy

@@ -61,3 +61,16 @@ def test_gamma_zero_items_are_left_alone(drafter):
     out = drafter.draft([item("a", 7, [1], gamma=0), item("b", 0, CONTEXT, gamma=2)])
     assert out.gammas == [0, 2] and out.is_miss == [False, False]
     assert not drafter.runner.blocks.has("a")
+
+
+def test_empty_new_tokens_are_a_miss(drafter):
+    drafter.draft([item("a", 0, CONTEXT)])
+    out = drafter.draft([item("a", 8, [])])
+    assert out.is_miss == [True] and out.gammas == [0]
+
+
+def test_no_eviction_when_it_cannot_make_room(drafter):
+    drafter.draft([item("a", 0, CONTEXT)])
+    too_long = [1] * (drafter.runner.blocks.num_blocks * 4 + 1)
+    out = drafter.draft([item("huge", 0, too_long)])
+    assert out.gammas == [0] and drafter.runner.blocks.has("a") and drafter.num_evicted == 0

@@ -35,7 +35,7 @@ def request_for(i: int, prompt: list[int], gamma: int, max_tokens: int,
     params = (SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i) if sampled
               else SamplingParams())
     return pb.TargetRequest(request_id=f"r{i}-{time.monotonic_ns()}", prompt_ids=prompt,
-                            sampling=sampling_to_proto(params, params.seed or 0),
+                            sampling=sampling_to_proto(params, params.seed),
                             max_tokens=max_tokens, ignore_eos=True,
                             spec_mode=pb.SPEC_MODE_FIXED if gamma else pb.SPEC_MODE_OFF,
                             gamma=gamma)
@@ -203,3 +203,41 @@ def test_dense_q_over_torch_distributed(llama_dir, draft_dir):
                                                         metadata=token_metadata(TOKEN))
     assert stats.num_dense_sends > 0
     assert outputs == [run_local(llama_dir, draft_dir, r) for r in reqs]
+
+
+def test_many_open_streams_leave_room_for_load_and_cancel(cluster):
+    stub, _ = cluster
+    reqs = [request_for(40 + i, [5, 6, 7], gamma=0, max_tokens=400, sampled=False)
+            for i in range(20)]
+    streams = [stub.Generate(r, metadata=token_metadata(TOKEN), timeout=120) for r in reqs]
+    for s in streams:
+        next(s)
+    load = stub.GetLoad(pb.LoadRequest(), metadata=token_metadata(TOKEN), timeout=5)
+    assert load.num_running + load.num_waiting >= 1
+    for r in reqs:
+        stub.Cancel(pb.CancelRequest(request_id=r.request_id), metadata=token_metadata(TOKEN),
+                    timeout=5)
+    assert all(list(s)[-1].finish_reason == "cancelled" for s in streams)
+
+
+def test_unseeded_sampling_differs_between_requests(cluster):
+    stub, _ = cluster
+    req = request_for(50, [5, 6, 7], gamma=2, max_tokens=16, sampled=True)
+    req.sampling.ClearField("seed")
+    outputs = {tuple(run_remote(stub, req)) for _ in range(3)}
+    assert len(outputs) > 1
+
+
+def test_sigterm_with_an_open_stream_stops_the_worker(llama_dir):
+    with outrider_process("target-worker", "--model", str(llama_dir), token=TOKEN) as (p, t), \
+         grpc.insecure_channel(t) as chan:
+        req = request_for(60, [5, 6, 7], gamma=0, max_tokens=450, sampled=False)
+        stream = worker_pb2_grpc.TargetStub(chan).Generate(
+            req, metadata=token_metadata(TOKEN), timeout=60)
+        next(stream)
+        p.terminate()
+        assert p.wait(timeout=30) is not None
+        try:  # drained within the grace period, or cut off: either way it ended
+            assert list(stream)[-1].finish_reason
+        except grpc.RpcError as err:
+            assert err.code() != grpc.StatusCode.DEADLINE_EXCEEDED

@@ -1,0 +1,42 @@
+"""The q payload codec refuses what cannot be an exact proposal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from outrider.engine.sampling import SamplingParams
+from outrider.v1 import worker_pb2 as pb
+from outrider.wire import WireError, decode_q, encode_proposal, sampling_from_proto
+
+VOCAB = 6
+
+
+def test_round_trip_sparse_and_fp16():
+    q = torch.tensor([[0.5, 0.5, 0, 0, 0, 0], [0, 0.25, 0.75, 0, 0, 0]])
+    for fmt in ("sparse", "dense_fp16"):
+        msg = encode_proposal("s", [0, 2], q, fmt)
+        torch.testing.assert_close(decode_q(msg, fmt, VOCAB), q)
+
+
+@pytest.mark.parametrize("fmt", ["sparse", "dense_fp16"])
+def test_a_draft_token_outside_q_support_is_refused(fmt):
+    q = torch.tensor([[0.5, 0.5, 0, 0, 0, 0]])
+    msg = encode_proposal("s", [3], q, fmt)  # token 3 has q = 0
+    with pytest.raises(WireError, match="support"):
+        decode_q(msg, fmt, VOCAB)
+
+
+def test_negative_or_nan_q_is_refused():
+    msg = pb.Proposal(seq_id="s", token_ids=[1], support_lens=[2], support_ids=[0, 1],
+                      support_probs=[float("nan"), 0.5])
+    with pytest.raises(WireError):
+        decode_q(msg, "sparse", VOCAB)
+
+
+def test_unset_seed_stays_unset():
+    params, seed = sampling_from_proto(pb.Sampling(temperature=0.8))
+    assert seed is None and params.seed is None
+    params, seed = sampling_from_proto(pb.Sampling(temperature=0.8, seed=0))
+    assert seed == 0 and params.seed == 0
+    assert SamplingParams(temperature=0.8).seed is None
