@@ -17,6 +17,7 @@ Example:
   .venv/bin/python scripts/train_demo_pair.py --out models --threads 2 \
       --target-minutes 45 --draft-minutes 25
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,18 @@ from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
 EOS = "<|endoftext|>"
-SKIP_DIRS = ("test/", "tests/", "idlelib/", "tkinter/", "lib2to3/", "site-packages/", "pydoc_data/",
-             "turtledemo/", "__phello__/", "ensurepip/")
+SKIP_DIRS = (
+    "test/",
+    "tests/",
+    "idlelib/",
+    "tkinter/",
+    "lib2to3/",
+    "site-packages/",
+    "pydoc_data/",
+    "turtledemo/",
+    "__phello__/",
+    "ensurepip/",
+)
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '# ' + message['role'] + ':\\n' + message['content'] + '\\n' }}"
@@ -54,7 +65,8 @@ def stdlib_root() -> Path:
 
 
 def read_heldout(path: Path) -> list[str]:
-    return [l.strip() for l in path.read_text().splitlines() if l.strip() and not l.startswith("#")]
+    lines = (line.strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
 
 
 def collect_corpus(heldout: list[str]):
@@ -88,12 +100,22 @@ def train_tokenizer(texts: list[str], vocab_size: int, model_max_length: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        min_frequency=2, show_progress=True)
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=True,
+    )
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=EOS, eos_token=EOS, unk_token=EOS, pad_token=EOS,
-        model_max_length=model_max_length, clean_up_tokenization_spaces=False)
+        tokenizer_object=tok,
+        bos_token=EOS,
+        eos_token=EOS,
+        unk_token=EOS,
+        pad_token=EOS,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
     hf.chat_template = CHAT_TEMPLATE
     return hf
 
@@ -111,24 +133,55 @@ def encode_stream(hf_tok, texts: list[str]) -> torch.Tensor:
 # --------------------------------------------------------------------------- models
 def target_config(vocab: int, eos: int):
     from transformers import LlamaConfig
+
     return LlamaConfig(
-        vocab_size=vocab, hidden_size=320, intermediate_size=864, num_hidden_layers=8,
-        num_attention_heads=5, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048,
-        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=eos,
-        eos_token_id=eos, pad_token_id=eos, hidden_act="silu", attention_bias=False, mlp_bias=False)
+        vocab_size=vocab,
+        hidden_size=320,
+        intermediate_size=864,
+        num_hidden_layers=8,
+        num_attention_heads=5,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+    )
 
 
 def draft_config(vocab: int, eos: int):
     from transformers import LlamaConfig
+
     return LlamaConfig(
-        vocab_size=vocab, hidden_size=160, intermediate_size=448, num_hidden_layers=1,
-        num_attention_heads=5, num_key_value_heads=1, head_dim=32, max_position_embeddings=2048,
-        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=eos,
-        eos_token_id=eos, pad_token_id=eos, hidden_act="silu", attention_bias=False, mlp_bias=False)
+        vocab_size=vocab,
+        hidden_size=160,
+        intermediate_size=448,
+        num_hidden_layers=1,
+        num_attention_heads=5,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+    )
 
 
 def build(cfg):
     from transformers import LlamaForCausalLM
+
     cfg._attn_implementation = "sdpa"
     m = LlamaForCausalLM(cfg)
     m.config._attn_implementation = "sdpa"
@@ -141,6 +194,7 @@ def n_params(m) -> int:
 
 def save_model(model, tok, path: Path):
     from transformers import GenerationConfig
+
     path.mkdir(parents=True, exist_ok=True)
     m = copy.deepcopy(model).to(torch.bfloat16).eval()
     eos = tok.convert_tokens_to_ids(EOS)
@@ -182,7 +236,7 @@ class WindowSampler:
                 self.order, self.pos = torch.randperm(self.n, generator=self.g), 0
             i = int(self.order[self.pos]) * self.seq
             self.pos += 1
-            rows.append(self.stream[i:i + self.seq + 1])
+            rows.append(self.stream[i : i + self.seq + 1])
         return torch.stack(rows)
 
 
@@ -196,8 +250,12 @@ def lr_at(frac: float, peak: float, warm_frac: float, min_ratio: float = 0.1) ->
 def make_opt(model, lr, wd=0.1):
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
 
 
 @torch.no_grad()
@@ -208,9 +266,11 @@ def eval_loss(model, stream, seq, max_windows=None):
         n = min(n, max_windows)
     tot, cnt = 0.0, 0
     for i in range(0, n, 16):
-        rows = torch.stack([stream[j * seq:j * seq + seq + 1] for j in range(i, min(n, i + 16))])
+        rows = torch.stack([stream[j * seq : j * seq + seq + 1] for j in range(i, min(n, i + 16))])
         logits = model(input_ids=rows[:, :-1]).logits
-        tot += F.cross_entropy(logits.reshape(-1, logits.size(-1)), rows[:, 1:].reshape(-1), reduction="sum").item()
+        tot += F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), rows[:, 1:].reshape(-1), reduction="sum"
+        ).item()
         cnt += rows[:, 1:].numel()
     model.train()
     return tot / max(cnt, 1)
@@ -219,14 +279,16 @@ def eval_loss(model, stream, seq, max_windows=None):
 @torch.no_grad()
 def eval_agreement(target, draft, stream, seq, max_windows=64):
     """Teacher-forced top-1 agreement draft vs target on held-out text."""
-    target.eval(); draft.eval()
+    target.eval()
+    draft.eval()
     n = min((len(stream) - 1) // seq, max_windows)
     agree = tot = 0
     for i in range(0, n, 16):
-        rows = torch.stack([stream[j * seq:j * seq + seq] for j in range(i, min(n, i + 16))])
+        rows = torch.stack([stream[j * seq : j * seq + seq] for j in range(i, min(n, i + 16))])
         a = target(input_ids=rows).logits.argmax(-1)
         b = draft(input_ids=rows).logits.argmax(-1)
-        agree += (a == b).sum().item(); tot += a.numel()
+        agree += (a == b).sum().item()
+        tot += a.numel()
     draft.train()
     return agree / max(tot, 1)
 
@@ -237,15 +299,21 @@ def fmt_s(s: float) -> str:
 
 # --------------------------------------------------------------------------- main
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(REPO / "models"), help="output directory (default: models/)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--out", default=str(REPO / "models"), help="output directory (default: models/)"
+    )
     ap.add_argument("--heldout", default=str(REPO / "data" / "heldout_modules.txt"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--target-minutes", type=float, default=45.0)
-    ap.add_argument("--target-steps", type=int, default=0, help="fixed step count (overrides time budget)")
+    ap.add_argument(
+        "--target-steps", type=int, default=0, help="fixed step count (overrides time budget)"
+    )
     ap.add_argument("--target-batch", type=int, default=16)
     ap.add_argument("--target-lr", type=float, default=2e-3)
     ap.add_argument("--gen-minutes", type=float, default=4.0, help="budget for target-greedy data")
@@ -258,51 +326,83 @@ def main():
     ap.add_argument("--draft-lr", type=float, default=3e-3)
     ap.add_argument("--hard-weight", type=float, default=1.0, help="weight of CE on target argmax")
     ap.add_argument("--ckpt-minutes", type=float, default=5.0)
-    ap.add_argument("--reuse-target", action="store_true", help="load <out>/demo-target instead of training")
+    ap.add_argument(
+        "--reuse-target", action="store_true", help="load <out>/demo-target instead of training"
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed); random.seed(args.seed); np.random.seed(args.seed)
-    out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     tdir, ddir = out / "demo-target", out / "demo-draft"
-    stats: dict = {"command": "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:])}
+    stats: dict = {
+        "command": "python "
+        + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:])
+    }
     t_all = time.time()
 
     # 1. corpus
     heldout = read_heldout(Path(args.heldout))
     train_files, held_files = collect_corpus(heldout)
-    stats["corpus"] = dict(train_files=len(train_files), train_bytes=sum(len(t) for _, t in train_files),
-                           heldout_files=len(held_files), heldout_bytes=sum(len(t) for _, t in held_files),
-                           python=sys.version.split()[0])
-    print(f"[corpus] {len(train_files)} train files ({stats['corpus']['train_bytes']/1e6:.1f} MB), "
-          f"{len(held_files)} held-out files", flush=True)
+    stats["corpus"] = dict(
+        train_files=len(train_files),
+        train_bytes=sum(len(t) for _, t in train_files),
+        heldout_files=len(held_files),
+        heldout_bytes=sum(len(t) for _, t in held_files),
+        python=sys.version.split()[0],
+    )
+    print(
+        f"[corpus] {len(train_files)} train files ({stats['corpus']['train_bytes'] / 1e6:.1f} MB), "
+        f"{len(held_files)} held-out files",
+        flush=True,
+    )
 
     # 2. tokenizer
     t0 = time.time()
     if args.reuse_target:
         from transformers import AutoTokenizer
+
         tok = AutoTokenizer.from_pretrained(tdir)
     else:
         tok = train_tokenizer([t for _, t in train_files], args.vocab, model_max_length=2048)
     eos = tok.convert_tokens_to_ids(EOS)
     for rel, text in held_files:  # lossless round trip on every held-out module
         ids = tok(text, add_special_tokens=False)["input_ids"]
-        assert tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) == text, rel
+        assert (
+            tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) == text
+        ), rel
     train_stream = encode_stream(tok, [t for _, t in train_files])
     held_stream = encode_stream(tok, [t for _, t in held_files])
-    stats["tokenizer"] = dict(seconds=time.time() - t0, vocab=len(tok), train_tokens=len(train_stream),
-                              heldout_tokens=len(held_stream),
-                              bytes_per_token=stats["corpus"]["train_bytes"] / len(train_stream))
-    print(f"[tokenizer] vocab {len(tok)}, {len(train_stream)} train tokens "
-          f"({stats['tokenizer']['bytes_per_token']:.2f} B/tok), {len(held_stream)} held-out tokens, "
-          f"round-trip OK, {fmt_s(stats['tokenizer']['seconds'])}", flush=True)
+    stats["tokenizer"] = dict(
+        seconds=time.time() - t0,
+        vocab=len(tok),
+        train_tokens=len(train_stream),
+        heldout_tokens=len(held_stream),
+        bytes_per_token=stats["corpus"]["train_bytes"] / len(train_stream),
+    )
+    print(
+        f"[tokenizer] vocab {len(tok)}, {len(train_stream)} train tokens "
+        f"({stats['tokenizer']['bytes_per_token']:.2f} B/tok), {len(held_stream)} held-out tokens, "
+        f"round-trip OK, {fmt_s(stats['tokenizer']['seconds'])}",
+        flush=True,
+    )
 
     # 3. target
     torch.manual_seed(args.seed)
     if args.reuse_target:
         from transformers import AutoModelForCausalLM
-        target = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32, attn_implementation="sdpa")
-        prev = json.loads((out / "train_stats.json").read_text()) if (out / "train_stats.json").exists() else {}
+
+        target = AutoModelForCausalLM.from_pretrained(
+            tdir, dtype=torch.float32, attn_implementation="sdpa"
+        )
+        prev = (
+            json.loads((out / "train_stats.json").read_text())
+            if (out / "train_stats.json").exists()
+            else {}
+        )
         stats["target"] = prev.get("target", {"note": "reused"})
     else:
         target = build(target_config(len(tok), eos))
@@ -311,8 +411,11 @@ def main():
     target.eval()
     bf16_roundtrip_(target)  # distil against exactly the shipped (bf16) weights
     stats["target"]["heldout_loss_bf16"] = eval_loss(target, held_stream, args.seq)
-    print(f"[target] params {stats['target']['params']/1e6:.2f}M, held-out loss (bf16 weights) "
-          f"{stats['target']['heldout_loss_bf16']:.3f}", flush=True)
+    print(
+        f"[target] params {stats['target']['params'] / 1e6:.2f}M, held-out loss (bf16 weights) "
+        f"{stats['target']['heldout_loss_bf16']:.3f}",
+        flush=True,
+    )
     (out / "train_stats.json").write_text(json.dumps(stats, indent=1))
     for p in target.parameters():
         p.requires_grad_(False)
@@ -338,8 +441,13 @@ def train_target(model, tok, train_stream, held_stream, args, save_dir):
     t0 = last_ck = time.time()
     step, tokens, ema = 0, 0, None
     total = args.target_steps or None
-    pbar = tqdm(total=total or int(budget), desc="target", unit="step" if total else "s", mininterval=5,
-                file=sys.stdout)
+    pbar = tqdm(
+        total=total or int(budget),
+        desc="target",
+        unit="step" if total else "s",
+        mininterval=5,
+        file=sys.stdout,
+    )
     while True:
         el = time.time() - t0
         frac = step / total if total else el / budget
@@ -350,7 +458,9 @@ def train_target(model, tok, train_stream, held_stream, args, save_dir):
             g["lr"] = lr
         batch = sampler.batch(args.target_batch)
         out = model(input_ids=batch[:, :-1])
-        loss = F.cross_entropy(out.logits.reshape(-1, out.logits.size(-1)), batch[:, 1:].reshape(-1))
+        loss = F.cross_entropy(
+            out.logits.reshape(-1, out.logits.size(-1)), batch[:, 1:].reshape(-1)
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -361,22 +471,43 @@ def train_target(model, tok, train_stream, held_stream, args, save_dir):
         if total:
             pbar.update(1)
         else:
-            pbar.n = min(int(time.time() - t0), int(budget)); pbar.refresh() if step % 20 == 0 else None
-        pbar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr:.2e}", tok=f"{tokens/1e6:.2f}M", ep=sampler.epoch, refresh=False)
+            pbar.n = min(int(time.time() - t0), int(budget))
+            pbar.refresh() if step % 20 == 0 else None
+        pbar.set_postfix(
+            loss=f"{ema:.3f}",
+            lr=f"{lr:.2e}",
+            tok=f"{tokens / 1e6:.2f}M",
+            ep=sampler.epoch,
+            refresh=False,
+        )
         if step % 50 == 0:
-            print(f"  target step {step} loss {ema:.3f} lr {lr:.2e} tokens {tokens} "
-                  f"{tokens/(time.time()-t0):.0f} tok/s", flush=True)
+            print(
+                f"  target step {step} loss {ema:.3f} lr {lr:.2e} tokens {tokens} "
+                f"{tokens / (time.time() - t0):.0f} tok/s",
+                flush=True,
+            )
         if time.time() - last_ck > args.ckpt_minutes * 60:
             save_model(model, tok, save_dir)
             last_ck = time.time()
-            print(f"  [ckpt] target step {step}, held-out loss (32 win) "
-                  f"{eval_loss(model, held_stream, args.seq, 32):.3f}", flush=True)
+            print(
+                f"  [ckpt] target step {step}, held-out loss (32 win) "
+                f"{eval_loss(model, held_stream, args.seq, 32):.3f}",
+                flush=True,
+            )
     pbar.close()
     secs = time.time() - t0
     save_model(model, tok, save_dir)
-    return dict(seconds=secs, steps=step, tokens=tokens, batch=args.target_batch, seq=args.seq,
-                peak_lr=args.target_lr, epochs=tokens / len(train_stream), final_train_loss_ema=ema,
-                tokens_per_s=tokens / secs)
+    return dict(
+        seconds=secs,
+        steps=step,
+        tokens=tokens,
+        batch=args.target_batch,
+        seq=args.seq,
+        peak_lr=args.target_lr,
+        epochs=tokens / len(train_stream),
+        final_train_loss_ema=ema,
+        tokens_per_s=tokens / secs,
+    )
 
 
 @torch.no_grad()
@@ -389,7 +520,7 @@ def gen_greedy(target, train_stream, args, stats):
     pbar = tqdm(desc="greedy-gen", unit="seq", file=sys.stdout, mininterval=5)
     while time.time() - t0 < args.gen_minutes * 60:
         starts = torch.randint(0, len(train_stream) - P - 1, (B,), generator=g)
-        ids = torch.stack([train_stream[s:s + P] for s in starts.tolist()])
+        ids = torch.stack([train_stream[s : s + P] for s in starts.tolist()])
         out = target(input_ids=ids, use_cache=True)
         past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
         gen = [nxt]
@@ -401,9 +532,17 @@ def gen_greedy(target, train_stream, args, stats):
         pbar.update(B)
     pbar.close()
     greedy = torch.cat(seqs)
-    stats["greedy_data"] = dict(seconds=time.time() - t0, sequences=len(greedy), prompt_tokens=P, new_tokens=N,
-                                generated_tokens=len(greedy) * N)
-    print(f"[greedy] {len(greedy)} sequences x ({P}+{N}) tokens in {fmt_s(time.time()-t0)}", flush=True)
+    stats["greedy_data"] = dict(
+        seconds=time.time() - t0,
+        sequences=len(greedy),
+        prompt_tokens=P,
+        new_tokens=N,
+        generated_tokens=len(greedy) * N,
+    )
+    print(
+        f"[greedy] {len(greedy)} sequences x ({P}+{N}) tokens in {fmt_s(time.time() - t0)}",
+        flush=True,
+    )
     return greedy
 
 
@@ -414,12 +553,18 @@ def train_draft(draft, target, tok, train_stream, held_stream, greedy, args, sav
     L = min(args.seq, greedy.size(1))
     opt = make_opt(draft, args.draft_lr, wd=0.0)
     budget = args.draft_minutes * 60
-    draft.train(); target.eval()
+    draft.train()
+    target.eval()
     t0 = last_ck = time.time()
     step, tokens, ema_kl, ema_acc = 0, 0, None, None
     total = args.draft_steps or None
-    pbar = tqdm(total=total or int(budget), desc="draft", unit="step" if total else "s", mininterval=5,
-                file=sys.stdout)
+    pbar = tqdm(
+        total=total or int(budget),
+        desc="draft",
+        unit="step" if total else "s",
+        mininterval=5,
+        file=sys.stdout,
+    )
     while True:
         el = time.time() - t0
         frac = step / total if total else el / budget
@@ -433,7 +578,7 @@ def train_draft(draft, target, tok, train_stream, held_stream, greedy, args, sav
         else:
             if gpos + args.draft_batch > len(greedy):
                 gorder, gpos = torch.randperm(len(greedy), generator=gg), 0
-            x = greedy[gorder[gpos:gpos + args.draft_batch], :L]
+            x = greedy[gorder[gpos : gpos + args.draft_batch], :L]
             gpos += args.draft_batch
         with torch.no_grad():
             t_logits = target(input_ids=x).logits
@@ -456,11 +601,14 @@ def train_draft(draft, target, tok, train_stream, held_stream, greedy, args, sav
         if total:
             pbar.update(1)
         else:
-            pbar.n = min(int(time.time() - t0), int(budget)); pbar.refresh() if step % 20 == 0 else None
+            pbar.n = min(int(time.time() - t0), int(budget))
+            pbar.refresh() if step % 20 == 0 else None
         pbar.set_postfix(kl=f"{ema_kl:.3f}", top1=f"{ema_acc:.3f}", lr=f"{lr:.2e}", refresh=False)
         if step % 50 == 0:
-            print(f"  draft step {step} kl {ema_kl:.3f} top1-agree {ema_acc:.3f} lr {lr:.2e} tokens {tokens}",
-                  flush=True)
+            print(
+                f"  draft step {step} kl {ema_kl:.3f} top1-agree {ema_acc:.3f} lr {lr:.2e} tokens {tokens}",
+                flush=True,
+            )
         if time.time() - last_ck > args.ckpt_minutes * 60:
             save_model(draft, tok, save_dir)
             last_ck = time.time()
@@ -470,27 +618,48 @@ def train_draft(draft, target, tok, train_stream, held_stream, greedy, args, sav
     save_model(draft, tok, save_dir)
     bf16_roundtrip_(draft)
     agree = eval_agreement(target, draft, held_stream, args.seq)
-    print(f"[draft] held-out teacher-forced top-1 agreement (bf16 weights): {agree:.3f}", flush=True)
-    return dict(seconds=secs, steps=step, tokens=tokens, batch=args.draft_batch, seq=args.seq, peak_lr=args.draft_lr,
-                final_kl_ema=ema_kl, final_train_top1_ema=ema_acc, heldout_top1_agreement=agree,
-                hard_weight=args.hard_weight)
+    print(
+        f"[draft] held-out teacher-forced top-1 agreement (bf16 weights): {agree:.3f}", flush=True
+    )
+    return dict(
+        seconds=secs,
+        steps=step,
+        tokens=tokens,
+        batch=args.draft_batch,
+        seq=args.seq,
+        peak_lr=args.draft_lr,
+        final_kl_ema=ema_kl,
+        final_train_top1_ema=ema_acc,
+        heldout_top1_agreement=agree,
+        hard_weight=args.hard_weight,
+    )
 
 
 def write_summary(out: Path, s: dict, args):
     c, tk, t, gd, d = s["corpus"], s["tokenizer"], s["target"], s["greedy_data"], s["draft"]
     lines = [
-        "# Outrider demo model pair: training record", "",
+        "# Outrider demo model pair: training record",
+        "",
         f"Produced by `scripts/train_demo_pair.py` on a 2-core CPU machine (no GPU), "
-        f"torch {torch.__version__}, {args.threads} threads, fp32 training, weights saved in bfloat16.", "",
-        "Exact command:", "", "```", s["command"], "```", "",
+        f"torch {torch.__version__}, {args.threads} threads, fp32 training, weights saved in bfloat16.",
+        "",
+        "Exact command:",
+        "",
+        "```",
+        s["command"],
+        "```",
+        "",
         "## Data",
         f"- Corpus: Python {c['python']} standard library `*.py` ({c['train_files']} files, "
-        f"{c['train_bytes']/1e6:.1f} MB) excluding test/, idlelib/, tkinter/, lib2to3/, site-packages/, "
+        f"{c['train_bytes'] / 1e6:.1f} MB) excluding test/, idlelib/, tkinter/, lib2to3/, site-packages/, "
         "pydoc_data/, generated codec tables and files > 300 kB.",
         f"- Held-out (never trained on): {c['heldout_files']} modules listed in `data/heldout_modules.txt` "
-        f"({tk['heldout_tokens']} tokens).", "",
-        "## Stages (wall-clock on this machine)", "",
-        "| stage | time | tokens | notes |", "|---|---|---|---|",
+        f"({tk['heldout_tokens']} tokens).",
+        "",
+        "## Stages (wall-clock on this machine)",
+        "",
+        "| stage | time | tokens | notes |",
+        "|---|---|---|---|",
         f"| tokenizer (byte-level BPE) | {fmt_s(tk['seconds'])} | {tk['train_tokens']:,} corpus tokens | "
         f"vocab {tk['vocab']}, {tk['bytes_per_token']:.2f} bytes/token, lossless round-trip checked |",
         f"| target pre-training | {fmt_s(t.get('seconds', 0))} | {t.get('tokens', 0):,} "
@@ -500,16 +669,19 @@ def write_summary(out: Path, s: dict, args):
         f"{gd['sequences']} seqs, {gd['prompt_tokens']}-token prompts + {gd['new_tokens']} greedy tokens |",
         f"| draft distillation | {fmt_s(d['seconds'])} | {d['tokens']:,} | {d['steps']} steps x {d['batch']}x{d['seq']}, "
         f"KL(target||draft) + {d['hard_weight']} x CE(target argmax), half corpus / half target-greedy |",
-        f"| total | {fmt_s(s['total_seconds'])} | | |", "",
-        "## Models", "",
+        f"| total | {fmt_s(s['total_seconds'])} | | |",
+        "",
+        "## Models",
+        "",
         f"- `demo-target`: LlamaForCausalLM, {t['params']:,} parameters (tied embeddings), 8 layers, hidden 320, "
         f"5 heads / 1 KV head (head_dim 64), FFN 864. Held-out loss (bf16 weights): {t['heldout_loss_bf16']:.3f} "
         f"nats/token (ppl {math.exp(t['heldout_loss_bf16']):.2f}).",
-        f"- `demo-draft`: LlamaForCausalLM, {d['params']:,} parameters ({d['params']/t['params']:.3f} x target), "
+        f"- `demo-draft`: LlamaForCausalLM, {d['params']:,} parameters ({d['params'] / t['params']:.3f} x target), "
         f"1 layer, hidden 160, 5 heads / 1 KV head (head_dim 32), FFN 448. Held-out teacher-forced top-1 agreement "
         f"with the target: {d['heldout_top1_agreement']:.3f}.",
         "- Both share the tokenizer (`<|endoftext|>` = bos = eos = pad, id 0), max_position_embeddings 2048, "
-        "rope_theta 10000; trained on 256-token windows.", "",
+        "rope_theta 10000; trained on 256-token windows.",
+        "",
     ]
     text = "\n".join(lines)
     (out / "TRAINING.md").write_text(text)

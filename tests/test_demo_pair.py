@@ -67,8 +67,12 @@ def test_speculation_is_exact_and_accepted(decoder, prompts):
     assert accepted / drafted > 0.5  # a trained pair, not two random models
 
 
-def test_generated_text_reads_as_python(decoder, prompts):
+def test_sampled_text_looks_like_python(decoder, prompts):
+    """The undertrained target's greedy text falls into loops (see models/TRAINING.md);
+    its sampled text has Python's shape: keywords, assignments, indentation."""
     tok = Tokenizer(paths.demo_target_dir())
-    seq = decoder.generate(prompts[:1], SamplingParams(max_tokens=96, ignore_eos=True), 4)[0]
-    text = tok.decode(seq.output_ids)
-    assert any(word in text for word in ("def ", "return", "self", "import", " = "))
+    params = [SamplingParams(max_tokens=96, temperature=0.7, top_p=0.95, seed=i,
+                             ignore_eos=True) for i in range(len(prompts))]
+    texts = [tok.decode(s.output_ids) for s in decoder.generate(prompts, params, 4)]
+    cues = ("def ", "class ", "return", "self.", "import ", " = ", "\n    ")
+    assert all(sum(cue in text for cue in cues) >= 2 for text in texts), texts
