@@ -222,7 +222,7 @@ def cmd_demo(args) -> int:
                             dtype="auto", kv_cache_mb=256.0)
     params = SamplingParams(max_tokens=args.max_tokens)
     with _engine(ns) as engine:
-        print(f"== prompt (held-out module) ==\n{prompt}", flush=True)
+        print(f"== prompt: the head of held-out module {DEMO_MODULE} ==\n{prompt}", flush=True)
         print(f"== target + draft, greedy, γ = {args.gamma} ==", flush=True)
         spec_seq, spec_s = _run_stream(engine, prompt, params, args.gamma, echo=True)
         plain_seq, plain_s = _run_stream(engine, prompt, params, 0, echo=False)
@@ -234,12 +234,16 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def _demo_prompt(num_lines: int = 24) -> str:
+DEMO_MODULE = "glob.py"  # a held-out module: never seen in training
+
+
+def _demo_prompt() -> str:
+    """The held-out module's head, up to and including its first function signature."""
     import sysconfig
 
-    modules = paths.heldout_modules_file().read_text().split()
-    source = Path(sysconfig.get_paths()["stdlib"], modules[0]).read_text()
-    return "\n".join(source.splitlines()[:num_lines]) + "\n"
+    lines = Path(sysconfig.get_paths()["stdlib"], DEMO_MODULE).read_text().splitlines()
+    first_def = next(i for i, line in enumerate(lines) if line.startswith("def "))
+    return "\n".join(lines[:first_def + 1]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
