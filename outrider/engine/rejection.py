@@ -60,11 +60,32 @@ def rejection_sample(
     else:
         residual = p_final
     final = sample_from_probs(residual, sample_uniforms.to(device)[rows, num_accepted])
+    return _emit(draft_token_ids, num_accepted, final)
 
-    token_ids = torch.full((batch, max_gamma + 1), -1, dtype=torch.long, device=device)
-    token_ids[:, :max_gamma] = torch.where(is_accepted.long().cumprod(-1).bool(),
-                                           draft_token_ids, -1)
-    token_ids[rows, num_accepted] = final
+
+def greedy_verify(
+    target_argmax: torch.Tensor,    # [batch, max_gamma + 1] target argmax per verified row
+    draft_token_ids: torch.Tensor,  # [batch, max_gamma]
+    num_draft: torch.Tensor,        # [batch] γ_i
+) -> RejectionResult:
+    """The all-greedy batch: what `rejection_sample` computes for point masses, without
+    building distributions — accept while draft == argmax, then emit the argmax."""
+    max_gamma = draft_token_ids.shape[1]
+    is_in_draft = torch.arange(max_gamma, device=num_draft.device) < num_draft[:, None]
+    is_accepted = (draft_token_ids == target_argmax[:, :max_gamma]) & is_in_draft
+    num_accepted = is_accepted.long().cumprod(-1).sum(-1)  # [batch]
+    rows = torch.arange(len(num_accepted), device=num_accepted.device)
+    return _emit(draft_token_ids, num_accepted, target_argmax[rows, num_accepted])
+
+
+def _emit(draft_token_ids: torch.Tensor, num_accepted: torch.Tensor,
+          final: torch.Tensor) -> RejectionResult:
+    """[batch, max_gamma + 1]: the accepted drafts, then the final token, then -1."""
+    batch, max_gamma = draft_token_ids.shape
+    positions = torch.arange(max_gamma + 1, device=draft_token_ids.device)
+    padded = torch.nn.functional.pad(draft_token_ids, (0, 1))
+    token_ids = torch.where(positions < num_accepted[:, None], padded, -1)
+    token_ids[torch.arange(batch, device=final.device), num_accepted] = final
     return RejectionResult(token_ids=token_ids, num_accepted=num_accepted)
 
 

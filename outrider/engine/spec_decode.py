@@ -19,7 +19,7 @@ import torch
 
 from outrider.engine.block_manager import OutOfBlocksError
 from outrider.engine.drafter import Drafter, DraftItem, DraftOutput
-from outrider.engine.rejection import rejection_sample
+from outrider.engine.rejection import greedy_verify, rejection_sample
 from outrider.engine.runner import ForwardRequest, ModelRunner
 from outrider.engine.sampling import (
     MAX_SEED,
@@ -184,23 +184,34 @@ class SpeculativeDecoder:
         gammas = [self.clip_gamma(s, g) if ready else 0
                   for s, g, ready in zip(seqs, gammas, is_ready, strict=True)]
         draft_ids, draft_probs, gammas = self._propose(seqs, gammas)
-        target_probs = self._verify_probs(seqs, draft_ids, gammas, feed, is_ready)
+        logits = self._verify_forward(seqs, draft_ids, gammas, feed, is_ready)
         ready = [i for i, r in enumerate(is_ready) if r]
         committed: list[list[int]] = [[] for _ in seqs]
         if not ready:
             return committed
-        rows = torch.tensor(ready, device=draft_ids.device)
-        positions = [[len(seqs[i].token_ids) + j for j in range(draft_ids.shape[1] + 1)]
-                     for i in ready]
-        seeds = [seqs[i].seed for i in ready]
-        result = rejection_sample(
-            target_probs, draft_ids[rows], draft_probs[rows],
-            torch.tensor([gammas[i] for i in ready], device=draft_ids.device),
-            position_uniforms(seeds, [p[:-1] for p in positions], STREAM_ACCEPT),
-            position_uniforms(seeds, positions, STREAM_SAMPLE))
+        result = self._accept(seqs, ready, gammas, logits, draft_ids, draft_probs)
         for i, k, row in zip(ready, result.num_accepted.tolist(), result.token_ids.tolist()):
             committed[i] = self._commit(seqs[i], gammas[i], k, row[:k + 1])
         return committed
+
+    def _accept(self, seqs, ready: list[int], gammas: list[int], logits: torch.Tensor,
+                draft_ids: torch.Tensor, draft_probs: torch.Tensor):
+        """Exact verification of the ready sequences; logits: [sum(γ_i + 1), vocab]."""
+        device, width = draft_ids.device, draft_ids.shape[1] + 1
+        rows = torch.tensor(ready, device=device)
+        ready_gammas = [gammas[i] for i in ready]
+        num_draft = torch.tensor(ready_gammas, device=device)
+        if all(seqs[i].params.is_greedy for i in ready):
+            argmax = _pad_rows(logits.argmax(-1), ready_gammas, width)  # [n, width]
+            return greedy_verify(argmax, draft_ids[rows], num_draft)
+        params = [seqs[i].params for i in ready for _ in range(gammas[i] + 1)]
+        target_probs = _pad_rows(logits_to_probs(logits, params), ready_gammas, width)
+        positions = [[len(seqs[i].token_ids) + j for j in range(width)] for i in ready]
+        seeds = [seqs[i].seed for i in ready]
+        return rejection_sample(
+            target_probs, draft_ids[rows], draft_probs[rows], num_draft,
+            position_uniforms(seeds, [p[:-1] for p in positions], STREAM_ACCEPT),
+            position_uniforms(seeds, positions, STREAM_SAMPLE))
 
     def clip_gamma(self, seq: Sequence, gamma: int) -> int:
         """γ limited by what the request may still emit and the context (not by load)."""
@@ -236,10 +247,10 @@ class SpeculativeDecoder:
         return DraftItem(seq.seq_id, seq.draft_len, seq.token_ids[seq.draft_len:] if gamma else [],
                          gamma, seq.params, seq.seed)
 
-    def _verify_probs(self, seqs: list[Sequence], draft_ids: torch.Tensor, gammas: list[int],
-                      feed: list[int], is_ready: list[bool]) -> torch.Tensor:
-        """ONE target forward over all sequences' fed tokens + draft tokens. Returns p
-        [num_ready, max_gamma + 1, vocab] for the ready sequences; row γ_i is the bonus row."""
+    def _verify_forward(self, seqs: list[Sequence], draft_ids: torch.Tensor, gammas: list[int],
+                        feed: list[int], is_ready: list[bool]) -> torch.Tensor:
+        """ONE target forward over all sequences' fed tokens + draft tokens. Returns logits
+        [sum over ready sequences of (γ_i + 1), vocab]; a sequence's last row is its bonus row."""
         blocks = self.target.blocks
         inputs = [s.token_ids[s.target_len:s.target_len + n] + draft_ids[i, :g].tolist()
                   for i, (s, g, n) in enumerate(zip(seqs, gammas, feed))]
@@ -252,17 +263,7 @@ class SpeculativeDecoder:
             requests.append(ForwardRequest(x, s.target_len, blocks.block_table(s.seq_id),
                                            g + 1 if ready else 0))
             s.target_len += len(x)
-        row_params = [s.params for s, g, ready in zip(seqs, gammas, is_ready) if ready
-                      for _ in range(g + 1)]
-        logits = self.target.forward(requests)  # [sum over ready of (γ+1), vocab]
-        probs = logits_to_probs(logits, row_params) if row_params else logits
-        ready_gammas = [g for g, ready in zip(gammas, is_ready) if ready]
-        padded = probs.new_zeros(len(ready_gammas), draft_ids.shape[1] + 1, probs.shape[-1])
-        offset = 0
-        for i, g in enumerate(ready_gammas):
-            padded[i, :g + 1] = probs[offset:offset + g + 1]
-            offset += g + 1
-        return padded
+        return self.target.forward(requests)
 
     def _commit(self, seq: Sequence, gamma: int, num_accepted: int,
                 emitted: list[int]) -> list[int]:
@@ -305,3 +306,13 @@ def _merge_retry(first: DraftOutput, retry: DraftOutput, rows: list[int]) -> Dra
         g = retry.gammas[k]
         token_ids[i, :g], probs[i, :g], gammas[i] = retry.token_ids[k, :g], retry.probs[k, :g], g
     return DraftOutput(token_ids, probs, gammas, [False] * len(gammas))
+
+
+def _pad_rows(values: torch.Tensor, gammas: list[int], width: int) -> torch.Tensor:
+    """[sum(γ_i + 1), ...] rows, sequence after sequence -> [batch, width, ...], zero padded."""
+    out = values.new_zeros(len(gammas), width, *values.shape[1:])
+    offset = 0
+    for i, g in enumerate(gammas):
+        out[i, :g + 1] = values[offset:offset + g + 1]
+        offset += g + 1
+    return out

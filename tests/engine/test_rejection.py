@@ -379,3 +379,23 @@ def test_statistical_check_detects_draft_not_sampled_from_q():
                               q.expand(NUM_ROUNDS, -1, -1), torch.full((NUM_ROUNDS,), STAT_GAMMA),
                               *_uniforms(NUM_ROUNDS, STAT_GAMMA, gen))
     assert _chi2_pvalue(result.token_ids[:, 0], p[0]) < 1e-3
+
+
+def test_greedy_verify_equals_rejection_sampling_of_point_masses():
+    from outrider.engine.rejection import greedy_verify
+
+    g = torch.Generator().manual_seed(4)
+    batch, max_gamma, vocab = 64, 5, 7
+    argmax = torch.randint(0, vocab, (batch, max_gamma + 1), generator=g)  # [batch, γ+1]
+    draft = torch.where(torch.rand(batch, max_gamma, generator=g) < 0.7, argmax[:, :max_gamma],
+                        torch.randint(0, vocab, (batch, max_gamma), generator=g))
+    num_draft = torch.randint(0, max_gamma + 1, (batch,), generator=g)
+    p = torch.nn.functional.one_hot(argmax, vocab).float()  # [batch, γ+1, vocab]
+    q = torch.nn.functional.one_hot(draft, vocab).float()   # [batch, γ, vocab]
+    u_accept = torch.rand(batch, max_gamma, generator=g, dtype=torch.float64)
+    u_sample = torch.rand(batch, max_gamma + 1, generator=g, dtype=torch.float64)
+    slow = rejection_sample(p, draft, q, num_draft, u_accept, u_sample)
+    fast = greedy_verify(argmax, draft, num_draft)
+    assert torch.equal(fast.token_ids, slow.token_ids)
+    assert torch.equal(fast.num_accepted, slow.num_accepted)
+    assert 0 < int(fast.num_accepted.sum()) < int(num_draft.sum())
