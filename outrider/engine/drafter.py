@@ -150,16 +150,29 @@ class Drafter:
                 cached = it.committed_len + (0 if j == 0 else len(it.new_token_ids) + j - 1)
                 new = it.new_token_ids if j == 0 else drafted[i][-1:]
                 requests.append(ForwardRequest(new, cached, blocks.block_table(it.seq_id), 1))
-            probs = logits_to_probs(self.runner.forward(requests), [items[i].params for i in rows])
-            probs = _as_sent(probs, [items[i].q_format for i in rows])
-            positions = [items[i].committed_len + len(items[i].new_token_ids) + j for i in rows]
-            uniforms = position_uniforms([items[i].seed for i in rows], positions, STREAM_DRAFT)
-            for i, token in zip(rows, sample_from_probs(probs, uniforms).tolist()):
+            logits = self.runner.forward(requests)  # [len(rows), vocab]
+            tokens, probs = self._pick(logits, [items[i] for i in rows], j)
+            for i, token in zip(rows, tokens.tolist()):
                 drafted[i].append(token)
-            probs_out[rows, j] = probs.to(device)
+            if probs is None:  # greedy: q is the point mass on the drafted token
+                probs_out[rows, j, tokens.to(device)] = 1.0
+            else:
+                probs_out[rows, j] = probs.to(device)
         token_ids = torch.tensor([d + [0] * (max_gamma - len(d)) for d in drafted],
                                  dtype=torch.long, device=device).view(len(items), max_gamma)
         return token_ids, probs_out
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, items: list[DraftItem], j: int):
+        """Draft tokens [num_rows] and the q rows they were sampled from (None: all greedy,
+        q = one-hot, no need to build it)."""
+        if all(it.params.is_greedy for it in items):
+            return logits.argmax(-1), None
+        probs = _as_sent(logits_to_probs(logits, [it.params for it in items]),
+                         [it.q_format for it in items])
+        positions = [it.committed_len + len(it.new_token_ids) + j for it in items]
+        uniforms = position_uniforms([it.seed for it in items], positions, STREAM_DRAFT)
+        return sample_from_probs(probs, uniforms), probs
 
 
 def _as_sent(probs: torch.Tensor, q_formats: list[str]) -> torch.Tensor:
