@@ -75,7 +75,23 @@ def load_replicated(param: nn.Parameter, tensor_slice, shard_id=None) -> None:
     param.data.copy_(_full(tensor_slice))
 
 
-class ReplicatedLinear(nn.Module):
+class TransposedForCPU:
+    """CPU matmuls with few rows (decode: 1, verification: 1+γ) run several times faster
+    against an [in, out] weight than against the checkpoint's [out, in] layout (measured
+    up to 7x at 5 rows, equal at prefill sizes). After loading, CPU layers keep the
+    transposed copy as `weight_t` and multiply with `x @ weight_t`."""
+
+    weight_t: torch.Tensor | None = None
+
+    def transpose_for_cpu(self) -> None:
+        self.weight_t = self.weight.data.t().contiguous()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_rows, in] -> [num_rows, out]
+        return x @ self.weight_t if self.weight_t is not None else F.linear(x, self.weight)
+
+
+class ReplicatedLinear(TransposedForCPU, nn.Module):
     """A linear layer every rank holds whole (norms and small projections)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
@@ -86,8 +102,13 @@ class ReplicatedLinear(nn.Module):
 
     weight_loader = staticmethod(load_replicated)
 
+    def transpose_for_cpu(self) -> None:
+        super().transpose_for_cpu()
+        self.weight = None  # only the transposed copy is used from now on
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        out = self.matmul(x)
+        return out if self.bias is None else out + self.bias
 
 
 class ColumnParallelLinear(ReplicatedLinear):
@@ -147,7 +168,7 @@ class RowParallelLinear(ReplicatedLinear):
         param.data.copy_(_cols(tensor_slice, start, start + self.shard_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp.all_reduce(self.matmul(x))
         return out if self.bias is None else out + self.bias
 
 
@@ -177,10 +198,11 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection split by vocabulary; logits are gathered to full width."""
+class ParallelLMHead(TransposedForCPU, VocabParallelEmbedding):
+    """Output projection split by vocabulary; logits are gathered to full width. With tied
+    embeddings `weight` is the embedding's, so the CPU copy is an extra [hidden, vocab]."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden] -> logits [num_rows, vocab_size]
-        logits = F.linear(hidden, self.weight)
+        logits = self.matmul(hidden)
         return self.tp.all_gather_last_dim(logits)[:, : self.vocab_size]

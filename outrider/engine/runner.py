@@ -19,7 +19,7 @@ from outrider.engine.attention import AttentionMetadata, SequenceSlice
 from outrider.engine.block_manager import BlockManager
 from outrider.engine.model import CausalLM
 from outrider.engine.model_config import ModelConfig, ModelConfigError, parse_dtype
-from outrider.engine.parallel import TPGroup
+from outrider.engine.parallel import TPGroup, TransposedForCPU
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,10 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(torch.float32)
         model.load_weights(Path(self.cfg.model_dir))
+        if self.device.type == "cpu":
+            for module in model.modules():
+                if isinstance(module, TransposedForCPU):
+                    module.transpose_for_cpu()
         return model.eval()
 
     def _allocate_kv(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
