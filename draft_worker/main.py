@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import signal
-import threading
-
 from outrider.draft_worker.service import DraftService
 
 from outrider.dense_channel import DRAFT_RANK, DenseChannel
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.grpc_server import build_server
+from outrider.grpc_server import build_server, serve_until_signalled
 from outrider.v1 import worker_pb2_grpc
 from outrider.v1.worker_pb2 import DESCRIPTOR
 
@@ -28,10 +25,4 @@ def serve(model_dir: str, host: str, port: int, token: str | None, device: str =
     server, bound = build_server(
         lambda s: worker_pb2_grpc.add_DraftServicer_to_server(service, s),
         [SERVICE_NAME], f"{host}:{port}", token)
-    server.start()
-    print(f"draft worker listening on {host}:{bound}", flush=True)
-    stopped = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopped.set())
-    stopped.wait()
-    server.stop(grace=5).wait()
+    serve_until_signalled(server, "draft worker", f"{host}:{bound}")

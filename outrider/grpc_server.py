@@ -4,6 +4,8 @@ service, server reflection, and a clean stop."""
 from __future__ import annotations
 
 import hmac
+import signal
+import threading
 from concurrent import futures
 
 import grpc
@@ -35,6 +37,19 @@ def _refuse(message: str):
     def deny(request, context):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
     return grpc.unary_unary_rpc_method_handler(deny)
+
+
+def serve_until_signalled(server: grpc.Server, name: str, address: str,
+                          grace_s: float = 5.0) -> None:
+    """Start, say where it listens (launchers read this line), and on SIGTERM/SIGINT
+    stop taking calls, letting those in flight drain for `grace_s`."""
+    server.start()
+    print(f"{name} listening on {address}", flush=True)
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
+    stopping.wait()
+    server.stop(grace=grace_s).wait()
 
 
 def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

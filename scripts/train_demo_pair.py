@@ -131,17 +131,16 @@ def encode_stream(hf_tok, texts: list[str]) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- models
-def target_config(vocab: int, eos: int):
+def target_config(vocab: int, eos: int, **shape):
+    """The demo target's Llama config; `shape` overrides its size (the draft's)."""
     from transformers import LlamaConfig
 
+    sizes = dict(hidden_size=320, intermediate_size=864, num_hidden_layers=8, head_dim=64)
+    sizes.update(shape)
     return LlamaConfig(
         vocab_size=vocab,
-        hidden_size=320,
-        intermediate_size=864,
-        num_hidden_layers=8,
         num_attention_heads=5,
         num_key_value_heads=1,
-        head_dim=64,
         max_position_embeddings=2048,
         rope_theta=10000.0,
         rms_norm_eps=1e-5,
@@ -152,31 +151,13 @@ def target_config(vocab: int, eos: int):
         hidden_act="silu",
         attention_bias=False,
         mlp_bias=False,
+        **sizes,
     )
 
 
 def draft_config(vocab: int, eos: int):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=160,
-        intermediate_size=448,
-        num_hidden_layers=1,
-        num_attention_heads=5,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=2048,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        bos_token_id=eos,
-        eos_token_id=eos,
-        pad_token_id=eos,
-        hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
-    )
+    return target_config(vocab, eos, hidden_size=160, intermediate_size=448,
+                         num_hidden_layers=1, head_dim=32)
 
 
 def build(cfg):

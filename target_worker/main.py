@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import sys
 import threading
 import uuid
@@ -16,7 +15,7 @@ from outrider.dense_channel import TARGET_RANK, DenseChannel
 from outrider.engine.distributed import TPRunnerGroup
 from outrider.engine.runner import RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
-from outrider.grpc_server import build_server
+from outrider.grpc_server import build_server, serve_until_signalled
 from outrider.v1 import worker_pb2_grpc
 from outrider.v1.worker_pb2 import DESCRIPTOR
 
@@ -43,13 +42,8 @@ def serve(runner_cfg: RunnerConfig, sched_cfg: SchedulerConfig, draft_addresses:
     stop = threading.Event()
     loop = threading.Thread(target=engine.run, args=(stop,), name="target-engine", daemon=True)
     loop.start()
-    server.start()
-    print(f"target worker listening on {host}:{bound}", flush=True)
-    stopping = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.set())
-    stopping.wait()
-    server.stop(grace=5).wait()  # streams in flight still get tokens while draining
+    # the engine keeps running while streams in flight drain, then stops
+    serve_until_signalled(server, "target worker", f"{host}:{bound}")
     stop.set()
     loop.join(timeout=10)
     group.close()
