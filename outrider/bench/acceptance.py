@@ -10,6 +10,7 @@ Writes results/acceptance.json and prints a summary.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -41,7 +42,7 @@ def run_setting(decoder: SpeculativeDecoder, prompts, params: SamplingParams,
                 gamma: int) -> dict:
     total, num_tokens, start = SpecStats(), 0, time.perf_counter()
     for i, prompt in enumerate(prompts):
-        seq = decoder.generate([prompt], SamplingParams(**{**params.__dict__, "seed": i}),
+        seq = decoder.generate([prompt], dataclasses.replace(params, seed=i),
                                gamma)[0]
         num_tokens += seq.num_output
         total.merge(seq.stats)

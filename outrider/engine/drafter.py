@@ -115,16 +115,23 @@ class Drafter:
         context = item.committed_len + needed + 1
         if context > self.max_model_len:
             return False
-        evictable = (sum(len(blocks.block_table(s)) for s in self.last_used
-                         if s not in protected) if self.evict_lru else 0)
-        if blocks.blocks_needed(item.seq_id, needed) > blocks.num_free_blocks + evictable:
-            return False  # evicting everyone else would not make room: evict no one
-        while not blocks.can_append(item.seq_id, needed) and self._evict_one(protected):
-            pass
-        if not blocks.can_append(item.seq_id, needed):
+        if not blocks.can_append(item.seq_id, needed) and not self._make_room(
+                item.seq_id, needed, protected):
             return False
         blocks.append(item.seq_id, needed)
         return True
+
+    def _make_room(self, seq_id, needed: int, protected: set) -> bool:
+        """Evict least-recently-used unprotected sequences, but only when that would be
+        enough: a sequence that cannot fit anyway evicts no one."""
+        blocks = self.runner.blocks
+        evictable = (sum(len(blocks.block_table(s)) for s in self.last_used
+                         if s not in protected) if self.evict_lru else 0)
+        if blocks.blocks_needed(seq_id, needed) > blocks.num_free_blocks + evictable:
+            return False
+        while not blocks.can_append(seq_id, needed) and self._evict_one(protected):
+            pass
+        return blocks.can_append(seq_id, needed)
 
     def _evict_one(self, protected: set) -> bool:
         if not self.evict_lru:
