@@ -5,6 +5,7 @@ from __future__ import annotations
 from outrider.draft_worker.service import DraftService
 
 from outrider.dense_channel import DRAFT_RANK, DenseChannel
+from outrider.engine.distributed import set_cpu_threads
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.grpc_server import build_server, serve_until_signalled
@@ -16,9 +17,11 @@ SERVICE_NAME = DESCRIPTOR.services_by_name["Draft"].full_name
 
 def serve(model_dir: str, host: str, port: int, token: str | None, device: str = "cpu",
           dtype: str = "auto", kv_cache_mb: float = 256.0, idle_ttl_s: float = 300.0,
-          dist_address: str | None = None) -> None:
-    runner = ModelRunner(RunnerConfig(model_dir, device=device, dtype=dtype,
-                                      kv_cache_mb=kv_cache_mb))
+          dist_address: str | None = None, threads: int = 0) -> None:
+    cfg = RunnerConfig(model_dir, device=device, dtype=dtype, kv_cache_mb=kv_cache_mb,
+                       threads=threads)
+    set_cpu_threads(cfg)
+    runner = ModelRunner(cfg)
     channel = DenseChannel(dist_address, DRAFT_RANK) if dist_address else None
     service = DraftService(Drafter(runner, evict_lru=True), idle_ttl_s=idle_ttl_s,
                            dense_channel=channel)

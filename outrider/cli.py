@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     draft.add_argument("--device", default="cpu")
     draft.add_argument("--dtype", default="auto")
     draft.add_argument("--kv-cache-mb", type=float, default=256.0)
+    draft.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores)")
     draft.add_argument("--idle-ttl-s", type=float, default=300.0,
                        help="free sequences idle this long (they MISS later)")
     draft.add_argument("--dist-address", help="host:port of the co-located target's dense "
@@ -58,12 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="host:port to host a dense q channel (torch.distributed) with "
                              "the first draft replica, when it runs on this machine")
     target.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    target.add_argument("--overlap-max-seqs", type=int, default=4,
+                        help="draft round r+1 while round r verifies when at most this many "
+                             "sequences speculate (0: never; it pays in small batches)")
     target.add_argument("--tp", type=int, default=1)
     target.add_argument("--host", default="127.0.0.1")
     target.add_argument("--port", type=int, default=0, help="0 picks a free port")
     target.add_argument("--device", default="cpu")
     target.add_argument("--dtype", default="auto")
     target.add_argument("--kv-cache-mb", type=float, default=256.0)
+    target.add_argument("--threads", type=int, default=0,
+                        help="CPU threads per rank (0: the cores shared out over --tp)")
     target.add_argument("--max-batch-tokens", type=int, default=512)
     target.add_argument("--max-num-seqs", type=int, default=64)
     target.set_defaults(func=cmd_target_worker)
@@ -189,7 +195,7 @@ def cmd_draft_worker(args) -> int:
 
     serve(args.model, args.host, args.port, cluster_token(), device=args.device,
           dtype=args.dtype, kv_cache_mb=args.kv_cache_mb, idle_ttl_s=args.idle_ttl_s,
-          dist_address=args.dist_address)
+          dist_address=args.dist_address, threads=args.threads)
     return 0
 
 
@@ -199,11 +205,11 @@ def cmd_target_worker(args) -> int:
     from outrider.target_worker.scheduler import SchedulerConfig
 
     runner = RunnerConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
-                          tp=args.tp, kv_cache_mb=args.kv_cache_mb)
+                          tp=args.tp, kv_cache_mb=args.kv_cache_mb, threads=args.threads)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                             max_batch_tokens=args.max_batch_tokens)
     serve(runner, sched, args.draft_address, args.gamma, args.host, args.port, cluster_token(),
-          dist_address=args.draft_dist_address)
+          dist_address=args.draft_dist_address, overlap_max_seqs=args.overlap_max_seqs)
     return 0
 
 

@@ -24,7 +24,7 @@ SERVICE_NAME = DESCRIPTOR.services_by_name["Target"].full_name
 
 def serve(runner_cfg: RunnerConfig, sched_cfg: SchedulerConfig, draft_addresses: list[str],
           gamma: int, host: str, port: int, token: str | None,
-          dist_address: str | None = None) -> None:
+          dist_address: str | None = None, overlap_max_seqs: int = 0) -> None:
     group = TPRunnerGroup(runner_cfg)
     channel = DenseChannel(dist_address, TARGET_RANK) if dist_address else None
     if channel and not channel.wait_ready(timeout_s=60):
@@ -33,7 +33,8 @@ def serve(runner_cfg: RunnerConfig, sched_cfg: SchedulerConfig, draft_addresses:
     drafter = (RemoteDrafter(draft_addresses, token, seq_prefix=f"{uuid.uuid4().hex[:8]}:",
                              dense_channel=channel)
                if draft_addresses else None)
-    engine = TargetEngine(SpeculativeDecoder(group.runner, drafter), sched_cfg)
+    decoder = SpeculativeDecoder(group.runner, drafter, overlap_max_seqs=overlap_max_seqs)
+    engine = TargetEngine(decoder, sched_cfg)
     service = TargetService(engine, default_gamma=gamma if drafter else 0)
     # every open stream holds a handler thread: room for a full batch, Cancel and GetLoad
     server, bound = build_server(

@@ -15,7 +15,7 @@ import grpc
 import torch
 
 from outrider.dense_channel import DenseChannel
-from outrider.engine.drafter import DraftItem, DraftOutput
+from outrider.engine.drafter import DraftCall, DraftItem, DraftOutput
 from outrider.grpc_server import token_metadata
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
@@ -86,17 +86,24 @@ class RemoteDrafter:
         return replica is not None
 
     def draft(self, items: list[DraftItem], device: torch.device) -> DraftOutput:
+        return self.submit(items, device).result()
+
+    def submit(self, items: list[DraftItem], device: torch.device) -> DraftCall:
+        """Send one Propose per replica now; the DraftCall gathers the replies."""
         groups: dict[int, list[int]] = {}
         for i, it in enumerate(items):
             if it.gamma:
                 groups.setdefault(self._replica_for(it.seq_id), []).append(i)
         formats = [self._q_format(it, self._assigned.get(it.seq_id, -1)) for it in items]
         self._dist_tag += 1
-        deadline = self._deadline()
-        start = time.monotonic()
+        deadline, start = self._deadline(), time.monotonic()
         calls = {r: self._stubs[r].Propose.future(self._request(items, formats, rows),
                                                   metadata=self._metadata, timeout=deadline)
                  for r, rows in groups.items() if r >= 0}
+        return DraftCall(lambda: self._gather(items, formats, groups, calls, start, device))
+
+    def _gather(self, items, formats, groups, calls, start: float,
+                device: torch.device) -> DraftOutput:
         gammas, is_miss = [0] * len(items), [False] * len(items)
         token_rows: list[list[int]] = [[] for _ in items]
         q_rows: dict[int, torch.Tensor] = {}

@@ -3,7 +3,8 @@ on this machine, talking gRPC over loopback, against the same pair in one proces
 
     python -m outrider.bench.disagg [--prompts 5] [--max-tokens 128] [--gamma 4]
 
-Reports batch-1 greedy tokens/s (γ = 0 and γ = γ, in-process and over gRPC), the gRPC
+Reports batch-1 greedy tokens/s (γ = 0 and γ = γ, in-process and over gRPC, synchronous
+and overlapped: the draft drafting round r+1 while the target verifies round r), the gRPC
 cost per round (extra time per round over the in-process loop), and throughput with 8
 and 32 concurrent streams. Writes results/disagg.json.
 """
@@ -41,13 +42,16 @@ GREEDY = SamplingParams()
 
 
 @contextmanager
-def cluster(target_dir: str, draft_dir: str, dense_channel: bool = False):
+def cluster(target_dir: str, draft_dir: str, dense_channel: bool = False,
+            overlap_max_seqs: int = 0):
     """A draft and a target worker on loopback; yields a Target stub."""
     dist = ["--dist-address", f"127.0.0.1:{free_port()}"] if dense_channel else []
+    target_flags = [*(["--draft-dist-address", dist[1]] if dist else []),
+                    "--overlap-max-seqs", str(overlap_max_seqs)]
     with outrider_process("draft-worker", "--model", draft_dir, *dist, token=TOKEN) as (_, d), \
          outrider_process("target-worker", "--model", target_dir, "--draft-address", d,
-                          *(["--draft-dist-address", dist[1]] if dist else []),
-                          token=TOKEN) as (_, t), grpc.insecure_channel(t) as channel:
+                          *target_flags, token=TOKEN) as (_, t), \
+         grpc.insecure_channel(t) as channel:
         yield worker_pb2_grpc.TargetStub(channel)
 
 
@@ -63,14 +67,20 @@ def remote_run(stub, prompt: list[int], gamma: int, max_tokens: int,
     return tokens, rounds
 
 
-def batch1(run, prompts, gamma: int, max_tokens: int) -> dict:
-    start, tokens, rounds = time.perf_counter(), 0, 0
-    for p in prompts:
-        t, r = run(p, gamma, max_tokens)
-        tokens, rounds = tokens + t, rounds + r
-    seconds = time.perf_counter() - start
-    return {"tokens_per_s": tokens / seconds, "seconds_per_round": seconds / rounds,
-            "rounds": rounds, "tokens": tokens}
+def batch1_side_by_side(runs: dict, names: list[str], prompts, gamma: int,
+                        max_tokens: int) -> dict[str, dict]:
+    """Batch-1 figures for each named run; prompt by prompt, the runs take turns."""
+    seconds, tokens, rounds = ({n: 0.0 for n in names} for _ in range(3))
+    for i, prompt in enumerate(prompts):
+        order = names if i % 2 == 0 else names[::-1]
+        for name in order:
+            start = time.perf_counter()
+            t, r = runs[name](prompt, gamma, max_tokens)
+            seconds[name] += time.perf_counter() - start
+            tokens[name] += t
+            rounds[name] += r
+    return {n: {"tokens_per_s": tokens[n] / seconds[n], "seconds_per_round": seconds[n] / rounds[n],
+                "rounds": rounds[n], "tokens": tokens[n]} for n in names}
 
 
 def concurrent(stub, prompts, gamma: int, max_tokens: int, streams: int,
@@ -105,24 +115,29 @@ def main() -> None:
                          f"torch {torch.__version__}",
               "command": f"python -m outrider.bench.disagg --prompts {args.prompts} "
                          f"--max-tokens {args.max_tokens} --gamma {args.gamma}"}
-    with cluster(target_dir, draft_dir) as stub:
-
-        def remote(prompt, gamma, max_tokens):
-            return remote_run(stub, prompt, gamma, max_tokens)
-
-        remote(prompts[0], args.gamma, 16)  # warm-up both
-        local_run(prompts[0], args.gamma, 16)
-        for name, run in (("in_process", local_run), ("grpc", remote)):
-            for gamma in (0, args.gamma):
-                report[f"{name}_gamma{gamma}"] = batch1(run, prompts, gamma, args.max_tokens)
+    # synchronous rounds and rounds drafted ahead, both clusters up at once, every
+    # measurement alternating between them so that machine noise hits both alike
+    with cluster(target_dir, draft_dir) as sync, \
+         cluster(target_dir, draft_dir, overlap_max_seqs=1 << 20) as ahead:
+        runs = {"in_process": local_run,
+                "grpc": lambda p, g, n: remote_run(sync, p, g, n),
+                "grpc_overlap": lambda p, g, n: remote_run(ahead, p, g, n)}
+        for run in runs.values():
+            run(prompts[0], args.gamma, 16)  # warm-up
+        for gamma in (0, args.gamma):
+            names = [n for n in runs if gamma or n != "grpc_overlap"]
+            report.update({f"{n}_gamma{gamma}": r
+                           for n, r in batch1_side_by_side(runs, names, prompts, gamma,
+                                                           args.max_tokens).items()})
         spec_local, spec_remote = report[f"in_process_gamma{args.gamma}"], \
             report[f"grpc_gamma{args.gamma}"]
         overhead = spec_remote["seconds_per_round"] - spec_local["seconds_per_round"]
         report["grpc_overhead_ms_per_round"] = overhead * 1e3
         report["grpc_overhead_pct_of_round"] = 100 * overhead / spec_remote["seconds_per_round"]
-        for streams in (8, 32):
-            for gamma in (0, args.gamma):
-                report[f"throughput_{streams}_streams_gamma{gamma}"] = concurrent(
+        for streams in (2, 4, 8, 32):
+            for name, stub, gamma in (("", sync, 0), ("", sync, args.gamma),
+                                      ("overlap_", ahead, args.gamma)):
+                report[f"throughput_{streams}_streams_{name}gamma{gamma}"] = concurrent(
                     stub, prompts, gamma, args.max_tokens, streams)["tokens_per_s"]
     # full-vocabulary sampling: q as fp16 in the gRPC reply vs fp32 over a gloo channel
     hot = SamplingParams(temperature=1.0, seed=5)

@@ -43,12 +43,12 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank % torch.cuda.device_count()}" if device.startswith("cuda") else device
 
 
-def set_cpu_threads(tp: int) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+def set_cpu_threads(cfg: RunnerConfig) -> None:
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // cfg.tp))
 
 
 def _worker_main(cfg: RunnerConfig, rank: int, init_method: str) -> None:
-    set_cpu_threads(cfg.tp)
+    set_cpu_threads(cfg)
     tp = init_tp_group(rank, cfg.tp, init_method, cfg.device)
     runner = ModelRunner(replace(cfg, device=rank_device(cfg.device, rank)), tp)
     try:
@@ -71,7 +71,7 @@ class TPRunnerGroup:
                                    daemon=True)
                 proc.start()
                 self.processes.append(proc)
-        set_cpu_threads(cfg.tp)
+        set_cpu_threads(cfg)
         try:
             tp = init_tp_group(0, cfg.tp, init_method, cfg.device)
             self.runner = ModelRunner(replace(cfg, device=rank_device(cfg.device, 0)), tp)

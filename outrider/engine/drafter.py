@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,18 @@ class DraftOutput:
     probs: torch.Tensor      # [batch, max_gamma, vocab] q after the request's processing
     gammas: list[int]        # tokens drafted per item (0 on a miss or when the KV is full)
     is_miss: list[bool]
+
+
+class DraftCall:
+    """A draft in flight: `result()` waits for it (once) and returns its DraftOutput."""
+
+    def __init__(self, wait: Callable[[], DraftOutput]) -> None:
+        self._wait, self._out = wait, None
+
+    def result(self) -> DraftOutput:
+        if self._out is None:
+            self._out = self._wait()
+        return self._out
 
 
 class Drafter:
@@ -90,6 +103,11 @@ class Drafter:
                   for it, miss in zip(items, is_miss)]
         token_ids, probs = self._draft_tokens(items, gammas, device or self.runner.device)
         return DraftOutput(token_ids, probs, gammas, is_miss)
+
+    def submit(self, items: list[DraftItem], device: torch.device | None = None) -> DraftCall:
+        """In process there is nothing to overlap with: the draft runs now."""
+        out = self.draft(items, device)
+        return DraftCall(lambda: out)
 
     # -- cache bookkeeping -----------------------------------------------------------------
     def _sync(self, item: DraftItem) -> bool:

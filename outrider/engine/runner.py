@@ -31,6 +31,7 @@ class RunnerConfig:
     block_size: int = 16
     kv_cache_mb: float = 256.0  # KV budget per rank
     max_model_len: int = 8192   # capped by the model's max_position_embeddings
+    threads: int = 0            # CPU threads per rank; 0: the cores shared out over tp
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.kv_cache_mb <= 0 or self.max_model_len < 1:

@@ -7,6 +7,15 @@ One round for a batch of sequences (DESIGN §2, steps 2–4):
   3. exact rejection sampling; commit accepted + recovered/bonus; roll both KV caches
      back to what was committed.
 γ_i = 0 (or no draft) is plain decoding through the same path.
+
+Overlap (while at most `overlap_max_seqs` sequences speculate): while the target
+verifies round r, the draft already drafts round r+1 assuming every draft token of
+round r is accepted. Its first token is a
+candidate for round r's bonus position, which then verifies it exactly (accept with
+min(1, p/q), else sample the residual) instead of sampling a fresh bonus; when it is
+accepted, the rest are round r+1's draft tokens and that round sends no Propose. It pays
+when the target is latency-bound (small batches); in big batches the drafts thrown away
+on rejection cost more than the overlap saves.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from outrider.engine.block_manager import OutOfBlocksError
-from outrider.engine.drafter import Drafter, DraftItem, DraftOutput
+from outrider.engine.drafter import DraftCall, Drafter, DraftItem, DraftOutput
 from outrider.engine.rejection import greedy_verify, rejection_sample
 from outrider.engine.runner import ForwardRequest, ModelRunner
 from outrider.engine.sampling import (
@@ -85,6 +94,15 @@ class SpecStats:
 
 
 @dataclass
+class DraftAhead:
+    """Draft tokens for the next round, drafted ahead (overlap) after a bonus-position
+    candidate that was accepted."""
+
+    token_ids: list[int]  # [n]
+    probs: torch.Tensor   # [n, vocab] q they were drafted from
+
+
+@dataclass
 class Sequence:
     seq_id: int
     token_ids: list[int]  # prompt + output
@@ -96,6 +114,7 @@ class Sequence:
     finish_reason: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     last_round: tuple[int, int] = (0, 0)  # (γ, accepted) of the latest round
+    ahead: DraftAhead | None = None  # next round's draft tokens, drafted during this one
 
     @property
     def output_ids(self) -> list[int]:
@@ -111,12 +130,16 @@ class Sequence:
 
 
 class SpeculativeDecoder:
-    def __init__(self, target: ModelRunner, drafter: Drafter | None = None) -> None:
+    def __init__(self, target: ModelRunner, drafter: Drafter | None = None,
+                 overlap_max_seqs: int = 0) -> None:
         if drafter is not None and drafter.vocab_size != target.vocab_size:
             raise RequestError(
                 f"draft and target have different vocabularies "
                 f"({drafter.vocab_size} vs {target.vocab_size} tokens)")
         self.target, self.drafter = target, drafter
+        self.overlap_max_seqs = overlap_max_seqs if drafter is not None else 0
+        self.num_candidates = 0    # bonus-position candidates verified (overlap)
+        self.num_ahead_rounds = 0  # rounds whose drafts were drafted during the previous one
         self.eos_token_ids = frozenset(target.model_config.eos_token_ids)
         # a sequence must fit the target's KV cache on its own, or it could never run
         kv_capacity = target.blocks.num_blocks * target.blocks.block_size
@@ -184,32 +207,39 @@ class SpeculativeDecoder:
         gammas = [self.clip_gamma(s, g) if ready else 0
                   for s, g, ready in zip(seqs, gammas, is_ready, strict=True)]
         draft_ids, draft_probs, gammas = self._propose(seqs, gammas)
+        is_overlapping = 0 < sum(g > 0 for g in gammas) <= self.overlap_max_seqs
+        ahead = self._draft_ahead(seqs, draft_ids, gammas) if is_overlapping else None
         logits = self._verify_forward(seqs, draft_ids, gammas, feed, is_ready)
         ready = [i for i, r in enumerate(is_ready) if r]
         committed: list[list[int]] = [[] for _ in seqs]
         if not ready:
             return committed
-        result = self._accept(seqs, ready, gammas, logits, draft_ids, draft_probs)
+        num_draft, next_ahead = list(gammas), {}
+        if ahead is not None:
+            draft_ids, draft_probs = self._add_bonus_candidates(
+                seqs, ahead.result(), draft_ids, draft_probs, num_draft, next_ahead)
+        result = self._accept(seqs, ready, gammas, num_draft, logits, draft_ids, draft_probs)
         for i, k, row in zip(ready, result.num_accepted.tolist(), result.token_ids.tolist()):
-            committed[i] = self._commit(seqs[i], gammas[i], k, row[:k + 1])
+            committed[i] = self._commit(seqs[i], gammas[i], k, row, next_ahead.get(i))
         return committed
 
-    def _accept(self, seqs, ready: list[int], gammas: list[int], logits: torch.Tensor,
-                draft_ids: torch.Tensor, draft_probs: torch.Tensor):
-        """Exact verification of the ready sequences; logits: [sum(γ_i + 1), vocab]."""
+    def _accept(self, seqs, ready: list[int], gammas: list[int], num_draft: list[int],
+                logits: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor):
+        """Exact verification of the ready sequences; logits: [sum(γ_i + 1), vocab].
+        num_draft[i] is γ_i, or γ_i + 1 with a bonus-position candidate (overlap)."""
         device, width = draft_ids.device, draft_ids.shape[1] + 1
         rows = torch.tensor(ready, device=device)
-        ready_gammas = [gammas[i] for i in ready]
-        num_draft = torch.tensor(ready_gammas, device=device)
+        num_rows = [gammas[i] + 1 for i in ready]
+        num_verified = torch.tensor([num_draft[i] for i in ready], device=device)
         if all(seqs[i].params.is_greedy for i in ready):
-            argmax = _pad_rows(logits.argmax(-1), ready_gammas, width)  # [n, width]
-            return greedy_verify(argmax, draft_ids[rows], num_draft)
+            argmax = _pad_rows(logits.argmax(-1), num_rows, width)  # [n, width]
+            return greedy_verify(argmax, draft_ids[rows], num_verified)
         params = [seqs[i].params for i in ready for _ in range(gammas[i] + 1)]
-        target_probs = _pad_rows(logits_to_probs(logits, params), ready_gammas, width)
+        target_probs = _pad_rows(logits_to_probs(logits, params), num_rows, width)
         positions = [[len(seqs[i].token_ids) + j for j in range(width)] for i in ready]
         seeds = [seqs[i].seed for i in ready]
         return rejection_sample(
-            target_probs, draft_ids[rows], draft_probs[rows], num_draft,
+            target_probs, draft_ids[rows], draft_probs[rows], num_verified,
             position_uniforms(seeds, [p[:-1] for p in positions], STREAM_ACCEPT),
             position_uniforms(seeds, positions, STREAM_SAMPLE))
 
@@ -222,30 +252,79 @@ class SpeculativeDecoder:
         return max(0, min(gamma, room - 1))
 
     def _propose(self, seqs: list[Sequence], gammas: list[int]):
-        """Draft γ_i tokens per sequence. Returns draft ids [batch, max_gamma], dense
-        q [batch, max_gamma, vocab], and the γ actually drafted (0 when the draft could not)."""
-        if not any(gammas):
-            device, vocab = self.target.device, self.target.vocab_size
-            return (torch.zeros(len(seqs), 0, dtype=torch.long, device=device),
-                    torch.zeros(len(seqs), 0, vocab, device=device), gammas)
+        """Draft γ_i tokens per sequence (from the previous round's drafting ahead where
+        there is one). Returns draft ids [batch, max_gamma], dense q [batch, max_gamma,
+        vocab], and the γ actually drafted (0 when the draft could not)."""
+        device, vocab = self.target.device, self.target.vocab_size
+        aheads = [s.ahead if g else None for s, g in zip(seqs, gammas)]
+        for s in seqs:
+            s.ahead = None
+        to_draft = [0 if a else g for a, g in zip(aheads, gammas)]
+        if any(to_draft):
+            out = self._draft(seqs, to_draft)
+        else:
+            out = DraftOutput(torch.zeros(len(seqs), 0, dtype=torch.long, device=device),
+                              torch.zeros(len(seqs), 0, vocab, device=device),
+                              [0] * len(seqs), [False] * len(seqs))
+        if any(aheads):
+            out = _merge_rows(out, [i for i, a in enumerate(aheads) if a],
+                              _ahead_output(aheads, gammas, vocab, device))
+            self.num_ahead_rounds += sum(a is not None for a in aheads)
+        return out.token_ids, out.probs, out.gammas
+
+    def _draft(self, seqs: list[Sequence], gammas: list[int]) -> DraftOutput:
+        """A fresh Propose; sequences the draft has lost resend their whole context once."""
         out = self.drafter.draft([self._draft_item(s, g) for s, g in zip(seqs, gammas)],
                                  self.target.device)
         missed = [i for i, miss in enumerate(out.is_miss) if miss]
-        if missed:  # the draft lost these prefixes: resend their whole context once
+        if missed:
             for i in missed:
                 seqs[i].draft_len = 0
             retry = self.drafter.draft([self._draft_item(seqs[i], gammas[i]) for i in missed],
                                        self.target.device)
-            out = _merge_retry(out, retry, missed)
+            out = _merge_rows(out, missed, retry)
         for s, g in zip(seqs, out.gammas):
             if g:  # the draft now holds the context and its first γ-1 draft tokens
                 s.draft_len = len(s.token_ids) + g - 1
-        return out.token_ids, out.probs, out.gammas
+        return out
 
     @staticmethod
-    def _draft_item(seq: Sequence, gamma: int) -> DraftItem:
-        return DraftItem(seq.seq_id, seq.draft_len, seq.token_ids[seq.draft_len:] if gamma else [],
-                         gamma, seq.params, seq.seed)
+    def _draft_item(seq: Sequence, gamma: int, drafts: list[int] = ()) -> DraftItem:
+        """Draft after the committed tokens (+ `drafts`, assumed accepted). The draft must
+        be sent at least the last token: drafting needs its logits."""
+        chain = seq.token_ids + list(drafts)
+        start = min(seq.draft_len, len(chain) - 1)
+        return DraftItem(seq.seq_id, start, chain[start:] if gamma else [], gamma, seq.params,
+                         seq.seed)
+
+    def _draft_ahead(self, seqs: list[Sequence], draft_ids: torch.Tensor,
+                     gammas: list[int]) -> DraftCall:
+        """Start drafting the next round now, assuming this round's drafts all pass:
+        1 bonus-position candidate + γ_i draft tokens per speculating sequence."""
+        drafts = draft_ids.tolist()
+        items = [self._draft_item(s, g + 1 if g else 0, drafts[i][:g])
+                 for i, (s, g) in enumerate(zip(seqs, gammas))]
+        return self.drafter.submit(items, self.target.device)
+
+    def _add_bonus_candidates(self, seqs, ahead: DraftOutput, draft_ids: torch.Tensor,
+                              draft_probs: torch.Tensor, num_draft: list[int],
+                              next_ahead: dict[int, DraftAhead]):
+        """Append each sequence's bonus-position candidate to its draft row (γ_i + 1
+        tokens to verify) and keep the rest as next round's drafts."""
+        draft_ids = torch.nn.functional.pad(draft_ids, (0, 1))            # [batch, γ_max + 1]
+        draft_probs = torch.nn.functional.pad(draft_probs, (0, 0, 0, 1))  # [batch, γ_max + 1, V]
+        for i, g in enumerate(ahead.gammas):
+            if not g:
+                continue
+            gamma = num_draft[i]
+            draft_ids[i, gamma], draft_probs[i, gamma] = ahead.token_ids[i, 0], ahead.probs[i, 0]
+            num_draft[i] = gamma + 1
+            self.num_candidates += 1
+            # the draft now holds the context, this round's drafts and g-1 drafted ahead
+            seqs[i].draft_len = len(seqs[i].token_ids) + gamma + g - 1
+            if g > 1:
+                next_ahead[i] = DraftAhead(ahead.token_ids[i, 1:g].tolist(), ahead.probs[i, 1:g])
+        return draft_ids, draft_probs
 
     def _verify_forward(self, seqs: list[Sequence], draft_ids: torch.Tensor, gammas: list[int],
                         feed: list[int], is_ready: list[bool]) -> torch.Tensor:
@@ -265,13 +344,18 @@ class SpeculativeDecoder:
             s.target_len += len(x)
         return self.target.forward(requests)
 
-    def _commit(self, seq: Sequence, gamma: int, num_accepted: int,
-                emitted: list[int]) -> list[int]:
+    def _commit(self, seq: Sequence, gamma: int, num_verified_ok: int, row: list[int],
+                ahead: DraftAhead | None) -> list[int]:
+        """Commit a round: accepted drafts + the recovered or bonus token. With a bonus-
+        position candidate (overlap), num_verified_ok may be γ + 1: the candidate is the
+        bonus token, and the drafts made after it are next round's."""
+        num_accepted = min(num_verified_ok, gamma)
+        is_ahead_kept = num_verified_ok > gamma
         base = len(seq.token_ids)
         seq.stats.record(gamma, num_accepted)
         seq.last_round = (gamma, num_accepted)
         committed = []
-        for token in emitted:
+        for token in row[:num_accepted + 1]:
             seq.token_ids.append(token)
             committed.append(token)
             seq.finish_reason = self._finish_reason(seq, token)
@@ -284,7 +368,10 @@ class SpeculativeDecoder:
         # draft rolls back to `draft_len` itself when it drafts next.
         seq.target_len = base + num_accepted
         self.target.blocks.rollback(seq.seq_id, seq.target_len)
-        seq.draft_len = min(seq.draft_len, base + num_accepted)
+        if is_ahead_kept:
+            seq.ahead = ahead
+        else:  # the draft's chain and the committed tokens part at the emitted token
+            seq.draft_len = min(seq.draft_len, base + num_accepted)
         return committed
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -296,23 +383,36 @@ class SpeculativeDecoder:
         return None
 
 
-def _merge_retry(first: DraftOutput, retry: DraftOutput, rows: list[int]) -> DraftOutput:
-    """Put the retried rows' drafts into the first call's output (widening γ if needed)."""
-    max_gamma = max(first.token_ids.shape[1], retry.token_ids.shape[1])
+def _merge_rows(first: DraftOutput, rows: list[int], other: DraftOutput) -> DraftOutput:
+    """`other`'s drafts (one per entry of `rows`) in place of those rows of `first`,
+    widening γ if needed."""
+    max_gamma = max(first.token_ids.shape[1], other.token_ids.shape[1])
     token_ids = torch.nn.functional.pad(first.token_ids, (0, max_gamma - first.token_ids.shape[1]))
     probs = torch.nn.functional.pad(first.probs, (0, 0, 0, max_gamma - first.probs.shape[1]))
     gammas = list(first.gammas)
     for k, i in enumerate(rows):
-        g = retry.gammas[k]
-        token_ids[i, :g], probs[i, :g], gammas[i] = retry.token_ids[k, :g], retry.probs[k, :g], g
+        g = other.gammas[k]
+        token_ids[i, :g], probs[i, :g], gammas[i] = other.token_ids[k, :g], other.probs[k, :g], g
     return DraftOutput(token_ids, probs, gammas, [False] * len(gammas))
 
 
-def _pad_rows(values: torch.Tensor, gammas: list[int], width: int) -> torch.Tensor:
-    """[sum(γ_i + 1), ...] rows, sequence after sequence -> [batch, width, ...], zero padded."""
-    out = values.new_zeros(len(gammas), width, *values.shape[1:])
+def _ahead_output(aheads: list[DraftAhead | None], gammas: list[int], vocab: int,
+                  device: torch.device) -> DraftOutput:
+    """The drafted-ahead tokens of the sequences that have them, each cut to its γ."""
+    rows = [(a.token_ids[:g], a.probs[:g]) for a, g in zip(aheads, gammas) if a]
+    width = max(len(ids) for ids, _ in rows)
+    token_ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    probs = torch.zeros(len(rows), width, vocab, device=device)
+    for k, (ids, q) in enumerate(rows):
+        token_ids[k, :len(ids)], probs[k, :len(ids)] = torch.tensor(ids), q
+    return DraftOutput(token_ids, probs, [len(ids) for ids, _ in rows], [False] * len(rows))
+
+
+def _pad_rows(values: torch.Tensor, num_rows: list[int], width: int) -> torch.Tensor:
+    """[sum(num_rows), ...] rows, sequence after sequence -> [batch, width, ...], zero padded."""
+    out = values.new_zeros(len(num_rows), width, *values.shape[1:])
     offset = 0
-    for i, g in enumerate(gammas):
-        out[i, :g + 1] = values[offset:offset + g + 1]
-        offset += g + 1
+    for i, n in enumerate(num_rows):
+        out[i, :n] = values[offset:offset + n]
+        offset += n
     return out

@@ -37,18 +37,31 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas, holding back bytes of a
-    multi-byte character until it is complete."""
+    """Turns a growing list of token ids into text deltas.
+
+    Each push decodes only a short window — the tokens since the last emitted text plus
+    a few before them for context (tokenizers may render a token differently after
+    another) — so a long generation costs O(tokens), not O(tokens²). Bytes of a
+    multi-byte character split across tokens are held back until it is complete."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.token_ids: list[int] = []
-        self.emitted = ""
+        self._prefix_start = 0  # context window start
+        self._read_start = 0    # tokens before this are already in emitted text
 
     def push(self, new_ids: list[int]) -> str:
         self.token_ids.extend(new_ids)
-        text = self.tokenizer.decode(self.token_ids)
-        if text.endswith("\ufffd"):
-            return ""
-        delta, self.emitted = text[len(self.emitted):], text
-        return delta
+        prefix = self.tokenizer.decode(self.token_ids[self._prefix_start:self._read_start])
+        text = self.tokenizer.decode(self.token_ids[self._prefix_start:])
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""  # nothing new yet, or a character still incomplete
+        self._prefix_start, self._read_start = self._read_start, len(self.token_ids)
+        return text[len(prefix):]
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        prefix = self.tokenizer.decode(self.token_ids[self._prefix_start:self._read_start])
+        text = self.tokenizer.decode(self.token_ids[self._prefix_start:])
+        self._prefix_start = self._read_start = len(self.token_ids)
+        return text[len(prefix):]

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18outrider/v1/worker.proto\x12\x0boutrider.v1\"Y\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xaf\x01\n\x0fProposeSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\r\n\x05gamma\x18\x04 \x01(\r\x12\'\n\x08sampling\x18\x05 \x01(\x0b\x32\x15.outrider.v1.Sampling\x12&\n\x08q_format\x18\x06 \x01(\x0e\x32\x14.outrider.v1.QFormat\"S\n\x0eProposeRequest\x12/\n\tsequences\x18\x01 \x03(\x0b\x32\x1c.outrider.v1.ProposeSequence\x12\x10\n\x08\x64ist_tag\x18\x02 \x01(\x04\"\xa2\x01\n\x08Proposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0c\n\x04miss\x18\x02 \x01(\x08\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x14\n\x0csupport_lens\x18\x04 \x03(\r\x12\x13\n\x0bsupport_ids\x18\x05 \x03(\x05\x12\x15\n\rsupport_probs\x18\x06 \x03(\x02\x12\x0f\n\x07\x64\x65nse_q\x18\x07 \x01(\x0c\x12\x12\n\nvocab_size\x18\x08 \x01(\r\"R\n\x0fProposeResponse\x12(\n\tproposals\x18\x01 \x03(\x0b\x32\x15.outrider.v1.Proposal\x12\x15\n\rdraft_seconds\x18\x02 \x01(\x02\"!\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\"\'\n\x0fReleaseResponse\x12\x14\n\x0cnum_released\x18\x01 \x01(\r\"\x13\n\x11\x44raftStatsRequest\"\xc3\x01\n\nDraftStats\x12\x15\n\rnum_sequences\x18\x01 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x02 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x03 \x01(\r\x12\x13\n\x0bnum_evicted\x18\x04 \x01(\x04\x12\x12\n\nnum_misses\x18\x05 \x01(\x04\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x17\n\x0fnum_dense_sends\x18\x08 \x01(\x04\"\xf4\x01\n\rTargetRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x19\n\x11resume_output_ids\x18\x03 \x03(\x05\x12\'\n\x08sampling\x18\x04 \x01(\x0b\x32\x15.outrider.v1.Sampling\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12(\n\tspec_mode\x18\x08 \x01(\x0e\x32\x15.outrider.v1.SpecMode\x12\r\n\x05gamma\x18\t \x01(\r\"?\n\nRoundStats\x12\r\n\x05gamma\x18\x01 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x0c\n\x04heat\x18\x03 \x01(\x02\"`\n\x0bTargetChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\'\n\x06rounds\x18\x02 \x03(\x0b\x32\x17.outrider.v1.RoundStats\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\x85\x01\n\x04Load\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x0c\n\x04heat\x18\x03 \x01(\x02\x12\x16\n\x0ekv_used_blocks\x18\x04 \x01(\r\x12\x17\n\x0fkv_total_blocks\x18\x05 \x01(\r\x12\x14\n\x0ctokens_per_s\x18\x06 \x01(\x02*\x95\x01\n\x07QFormat\x12\x18\n\x14Q_FORMAT_UNSPECIFIED\x10\x00\x12\x10\n\x0cQ_FORMAT_IDS\x10\x01\x12\x17\n\x13Q_FORMAT_POINT_MASS\x10\x02\x12\x13\n\x0fQ_FORMAT_SPARSE\x10\x03\x12\x17\n\x13Q_FORMAT_DENSE_FP16\x10\x04\x12\x17\n\x13Q_FORMAT_DENSE_DIST\x10\x05*F\n\x08SpecMode\x12\x12\n\x0eSPEC_MODE_AUTO\x10\x00\x12\x11\n\rSPEC_MODE_OFF\x10\x01\x12\x13\n\x0fSPEC_MODE_FIXED\x10\x02\x32\xd5\x01\n\x05\x44raft\x12\x44\n\x07Propose\x12\x1b.outrider.v1.ProposeRequest\x1a\x1c.outrider.v1.ProposeResponse\x12\x44\n\x07Release\x12\x1b.outrider.v1.ReleaseRequest\x1a\x1c.outrider.v1.ReleaseResponse\x12@\n\x05Stats\x12\x1e.outrider.v1.DraftStatsRequest\x1a\x17.outrider.v1.DraftStats2\xc7\x01\n\x06Target\x12\x42\n\x08Generate\x12\x1a.outrider.v1.TargetRequest\x1a\x18.outrider.v1.TargetChunk0\x01\x12\x41\n\x06\x43\x61ncel\x12\x1a.outrider.v1.CancelRequest\x1a\x1b.outrider.v1.CancelResponse\x12\x36\n\x07GetLoad\x12\x18.outrider.v1.LoadRequest\x1a\x11.outrider.v1.Loadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18outrider/v1/worker.proto\x12\x0boutrider.v1\"Y\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xaf\x01\n\x0fProposeSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\r\n\x05gamma\x18\x04 \x01(\r\x12\'\n\x08sampling\x18\x05 \x01(\x0b\x32\x15.outrider.v1.Sampling\x12&\n\x08q_format\x18\x06 \x01(\x0e\x32\x14.outrider.v1.QFormat\"S\n\x0eProposeRequest\x12/\n\tsequences\x18\x01 \x03(\x0b\x32\x1c.outrider.v1.ProposeSequence\x12\x10\n\x08\x64ist_tag\x18\x02 \x01(\x04\"\xa2\x01\n\x08Proposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0c\n\x04miss\x18\x02 \x01(\x08\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x14\n\x0csupport_lens\x18\x04 \x03(\r\x12\x13\n\x0bsupport_ids\x18\x05 \x03(\x05\x12\x15\n\rsupport_probs\x18\x06 \x03(\x02\x12\x0f\n\x07\x64\x65nse_q\x18\x07 \x01(\x0c\x12\x12\n\nvocab_size\x18\x08 \x01(\r\"R\n\x0fProposeResponse\x12(\n\tproposals\x18\x01 \x03(\x0b\x32\x15.outrider.v1.Proposal\x12\x15\n\rdraft_seconds\x18\x02 \x01(\x02\"!\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\"\'\n\x0fReleaseResponse\x12\x14\n\x0cnum_released\x18\x01 \x01(\r\"\x13\n\x11\x44raftStatsRequest\"\xd7\x01\n\nDraftStats\x12\x15\n\rnum_sequences\x18\x01 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x02 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x03 \x01(\r\x12\x13\n\x0bnum_evicted\x18\x04 \x01(\x04\x12\x12\n\nnum_misses\x18\x05 \x01(\x04\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x17\n\x0fnum_dense_sends\x18\x08 \x01(\x04\x12\x12\n\nmodel_name\x18\t \x01(\t\"\x8e\x02\n\rTargetRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x19\n\x11resume_output_ids\x18\x03 \x03(\x05\x12\'\n\x08sampling\x18\x04 \x01(\x0b\x32\x15.outrider.v1.Sampling\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12(\n\tspec_mode\x18\x08 \x01(\x0e\x32\x15.outrider.v1.SpecMode\x12\r\n\x05gamma\x18\t \x01(\r\x12\x18\n\x10\x61\x63\x63\x65ptance_prior\x18\n \x03(\x02\"?\n\nRoundStats\x12\r\n\x05gamma\x18\x01 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x0c\n\x04heat\x18\x03 \x01(\x02\"`\n\x0bTargetChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\'\n\x06rounds\x18\x02 \x03(\x0b\x32\x17.outrider.v1.RoundStats\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\x86\x01\n\tCostModel\x12\x15\n\rverify_base_s\x18\x01 \x01(\x02\x12\x1a\n\x12verify_per_token_s\x18\x02 \x01(\x02\x12\x13\n\x0bknee_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x64raft_per_position_s\x18\x04 \x01(\x02\x12\x13\n\x0b\x64raft_rtt_s\x18\x05 \x01(\x02\"\xec\x01\n\x04Load\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x0c\n\x04heat\x18\x03 \x01(\x02\x12\x16\n\x0ekv_used_blocks\x18\x04 \x01(\r\x12\x17\n\x0fkv_total_blocks\x18\x05 \x01(\r\x12\x14\n\x0ctokens_per_s\x18\x06 \x01(\x02\x12\x12\n\nmodel_pair\x18\x07 \x01(\t\x12$\n\x04\x63ost\x18\x08 \x01(\x0b\x32\x16.outrider.v1.CostModel\x12\x18\n\x10max_batch_tokens\x18\t \x01(\r\x12\x11\n\tgamma_max\x18\n \x01(\r*\x95\x01\n\x07QFormat\x12\x18\n\x14Q_FORMAT_UNSPECIFIED\x10\x00\x12\x10\n\x0cQ_FORMAT_IDS\x10\x01\x12\x17\n\x13Q_FORMAT_POINT_MASS\x10\x02\x12\x13\n\x0fQ_FORMAT_SPARSE\x10\x03\x12\x17\n\x13Q_FORMAT_DENSE_FP16\x10\x04\x12\x17\n\x13Q_FORMAT_DENSE_DIST\x10\x05*F\n\x08SpecMode\x12\x12\n\x0eSPEC_MODE_AUTO\x10\x00\x12\x11\n\rSPEC_MODE_OFF\x10\x01\x12\x13\n\x0fSPEC_MODE_FIXED\x10\x02\x32\xd5\x01\n\x05\x44raft\x12\x44\n\x07Propose\x12\x1b.outrider.v1.ProposeRequest\x1a\x1c.outrider.v1.ProposeResponse\x12\x44\n\x07Release\x12\x1b.outrider.v1.ReleaseRequest\x1a\x1c.outrider.v1.ReleaseResponse\x12@\n\x05Stats\x12\x1e.outrider.v1.DraftStatsRequest\x1a\x17.outrider.v1.DraftStats2\xc7\x01\n\x06Target\x12\x42\n\x08Generate\x12\x1a.outrider.v1.TargetRequest\x1a\x18.outrider.v1.TargetChunk0\x01\x12\x41\n\x06\x43\x61ncel\x12\x1a.outrider.v1.CancelRequest\x1a\x1b.outrider.v1.CancelResponse\x12\x36\n\x07GetLoad\x12\x18.outrider.v1.LoadRequest\x1a\x11.outrider.v1.Loadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'outrider.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_QFORMAT']._serialized_start=1571
-  _globals['_QFORMAT']._serialized_end=1720
-  _globals['_SPECMODE']._serialized_start=1722
-  _globals['_SPECMODE']._serialized_end=1792
+  _globals['_QFORMAT']._serialized_start=1857
+  _globals['_QFORMAT']._serialized_end=2006
+  _globals['_SPECMODE']._serialized_start=2008
+  _globals['_SPECMODE']._serialized_end=2078
   _globals['_SAMPLING']._serialized_start=41
   _globals['_SAMPLING']._serialized_end=130
   _globals['_PROPOSESEQUENCE']._serialized_start=133
@@ -52,23 +52,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTSTATSREQUEST']._serialized_start=720
   _globals['_DRAFTSTATSREQUEST']._serialized_end=739
   _globals['_DRAFTSTATS']._serialized_start=742
-  _globals['_DRAFTSTATS']._serialized_end=937
-  _globals['_TARGETREQUEST']._serialized_start=940
-  _globals['_TARGETREQUEST']._serialized_end=1184
-  _globals['_ROUNDSTATS']._serialized_start=1186
-  _globals['_ROUNDSTATS']._serialized_end=1249
-  _globals['_TARGETCHUNK']._serialized_start=1251
-  _globals['_TARGETCHUNK']._serialized_end=1347
-  _globals['_CANCELREQUEST']._serialized_start=1349
-  _globals['_CANCELREQUEST']._serialized_end=1384
-  _globals['_CANCELRESPONSE']._serialized_start=1386
-  _globals['_CANCELRESPONSE']._serialized_end=1417
-  _globals['_LOADREQUEST']._serialized_start=1419
-  _globals['_LOADREQUEST']._serialized_end=1432
-  _globals['_LOAD']._serialized_start=1435
-  _globals['_LOAD']._serialized_end=1568
-  _globals['_DRAFT']._serialized_start=1795
-  _globals['_DRAFT']._serialized_end=2008
-  _globals['_TARGET']._serialized_start=2011
-  _globals['_TARGET']._serialized_end=2210
+  _globals['_DRAFTSTATS']._serialized_end=957
+  _globals['_TARGETREQUEST']._serialized_start=960
+  _globals['_TARGETREQUEST']._serialized_end=1230
+  _globals['_ROUNDSTATS']._serialized_start=1232
+  _globals['_ROUNDSTATS']._serialized_end=1295
+  _globals['_TARGETCHUNK']._serialized_start=1297
+  _globals['_TARGETCHUNK']._serialized_end=1393
+  _globals['_CANCELREQUEST']._serialized_start=1395
+  _globals['_CANCELREQUEST']._serialized_end=1430
+  _globals['_CANCELRESPONSE']._serialized_start=1432
+  _globals['_CANCELRESPONSE']._serialized_end=1463
+  _globals['_LOADREQUEST']._serialized_start=1465
+  _globals['_LOADREQUEST']._serialized_end=1478
+  _globals['_COSTMODEL']._serialized_start=1481
+  _globals['_COSTMODEL']._serialized_end=1615
+  _globals['_LOAD']._serialized_start=1618
+  _globals['_LOAD']._serialized_end=1854
+  _globals['_DRAFT']._serialized_start=2081
+  _globals['_DRAFT']._serialized_end=2294
+  _globals['_TARGET']._serialized_start=2297
+  _globals['_TARGET']._serialized_end=2496
 # @@protoc_insertion_point(module_scope)

@@ -112,7 +112,7 @@ class DraftStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftStats(_message.Message):
-    __slots__ = ("num_sequences", "num_used_blocks", "num_total_blocks", "num_evicted", "num_misses", "vocab_size", "max_model_len", "num_dense_sends")
+    __slots__ = ("num_sequences", "num_used_blocks", "num_total_blocks", "num_evicted", "num_misses", "vocab_size", "max_model_len", "num_dense_sends", "model_name")
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class DraftStats(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     NUM_DENSE_SENDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     num_sequences: int
     num_used_blocks: int
     num_total_blocks: int
@@ -129,10 +130,11 @@ class DraftStats(_message.Message):
     vocab_size: int
     max_model_len: int
     num_dense_sends: int
-    def __init__(self, num_sequences: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_evicted: _Optional[int] = ..., num_misses: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_dense_sends: _Optional[int] = ...) -> None: ...
+    model_name: str
+    def __init__(self, num_sequences: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_evicted: _Optional[int] = ..., num_misses: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_dense_sends: _Optional[int] = ..., model_name: _Optional[str] = ...) -> None: ...
 
 class TargetRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "resume_output_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "spec_mode", "gamma")
+    __slots__ = ("request_id", "prompt_ids", "resume_output_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "spec_mode", "gamma", "acceptance_prior")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +144,7 @@ class TargetRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     SPEC_MODE_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_PRIOR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     resume_output_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -151,7 +154,8 @@ class TargetRequest(_message.Message):
     ignore_eos: bool
     spec_mode: SpecMode
     gamma: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., resume_output_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., spec_mode: _Optional[_Union[SpecMode, str]] = ..., gamma: _Optional[int] = ...) -> None: ...
+    acceptance_prior: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., resume_output_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., spec_mode: _Optional[_Union[SpecMode, str]] = ..., gamma: _Optional[int] = ..., acceptance_prior: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RoundStats(_message.Message):
     __slots__ = ("gamma", "num_accepted", "heat")
@@ -189,18 +193,40 @@ class LoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class CostModel(_message.Message):
+    __slots__ = ("verify_base_s", "verify_per_token_s", "knee_tokens", "draft_per_position_s", "draft_rtt_s")
+    VERIFY_BASE_S_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    KNEE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PER_POSITION_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_RTT_S_FIELD_NUMBER: _ClassVar[int]
+    verify_base_s: float
+    verify_per_token_s: float
+    knee_tokens: int
+    draft_per_position_s: float
+    draft_rtt_s: float
+    def __init__(self, verify_base_s: _Optional[float] = ..., verify_per_token_s: _Optional[float] = ..., knee_tokens: _Optional[int] = ..., draft_per_position_s: _Optional[float] = ..., draft_rtt_s: _Optional[float] = ...) -> None: ...
+
 class Load(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "heat", "kv_used_blocks", "kv_total_blocks", "tokens_per_s")
+    __slots__ = ("num_running", "num_waiting", "heat", "kv_used_blocks", "kv_total_blocks", "tokens_per_s", "model_pair", "cost", "max_batch_tokens", "gamma_max")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     HEAT_FIELD_NUMBER: _ClassVar[int]
     KV_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PAIR_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_MAX_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     heat: float
     kv_used_blocks: int
     kv_total_blocks: int
     tokens_per_s: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., heat: _Optional[float] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., tokens_per_s: _Optional[float] = ...) -> None: ...
+    model_pair: str
+    cost: CostModel
+    max_batch_tokens: int
+    gamma_max: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., heat: _Optional[float] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., model_pair: _Optional[str] = ..., cost: _Optional[_Union[CostModel, _Mapping]] = ..., max_batch_tokens: _Optional[int] = ..., gamma_max: _Optional[int] = ...) -> None: ...

@@ -17,6 +17,8 @@ from outrider.engine.spec_decode import SpeculativeDecoder
 NUM_SAMPLES = 6000
 PROMPT = [7, 41, 99, 12, 250, 3]
 
+ALL = 1 << 30  # draft ahead however big the batch
+
 
 def sample_tokens(decoder: SpeculativeDecoder, gamma: int, seed_base: int,
                   **sampling) -> list[tuple[int, int]]:
@@ -37,11 +39,14 @@ def two_sample_pvalue(a: list, b: list, min_count: int = 10) -> float:
     return chi2_contingency(table).pvalue
 
 
-@pytest.fixture(scope="module")
-def decoder(llama_dir, draft_dir):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
+def decoder(request, llama_dir, draft_dir):
+    """overlap: the 2nd token comes from verifying a bonus-position candidate whenever
+    the 1st draft token is accepted."""
     big = RunnerConfig(str(llama_dir), kv_cache_mb=64)
     return SpeculativeDecoder(ModelRunner(big),
-                              Drafter(ModelRunner(RunnerConfig(str(draft_dir), kv_cache_mb=64))))
+                              Drafter(ModelRunner(RunnerConfig(str(draft_dir), kv_cache_mb=64))),
+                              overlap_max_seqs=ALL if request.param else 0)
 
 
 @pytest.mark.slow
@@ -55,6 +60,7 @@ def test_speculative_sampling_matches_target_distribution(decoder, sampling):
     assert two_sample_pvalue([t[1] for t in spec], [t[1] for t in plain]) > 0.001
     assert two_sample_pvalue(spec, plain) > 0.001  # the joint (1st, 2nd) pair
     assert decoder.target.blocks.num_used_blocks == 0
+    assert (decoder.num_candidates > NUM_SAMPLES // 10) == bool(decoder.overlap_max_seqs)
 
 
 @pytest.mark.slow

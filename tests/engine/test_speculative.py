@@ -11,6 +11,8 @@ from outrider.engine.sampling import SamplingParams
 from outrider.engine.spec_decode import SpeculativeDecoder
 from tests.checkpoints import VOCAB
 
+ALL = 1 << 30  # draft ahead however big the batch
+
 
 def ragged_prompts(n: int = 6, seed: int = 5) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
@@ -24,11 +26,12 @@ def target_only(llama_dir):
     return [s.output_ids for s in decoder.generate(ragged_prompts(), params, gamma=0)]
 
 
-@pytest.fixture(scope="module", params=["perturbed", "unrelated"])
+@pytest.fixture(scope="module", params=["perturbed", "unrelated", "perturbed-overlap"])
 def decoder(request, llama_dir, draft_dir, small_draft_dir):
-    draft = draft_dir if request.param == "perturbed" else small_draft_dir
+    draft = small_draft_dir if request.param == "unrelated" else draft_dir
     return SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir))),
-                              Drafter(ModelRunner(RunnerConfig(str(draft)))))
+                              Drafter(ModelRunner(RunnerConfig(str(draft)))),
+                              overlap_max_seqs=ALL if request.param.endswith("overlap") else 0)
 
 
 @pytest.mark.parametrize("gamma", range(1, 9))
@@ -47,6 +50,22 @@ def test_perturbed_draft_is_partly_accepted(llama_dir, draft_dir):
     accepted = sum(s.stats.num_accepted_tokens for s in seqs)
     drafted = sum(s.stats.num_draft_tokens for s in seqs)
     assert 0 < accepted < drafted  # both the accept and the reject paths ran
+
+
+def test_overlap_drafts_ahead_and_keeps_the_output(llama_dir, draft_dir, target_only):
+    """Drafting round r+1 during round r: bonus-position candidates are verified, some
+    rounds run on drafts made ahead, and the output is still the target's."""
+    decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir))),
+                                 Drafter(ModelRunner(RunnerConfig(str(draft_dir)))),
+                                 overlap_max_seqs=ALL)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    seqs = decoder.generate(ragged_prompts(), params, gamma=1)
+    assert [s.output_ids for s in seqs] == target_only
+    assert decoder.num_candidates > decoder.num_ahead_rounds > 0
+    rounds = sum(s.stats.num_rounds for s in seqs)
+    emitted = sum(s.stats.num_accepted_tokens + s.stats.num_rounds for s in seqs)
+    assert emitted >= sum(len(t) for t in target_only) and rounds < emitted
+    assert decoder.drafter.runner.blocks.num_used_blocks == 0
 
 
 def test_mixed_gammas_in_one_batch(llama_dir, draft_dir, target_only):

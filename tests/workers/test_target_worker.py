@@ -48,9 +48,10 @@ def run_remote(stub, req: pb.TargetRequest) -> list[int]:
     return tokens
 
 
-def run_local(llama_dir, draft_dir, req: pb.TargetRequest) -> list[int]:
+def run_local(llama_dir, draft_dir, req: pb.TargetRequest, overlap: bool = False) -> list[int]:
     decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir))),
-                                 Drafter(ModelRunner(RunnerConfig(str(draft_dir)))))
+                                 Drafter(ModelRunner(RunnerConfig(str(draft_dir)))),
+                                 overlap_max_seqs=1 << 30 if overlap else 0)
     s = req.sampling
     params = SamplingParams(max_tokens=req.max_tokens, temperature=s.temperature,
                             top_p=s.top_p or 1.0, seed=s.seed, ignore_eos=True)
@@ -72,6 +73,30 @@ def test_remote_output_equals_single_process_loop(cluster, llama_dir, draft_dir,
     stub, _ = cluster
     req = request_for(0, prompts(1)[0], gamma=4, max_tokens=40, sampled=sampled)
     assert run_remote(stub, req) == run_local(llama_dir, draft_dir, req)
+
+
+@pytest.fixture(scope="module")
+def overlap_cluster(llama_dir, draft_dir):
+    with outrider_process("draft-worker", "--model", str(draft_dir), token=TOKEN) as (_, d_addr), \
+         outrider_process("target-worker", "--model", str(llama_dir), "--draft-address", d_addr,
+                          "--overlap-max-seqs", "64", token=TOKEN) as (_, t_addr), \
+         grpc.insecure_channel(t_addr) as t_chan, grpc.insecure_channel(d_addr) as d_chan:
+        yield worker_pb2_grpc.TargetStub(t_chan), worker_pb2_grpc.DraftStub(d_chan)
+
+
+def test_overlapped_replicas_match_the_overlapped_loop(overlap_cluster, llama_dir, draft_dir):
+    """Drafting ahead over gRPC: greedy and seeded sampling give the in-process loop's
+    tokens, 12 streams at once give their solo tokens, and nothing is left held."""
+    stub, draft = overlap_cluster
+    reqs = [request_for(i, p, gamma=(1, 3)[i % 2], max_tokens=12 + 3 * i, sampled=i % 3 == 1)
+            for i, p in enumerate(prompts(12, seed=4))]
+    with ThreadPoolExecutor(12) as pool:
+        together = list(pool.map(lambda r: run_remote(stub, r), reqs))
+    for i in (0, 1):
+        assert together[i] == run_local(llama_dir, draft_dir, reqs[i], overlap=True)
+        assert run_remote(stub, reqs[i]) == together[i]
+    assert [len(t) for t in together] == [r.max_tokens for r in reqs]
+    _wait_idle(stub, draft)
 
 
 def test_32_concurrent_sequences_match_their_solo_runs(cluster, llama_dir, draft_dir):
