@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import grpc
 import torch
@@ -85,7 +86,8 @@ class DraftService(worker_pb2_grpc.DraftServicer):
                              num_misses=self.drafter.num_misses,
                              vocab_size=self.drafter.vocab_size,
                              max_model_len=self.drafter.max_model_len,
-                             num_dense_sends=self.num_dense_sends)
+                             num_dense_sends=self.num_dense_sends,
+                             model_name=Path(self.drafter.runner.cfg.model_dir).name)
 
     def _item(self, s: pb.ProposeSequence) -> DraftItem:
         where = f"sequences[{s.seq_id!r}]"

@@ -58,7 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--draft-dist-address",
                         help="host:port to host a dense q channel (torch.distributed) with "
                              "the first draft replica, when it runs on this machine")
-    target.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    target.add_argument("--gamma", type=int, default=4,
+                        help="γ of FIXED requests and γ_max of AUTO ones that set none")
+    target.add_argument("--hot-heat", type=float, default=0.9,
+                        help="batch heat at which AUTO speculation turns off")
+    target.add_argument("--cool-heat", type=float, default=0.7,
+                        help="batch heat at which it turns back on (hysteresis)")
     target.add_argument("--overlap-max-seqs", type=int, default=4,
                         help="draft round r+1 while round r verifies when at most this many "
                              "sequences speculate (0: never; it pays in small batches)")
@@ -201,15 +206,16 @@ def cmd_draft_worker(args) -> int:
 
 def cmd_target_worker(args) -> int:
     from outrider.engine.runner import RunnerConfig
-    from outrider.target_worker.main import serve
+    from outrider.target_worker.main import TargetWorkerConfig, serve
     from outrider.target_worker.scheduler import SchedulerConfig
 
     runner = RunnerConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
                           tp=args.tp, kv_cache_mb=args.kv_cache_mb, threads=args.threads)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                             max_batch_tokens=args.max_batch_tokens)
-    serve(runner, sched, args.draft_address, args.gamma, args.host, args.port, cluster_token(),
-          dist_address=args.draft_dist_address, overlap_max_seqs=args.overlap_max_seqs)
+    serve(TargetWorkerConfig(runner, sched, tuple(args.draft_address), args.gamma, args.host,
+                             args.port, args.draft_dist_address, args.overlap_max_seqs,
+                             args.hot_heat, args.cool_heat), cluster_token())
     return 0
 
 

@@ -129,25 +129,51 @@ class GammaPolicy:
         return 0
 
     def _maximise_goodput(self, requests, gammas: list[int], auto: list[int]) -> None:
-        """Greedy ascent: add one draft position where it raises batch goodput most,
-        until no single addition helps."""
-        best = self._goodput(requests, gammas)
-        while True:
-            choice = None
-            for i in auto:
-                if gammas[i] >= min(self.cfg.gamma_max, requests[i].gamma_cap):
-                    continue
-                gammas[i] += 1
-                value = self._goodput(requests, gammas)
-                gammas[i] -= 1
-                if value > best * (1 + 1e-9) and (choice is None or value > choice[1]):
-                    choice = (i, value)
-            if choice is None:
-                return
-            gammas[choice[0]] += 1
-            best = choice[1]
+        """Exact maximum of batch goodput over the AUTO requests' γ.
 
-    def _goodput(self, requests, gammas: list[int]) -> float:
-        tokens = sum(r.acceptance.expected_tokens(g) for r, g in zip(requests, gammas))
-        batch_tokens = sum(1 + g for g in gammas)
-        return tokens / self.cost.step_seconds(batch_tokens, max(gammas, default=0))
+        For a given largest γ G (which sets the draft's time), adding draft position j
+        to request i adds P(positions 0..j all accepted) expected tokens and one batch
+        token; those marginal gains fall along j, so for G and a number k of added
+        positions the best choice is the k largest gains. Enumerating (G, k) costs
+        O(G_max · n log n) instead of a search over all γ vectors."""
+        is_auto = set(auto)
+        fixed_tokens = sum(r.acceptance.expected_tokens(gammas[i])
+                           for i, r in enumerate(requests) if i not in is_auto)
+        base_batch = sum(1 + g for g in gammas)  # AUTO rows start at γ = 0
+        fixed_max = max(gammas, default=0)
+        best = (fixed_tokens + len(auto)) / self.cost.step_seconds(base_batch, fixed_max)
+        best_plan: dict[int, int] = {}
+        for top in range(1, self.cfg.gamma_max + 1):
+            gains = sorted(((gain, i) for i in auto
+                            for gain in _marginal_gains(requests[i], top)), reverse=True)
+            tokens, counts = fixed_tokens + len(auto), {}
+            for k, (gain, i) in enumerate(gains, start=1):
+                tokens += gain
+                counts[i] = counts.get(i, 0) + 1
+                value = tokens / self.cost.step_seconds(base_batch + k,
+                                                        max(fixed_max, max(counts.values())))
+                if value > best * (1 + 1e-9):
+                    best, best_plan = value, dict(counts)
+        for i, g in best_plan.items():
+            gammas[i] = g
+
+    def request_rate(self, heat: float, num_running: int, acceptance: Acceptance) -> float:
+        """Expected tokens/s for one more request like this on a replica at `heat` with
+        `num_running` requests (assumed alike): what the router ranks replicas by. Reads
+        the policy's state, never changes it."""
+        batch = [RequestState(acceptance) for _ in range(num_running + 1)]
+        gammas = [0] * len(batch)
+        if heat < self.cfg.hot_heat:
+            self._maximise_goodput(batch, gammas, list(range(len(batch))))
+        gamma = max(gammas)
+        step = self.cost.step_seconds(sum(1 + g for g in gammas), gamma)
+        return acceptance.expected_tokens(gammas[-1]) / step
+
+
+def _marginal_gains(request: RequestState, top: int) -> list[float]:
+    """Expected extra tokens from each draft position up to min(top, cap)."""
+    gains, survive = [], 1.0
+    for j in range(min(top, request.gamma_cap)):
+        survive *= request.acceptance.alpha(j)
+        gains.append(survive)
+    return gains

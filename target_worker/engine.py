@@ -1,5 +1,10 @@
 """The target replica's engine loop: one thread runs steps for the whole batch; gRPC
-handlers submit requests and read their tokens from per-request queues."""
+handlers submit requests and read their tokens from per-request queues.
+
+Every step the γ policy (router/policy.py) chooses γ for each sequence from the batch
+heat, the sequence's acceptance estimate and the replica's measured cost model; the
+scheduler then plans the step with those γ. Tensor-parallel ranks follow rank 0's
+forwards, so the decision reaches them with the tokens."""
 
 from __future__ import annotations
 
@@ -7,7 +12,9 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from outrider.router.policy import Acceptance, GammaPolicy, RequestState
 from outrider.target_worker.scheduler import Scheduler, SchedulerConfig
 
 from outrider.engine.spec_decode import Sequence, SpeculativeDecoder
@@ -26,15 +33,20 @@ class Chunk:
 class Handle:
     request_id: str
     seq: Sequence
-    gamma: int
+    spec: RequestState  # mode, γ cap, acceptance estimate
     chunks: queue.Queue = field(default_factory=queue.Queue)
     is_cancelled: bool = False
+    gamma_limit: int = 0  # FIXED: γ; AUTO: γ_max
 
 
 class TargetEngine:
-    def __init__(self, decoder: SpeculativeDecoder, sched_cfg: SchedulerConfig) -> None:
+    def __init__(self, decoder: SpeculativeDecoder, sched_cfg: SchedulerConfig,
+                 policy: GammaPolicy) -> None:
         self.decoder = decoder
         self.scheduler = Scheduler(sched_cfg, decoder.target.blocks, self._preempt)
+        self.policy = policy
+        # what the replica has seen, for requests that bring no acceptance estimate
+        self.acceptance = Acceptance([0.7] * policy.cfg.gamma_max, policy.cfg.ewma_weight)
         self._inbox: queue.Queue[Handle] = queue.Queue()
         self._handles: dict[str, Handle] = {}
         self._by_seq: dict[int, Handle] = {}
@@ -42,6 +54,12 @@ class TargetEngine:
         self._lock = threading.Lock()
         self.heat = 0.0
         self.tokens_per_s = 0.0
+
+    @property
+    def model_pair(self) -> str:
+        target = Path(self.decoder.target.cfg.model_dir).name
+        drafter = self.decoder.drafter
+        return f"{target}+{drafter.model_name}" if drafter else target
 
     # -- called from gRPC threads ---------------------------------------------------------
     def submit(self, handle: Handle) -> None:
@@ -84,12 +102,12 @@ class TargetEngine:
 
     def _step(self) -> bool:
         """One step; False when nothing could be scheduled (waiting for KV room)."""
-        plan = self.scheduler.schedule(
-            lambda seq: self.decoder.clip_gamma(seq, self._by_seq[seq.seq_id].gamma))
+        heat = self._demand_heat()
+        gammas = self._choose_gammas(heat)
+        plan = self.scheduler.schedule(lambda seq: gammas[seq.seq_id])
         if not plan.seqs:
             return False
-        heat = plan.num_base_tokens / self.scheduler.cfg.max_batch_tokens
-        self.heat = 0.8 * self.heat + 0.2 * heat
+        self.heat = heat
         start = time.perf_counter()
         try:
             committed = self.decoder.step(plan.seqs, plan.gammas, plan.chunk_lens)
@@ -104,10 +122,31 @@ class TargetEngine:
             handle = self._by_seq[seq.seq_id]
             if tokens:
                 gamma, accepted = seq.last_round
+                self._learn(handle, gamma, accepted)
                 handle.chunks.put(Chunk(tokens, [(gamma, accepted, heat)]))
             if seq.is_finished:
                 self._finish(handle, seq.finish_reason)
         return True
+
+    def _demand_heat(self) -> float:
+        """Tokens the queued work asks of this step without speculation / the budget."""
+        seqs = [*self.scheduler.running, *self.scheduler.waiting]
+        demand = sum(len(s.token_ids) - s.target_len for s in seqs)
+        return demand / self.scheduler.cfg.max_batch_tokens
+
+    def _choose_gammas(self, heat: float) -> dict[int, int]:
+        seqs = [*self.scheduler.running, *self.scheduler.waiting]
+        states = []
+        for seq in seqs:
+            handle = self._by_seq[seq.seq_id]
+            handle.spec.gamma_cap = self.decoder.clip_gamma(seq, handle.gamma_limit)
+            states.append(handle.spec)
+        return {s.seq_id: g for s, g in zip(seqs, self.policy.choose(heat, states))}
+
+    def _learn(self, handle: Handle, gamma: int, accepted: int) -> None:
+        if gamma:
+            handle.spec.acceptance.update(gamma, accepted)
+            self.acceptance.update(gamma, accepted)
 
     def _finish(self, handle: Handle, reason: str) -> None:
         self.scheduler.remove(handle.seq)
@@ -127,4 +166,6 @@ class TargetEngine:
         return {"num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting) + self._inbox.qsize(),
                 "heat": self.heat, "kv_used_blocks": blocks.num_used_blocks,
-                "kv_total_blocks": blocks.num_blocks, "tokens_per_s": self.tokens_per_s}
+                "kv_total_blocks": blocks.num_blocks, "tokens_per_s": self.tokens_per_s,
+                "model_pair": self.model_pair,
+                "max_batch_tokens": self.scheduler.cfg.max_batch_tokens}

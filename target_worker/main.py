@@ -5,11 +5,14 @@ from __future__ import annotations
 import sys
 import threading
 import uuid
+from dataclasses import dataclass, field
 
+from outrider.router.policy import GammaPolicy, PolicyConfig
+from outrider.target_worker.cost import measure_cost_model
 from outrider.target_worker.engine import TargetEngine
 from outrider.target_worker.remote_drafter import RemoteDrafter
 from outrider.target_worker.scheduler import SchedulerConfig
-from outrider.target_worker.service import TargetService
+from outrider.target_worker.service import MAX_GAMMA, TargetService
 
 from outrider.dense_channel import TARGET_RANK, DenseChannel
 from outrider.engine.distributed import TPRunnerGroup
@@ -22,29 +25,51 @@ from outrider.v1.worker_pb2 import DESCRIPTOR
 SERVICE_NAME = DESCRIPTOR.services_by_name["Target"].full_name
 
 
-def serve(runner_cfg: RunnerConfig, sched_cfg: SchedulerConfig, draft_addresses: list[str],
-          gamma: int, host: str, port: int, token: str | None,
-          dist_address: str | None = None, overlap_max_seqs: int = 0) -> None:
-    group = TPRunnerGroup(runner_cfg)
-    channel = DenseChannel(dist_address, TARGET_RANK) if dist_address else None
+@dataclass(frozen=True)
+class TargetWorkerConfig:
+    runner: RunnerConfig
+    sched: SchedulerConfig = field(default_factory=SchedulerConfig)
+    draft_addresses: tuple[str, ...] = ()
+    gamma: int = 4                 # FIXED requests' γ and AUTO requests' γ_max by default
+    host: str = "127.0.0.1"
+    port: int = 0
+    dist_address: str | None = None
+    overlap_max_seqs: int = 4
+    hot_heat: float = 0.9
+    cool_heat: float = 0.7
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.gamma <= MAX_GAMMA:
+            raise ValueError(f"gamma must be in [0, {MAX_GAMMA}], got {self.gamma}")
+        if self.overlap_max_seqs < 0:
+            raise ValueError("overlap_max_seqs must be >= 0")
+        PolicyConfig(MAX_GAMMA, self.hot_heat, self.cool_heat)  # validates the heats
+
+
+def serve(cfg: TargetWorkerConfig, token: str | None) -> None:
+    group = TPRunnerGroup(cfg.runner)
+    channel = DenseChannel(cfg.dist_address, TARGET_RANK) if cfg.dist_address else None
     if channel and not channel.wait_ready(timeout_s=60):
         print("dense q channel did not come up; full-vocabulary q goes as fp16 over gRPC",
               file=sys.stderr, flush=True)
-    drafter = (RemoteDrafter(draft_addresses, token, seq_prefix=f"{uuid.uuid4().hex[:8]}:",
-                             dense_channel=channel)
-               if draft_addresses else None)
-    decoder = SpeculativeDecoder(group.runner, drafter, overlap_max_seqs=overlap_max_seqs)
-    engine = TargetEngine(decoder, sched_cfg)
-    service = TargetService(engine, default_gamma=gamma if drafter else 0)
+    drafter = (RemoteDrafter(list(cfg.draft_addresses), token,
+                             seq_prefix=f"{uuid.uuid4().hex[:8]}:", dense_channel=channel)
+               if cfg.draft_addresses else None)
+    decoder = SpeculativeDecoder(group.runner, drafter, overlap_max_seqs=cfg.overlap_max_seqs)
+    cost = measure_cost_model(group.runner, drafter, cfg.sched.max_batch_tokens)
+    policy = GammaPolicy(PolicyConfig(MAX_GAMMA, cfg.hot_heat, cfg.cool_heat), cost)
+    engine = TargetEngine(decoder, cfg.sched, policy)
+    service = TargetService(engine, default_gamma=cfg.gamma if drafter else 0, cost=cost)
     # every open stream holds a handler thread: room for a full batch, Cancel and GetLoad
     server, bound = build_server(
         lambda s: worker_pb2_grpc.add_TargetServicer_to_server(service, s),
-        [SERVICE_NAME], f"{host}:{port}", token, max_workers=sched_cfg.max_num_seqs + 16)
+        [SERVICE_NAME], f"{cfg.host}:{cfg.port}", token,
+        max_workers=cfg.sched.max_num_seqs + 16)
     stop = threading.Event()
     loop = threading.Thread(target=engine.run, args=(stop,), name="target-engine", daemon=True)
     loop.start()
     # the engine keeps running while streams in flight drain, then stops
-    serve_until_signalled(server, "target worker", f"{host}:{bound}")
+    serve_until_signalled(server, "target worker", f"{cfg.host}:{bound}")
     stop.set()
     loop.join(timeout=10)
     group.close()

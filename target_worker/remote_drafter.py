@@ -58,6 +58,7 @@ class RemoteDrafter:
         self.num_failures = 0
         stats = self._describe()
         self.vocab_size, self.max_model_len = stats.vocab_size, stats.max_model_len
+        self.model_name = stats.model_name
 
     def _describe(self) -> pb.DraftStats:
         for stub in self._stubs:

@@ -6,6 +6,7 @@ import queue
 import uuid
 
 import grpc
+from outrider.router.policy import Acceptance, CostModel, RequestState, SpecMode
 from outrider.target_worker.engine import Handle, TargetEngine
 
 from outrider.engine.sampling import SamplingError
@@ -15,12 +16,15 @@ from outrider.v1 import worker_pb2_grpc
 from outrider.wire import sampling_from_proto
 
 MAX_GAMMA = 16
+SPEC_MODES = {pb.SPEC_MODE_AUTO: SpecMode.AUTO, pb.SPEC_MODE_OFF: SpecMode.OFF,
+              pb.SPEC_MODE_FIXED: SpecMode.FIXED}
 
 
 class TargetService(worker_pb2_grpc.TargetServicer):
-    def __init__(self, engine: TargetEngine, default_gamma: int) -> None:
+    def __init__(self, engine: TargetEngine, default_gamma: int, cost: CostModel) -> None:
         self.engine = engine
         self.default_gamma = default_gamma
+        self.cost = pb.CostModel(**vars(cost))
 
     def Generate(self, request: pb.TargetRequest, context):
         try:
@@ -49,7 +53,7 @@ class TargetService(worker_pb2_grpc.TargetServicer):
         return pb.CancelResponse(found=self.engine.cancel(request.request_id))
 
     def GetLoad(self, request, context) -> pb.Load:
-        return pb.Load(**self.engine.load())
+        return pb.Load(**self.engine.load(), cost=self.cost, gamma_max=self.default_gamma)
 
     def _handle(self, request: pb.TargetRequest) -> Handle:
         if request.gamma > MAX_GAMMA:
@@ -57,9 +61,15 @@ class TargetService(worker_pb2_grpc.TargetServicer):
         params, _ = sampling_from_proto(
             request.sampling, max_tokens=request.max_tokens,
             stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos)
+        if request.spec_mode not in SPEC_MODES:
+            raise ValueError(f"spec_mode={request.spec_mode} is not a SpecMode")
+        if any(not 0 <= a <= 1 for a in request.acceptance_prior):
+            raise ValueError("acceptance_prior values must be probabilities in [0, 1]")
         seq = self.engine.decoder.new_sequence(list(request.prompt_ids), params,
                                                list(request.resume_output_ids))
-        # FIXED, and AUTO until the router's policy lands: a fixed γ
-        is_off = request.spec_mode == pb.SPEC_MODE_OFF
-        gamma = 0 if is_off else request.gamma or self.default_gamma
-        return Handle(request.request_id or uuid.uuid4().hex, seq, gamma)
+        mode = SPEC_MODES[request.spec_mode]
+        gamma = request.gamma or self.default_gamma  # FIXED: γ; AUTO: γ_max
+        prior = list(request.acceptance_prior) or list(self.engine.acceptance.alphas)
+        spec = RequestState(Acceptance(prior, self.engine.policy.cfg.ewma_weight), mode,
+                            fixed_gamma=gamma)
+        return Handle(request.request_id or uuid.uuid4().hex, seq, spec, gamma_limit=gamma)

@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -79,6 +80,10 @@ class Drafter:
     @property
     def max_model_len(self) -> int:
         return self.runner.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return Path(self.runner.cfg.model_dir).name
 
     def release(self, seq_id) -> bool:
         self.last_used.pop(seq_id, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -69,6 +70,38 @@ def test_a_big_batch_speculates_less_per_request():
     alone = policy(compute_bound).choose(0.1, [request(0.7)])[0]
     crowd = policy(compute_bound).choose(0.5, [request(0.7) for _ in range(32)])
     assert max(crowd) < alone
+
+
+def test_batch_optimum_equals_brute_force():
+    """The (largest γ, k best gains) enumeration finds the best γ vector there is."""
+    rng = random.Random(3)
+    for _ in range(40):
+        cost = CostModel(verify_base_s=rng.uniform(0.002, 0.02),
+                         verify_per_token_s=rng.uniform(0, 0.003),
+                         draft_per_position_s=rng.uniform(0, 0.004),
+                         draft_rtt_s=rng.uniform(0, 0.003), knee_tokens=rng.randint(0, 12))
+        reqs = [RequestState(Acceptance(sorted((rng.random() for _ in range(4)), reverse=True)),
+                             gamma_cap=rng.randint(0, 4)) for _ in range(3)]
+        p = policy(cost, gamma_max=4)
+        chosen = p.choose(0.1, reqs)
+        best = max(itertools.product(*(range(r.gamma_cap + 1) for r in reqs)),
+                   key=lambda g: goodput(cost, reqs, g))
+        assert goodput(cost, reqs, chosen) == pytest.approx(goodput(cost, reqs, best))
+
+
+def goodput(cost: CostModel, reqs: list[RequestState], gammas) -> float:
+    tokens = sum(r.acceptance.expected_tokens(g) for r, g in zip(reqs, gammas))
+    return tokens / cost.step_seconds(sum(1 + g for g in gammas), max(gammas))
+
+
+def test_request_rate_ranks_a_cool_replica_first_and_leaves_the_policy_alone():
+    compute_bound = CostModel(verify_base_s=0.01, verify_per_token_s=0.002,
+                              draft_per_position_s=0.0005, knee_tokens=8)
+    p = policy(compute_bound)
+    acc = Acceptance([0.8] * 4)
+    assert p.request_rate(0.1, 0, acc) > p.request_rate(0.5, 16, acc) > 0
+    assert p.request_rate(0.95, 16, acc) > 0
+    assert p.is_speculating and not p.history
 
 
 def test_overrides_win():

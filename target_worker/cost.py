@@ -1,0 +1,70 @@
+"""The γ policy's cost model, measured on this replica at start-up (DESIGN §4): target
+forward time against batch tokens (a flat base up to a knee, then a slope), and the
+draft's time per drafted position and round trip, through whatever drafter the replica
+uses (in process, or draft replicas over gRPC)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from outrider.router.policy import CostModel
+
+from outrider.engine.drafter import DraftItem
+from outrider.engine.runner import ForwardRequest, ModelRunner
+from outrider.engine.sampling import SamplingParams
+
+SCRATCH = "cost-calibration"
+
+
+def measure_cost_model(target: ModelRunner, drafter, max_batch_tokens: int,
+                       repeats: int = 3) -> CostModel:
+    sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= max_batch_tokens]
+    times = {n: _verify_seconds(target, n, repeats) for n in sizes}
+    base, top = times[1], sizes[-1]
+    mid = sizes[max(0, len(sizes) - 2)]
+    slope = max(0.0, (times[top] - times[mid]) / (top - mid)) if top > mid else 0.0
+    knee = int(max(0, min(top, top - (times[top] - base) / slope))) if slope else top
+    per_position, rtt = _draft_seconds(drafter, target.device, repeats) if drafter else (0, 0)
+    return CostModel(verify_base_s=base, verify_per_token_s=slope, knee_tokens=knee,
+                     draft_per_position_s=per_position, draft_rtt_s=rtt)
+
+
+def _verify_seconds(runner: ModelRunner, num_tokens: int, repeats: int) -> float:
+    """Median time of a forward over `num_tokens` positions in 1+4-token rows (the shape
+    of decode rounds with γ = 4), the cache empty."""
+    row = min(5, num_tokens)
+    ids = [(SCRATCH, k) for k in range(num_tokens // row)]
+    blocks = runner.blocks
+    try:
+        for seq_id in ids:
+            blocks.append(seq_id, row)
+        requests = [ForwardRequest([1] * row, 0, blocks.block_table(s), row) for s in ids]
+        return _median_seconds(lambda: runner.forward(requests), repeats)
+    finally:
+        for seq_id in ids:
+            blocks.free(seq_id)
+
+
+def _draft_seconds(drafter, device, repeats: int) -> tuple[float, float]:
+    """(seconds per drafted position, fixed seconds per Propose) from γ = 1 and γ = 4."""
+    def propose(gamma: int) -> float:
+        item = DraftItem(SCRATCH, 0, [1] * 16, gamma, SamplingParams(), seed=0)
+        return _median_seconds(lambda: drafter.draft([item], device), repeats)
+
+    try:
+        one, four = propose(1), propose(4)
+    finally:
+        drafter.release(SCRATCH)
+    per_position = max(0.0, (four - one) / 3)
+    return per_position, max(0.0, one - per_position)
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
