@@ -11,6 +11,8 @@ from pathlib import Path
 from outrider import paths
 
 EXAMPLES = """examples:
+  outrider serve &                      # router + target + draft on this machine
+  outrider generate "def fibonacci(n):"  # through the router (127.0.0.1:50051)
   outrider generate --local "def fibonacci(n):"
   outrider generate --local --gamma 0 --max-tokens 32 --json "import os"
   outrider generate --local --temperature 0.7 --top-p 0.95 --seed 1 --stats "class Stack:"
@@ -30,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="prompt text ('-' reads standard input)")
     gen.add_argument("--local", action="store_true",
                      help="run the models in this process instead of calling a router")
+    gen.add_argument("--address", default="127.0.0.1:50051", help="router host:port")
+    gen.add_argument("--tls-ca", help="CA certificate (PEM) when the router uses TLS")
+    gen.add_argument("--speculation", choices=["auto", "off", "fixed"], default=None,
+                     help="router mode (default: fixed when --gamma is given, else auto)")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--tag", default="", help="workload tag (acceptance statistics)")
     _add_model_args(gen)
     _add_sampling_args(gen)
     gen.add_argument("--json", action="store_true",
@@ -79,6 +87,34 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--max-num-seqs", type=int, default=64)
     target.set_defaults(func=cmd_target_worker)
 
+    router = sub.add_parser("router", help="run the public gRPC router")
+    router.add_argument("--model", required=True,
+                        help="target checkpoint dir (its tokenizer.json and config.json)")
+    router.add_argument("--target-address", action="append", default=[],
+                        help="host:port of a target replica (repeatable; more are found in "
+                             "the shared registry)")
+    _add_router_args(router)
+    router.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    router.set_defaults(func=cmd_router)
+
+    serve = sub.add_parser("serve", help="router + target + draft worker(s) on this machine")
+    _add_model_args(serve)
+    serve.add_argument("--draft-replicas", type=int, default=1)
+    serve.add_argument("--grpc-port", type=int, default=50051, help="the router's port")
+    serve.add_argument("--max-batch-tokens", type=int, default=512)
+    serve.add_argument("--max-num-seqs", type=int, default=64)
+    _add_router_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    keys = sub.add_parser("keys", help="create an API key in the shared store (Redis)")
+    keys.add_argument("action", choices=["create"])
+    keys.add_argument("--redis", required=True, help="redis://host:port/db")
+    keys.add_argument("--name", required=True)
+    keys.add_argument("--rpm", type=int, default=0, help="requests per minute (0: no limit)")
+    keys.add_argument("--burst", type=int, default=10)
+    keys.add_argument("--tag", action="append", default=[], help="allowed tag (repeatable)")
+    keys.set_defaults(func=cmd_keys)
+
     demo = sub.add_parser("demo", help="stream a generation from the shipped demo pair")
     demo.add_argument("--max-tokens", type=int, default=160)
     demo.add_argument("--gamma", type=int, default=4)
@@ -90,12 +126,24 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target checkpoint dir (default: the shipped demo target)")
     p.add_argument("--draft", help="draft checkpoint dir (default: the demo draft when the "
                                    "target is the demo target, else none)")
-    p.add_argument("--gamma", type=int, default=4,
-                   help="draft tokens per round (0: no speculation)")
+    p.add_argument("--gamma", type=int, default=None,
+                   help="draft tokens per round (0: no speculation; default 4)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the target")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV budget per rank")
+
+
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="the router's interface")
+    p.add_argument("--redis", help="redis://host:port/db shared by routers (default: "
+                                   "state in the router process)")
+    p.add_argument("--require-api-key", action="store_true",
+                   help="refuse calls without a key (implied by OUTRIDER_API_KEYS)")
+    p.add_argument("--rate-limit-rpm", type=int, default=0,
+                   help="requests per minute per OUTRIDER_API_KEYS key (0: no limit)")
+    p.add_argument("--tls-cert", help="PEM certificate for TLS on the public port")
+    p.add_argument("--tls-key", help="PEM private key for --tls-cert")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -110,18 +158,26 @@ def _engine(args):
     from outrider.engine.local import LocalEngine, LocalEngineConfig
     from outrider.engine.runner import RunnerConfig
 
+    target, draft = _model_dirs(args)
+    runner = RunnerConfig(model_dir=str(target), device=args.device, dtype=args.dtype,
+                          tp=args.tp, kv_cache_mb=args.kv_cache_mb)
+    return LocalEngine(LocalEngineConfig(target=runner,
+                                         draft_dir=draft if args.gamma else None))
+
+
+def _model_dirs(args) -> tuple[Path, str | None]:
+    """(target, draft): the shipped demo pair unless told otherwise."""
     target = Path(args.target) if args.target else paths.demo_target_dir()
     draft = args.draft
     if draft is None and target.resolve() == paths.demo_target_dir().resolve():
         draft = str(paths.demo_draft_dir())
     if not (target / "config.json").is_file():
         raise UsageError(f"no model at {target} (pass --target DIR)")
+    if args.gamma is None:
+        args.gamma = DEFAULT_GAMMA
     if args.gamma < 0:
         raise UsageError(f"--gamma must be >= 0, got {args.gamma}")
-    runner = RunnerConfig(model_dir=str(target), device=args.device, dtype=args.dtype,
-                          tp=args.tp, kv_cache_mb=args.kv_cache_mb)
-    return LocalEngine(LocalEngineConfig(target=runner,
-                                         draft_dir=draft if args.gamma else None))
+    return target, draft
 
 
 def _sampling(args):
@@ -135,10 +191,13 @@ class UsageError(ValueError):
     pass
 
 
+DEFAULT_GAMMA = 4
+
+
 def cmd_generate(args) -> int:
-    if not args.local:
-        raise UsageError("calling a router is not available in this build; use --local")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not args.local:
+        return _generate_remote(args, prompt)
     params = _sampling(args)
     with _engine(args) as engine:
         result = _run_stream(engine, prompt, params, args.gamma, echo=not args.json)
@@ -163,6 +222,52 @@ def _run_stream(engine, prompt: str, params, gamma: int, echo: bool):
     if echo:
         sys.stdout.write("\n")
     return seq, time.perf_counter() - start
+
+
+def _generate_remote(args, prompt: str) -> int:
+    import os
+
+    from outrider.client import Client
+    from outrider.router.service import merge_responses
+
+    mode = args.speculation or ("auto" if args.gamma is None else
+                                "off" if args.gamma == 0 else "fixed")
+    options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, stop=args.stop, tag=args.tag,
+                   speculation=mode, gamma_max=args.gamma or 0)
+    start, parts = time.perf_counter(), []
+    with Client(args.address, os.environ.get("OUTRIDER_API_KEY"), args.tls_ca) as client:
+        for part in client.stream(prompt, **options):
+            parts.append(part)
+            if not args.json:
+                sys.stdout.write(part.text)
+                sys.stdout.flush()
+    seconds = time.perf_counter() - start
+    result = _response_json(merge_responses(parts), seconds)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        sys.stdout.write("\n")
+    if args.stats:
+        s = result["stats"]
+        print(f"[{len(result['token_ids'])} tokens in {seconds:.2f}s; rounds {s['rounds']}; "
+              f"draft tokens {s['draft_tokens']}, accepted {s['accepted_tokens']} "
+              f"(α = {s['acceptance_rate']:.3f}); mean accepted length "
+              f"{s['mean_accepted_len']:.2f}; replica {result['replica']}]", file=sys.stderr)
+    return 0
+
+
+def _response_json(resp, seconds: float) -> dict:
+    s = resp.speculation
+    return {"token_ids": list(resp.token_ids), "text": resp.text,
+            "finish_reason": resp.finish_reason,
+            "stats": {"draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
+                      "rounds": s.rounds, "acceptance_rate": s.acceptance_rate,
+                      "mean_accepted_len": s.mean_accepted_len,
+                      "accepted_per_position": list(s.accepted_per_position),
+                      "drafted_per_position": list(s.drafted_per_position)},
+            "seconds": seconds, "tokens_per_s": len(resp.token_ids) / seconds if seconds else 0,
+            "request_id": resp.request_id, "replica": resp.replica}
 
 
 def _result_json(engine, seq, seconds: float) -> dict:
@@ -219,6 +324,59 @@ def cmd_target_worker(args) -> int:
     return 0
 
 
+def cmd_router(args) -> int:
+    from outrider.router.main import serve
+
+    serve(_router_config(args, args.model, tuple(args.target_address), args.port),
+          cluster_token())
+    return 0
+
+
+def _router_config(args, model: str, targets: tuple[str, ...], port: int):
+    from outrider.router.main import RouterConfig
+
+    return RouterConfig(model, targets, args.host, port, args.redis, args.require_api_key,
+                        args.rate_limit_rpm, tls_cert=args.tls_cert, tls_key=args.tls_key)
+
+
+def cmd_serve(args) -> int:
+    import signal
+    import threading
+
+    from outrider.local_system import LocalSystemConfig, local_system
+
+    target, draft = _model_dirs(args)
+    router_args = [*(["--require-api-key"] if args.require_api_key else []),
+                   "--rate-limit-rpm", str(args.rate_limit_rpm),
+                   *(["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
+                     if args.tls_cert else [])]
+    cfg = LocalSystemConfig(str(target), draft if args.gamma else None, args.draft_replicas,
+                            args.tp, args.gamma, args.host, args.grpc_port, args.redis,
+                            args.device, args.kv_cache_mb, args.max_batch_tokens,
+                            args.max_num_seqs, extra_router_args=tuple(router_args))
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
+    with local_system(cfg, cluster_token(), echo=True) as address:
+        print(f"outrider serve: router listening on {address} (Ctrl-C stops everything)",
+              flush=True)
+        stopping.wait()
+        print("outrider serve: stopping", flush=True)
+    return 0
+
+
+def cmd_keys(args) -> int:
+    from outrider.router.auth import hash_key, new_key
+    from outrider.router.state import RedisStore
+    from outrider.v1 import state_pb2 as st
+
+    key = new_key()
+    RedisStore(args.redis).put_api_key(hash_key(key), st.ApiKeyRecord(
+        name=args.name, requests_per_minute=args.rpm, burst=args.burst, tags=args.tag))
+    print(key)
+    return 0
+
+
 def cluster_token() -> str | None:
     """The cluster's shared token, from the environment (never from argv, which `ps` shows)."""
     import os
@@ -227,21 +385,42 @@ def cluster_token() -> str | None:
 
 
 def cmd_demo(args) -> int:
-    from outrider.engine.sampling import SamplingParams
+    """The whole system on the demo pair: router, target and draft replicas as processes;
+    one generation streamed through the router, then the target alone for comparison."""
+    from outrider.client import Client
+    from outrider.local_system import LocalSystemConfig, local_system
+    from outrider.router.service import merge_responses
 
     prompt = _demo_prompt()
-    ns = argparse.Namespace(target=None, draft=None, gamma=args.gamma, tp=1, device="cpu",
-                            dtype="auto", kv_cache_mb=256.0)
-    params = SamplingParams(max_tokens=args.max_tokens)
-    with _engine(ns) as engine:
-        print(f"== prompt: the head of held-out module {DEMO_MODULE} ==\n{prompt}", flush=True)
-        print(f"== target + draft, greedy, γ = {args.gamma} ==", flush=True)
-        spec_seq, spec_s = _run_stream(engine, prompt, params, args.gamma, echo=True)
-        plain_seq, plain_s = _run_stream(engine, prompt, params, 0, echo=False)
-    print(_stats_line(spec_seq, spec_s))
-    same = "identical" if plain_seq.output_ids == spec_seq.output_ids else "DIFFERENT"
-    print(f"target alone: {plain_seq.num_output / plain_s:.1f} tok/s; speculative speedup "
-          f"{plain_s / spec_s * spec_seq.num_output / plain_seq.num_output:.2f}x; "
+    cfg = LocalSystemConfig(str(paths.demo_target_dir()), str(paths.demo_draft_dir()),
+                            grpc_port=0)
+    print("== starting router, target replica and draft replica (processes, gRPC) ==",
+          flush=True)
+    with local_system(cfg) as address, Client(address, timeout_s=600) as client:
+        print(f"router listening on {address}\n== prompt: the head of held-out module "
+              f"{DEMO_MODULE} ==\n{prompt}", flush=True)
+        print(f"== through the router: target + draft, greedy, γ = {args.gamma} ==", flush=True)
+        options = dict(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        start, parts = time.perf_counter(), []
+        for part in client.stream(prompt, speculation="fixed", gamma_max=args.gamma, **options):
+            parts.append(part)
+            sys.stdout.write(part.text)
+            sys.stdout.flush()
+        spec_s, spec = time.perf_counter() - start, merge_responses(parts)
+        start = time.perf_counter()
+        plain = client.generate(prompt, speculation="off", **options)
+        plain_s = time.perf_counter() - start
+    s = spec.speculation
+    per_pos = ", ".join(f"{a / d:.2f}" for a, d in zip(s.accepted_per_position,
+                                                        s.drafted_per_position) if d)
+    n = len(spec.token_ids)
+    print(f"\n[{n} tokens in {spec_s:.2f}s = {n / spec_s:.1f} tok/s; rounds {s.rounds}; draft "
+          f"tokens {s.draft_tokens}, accepted {s.accepted_tokens} (α = {s.acceptance_rate:.3f};"
+          f" per position: {per_pos}); mean accepted length {s.mean_accepted_len:.2f} "
+          f"tokens/round]")
+    same = "identical" if list(plain.token_ids) == list(spec.token_ids) else "DIFFERENT"
+    print(f"target alone (speculation off): {len(plain.token_ids) / plain_s:.1f} tok/s; "
+          f"speculative speedup {plain_s / spec_s * n / len(plain.token_ids):.2f}x; "
           f"output {same} to the target's own greedy output")
     return 0
 
@@ -267,8 +446,16 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if args.debug:
             raise
-        print(f"outrider: error: {exc}", file=sys.stderr)
+        print(f"outrider: error: {_one_line(exc)}", file=sys.stderr)
         return 1
+
+
+def _one_line(exc: Exception) -> str:
+    import grpc
+
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc)
 
 
 if __name__ == "__main__":

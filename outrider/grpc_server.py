@@ -52,13 +52,22 @@ def serve_until_signalled(server: grpc.Server, name: str, address: str,
     server.stop(grace=grace_s).wait()
 
 
+def remaining_timeout(context) -> float | None:
+    """The caller's deadline, to pass on to calls made for it (None: it set none; gRPC
+    then reports a time remaining of ~2^63 seconds, which must not be passed on)."""
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > 1e9 else remaining
+
+
 def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return ((TOKEN_METADATA_KEY, token),) if token else ()
 
 
 def build_server(add_servicers, service_names: list[str], address: str,
-                 token: str | None, max_workers: int = 16) -> tuple[grpc.Server, int]:
-    """Start-ready server with health + reflection; returns (server, bound port)."""
+                 token: str | None, max_workers: int = 16,
+                 credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int]:
+    """Start-ready server with health + reflection, on TLS when `credentials` are given;
+    returns (server, bound port)."""
     interceptors = [ClusterTokenInterceptor(token)] if token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=interceptors,
@@ -71,7 +80,8 @@ def build_server(add_servicers, service_names: list[str], address: str,
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
         [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(address)
+    port = (server.add_secure_port(address, credentials) if credentials
+            else server.add_insecure_port(address))
     if port == 0:
         raise OSError(f"cannot listen on {address}")
     return server, port

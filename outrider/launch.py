@@ -1,5 +1,5 @@
-"""Starting Outrider server processes (workers) as children of this process; used by
-benchmarks and system tests."""
+"""Starting Outrider server processes as children of this process: `outrider serve`,
+benchmarks and system tests use it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -14,20 +15,35 @@ LISTENING = re.compile(r"listening on (\S+:\d+)")
 
 
 @contextmanager
-def outrider_process(*args: str, token: str | None = None, timeout: float = 120):
-    """Run `outrider ARGS...`; yields (process, 'host:port') once it says it listens."""
-    env = dict(os.environ, OUTRIDER_CLUSTER_TOKEN=token or "")
+def outrider_process(*args: str, token: str | None = None, timeout: float = 120,
+                     echo: str | None = None, env: dict[str, str] | None = None):
+    """Run `outrider ARGS...`; yields (process, 'host:port') once it says it listens.
+    Its later output is printed with the prefix `echo`, or dropped (never left to fill
+    the pipe)."""
+    env = dict(os.environ, **(env or {}), OUTRIDER_CLUSTER_TOKEN=token or "")
     proc = subprocess.Popen([sys.executable, "-m", "outrider.cli", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        yield proc, _wait_listening(proc, timeout)
+        address = _wait_listening(proc, timeout)
+        threading.Thread(target=_drain, args=(proc, echo), daemon=True).start()
+        yield proc, address
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 20) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _drain(proc: subprocess.Popen, echo: str | None) -> None:
+    for line in proc.stdout:
+        if echo is not None:
+            print(f"{echo}{line}", end="", flush=True)
 
 
 def _wait_listening(proc: subprocess.Popen, timeout: float) -> str:

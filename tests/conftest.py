@@ -37,3 +37,35 @@ def small_draft_dir(tmp_path_factory, tokenizer_dir):
                                   tokenizer_from=tokenizer_dir, num_hidden_layers=1,
                                   hidden_size=32, intermediate_size=64,
                                   num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real redis-server on a free loopback port, for the whole session."""
+    import shutil
+    import subprocess
+    import time
+
+    import redis
+
+    from outrider.engine.distributed import free_port
+
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is not installed (make test installs it)"
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.exceptions.ConnectionError:
+            time.sleep(0.05)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

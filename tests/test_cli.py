@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from outrider.engine.distributed import free_port
 from tests.cli_utils import generate_json, run_cli
 
 PROMPT = "import os\n"
@@ -49,6 +50,7 @@ def test_streamed_text_equals_json_text(llama_dir):
     assert streamed.stdout.rstrip("\n") == generate_json(*args, PROMPT)["text"].rstrip("\n")
 
 
-def test_router_mode_is_refused_clearly(llama_dir):
-    proc = run_cli("generate", "--target", str(llama_dir), PROMPT)
-    assert proc.returncode == 1 and "--local" in proc.stderr
+def test_no_router_is_one_clear_line():
+    proc = run_cli("generate", "--address", f"127.0.0.1:{free_port()}", PROMPT, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("outrider: error: UNAVAILABLE") and proc.stderr.count("\n") == 1

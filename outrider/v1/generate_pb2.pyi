@@ -1,0 +1,175 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SpeculationMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SPECULATION_MODE_AUTO: _ClassVar[SpeculationMode]
+    SPECULATION_MODE_OFF: _ClassVar[SpeculationMode]
+    SPECULATION_MODE_FIXED: _ClassVar[SpeculationMode]
+SPECULATION_MODE_AUTO: SpeculationMode
+SPECULATION_MODE_OFF: SpeculationMode
+SPECULATION_MODE_FIXED: SpeculationMode
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SamplingOptions(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "max_tokens", "stop", "stop_token_ids", "seed", "ignore_eos")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    max_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    seed: int
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class SpeculationOptions(_message.Message):
+    __slots__ = ("mode", "gamma_max")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_MAX_FIELD_NUMBER: _ClassVar[int]
+    mode: SpeculationMode
+    gamma_max: int
+    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., gamma_max: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("text", "token_ids", "sampling", "speculation", "request_id", "tag", "include_rounds")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: TokenIds
+    sampling: SamplingOptions
+    speculation: SpeculationOptions
+    request_id: str
+    tag: str
+    include_rounds: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., request_id: _Optional[str] = ..., tag: _Optional[str] = ..., include_rounds: _Optional[bool] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class SpeculationStats(_message.Message):
+    __slots__ = ("draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_len", "rounds", "drafted_per_position", "accepted_per_position")
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    draft_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float
+    mean_accepted_len: float
+    rounds: int
+    drafted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_len: _Optional[float] = ..., rounds: _Optional[int] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Round(_message.Message):
+    __slots__ = ("gamma", "num_accepted", "heat")
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    HEAT_FIELD_NUMBER: _ClassVar[int]
+    gamma: int
+    num_accepted: int
+    heat: float
+    def __init__(self, gamma: _Optional[int] = ..., num_accepted: _Optional[int] = ..., heat: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "speculation", "rounds", "replica")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    usage: Usage
+    speculation: SpeculationStats
+    rounds: _containers.RepeatedCompositeFieldContainer[Round]
+    replica: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., rounds: _Optional[_Iterable[_Union[Round, _Mapping]]] = ..., replica: _Optional[str] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("tag",)
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    tag: str
+    def __init__(self, tag: _Optional[str] = ...) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("address", "model_pair", "heat", "num_running", "num_waiting", "kv_used_blocks", "kv_total_blocks", "tokens_per_s", "age_s")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PAIR_FIELD_NUMBER: _ClassVar[int]
+    HEAT_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    model_pair: str
+    heat: float
+    num_running: int
+    num_waiting: int
+    kv_used_blocks: int
+    kv_total_blocks: int
+    tokens_per_s: float
+    age_s: float
+    def __init__(self, address: _Optional[str] = ..., model_pair: _Optional[str] = ..., heat: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., age_s: _Optional[float] = ...) -> None: ...
+
+class AcceptanceStats(_message.Message):
+    __slots__ = ("model_pair", "tag", "tested_per_position", "accepted_per_position")
+    MODEL_PAIR_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    TESTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    model_pair: str
+    tag: str
+    tested_per_position: _containers.RepeatedScalarFieldContainer[int]
+    accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_pair: _Optional[str] = ..., tag: _Optional[str] = ..., tested_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RouterStatus(_message.Message):
+    __slots__ = ("replicas", "acceptance", "is_store_reachable")
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    IS_STORE_REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    acceptance: _containers.RepeatedCompositeFieldContainer[AcceptanceStats]
+    is_store_reachable: bool
+    def __init__(self, replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., acceptance: _Optional[_Iterable[_Union[AcceptanceStats, _Mapping]]] = ..., is_store_reachable: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,79 @@
+"""`outrider router`: the public gRPC front door (API in protos/outrider/v1/generate.proto)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from outrider.router.auth import Authenticator
+from outrider.router.replicas import ReplicaSet
+from outrider.router.service import GenerationService, ServiceLimits
+from outrider.router.state import open_store
+
+from outrider.engine.model_config import ModelConfig
+from outrider.engine.tokenizer import Tokenizer
+from outrider.grpc_server import build_server, serve_until_signalled
+from outrider.v1 import generate_pb2_grpc
+from outrider.v1 import state_pb2 as st
+from outrider.v1.generate_pb2 import DESCRIPTOR
+
+SERVICE_NAME = DESCRIPTOR.services_by_name["Generation"].full_name
+API_KEYS_ENV = "OUTRIDER_API_KEYS"  # comma-separated keys this router accepts
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_dir: str                          # tokenizer.json (and config.json) of the target
+    target_addresses: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 50051
+    redis_url: str | None = None
+    require_api_key: bool = False           # also true when OUTRIDER_API_KEYS is set
+    rate_limit_rpm: int = 0                 # per key from OUTRIDER_API_KEYS; 0: none
+    rate_limit_burst: int = 10
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    limits: ServiceLimits = ServiceLimits()
+    heartbeat_s: float = 0.5
+    max_workers: int = 128                  # concurrent calls (each stream holds one)
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        if not (Path(self.model_dir) / "tokenizer.json").is_file():
+            raise ValueError(f"no tokenizer.json in {self.model_dir}")
+
+
+def serve(cfg: RouterConfig, cluster_token: str | None) -> None:
+    tokenizer = Tokenizer(cfg.model_dir)
+    max_model_len = ModelConfig.from_dir(cfg.model_dir).max_position_embeddings
+    store = open_store(cfg.redis_url)
+    env_keys = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    auth = Authenticator(store, is_required=cfg.require_api_key or bool(env_keys))
+    for i, key in enumerate(env_keys):
+        auth.add_key(key, st.ApiKeyRecord(name=f"env-{i}", burst=cfg.rate_limit_burst,
+                                          requests_per_minute=cfg.rate_limit_rpm))
+    if not auth.is_required:
+        print("router: no API keys configured; the public port is open", file=sys.stderr)
+    replicas = ReplicaSet(store, list(cfg.target_addresses), cluster_token, cfg.heartbeat_s)
+    replicas.start()
+    service = GenerationService(tokenizer, max_model_len, store, replicas, auth, cluster_token,
+                                cfg.limits)
+    server, bound = build_server(
+        lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(service, s),
+        [SERVICE_NAME], f"{cfg.host}:{cfg.port}", token=None, max_workers=cfg.max_workers,
+        credentials=_tls(cfg))
+    try:
+        serve_until_signalled(server, "router", f"{cfg.host}:{bound}")
+    finally:
+        replicas.close()
+
+
+def _tls(cfg: RouterConfig) -> grpc.ServerCredentials | None:
+    if not cfg.tls_cert:
+        return None
+    return grpc.ssl_server_credentials(
+        [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])

@@ -1,0 +1,318 @@
+"""The router's public gRPC service (protos/outrider/v1/generate.proto).
+
+A request is authenticated, validated, journaled, and sent to the target replica where
+the γ policy expects it to get the most tokens per second. Its tokens stream back
+through incremental detokenisation and stop strings; the journal keeps every committed
+token, so when a replica fails mid-stream the request continues on another one from
+prompt + committed tokens, and the client's stream goes on with nothing lost or
+repeated (DESIGN §6).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from outrider.router.auth import Authenticator, AuthError
+from outrider.router.policy import Acceptance, SpecMode
+from outrider.router.replicas import ReplicaSet
+from outrider.router.state import AcceptanceCounts, StoreUnavailable
+from outrider.router.text_stream import TextStream
+from outrider.router.validate import Job, ValidationError, validate
+
+from outrider.engine.spec_decode import SpecStats
+from outrider.engine.tokenizer import Tokenizer
+from outrider.grpc_server import remaining_timeout, token_metadata
+from outrider.v1 import generate_pb2 as gp
+from outrider.v1 import generate_pb2_grpc
+from outrider.v1 import state_pb2 as st
+from outrider.v1 import worker_pb2 as pb
+from outrider.wire import sampling_to_proto
+
+TARGET_MODES = {SpecMode.AUTO: pb.SPEC_MODE_AUTO, SpecMode.OFF: pb.SPEC_MODE_OFF,
+                SpecMode.FIXED: pb.SPEC_MODE_FIXED}
+# a replica that fails with these may be gone: the request moves to another one
+MIGRATE_ON = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    max_migrations: int = 2         # replica failures one request survives
+    journal_ttl_s: float = 600.0
+    max_waiting: int = 256          # a replica with this many queued takes no more
+    replica_wait_s: float = 10.0    # how long a request waits for a replica to appear
+    prior_cache_s: float = 5.0      # shared acceptance statistics are re-read this often
+
+
+@dataclass
+class Progress:
+    """One request's state at the router across replicas."""
+
+    job: Job
+    text: TextStream
+    output_ids: list[int] = field(default_factory=list)   # committed, journaled
+    num_sent: int = 0                                      # token ids given to the client
+    sent_text: str = ""
+    stats: SpecStats = field(default_factory=SpecStats)
+    counts: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts([], []))
+    model_pair: str = ""
+    replica: str = ""
+    finish_reason: str = ""
+
+
+class Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float = 0.0):
+        super().__init__(message)
+        self.code, self.message, self.retry_after_s = code, message, retry_after_s
+
+
+class GenerationService(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, store, replicas: ReplicaSet,
+                 auth: Authenticator, cluster_token: str | None,
+                 limits: ServiceLimits = ServiceLimits()) -> None:
+        self.tokenizer, self.max_model_len = tokenizer, max_model_len
+        self.store, self.replicas, self.auth, self.limits = store, replicas, auth, limits
+        self.worker_metadata = token_metadata(cluster_token)
+        self._priors: dict[tuple[str, str], tuple[float, list[float]]] = {}
+        self._lock = threading.Lock()
+
+    # -- RPCs --------------------------------------------------------------------------------
+    def GenerateStream(self, request: gp.GenerateRequest, context):
+        try:
+            job, replay = self._admit(request, context)
+        except Refused as refusal:
+            _abort(context, refusal)
+        if replay is not None:
+            yield replay
+            return
+        is_finished = False
+        try:
+            yield from self._run(job, context)
+            is_finished = True
+        except Refused as refusal:
+            _abort(context, refusal)
+        finally:
+            if not is_finished:  # failed or abandoned: the same request id may try again
+                self._drop_journal(job.request_id)
+
+    def Generate(self, request: gp.GenerateRequest, context) -> gp.GenerateResponse:
+        return merge_responses(list(self.GenerateStream(request, context)))
+
+    def Status(self, request: gp.StatusRequest, context) -> gp.RouterStatus:
+        try:
+            self.auth.check(context.invocation_metadata(), request.tag)
+        except AuthError as exc:
+            _abort(context, Refused(exc.code, exc.message, exc.retry_after_s))
+        now = time.time()
+        replicas = [gp.Replica(address=r.address, model_pair=r.load.model_pair,
+                               heat=r.load.heat, num_running=r.load.num_running,
+                               num_waiting=r.load.num_waiting,
+                               kv_used_blocks=r.load.kv_used_blocks,
+                               kv_total_blocks=r.load.kv_total_blocks,
+                               tokens_per_s=r.load.tokens_per_s,
+                               age_s=now - r.heartbeat_unix_s)
+                    for r in sorted(self.replicas.live(), key=lambda r: r.address)]
+        try:
+            stats = self.store.acceptance_all()
+            reachable = self.store.ping()
+        except StoreUnavailable:
+            stats, reachable = {}, False
+        acceptance = [gp.AcceptanceStats(model_pair=pair, tag=tag, tested_per_position=c.tested,
+                                         accepted_per_position=c.accepted)
+                      for (pair, tag), c in stats.items() if not request.tag or tag == request.tag]
+        return gp.RouterStatus(replicas=replicas, acceptance=acceptance,
+                               is_store_reachable=reachable)
+
+    # -- admission ---------------------------------------------------------------------------
+    def _admit(self, request, context) -> tuple[Job, gp.GenerateResponse | None]:
+        try:
+            job = validate(request, self.tokenizer, self.max_model_len)
+        except ValidationError as exc:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        try:
+            self.auth.check(context.invocation_metadata(), job.tag)
+        except AuthError as exc:
+            raise Refused(exc.code, exc.message, exc.retry_after_s) from None
+        return job, self._open_journal(job)
+
+    def _open_journal(self, job: Job) -> gp.GenerateResponse | None:
+        """A finished request with this id: its response again. One still running, or a
+        different request under the same id: refused."""
+        record = st.JournalRecord(fingerprint=job.fingerprint, prompt_ids=job.prompt_ids)
+        try:
+            existing = self.store.journal_start(job.request_id, record, self.limits.journal_ttl_s)
+        except StoreUnavailable:
+            return None  # no idempotency without the store; the request still runs
+        if existing is None:
+            return None
+        if existing.fingerprint != job.fingerprint:
+            raise Refused(grpc.StatusCode.ALREADY_EXISTS,
+                          f"request_id {job.request_id!r} was used for a different request")
+        if not existing.is_finished:
+            raise Refused(grpc.StatusCode.ALREADY_EXISTS,
+                          f"request_id {job.request_id!r} is still running", retry_after_s=1.0)
+        return gp.GenerateResponse.FromString(existing.response)
+
+    # -- generation --------------------------------------------------------------------------
+    def _run(self, job: Job, context):
+        progress = Progress(job, TextStream(self.tokenizer, job.stop))
+        tried: set[str] = set()
+        while not progress.finish_reason:
+            replica = self._pick(job, tried)
+            tried.add(replica.address)
+            progress.replica, progress.model_pair = replica.address, replica.load.model_pair
+            try:
+                yield from self._stream_from(replica.address, progress, context)
+            except grpc.RpcError as exc:
+                self._after_failure(exc, progress, len(tried))
+        yield self._finish(progress)
+
+    def _pick(self, job: Job, tried: set[str]):
+        deadline = time.monotonic() + self.limits.replica_wait_s
+        while True:
+            acceptance = Acceptance(self._prior(self._pair_hint(), job.tag))
+            replica = self.replicas.pick(acceptance, tried, self.limits.max_waiting)
+            if replica is not None:
+                return replica
+            if time.monotonic() >= deadline:
+                busy = [r for r in self.replicas.live() if r.address not in tried]
+                if busy:
+                    raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  "every target replica's queue is full", retry_after_s=1.0)
+                raise Refused(grpc.StatusCode.UNAVAILABLE, "no target replica is available",
+                              retry_after_s=2.0)
+            time.sleep(0.1)
+
+    def _stream_from(self, address: str, progress: Progress, context):
+        job = progress.job
+        call = self.replicas.stub(address).Generate(
+            self._target_request(progress), metadata=self.worker_metadata,
+            timeout=remaining_timeout(context))
+        context.add_callback(call.cancel)  # a client that leaves frees the replica's work
+        for chunk in call:
+            self._journal(job.request_id, list(chunk.token_ids))
+            progress.output_ids.extend(chunk.token_ids)
+            for r in chunk.rounds:
+                progress.stats.record(r.gamma, r.num_accepted)
+                progress.counts.add_round(r.gamma, r.num_accepted)
+            delta = progress.text.push(list(chunk.token_ids))
+            if progress.text.is_stopped:
+                call.cancel()
+                progress.finish_reason = "stop"
+            elif chunk.finish_reason:
+                progress.finish_reason = chunk.finish_reason
+                delta += progress.text.finish()
+            yield self._delta(progress, delta, chunk.rounds)
+            if progress.finish_reason:
+                return
+
+    def _after_failure(self, exc: grpc.RpcError, progress: Progress, num_tried: int) -> None:
+        code = exc.code()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise Refused(code, exc.details()) from None
+        if code not in MIGRATE_ON or num_tried > self.limits.max_migrations:
+            raise Refused(code if code != grpc.StatusCode.UNKNOWN else grpc.StatusCode.INTERNAL,
+                          f"target replica {progress.replica} failed: {exc.details()}",
+                          retry_after_s=1.0 if code in MIGRATE_ON else 0.0) from None
+        # else: the loop resumes on another replica from the committed tokens
+
+    def _target_request(self, progress: Progress) -> pb.TargetRequest:
+        job = progress.job
+        p = job.params
+        return pb.TargetRequest(
+            request_id=job.request_id, prompt_ids=job.prompt_ids,
+            resume_output_ids=progress.output_ids, sampling=sampling_to_proto(p, p.seed),
+            max_tokens=p.max_tokens, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
+            spec_mode=TARGET_MODES[job.mode], gamma=job.gamma_max,
+            acceptance_prior=self._prior(progress.model_pair, job.tag))
+
+    def _delta(self, progress: Progress, text: str, rounds) -> gp.GenerateResponse:
+        consumed = progress.text.num_tokens
+        ids = progress.output_ids[progress.num_sent:consumed]
+        progress.num_sent = consumed
+        progress.sent_text += text
+        msg = gp.GenerateResponse(request_id=progress.job.request_id, text=text, token_ids=ids)
+        if progress.job.include_rounds:
+            msg.rounds.extend(gp.Round(gamma=r.gamma, num_accepted=r.num_accepted, heat=r.heat)
+                              for r in rounds)
+        return msg
+
+    def _finish(self, progress: Progress) -> gp.GenerateResponse:
+        """The last message: finish reason, usage, speculation statistics."""
+        job, s = progress.job, progress.stats
+        final = gp.GenerateResponse(
+            request_id=job.request_id, finish_reason=progress.finish_reason,
+            usage=gp.Usage(prompt_tokens=len(job.prompt_ids),
+                           completion_tokens=progress.num_sent),
+            speculation=gp.SpeculationStats(
+                draft_tokens=s.num_draft_tokens, accepted_tokens=s.num_accepted_tokens,
+                acceptance_rate=s.acceptance_rate, mean_accepted_len=s.mean_accepted_len,
+                rounds=s.num_rounds, drafted_per_position=s.drafted_per_position,
+                accepted_per_position=s.accepted_per_position),
+            replica=progress.replica)
+        self._record(progress, final)
+        return final
+
+    # -- shared state ------------------------------------------------------------------------
+    def _journal(self, request_id: str, token_ids: list[int]) -> None:
+        # without the store the router itself still holds the tokens for a resume
+        with contextlib.suppress(StoreUnavailable):
+            self.store.journal_append(request_id, token_ids, self.limits.journal_ttl_s)
+
+    def _drop_journal(self, request_id: str) -> None:
+        with contextlib.suppress(StoreUnavailable):
+            self.store.journal_drop(request_id)
+
+    def _record(self, progress: Progress, final: gp.GenerateResponse) -> None:
+        job = progress.job
+        whole = merge_responses([gp.GenerateResponse(
+            text=progress.sent_text, token_ids=progress.output_ids[:progress.num_sent]), final])
+        record = st.JournalRecord(fingerprint=job.fingerprint, prompt_ids=job.prompt_ids,
+                                  is_finished=True, response=whole.SerializeToString())
+        try:
+            self.store.journal_finish(job.request_id, record, self.limits.journal_ttl_s)
+            if progress.counts.tested and progress.model_pair:
+                self.store.add_acceptance(progress.model_pair, job.tag, progress.counts)
+        except StoreUnavailable:
+            pass
+
+    def _pair_hint(self) -> str:
+        live = self.replicas.live()
+        return live[0].load.model_pair if live else ""
+
+    def _prior(self, pair: str, tag: str) -> list[float]:
+        """Per-position acceptance to start AUTO requests from: the shared statistics
+        for this model pair and tag (empty: the replica's own)."""
+        if not pair:
+            return []
+        now = time.monotonic()
+        with self._lock:
+            cached = self._priors.get((pair, tag))
+        if cached and now - cached[0] < self.limits.prior_cache_s:
+            return cached[1]
+        try:
+            alphas = self.store.acceptance(pair, tag).alphas()
+        except StoreUnavailable:
+            alphas = cached[1] if cached else []
+        with self._lock:
+            self._priors[(pair, tag)] = (now, alphas)
+        return alphas
+
+
+def merge_responses(parts: list[gp.GenerateResponse]) -> gp.GenerateResponse:
+    """A stream's messages as one response (what unary Generate returns)."""
+    out = gp.GenerateResponse()
+    for part in parts:
+        out.MergeFrom(part)  # appends token_ids and rounds; the last message sets the rest
+    out.text = "".join(p.text for p in parts)
+    return out
+
+
+def _abort(context, refusal: Refused) -> None:
+    if refusal.retry_after_s:
+        context.set_trailing_metadata(
+            (("retry-after-ms", str(int(refusal.retry_after_s * 1000))),))
+    context.abort(refusal.code, refusal.message)

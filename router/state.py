@@ -1,0 +1,322 @@
+"""The state routers share (DESIGN §2): replica registry with heartbeats, acceptance
+statistics per model pair and workload tag, API keys (hashed) with rate limits applied
+atomically, and a journal of each request's committed tokens.
+
+One interface, two homes: `RedisStore` when several routers share a Redis, and
+`MemoryStore` in this process for a single router. Values are protobuf records
+(protos/outrider/v1/state.proto) or integers: nothing read back is unpickled or
+evaluated. A Redis that cannot be reached raises `StoreUnavailable`; callers decide
+what to do without it (the router keeps serving).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from outrider.v1 import state_pb2 as st
+
+PREFIX = "outrider:"
+
+
+class StoreUnavailable(RuntimeError):
+    """The shared store cannot be reached right now."""
+
+
+@dataclass
+class AcceptanceCounts:
+    """Per draft position j, summed over requests: how often a draft token at j was
+    tested (every earlier one accepted) and how often it was accepted."""
+
+    tested: list[int]
+    accepted: list[int]
+
+    def alphas(self, prior: float = 0.7, prior_weight: float = 4.0) -> list[float]:
+        """P(position j accepted | positions < j accepted), shrunk towards `prior` where
+        data is thin."""
+        return [(a + prior * prior_weight) / (t + prior_weight)
+                for t, a in zip(self.tested, self.accepted)]
+
+    def add_round(self, gamma: int, num_accepted: int) -> None:
+        for j in range(min(gamma, num_accepted + 1)):
+            if j == len(self.tested):
+                self.tested.append(0)
+                self.accepted.append(0)
+            self.tested[j] += 1
+            self.accepted[j] += j < num_accepted
+
+
+def rate_limit_interval_ms(record: st.ApiKeyRecord) -> tuple[float, float]:
+    """GCRA parameters: one request per interval, `burst` at once."""
+    interval = 60_000.0 / record.requests_per_minute
+    return interval, interval * (max(1, record.burst) - 1)
+
+
+class MemoryStore:
+    """The store for a single router: the same behaviour, in this process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._replicas: dict[str, tuple[float, bytes]] = {}   # address -> (expiry, record)
+        self._acceptance: dict[tuple[str, str], AcceptanceCounts] = {}
+        self._keys: dict[str, bytes] = {}
+        self._rate_tat: dict[str, float] = {}                  # key hash -> TAT (ms)
+        self._journal: dict[str, tuple[float, bytes, list[int]]] = {}
+
+    # -- replica registry ------------------------------------------------------------------
+    def put_replica(self, record: st.ReplicaRecord, ttl_s: float) -> None:
+        with self._lock:
+            self._replicas[record.address] = (time.monotonic() + ttl_s,
+                                              record.SerializeToString())
+
+    def replicas(self) -> list[st.ReplicaRecord]:
+        now = time.monotonic()
+        with self._lock:
+            live = [v for expiry, v in self._replicas.values() if expiry > now]
+        return [st.ReplicaRecord.FromString(v) for v in live]
+
+    # -- acceptance statistics -------------------------------------------------------------
+    def add_acceptance(self, pair: str, tag: str, counts: AcceptanceCounts) -> None:
+        with self._lock:
+            total = self._acceptance.setdefault((pair, tag), AcceptanceCounts([], []))
+            _add_into(total, counts)
+
+    def acceptance(self, pair: str, tag: str) -> AcceptanceCounts:
+        with self._lock:
+            counts = self._acceptance.get((pair, tag), AcceptanceCounts([], []))
+            return AcceptanceCounts(list(counts.tested), list(counts.accepted))
+
+    def acceptance_all(self) -> dict[tuple[str, str], AcceptanceCounts]:
+        with self._lock:
+            return {k: AcceptanceCounts(list(v.tested), list(v.accepted))
+                    for k, v in self._acceptance.items()}
+
+    # -- API keys and rate limits ----------------------------------------------------------
+    def put_api_key(self, key_hash: str, record: st.ApiKeyRecord) -> None:
+        with self._lock:
+            self._keys[key_hash] = record.SerializeToString()
+
+    def api_key(self, key_hash: str) -> st.ApiKeyRecord | None:
+        with self._lock:
+            raw = self._keys.get(key_hash)
+        return None if raw is None else st.ApiKeyRecord.FromString(raw)
+
+    def take_request(self, key_hash: str, record: st.ApiKeyRecord) -> float:
+        """Count one request against the key's limit: 0 if allowed, else seconds to wait."""
+        if not record.requests_per_minute:
+            return 0.0
+        interval, tolerance = rate_limit_interval_ms(record)
+        now = time.monotonic() * 1000
+        with self._lock:
+            tat = max(self._rate_tat.get(key_hash, now), now)
+            if now < tat - tolerance:
+                return (tat - tolerance - now) / 1000
+            self._rate_tat[key_hash] = tat + interval
+        return 0.0
+
+    # -- journal -----------------------------------------------------------------------------
+    def journal_start(self, request_id: str, record: st.JournalRecord,
+                      ttl_s: float) -> st.JournalRecord | None:
+        """Open a journal; if one exists already, leave it and return its record."""
+        now = time.monotonic()
+        with self._lock:
+            existing = self._journal.get(request_id)
+            if existing is not None and existing[0] > now:
+                return st.JournalRecord.FromString(existing[1])
+            self._journal[request_id] = (now + ttl_s, record.SerializeToString(), [])
+        return None
+
+    def journal_append(self, request_id: str, token_ids: list[int], ttl_s: float) -> None:
+        with self._lock:
+            if request_id not in self._journal:
+                return
+            _, raw, tokens = self._journal[request_id]
+            tokens.extend(token_ids)
+            self._journal[request_id] = (time.monotonic() + ttl_s, raw, tokens)
+
+    def journal_finish(self, request_id: str, record: st.JournalRecord, ttl_s: float) -> None:
+        with self._lock:
+            _, _, tokens = self._journal.get(request_id, (0, b"", []))
+            self._journal[request_id] = (time.monotonic() + ttl_s, record.SerializeToString(),
+                                         tokens)
+
+    def journal_drop(self, request_id: str) -> None:
+        with self._lock:
+            self._journal.pop(request_id, None)
+
+    def journal(self, request_id: str) -> tuple[st.JournalRecord, list[int]] | None:
+        with self._lock:
+            entry = self._journal.get(request_id)
+        if entry is None or entry[0] <= time.monotonic():
+            return None
+        return st.JournalRecord.FromString(entry[1]), list(entry[2])
+
+    def ping(self) -> bool:
+        return True
+
+
+def _add_into(total: AcceptanceCounts, counts: AcceptanceCounts) -> None:
+    missing = len(counts.tested) - len(total.tested)
+    if missing > 0:
+        total.tested += [0] * missing
+        total.accepted += [0] * missing
+    for j, (t, a) in enumerate(zip(counts.tested, counts.accepted)):
+        total.tested[j] += t
+        total.accepted[j] += a
+
+
+# GCRA in one atomic step, on Redis's clock so that every router agrees.
+# KEYS[1] rate key; ARGV[1] interval ms, ARGV[2] burst tolerance ms -> 0 or ms to wait
+_GCRA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local tat = tonumber(redis.call('GET', KEYS[1]) or now)
+if tat < now then tat = now end
+local allow_at = tat - tonumber(ARGV[2])
+if now < allow_at then return tostring(allow_at - now) end
+local new_tat = tat + tonumber(ARGV[1])
+redis.call('SET', KEYS[1], tostring(new_tat), 'PX', math.ceil(new_tat - now) + 1000)
+return '0'
+"""
+
+
+class RedisStore:
+    """The store several routers share, in Redis."""
+
+    def __init__(self, url: str, timeout_s: float = 1.0) -> None:
+        import redis
+
+        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s,
+                                           socket_connect_timeout=timeout_s)
+        self._gcra = self._redis.register_script(_GCRA)
+
+    def _call(self, fn):
+        try:
+            return fn(self._redis)
+        except self._errors as exc:
+            raise StoreUnavailable(f"redis: {exc}") from exc
+
+    def ping(self) -> bool:
+        return bool(self._call(lambda r: r.ping()))
+
+    # -- replica registry ------------------------------------------------------------------
+    def put_replica(self, record: st.ReplicaRecord, ttl_s: float) -> None:
+        def put(r):
+            pipe = r.pipeline()
+            pipe.set(f"{PREFIX}replica:{record.address}", record.SerializeToString(),
+                     px=math.ceil(ttl_s * 1000))
+            pipe.sadd(f"{PREFIX}replicas", record.address)
+            pipe.execute()
+        self._call(put)
+
+    def replicas(self) -> list[st.ReplicaRecord]:
+        def read(r):
+            addresses = sorted(a.decode() for a in r.smembers(f"{PREFIX}replicas"))
+            values = r.mget([f"{PREFIX}replica:{a}" for a in addresses]) if addresses else []
+            gone = [a for a, v in zip(addresses, values) if v is None]
+            if gone:
+                r.srem(f"{PREFIX}replicas", *gone)
+            return [st.ReplicaRecord.FromString(v) for v in values if v is not None]
+        return self._call(read)
+
+    # -- acceptance statistics -------------------------------------------------------------
+    def add_acceptance(self, pair: str, tag: str, counts: AcceptanceCounts) -> None:
+        def add(r):
+            pipe = r.pipeline()
+            key = f"{PREFIX}acceptance:{pair}:{tag}"
+            for j, (t, a) in enumerate(zip(counts.tested, counts.accepted)):
+                pipe.hincrby(key, f"t{j}", t)
+                pipe.hincrby(key, f"a{j}", a)
+            pipe.sadd(f"{PREFIX}acceptance-keys", f"{pair}:{tag}")
+            pipe.execute()
+        self._call(add)
+
+    def acceptance(self, pair: str, tag: str) -> AcceptanceCounts:
+        fields = self._call(lambda r: r.hgetall(f"{PREFIX}acceptance:{pair}:{tag}"))
+        return _counts_from_fields(fields)
+
+    def acceptance_all(self) -> dict[tuple[str, str], AcceptanceCounts]:
+        names = self._call(lambda r: r.smembers(f"{PREFIX}acceptance-keys"))
+        out = {}
+        for name in sorted(n.decode() for n in names):
+            pair, _, tag = name.rpartition(":")
+            out[(pair, tag)] = self.acceptance(pair, tag)
+        return out
+
+    # -- API keys and rate limits ----------------------------------------------------------
+    def put_api_key(self, key_hash: str, record: st.ApiKeyRecord) -> None:
+        self._call(lambda r: r.set(f"{PREFIX}key:{key_hash}", record.SerializeToString()))
+
+    def api_key(self, key_hash: str) -> st.ApiKeyRecord | None:
+        raw = self._call(lambda r: r.get(f"{PREFIX}key:{key_hash}"))
+        return None if raw is None else st.ApiKeyRecord.FromString(raw)
+
+    def take_request(self, key_hash: str, record: st.ApiKeyRecord) -> float:
+        if not record.requests_per_minute:
+            return 0.0
+        interval, tolerance = rate_limit_interval_ms(record)
+        wait_ms = self._call(lambda r: self._gcra(keys=[f"{PREFIX}rate:{key_hash}"],
+                                                  args=[interval, tolerance], client=r))
+        return float(wait_ms) / 1000
+
+    # -- journal -----------------------------------------------------------------------------
+    def journal_start(self, request_id: str, record: st.JournalRecord,
+                      ttl_s: float) -> st.JournalRecord | None:
+        key = f"{PREFIX}journal:{request_id}"
+
+        def start(r):
+            if r.set(key, record.SerializeToString(), nx=True, px=math.ceil(ttl_s * 1000)):
+                r.delete(f"{key}:out")
+                return None
+            raw = r.get(key)
+            return None if raw is None else st.JournalRecord.FromString(raw)
+        return self._call(start)
+
+    def journal_append(self, request_id: str, token_ids: list[int], ttl_s: float) -> None:
+        key, ttl_ms = f"{PREFIX}journal:{request_id}", math.ceil(ttl_s * 1000)
+
+        def append(r):
+            pipe = r.pipeline()
+            pipe.append(f"{key}:out", np.asarray(token_ids, dtype="<i4").tobytes())
+            pipe.pexpire(f"{key}:out", ttl_ms)
+            pipe.pexpire(key, ttl_ms)
+            pipe.execute()
+        self._call(append)
+
+    def journal_finish(self, request_id: str, record: st.JournalRecord, ttl_s: float) -> None:
+        key, ttl_ms = f"{PREFIX}journal:{request_id}", math.ceil(ttl_s * 1000)
+
+        def finish(r):
+            pipe = r.pipeline()
+            pipe.set(key, record.SerializeToString(), px=ttl_ms)
+            pipe.pexpire(f"{key}:out", ttl_ms)
+            pipe.execute()
+        self._call(finish)
+
+    def journal_drop(self, request_id: str) -> None:
+        key = f"{PREFIX}journal:{request_id}"
+        self._call(lambda r: r.delete(key, f"{key}:out"))
+
+    def journal(self, request_id: str) -> tuple[st.JournalRecord, list[int]] | None:
+        key = f"{PREFIX}journal:{request_id}"
+        raw, out = self._call(lambda r: r.mget([key, f"{key}:out"]))
+        if raw is None:
+            return None
+        tokens = np.frombuffer(out or b"", dtype="<i4").tolist()
+        return st.JournalRecord.FromString(raw), tokens
+
+
+def _counts_from_fields(fields: dict[bytes, bytes]) -> AcceptanceCounts:
+    n = 1 + max((int(k[1:]) for k in fields), default=-1)
+    tested = [int(fields.get(f"t{j}".encode(), 0)) for j in range(n)]
+    accepted = [int(fields.get(f"a{j}".encode(), 0)) for j in range(n)]
+    return AcceptanceCounts(tested, accepted)
+
+
+def open_store(redis_url: str | None) -> MemoryStore | RedisStore:
+    return RedisStore(redis_url) if redis_url else MemoryStore()

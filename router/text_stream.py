@@ -1,0 +1,59 @@
+"""Token ids in, text out, for one request: incremental detokenisation plus stop strings.
+
+A stop string may arrive split over several steps, so text that could still be the
+start of one is held back until it is either completed (generation stops before it)
+or ruled out (it is released)."""
+
+from __future__ import annotations
+
+from outrider.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class TextStream:
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stop = tuple(s for s in stop if s)
+        self._held = ""             # decoded text not yet released
+        self.num_tokens = 0         # tokens consumed (up to the one completing a stop)
+        self.is_stopped = False
+
+    def push(self, token_ids: list[int]) -> str:
+        """Text released by these tokens. Tokens after a stop string are not consumed."""
+        released = []
+        for token in token_ids:
+            if self.is_stopped:
+                break
+            self.num_tokens += 1
+            self._held += self._detok.push([token])
+            released.append(self._release())
+        return "".join(released)
+
+    def finish(self) -> str:
+        """The end of generation: release what is held (no stop string can complete)."""
+        if self.is_stopped:
+            return ""
+        self._held += self._detok.flush()
+        text = self._release()
+        text, self._held = text + self._held, ""
+        return text
+
+    def _release(self) -> str:
+        at = min((i for i in (self._held.find(s) for s in self._stop) if i >= 0), default=-1)
+        if at >= 0:
+            self.is_stopped = True
+            text, self._held = self._held[:at], ""
+            return text
+        keep = self._longest_stop_prefix_suffix()
+        cut = len(self._held) - keep
+        text, self._held = self._held[:cut], self._held[cut:]
+        return text
+
+    def _longest_stop_prefix_suffix(self) -> int:
+        """Length of the longest end of the held text that begins some stop string."""
+        best = 0
+        for stop in self._stop:
+            for n in range(min(len(stop) - 1, len(self._held)), best, -1):
+                if self._held.endswith(stop[:n]):
+                    best = n
+                    break
+        return best

@@ -1,0 +1,110 @@
+"""Public requests -> validated jobs. Every refusal names the field it is about."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+import uuid
+from dataclasses import dataclass
+
+from outrider.router.policy import SpecMode
+
+from outrider.engine.sampling import MAX_SEED, SamplingError, SamplingParams
+from outrider.engine.tokenizer import Tokenizer
+from outrider.v1 import generate_pb2 as gp
+
+MAX_GAMMA = 16
+MAX_STOP_STRINGS = 64
+MAX_STOP_LEN = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_PROMPT_CHARS = 1 << 20
+DEFAULT_MAX_TOKENS = 16
+NAME_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+TAG_RE = re.compile(r"[A-Za-z0-9_.-]{0,64}")
+MODES = {gp.SPECULATION_MODE_AUTO: SpecMode.AUTO, gp.SPECULATION_MODE_OFF: SpecMode.OFF,
+         gp.SPECULATION_MODE_FIXED: SpecMode.FIXED}
+
+
+class ValidationError(ValueError):
+    """An argument the router refuses; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Job:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams  # the seed is always set: a resumed request reproduces itself
+    stop: tuple[str, ...]
+    mode: SpecMode
+    gamma_max: int
+    tag: str
+    include_rounds: bool
+    fingerprint: str        # same request id + different fingerprint = a different request
+
+
+def validate(req: gp.GenerateRequest, tokenizer: Tokenizer, max_model_len: int) -> Job:
+    prompt_ids = _prompt_ids(req, tokenizer)
+    params, stop = _sampling(req.sampling, tokenizer.vocab_size, max_model_len)
+    spec = req.speculation
+    if spec.mode not in MODES:
+        raise ValidationError(f"speculation.mode: unknown value {spec.mode}")
+    if spec.gamma_max > MAX_GAMMA:
+        raise ValidationError(f"speculation.gamma_max must be <= {MAX_GAMMA}, "
+                              f"got {spec.gamma_max}")
+    if req.request_id and not NAME_RE.fullmatch(req.request_id):
+        raise ValidationError("request_id must be 1-128 characters of A-Z a-z 0-9 _ . : -")
+    if not TAG_RE.fullmatch(req.tag):
+        raise ValidationError("tag must be at most 64 characters of A-Z a-z 0-9 _ . -")
+    fingerprint = hashlib.sha256(req.SerializeToString(deterministic=True)).hexdigest()
+    return Job(req.request_id or uuid.uuid4().hex, tuple(prompt_ids), params, stop,
+               MODES[spec.mode], spec.gamma_max, req.tag, req.include_rounds, fingerprint)
+
+
+def _prompt_ids(req: gp.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise ValidationError("prompt: set either text or token_ids")
+    if kind == "text":
+        if not req.text:
+            raise ValidationError("text is empty")
+        if len(req.text) > MAX_PROMPT_CHARS:
+            raise ValidationError(f"text has {len(req.text)} characters; the limit is "
+                                  f"{MAX_PROMPT_CHARS}")
+        return tokenizer.encode(req.text)
+    ids = list(req.token_ids.ids)
+    if not ids:
+        raise ValidationError("token_ids.ids is empty")
+    vocab = tokenizer.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValidationError(f"token_ids.ids holds {bad}, outside the vocabulary [0, {vocab})")
+    return ids
+
+
+def _sampling(s: gp.SamplingOptions, vocab: int,
+              max_model_len: int) -> tuple[SamplingParams, tuple[str, ...]]:
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise ValidationError(f"sampling.stop has {len(s.stop)} strings; the limit is "
+                              f"{MAX_STOP_STRINGS}")
+    if any(not x or len(x) > MAX_STOP_LEN for x in s.stop):
+        raise ValidationError(f"sampling.stop strings must be 1-{MAX_STOP_LEN} characters")
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(
+            not 0 <= t < vocab for t in s.stop_token_ids):
+        raise ValidationError(f"sampling.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, "
+                              f"each in [0, {vocab})")
+    max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    if max_tokens > max_model_len:
+        raise ValidationError(f"sampling.max_tokens={max_tokens} exceeds the model's context "
+                              f"of {max_model_len} tokens")
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=s.temperature if s.HasField("temperature") else 1.0,
+            top_k=s.top_k, top_p=s.top_p if s.HasField("top_p") else 1.0,
+            seed=s.seed if s.HasField("seed") else secrets.randbelow(MAX_SEED),
+            stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+    except SamplingError as exc:
+        raise ValidationError(f"sampling.{exc}") from None
+    return params, tuple(s.stop)
+

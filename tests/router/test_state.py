@@ -1,0 +1,86 @@
+"""The shared store behaves the same in Redis (a real redis-server) and in process."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from outrider.router.state import AcceptanceCounts, MemoryStore, RedisStore, StoreUnavailable
+
+from outrider.v1 import state_pb2 as st
+from outrider.v1 import worker_pb2 as pb
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store(request, redis_url):
+    if request.param == "memory":
+        return MemoryStore()
+    import redis
+
+    redis.Redis.from_url(redis_url).flushdb()
+    return RedisStore(redis_url)
+
+
+def test_replicas_expire_without_heartbeats(store):
+    store.put_replica(st.ReplicaRecord(address="a:1", load=pb.Load(heat=0.5)), ttl_s=0.3)
+    store.put_replica(st.ReplicaRecord(address="b:2"), ttl_s=30)
+    assert sorted(r.address for r in store.replicas()) == ["a:1", "b:2"]
+    assert next(r for r in store.replicas() if r.address == "a:1").load.heat == 0.5
+    time.sleep(0.4)
+    assert [r.address for r in store.replicas()] == ["b:2"]
+
+
+def test_acceptance_counts_add_up_per_pair_and_tag(store):
+    store.add_acceptance("t+d", "code", AcceptanceCounts([4, 3], [3, 1]))
+    store.add_acceptance("t+d", "code", AcceptanceCounts([2, 1, 1], [1, 1, 0]))
+    store.add_acceptance("t+d", "chat", AcceptanceCounts([1], [0]))
+    assert store.acceptance("t+d", "code") == AcceptanceCounts([6, 4, 1], [4, 2, 0])
+    assert store.acceptance("t+d", "none") == AcceptanceCounts([], [])
+    assert set(store.acceptance_all()) == {("t+d", "code"), ("t+d", "chat")}
+
+
+def test_acceptance_counts_follow_the_rounds():
+    counts = AcceptanceCounts([], [])
+    counts.add_round(gamma=4, num_accepted=1)  # position 0 accepted, 1 rejected, 2-3 untested
+    counts.add_round(gamma=2, num_accepted=2)
+    assert counts == AcceptanceCounts([2, 2], [2, 1])
+    assert counts.alphas(prior=0.5, prior_weight=0)[1] == 0.5
+
+
+def test_rate_limit_allows_a_burst_then_spaces_requests(store):
+    record = st.ApiKeyRecord(name="k", requests_per_minute=600, burst=3)  # one per 0.1 s
+    waits = [store.take_request("h", record) for _ in range(4)]
+    assert waits[:3] == [0, 0, 0] and 0 < waits[3] <= 0.1 + 1e-3
+    time.sleep(waits[3] + 0.01)
+    assert store.take_request("h", record) == 0
+    assert store.take_request("other", record) == 0  # limits are per key
+    assert store.take_request("h", st.ApiKeyRecord(name="free")) == 0
+
+
+def test_journal_keeps_tokens_and_refuses_a_second_start(store):
+    rid = uuid.uuid4().hex
+    record = st.JournalRecord(fingerprint="f", prompt_ids=[1, 2])
+    assert store.journal_start(rid, record, ttl_s=30) is None
+    store.journal_append(rid, [5, 6], ttl_s=30)
+    store.journal_append(rid, [7], ttl_s=30)
+    assert store.journal_start(rid, record, ttl_s=30).fingerprint == "f"
+    got, tokens = store.journal(rid)
+    assert (list(got.prompt_ids), tokens, got.is_finished) == ([1, 2], [5, 6, 7], False)
+    store.journal_finish(rid, st.JournalRecord(fingerprint="f", is_finished=True), ttl_s=30)
+    assert store.journal(rid)[0].is_finished and store.journal(rid)[1] == [5, 6, 7]
+    store.journal_drop(rid)
+    assert store.journal(rid) is None
+
+
+def test_api_keys_are_records_under_their_hash(store):
+    store.put_api_key("abc", st.ApiKeyRecord(name="team", tags=["code"]))
+    assert store.api_key("abc").name == "team" and store.api_key("nope") is None
+
+
+def test_an_unreachable_redis_is_reported_as_such():
+    from outrider.engine.distributed import free_port
+
+    dead = RedisStore(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2)
+    with pytest.raises(StoreUnavailable):
+        dead.replicas()
