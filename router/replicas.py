@@ -59,11 +59,10 @@ class ReplicaSet:
         with self._lock:
             return list(self._live.values())
 
-    def wait_for_replicas(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while not self.live() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return bool(self.live())
+    def mark_down(self, address: str) -> None:
+        """A call to it failed: not a candidate until it answers a heartbeat again."""
+        with self._lock:
+            self._live.pop(address, None)
 
     # -- heartbeats --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -109,15 +108,17 @@ class ReplicaSet:
             self.is_store_reachable = False
 
     # -- choice ------------------------------------------------------------------------------
-    def pick(self, acceptance: Acceptance, exclude: set[str] = frozenset(),
+    def pick(self, acceptance: Acceptance, avoid: set[str] = frozenset(),
              max_waiting: int = 256) -> st.ReplicaRecord | None:
         """The replica where this request should get the most tokens per second by the
-        γ policy's estimate; None when none is live (or all have full queues)."""
-        candidates = [r for r in self.live() if r.address not in exclude
-                      and r.load.num_waiting < max_waiting]
-        if not candidates:
+        γ policy's estimate, preferring those not in `avoid` (a replica that failed this
+        request may serve it again once it answers heartbeats); None when none is live
+        or every queue is full."""
+        candidates = [r for r in self.live() if r.load.num_waiting < max_waiting]
+        fresh = [r for r in candidates if r.address not in avoid]
+        if not (fresh or candidates):
             return None
-        return max(candidates, key=lambda r: expected_rate(r.load, acceptance))
+        return max(fresh or candidates, key=lambda r: expected_rate(r.load, acceptance))
 
 
 def expected_rate(load: pb.Load, acceptance: Acceptance) -> float:

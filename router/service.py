@@ -160,6 +160,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     def _run(self, job: Job, context):
         progress = Progress(job, TextStream(self.tokenizer, job.stop))
         tried: set[str] = set()
+        attempts = 1
         while not progress.finish_reason:
             replica = self._pick(job, tried)
             tried.add(replica.address)
@@ -167,7 +168,12 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             try:
                 yield from self._stream_from(replica.address, progress, context)
             except grpc.RpcError as exc:
-                self._after_failure(exc, progress, len(tried))
+                self.replicas.mark_down(replica.address)
+                self._after_failure(exc, progress, attempts)
+            if not progress.finish_reason and attempts > self.limits.max_migrations:
+                raise Refused(grpc.StatusCode.INTERNAL, f"target replica {replica.address} "
+                              "ended the stream without finishing the request")
+            attempts += 1
         yield self._finish(progress)
 
     def _pick(self, job: Job, tried: set[str]):
@@ -178,8 +184,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             if replica is not None:
                 return replica
             if time.monotonic() >= deadline:
-                busy = [r for r in self.replicas.live() if r.address not in tried]
-                if busy:
+                if self.replicas.live():
                     raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   "every target replica's queue is full", retry_after_s=1.0)
                 raise Refused(grpc.StatusCode.UNAVAILABLE, "no target replica is available",
@@ -209,11 +214,11 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             if progress.finish_reason:
                 return
 
-    def _after_failure(self, exc: grpc.RpcError, progress: Progress, num_tried: int) -> None:
+    def _after_failure(self, exc: grpc.RpcError, progress: Progress, attempts: int) -> None:
         code = exc.code()
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             raise Refused(code, exc.details()) from None
-        if code not in MIGRATE_ON or num_tried > self.limits.max_migrations:
+        if code not in MIGRATE_ON or attempts > self.limits.max_migrations:
             raise Refused(code if code != grpc.StatusCode.UNKNOWN else grpc.StatusCode.INTERNAL,
                           f"target replica {progress.replica} failed: {exc.details()}",
                           retry_after_s=1.0 if code in MIGRATE_ON else 0.0) from None
@@ -234,7 +239,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         ids = progress.output_ids[progress.num_sent:consumed]
         progress.num_sent = consumed
         progress.sent_text += text
-        msg = gp.GenerateResponse(request_id=progress.job.request_id, text=text, token_ids=ids)
+        msg = gp.GenerateResponse(request_id=progress.job.request_id, text=text, token_ids=ids,
+                                  replica=progress.replica)
         if progress.job.include_rounds:
             msg.rounds.extend(gp.Round(gamma=r.gamma, num_accepted=r.num_accepted, heat=r.heat)
                               for r in rounds)

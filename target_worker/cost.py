@@ -19,7 +19,9 @@ SCRATCH = "cost-calibration"
 
 def measure_cost_model(target: ModelRunner, drafter, max_batch_tokens: int,
                        repeats: int = 3) -> CostModel:
-    sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= max_batch_tokens]
+    # each 5-token row takes a KV block: measure only what the cache holds
+    sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)
+             if n <= max_batch_tokens and n // 5 < target.blocks.num_free_blocks]
     times = {n: _verify_seconds(target, n, repeats) for n in sizes}
     base, top = times[1], sizes[-1]
     mid = sizes[max(0, len(sizes) - 2)]

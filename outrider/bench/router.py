@@ -73,20 +73,27 @@ def overhead(router: str, target: str, prompts, max_tokens: int, gamma: int) -> 
         list(run(prompts[0][:8]))
     ttft = {name: [] for name in paths_}
     per_token = {name: [] for name in paths_}
+    seconds = {name: 0.0 for name in paths_}
     for i, prompt in enumerate(prompts):
         for name in (paths_ if i % 2 == 0 else list(paths_)[::-1]):
-            first, tokens = latencies(*timed_chunks(paths_[name](prompt)))
+            start, chunks = timed_chunks(paths_[name](prompt))
+            first, tokens = latencies(start, chunks)
             ttft[name].append(first)
             per_token[name] += tokens
+            seconds[name] += chunks[-1][0] - start
     report = {}
     for name in paths_:
+        num_tokens = len(per_token[name]) + len(prompts)
         report[name] = {"per_token_ms_p50": 1e3 * float(np.percentile(per_token[name], 50)),
                         "per_token_ms_p99": 1e3 * float(np.percentile(per_token[name], 99)),
                         "ttft_ms_p50": 1e3 * float(np.percentile(ttft[name], 50)),
-                        "tokens": len(per_token[name])}
+                        "ms_per_token_end_to_end": 1e3 * seconds[name] / num_tokens,
+                        "tokens": num_tokens}
     for q in ("p50", "p99"):
         report[f"overhead_per_token_ms_{q}"] = (report["router"][f"per_token_ms_{q}"]
                                                 - report["direct"][f"per_token_ms_{q}"])
+    report["overhead_ms_per_token_end_to_end"] = (report["router"]["ms_per_token_end_to_end"]
+                                                  - report["direct"]["ms_per_token_end_to_end"])
     client.close()
     return report
 
@@ -137,7 +144,9 @@ def plot(ramp_result: dict, out: Path, max_batch_tokens: int) -> None:
 
     t, heat, gamma = (np.array(x) for x in zip(*ramp_result["rounds"]))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
-    top.plot(t, heat, ".", ms=2, color="tab:red", label="batch heat when γ was chosen")
+    top.plot(t, np.minimum(heat, 1.95), ".", ms=2, color="tab:red",
+             label="batch heat when γ was chosen (drawn at 1.95 when above 2)")
+    top.set_ylim(0, 2)
     streams = ramp_result["schedule"]
     top2 = top.twinx()
     top2.step([s for s, _ in streams], [n for _, n in streams], where="post", color="gray",

@@ -1,0 +1,46 @@
+"""DESIGN §6: a target replica killed mid-stream; the router resumes the request on the
+other replica from prompt + committed tokens, and the client's stream goes on with
+nothing lost or repeated."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import pytest
+
+from outrider.client import Client
+from outrider.engine.runner import ModelRunner, RunnerConfig
+from outrider.engine.sampling import SamplingParams
+from outrider.engine.spec_decode import SpeculativeDecoder
+from outrider.launch import outrider_process
+
+pytestmark = pytest.mark.slow
+PROMPT = [11, 23, 5, 87, 140, 9]
+
+
+def test_killed_replica_mid_stream_loses_and_repeats_nothing(llama_dir, draft_dir):
+    expected = SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir)))).generate(
+        [PROMPT], SamplingParams(max_tokens=300, ignore_eos=True), 0)[0].output_ids
+    with ExitStack() as stack:
+        def start(*args: str):
+            return stack.enter_context(outrider_process(*args, token="t"))
+
+        _, draft = start("draft-worker", "--model", str(draft_dir))
+        targets = {}
+        for _ in range(2):
+            proc, address = start("target-worker", "--model", str(llama_dir),
+                                  "--draft-address", draft)
+            targets[address] = proc
+        _, router = start("router", "--model", str(llama_dir), "--port", "0",
+                          *[a for t in targets for a in ("--target-address", t)])
+        with Client(router, timeout_s=300) as client:
+            assert len(client.status().replicas) == 2
+            stream = client.stream(PROMPT, max_tokens=300, temperature=0.0, ignore_eos=True,
+                                   speculation="fixed", gamma_max=3)
+            parts = [next(stream)]
+            targets[parts[0].replica].kill()  # SIGKILL: no goodbye
+            parts += list(stream)
+    tokens = [t for p in parts for t in p.token_ids]
+    assert tokens == expected
+    assert parts[-1].replica != parts[0].replica and parts[-1].finish_reason == "length"
+    assert parts[-1].usage.completion_tokens == 300
