@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="batch heat at which AUTO speculation turns off")
     target.add_argument("--cool-heat", type=float, default=0.7,
                         help="batch heat at which it turns back on (hysteresis)")
-    target.add_argument("--overlap-max-seqs", type=int, default=4,
+    target.add_argument("--overlap-max-seqs", type=int, default=2,
                         help="draft round r+1 while round r verifies when at most this many "
                              "sequences speculate (0: never; it pays in small batches)")
     target.add_argument("--tp", type=int, default=1)

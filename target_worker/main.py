@@ -34,7 +34,7 @@ class TargetWorkerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     dist_address: str | None = None
-    overlap_max_seqs: int = 4
+    overlap_max_seqs: int = 2
     hot_heat: float = 0.9
     cool_heat: float = 0.7
 
