@@ -28,6 +28,10 @@ from outrider.wire import (
     sampling_to_proto,
 )
 
+PREFILL_ALLOWANCE_S = 0.002  # per context token resent in a Propose
+MAX_BACKOFF_S = 5.0           # longest wait before trying a slow or failing replica again
+UNREACHABLE_RETRY_S = 0.5     # wait before trying an unreachable replica again
+
 
 class DraftReplicaError(RuntimeError):
     """No draft replica could be reached or they disagree with the target."""
@@ -97,9 +101,10 @@ class RemoteDrafter:
                 groups.setdefault(self._replica_for(it.seq_id), []).append(i)
         formats = [self._q_format(it, self._assigned.get(it.seq_id, -1)) for it in items]
         self._dist_tag += 1
-        deadline, start = self._deadline(), time.monotonic()
-        calls = {r: self._stubs[r].Propose.future(self._request(items, formats, rows),
-                                                  metadata=self._metadata, timeout=deadline)
+        start = time.monotonic()
+        calls = {r: self._stubs[r].Propose.future(
+                     self._request(items, formats, rows), metadata=self._metadata,
+                     timeout=self._deadline(sum(len(items[i].new_token_ids) for i in rows)))
                  for r, rows in groups.items() if r >= 0}
         return DraftCall(lambda: self._gather(items, formats, groups, calls, start, device))
 
@@ -111,8 +116,8 @@ class RemoteDrafter:
         for replica, call in calls.items():
             try:
                 reply = call.result()
-            except grpc.RpcError:
-                self._set_aside(replica)
+            except grpc.RpcError as exc:
+                self._set_aside(replica, is_unreachable=exc.code() == grpc.StatusCode.UNAVAILABLE)
                 continue
             self._healthy(replica, time.monotonic() - start)
             for i, proposal in zip(groups[replica], reply.proposals):
@@ -120,12 +125,14 @@ class RemoteDrafter:
             self._receive_dense(groups[replica], reply, formats, gammas, token_rows, q_rows)
         return _pack(items, gammas, is_miss, token_rows, q_rows, self.vocab_size, device)
 
-    def _deadline(self) -> float:
+    def _deadline(self, num_new_tokens: int) -> float:
         """Generous against the usual round trip, so a hung (not dead) replica stalls the
-        batch for a moment, not for the full timeout."""
+        batch for a moment, not for the full timeout; a call that resends long contexts
+        (after a MISS, to a freshly started replica) gets time for their prefill."""
         if self._rpc_seconds is None:
             return self.timeout_s
-        return min(self.timeout_s, max(0.5, 20 * self._rpc_seconds))
+        prefill_s = PREFILL_ALLOWANCE_S * num_new_tokens
+        return min(self.timeout_s, max(0.5, 20 * self._rpc_seconds) + prefill_s)
 
     def _healthy(self, replica: int, seconds: float) -> None:
         self._backoff[replica] = self.retry_after_s
@@ -178,13 +185,19 @@ class RemoteDrafter:
         self._assigned[seq_id] = replica
         return replica
 
-    def _set_aside(self, replica: int) -> None:
-        """Try the replica again after a back-off that doubles while it keeps failing."""
+    def _set_aside(self, replica: int, is_unreachable: bool) -> None:
+        """Try the replica again soon when it was unreachable (such a call fails at once,
+        so probing costs nothing and a restarted replica is found quickly); after a
+        back-off that doubles when it was slow or failing (a hung replica must not
+        stall every batch)."""
         self.num_failures += 1
-        self._down_until[replica] = time.monotonic() + self._backoff[replica]
-        self._backoff[replica] = min(30.0, 2 * self._backoff[replica])
         if replica == 0 and self.dense_channel is not None:
             self.dense_channel.mark_broken()  # a send may be left unmatched
+        if is_unreachable:
+            self._down_until[replica] = time.monotonic() + UNREACHABLE_RETRY_S
+            return
+        self._down_until[replica] = time.monotonic() + self._backoff[replica]
+        self._backoff[replica] = min(MAX_BACKOFF_S, 2 * self._backoff[replica])
 
     def _request(self, items: list[DraftItem], formats: list[str],
                  rows: list[int]) -> pb.ProposeRequest:

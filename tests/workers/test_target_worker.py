@@ -191,9 +191,14 @@ def test_draft_killed_and_restarted_mid_generation(tmp_path, tokenizer_dir):
     with outrider_process(*draft_args, token=TOKEN) as (draft_proc, d_addr), \
          outrider_process("target-worker", "--model", str(llama_dir), "--draft-address", d_addr,
                           token=TOKEN) as (_, t_addr), grpc.insecure_channel(t_addr) as chan:
-        stream = worker_pb2_grpc.TargetStub(chan).Generate(
-            req, metadata=token_metadata(TOKEN), timeout=120)
+        stub = worker_pb2_grpc.TargetStub(chan)
+        stream = stub.Generate(req, metadata=token_metadata(TOKEN), timeout=120)
         tokens.extend(next(stream).token_ids)
+        # plain-decoding company in the batch makes each step slower, so that the
+        # sequence outlasts a cold restart of the draft process however slow the machine
+        company = [stub.Generate(request_for(100 + i, p, gamma=0, max_tokens=3000,
+                                             sampled=False), metadata=token_metadata(TOKEN))
+                   for i, p in enumerate(prompts(4, seed=3))]
         draft_proc.kill()
         draft_proc.wait()
         tokens.extend(next(stream).token_ids)  # served with γ = 0 meanwhile
@@ -202,6 +207,9 @@ def test_draft_killed_and_restarted_mid_generation(tmp_path, tokenizer_dir):
             for chunk in stream:
                 tokens.extend(chunk.token_ids)
                 rounds_after_restart.extend(chunk.rounds)
+                if any(r.gamma for r in chunk.rounds):  # the draft is back: company may go
+                    for call in company:
+                        call.cancel()
     assert tokens == expected
     # the new draft process serves: (a loaded machine may still set it aside at times)
     assert any(r.gamma > 0 and r.num_accepted > 0 for r in rounds_after_restart)
