@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import grpc
 import torch
@@ -87,7 +86,7 @@ class DraftService(worker_pb2_grpc.DraftServicer):
                              vocab_size=self.drafter.vocab_size,
                              max_model_len=self.drafter.max_model_len,
                              num_dense_sends=self.num_dense_sends,
-                             model_name=Path(self.drafter.runner.cfg.model_dir).name)
+                             model_name=self.drafter.model_name)
 
     def _item(self, s: pb.ProposeSequence) -> DraftItem:
         where = f"sequences[{s.seq_id!r}]"

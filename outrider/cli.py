@@ -201,11 +201,11 @@ def cmd_generate(args) -> int:
     params = _sampling(args)
     with _engine(args) as engine:
         result = _run_stream(engine, prompt, params, args.gamma, echo=not args.json)
-    seq, seconds = result
+    out = _result_json(engine, *result)
     if args.json:
-        print(json.dumps(_result_json(engine, seq, seconds)))
+        print(json.dumps(out))
     if args.stats:
-        print(_stats_line(seq, seconds), file=sys.stderr)
+        print(_stats_line(out), file=sys.stderr)
     return 0
 
 
@@ -249,11 +249,7 @@ def _generate_remote(args, prompt: str) -> int:
     else:
         sys.stdout.write("\n")
     if args.stats:
-        s = result["stats"]
-        print(f"[{len(result['token_ids'])} tokens in {seconds:.2f}s; rounds {s['rounds']}; "
-              f"draft tokens {s['draft_tokens']}, accepted {s['accepted_tokens']} "
-              f"(α = {s['acceptance_rate']:.3f}); mean accepted length "
-              f"{s['mean_accepted_len']:.2f}; replica {result['replica']}]", file=sys.stderr)
+        print(f"{_stats_line(result)} on {result['replica']}", file=sys.stderr)
     return 0
 
 
@@ -290,14 +286,15 @@ def _result_json(engine, seq, seconds: float) -> dict:
     }
 
 
-def _stats_line(seq, seconds: float) -> str:
-    s = seq.stats
-    per_pos = ", ".join(f"{a:.2f}" for a in s.acceptance_per_position)
-    return (f"[{seq.num_output} tokens in {seconds:.2f}s = {seq.num_output / seconds:.1f} tok/s; "
-            f"rounds {s.num_rounds}; draft tokens {s.num_draft_tokens}, accepted "
-            f"{s.num_accepted_tokens} (α = {s.acceptance_rate:.3f}; "
-            f"per position: {per_pos or '-'}); "
-            f"mean accepted length {s.mean_accepted_len:.2f} tokens/round]")
+def _stats_line(result: dict) -> str:
+    """One line of acceptance figures from a --json result (local or through a router)."""
+    s, n, seconds = result["stats"], len(result["token_ids"]), result["seconds"]
+    per_pos = ", ".join(f"{a / d:.2f}" for a, d in zip(s["accepted_per_position"],
+                                                        s["drafted_per_position"]) if d)
+    return (f"[{n} tokens in {seconds:.2f}s = {n / seconds:.1f} tok/s; rounds {s['rounds']}; "
+            f"draft tokens {s['draft_tokens']}, accepted {s['accepted_tokens']} "
+            f"(α = {s['acceptance_rate']:.3f}; per position: {per_pos or '-'}); "
+            f"mean accepted length {s['mean_accepted_len']:.2f} tokens/round]")
 
 
 def cmd_draft_worker(args) -> int:
@@ -325,18 +322,12 @@ def cmd_target_worker(args) -> int:
 
 
 def cmd_router(args) -> int:
-    from outrider.router.main import serve
+    from outrider.router.main import RouterConfig, serve
 
-    serve(_router_config(args, args.model, tuple(args.target_address), args.port),
-          cluster_token())
+    serve(RouterConfig(args.model, tuple(args.target_address), args.host, args.port,
+                       args.redis, args.require_api_key, args.rate_limit_rpm,
+                       tls_cert=args.tls_cert, tls_key=args.tls_key), cluster_token())
     return 0
-
-
-def _router_config(args, model: str, targets: tuple[str, ...], port: int):
-    from outrider.router.main import RouterConfig
-
-    return RouterConfig(model, targets, args.host, port, args.redis, args.require_api_key,
-                        args.rate_limit_rpm, tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
 def cmd_serve(args) -> int:
@@ -357,8 +348,8 @@ def cmd_serve(args) -> int:
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
-    with local_system(cfg, cluster_token(), echo=True) as address:
-        print(f"outrider serve: router listening on {address} (Ctrl-C stops everything)",
+    with local_system(cfg, cluster_token(), echo=True) as system:
+        print(f"outrider serve: router listening on {system.router} (Ctrl-C stops everything)",
               flush=True)
         stopping.wait()
         print("outrider serve: stopping", flush=True)
@@ -396,8 +387,8 @@ def cmd_demo(args) -> int:
                             grpc_port=0)
     print("== starting router, target replica and draft replica (processes, gRPC) ==",
           flush=True)
-    with local_system(cfg) as address, Client(address, timeout_s=600) as client:
-        print(f"router listening on {address}\n== prompt: the head of held-out module "
+    with local_system(cfg) as system, Client(system.router, timeout_s=600) as client:
+        print(f"router listening on {system.router}\n== prompt: the head of held-out module "
               f"{DEMO_MODULE} ==\n{prompt}", flush=True)
         print(f"== through the router: target + draft, greedy, γ = {args.gamma} ==", flush=True)
         options = dict(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -410,14 +401,8 @@ def cmd_demo(args) -> int:
         start = time.perf_counter()
         plain = client.generate(prompt, speculation="off", **options)
         plain_s = time.perf_counter() - start
-    s = spec.speculation
-    per_pos = ", ".join(f"{a / d:.2f}" for a, d in zip(s.accepted_per_position,
-                                                        s.drafted_per_position) if d)
     n = len(spec.token_ids)
-    print(f"\n[{n} tokens in {spec_s:.2f}s = {n / spec_s:.1f} tok/s; rounds {s.rounds}; draft "
-          f"tokens {s.draft_tokens}, accepted {s.accepted_tokens} (α = {s.acceptance_rate:.3f};"
-          f" per position: {per_pos}); mean accepted length {s.mean_accepted_len:.2f} "
-          f"tokens/round]")
+    print("\n" + _stats_line(_response_json(spec, spec_s)))
     same = "identical" if list(plain.token_ids) == list(spec.token_ids) else "DIFFERENT"
     print(f"target alone (speculation off): {len(plain.token_ids) / plain_s:.1f} tok/s; "
           f"speculative speedup {plain_s / spec_s * n / len(plain.token_ids):.2f}x; "

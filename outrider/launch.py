@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 LISTENING = re.compile(r"listening on (\S+:\d+)")
 
@@ -29,6 +29,16 @@ def outrider_process(*args: str, token: str | None = None, timeout: float = 120,
         yield proc, address
     finally:
         stop_process(proc)
+
+
+@contextmanager
+def process_group(token: str | None = None, env: dict[str, str] | None = None):
+    """Several `outrider` processes that stop together (the last started first). Yields
+    start(*args, echo=None) -> (process, 'host:port')."""
+    with ExitStack() as stack:
+        def start(*args: str, echo: str | None = None):
+            return stack.enter_context(outrider_process(*args, token=token, env=env, echo=echo))
+        yield start
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 20) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+MAX_GAMMA = 16  # the most draft tokens a request may ask for per round
+
 
 class SpecMode(Enum):
     AUTO = "auto"

@@ -155,9 +155,6 @@ class MemoryStore:
             return None
         return st.JournalRecord.FromString(entry[1]), list(entry[2])
 
-    def ping(self) -> bool:
-        return True
-
 
 def _add_into(total: AcceptanceCounts, counts: AcceptanceCounts) -> None:
     missing = len(counts.tested) - len(total.tested)
@@ -200,9 +197,6 @@ class RedisStore:
             return fn(self._redis)
         except self._errors as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
-
-    def ping(self) -> bool:
-        return bool(self._call(lambda r: r.ping()))
 
     # -- replica registry ------------------------------------------------------------------
     def put_replica(self, record: st.ReplicaRecord, ttl_s: float) -> None:

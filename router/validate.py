@@ -8,13 +8,12 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
-from outrider.router.policy import SpecMode
+from outrider.router.policy import MAX_GAMMA, SpecMode
 
 from outrider.engine.sampling import MAX_SEED, SamplingError, SamplingParams
 from outrider.engine.tokenizer import Tokenizer
 from outrider.v1 import generate_pb2 as gp
 
-MAX_GAMMA = 16
 MAX_STOP_STRINGS = 64
 MAX_STOP_LEN = 256
 MAX_STOP_TOKEN_IDS = 256

@@ -8,11 +8,11 @@ forwards, so the decision reaches them with the tokens."""
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from outrider.router.policy import Acceptance, GammaPolicy, RequestState
 from outrider.target_worker.scheduler import Scheduler, SchedulerConfig
@@ -57,8 +57,7 @@ class TargetEngine:
 
     @property
     def model_pair(self) -> str:
-        target = Path(self.decoder.target.cfg.model_dir).name
-        drafter = self.decoder.drafter
+        target, drafter = self.decoder.target.model_name, self.decoder.drafter
         return f"{target}+{drafter.model_name}" if drafter else target
 
     # -- called from gRPC threads ---------------------------------------------------------
@@ -104,7 +103,8 @@ class TargetEngine:
         """One step; False when nothing could be scheduled (waiting for KV room)."""
         heat = self._demand_heat()
         gammas = self._choose_gammas(heat)
-        plan = self.scheduler.schedule(lambda seq: gammas[seq.seq_id])
+        # a sequence preempted and readmitted this step may fall outside the choice
+        plan = self.scheduler.schedule(lambda seq: gammas.get(seq.seq_id, 0))
         if not plan.seqs:
             return False
         self.heat = heat
@@ -135,7 +135,10 @@ class TargetEngine:
         return demand / self.scheduler.cfg.max_batch_tokens
 
     def _choose_gammas(self, heat: float) -> dict[int, int]:
-        seqs = [*self.scheduler.running, *self.scheduler.waiting]
+        """γ for the running sequences and the waiting ones that could join them this
+        step; the rest of the queue is not part of this step's batch."""
+        room = max(0, self.scheduler.cfg.max_num_seqs - len(self.scheduler.running))
+        seqs = [*self.scheduler.running, *itertools.islice(self.scheduler.waiting, room)]
         states = []
         for seq in seqs:
             handle = self._by_seq[seq.seq_id]

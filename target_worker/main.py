@@ -7,12 +7,12 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 
-from outrider.router.policy import GammaPolicy, PolicyConfig
+from outrider.router.policy import MAX_GAMMA, GammaPolicy, PolicyConfig
 from outrider.target_worker.cost import measure_cost_model
 from outrider.target_worker.engine import TargetEngine
 from outrider.target_worker.remote_drafter import RemoteDrafter
 from outrider.target_worker.scheduler import SchedulerConfig
-from outrider.target_worker.service import MAX_GAMMA, TargetService
+from outrider.target_worker.service import TargetService
 
 from outrider.dense_channel import TARGET_RANK, DenseChannel
 from outrider.engine.distributed import TPRunnerGroup

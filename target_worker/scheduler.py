@@ -32,7 +32,6 @@ class ScheduledStep:
     seqs: list[Sequence] = field(default_factory=list)
     gammas: list[int] = field(default_factory=list)
     chunk_lens: list[int] = field(default_factory=list)
-    num_base_tokens: int = 0  # tokens fed without the draft tokens
 
 
 class Scheduler:
@@ -126,4 +125,3 @@ class Scheduler:
         step.seqs.append(seq)
         step.gammas.append(gamma)
         step.chunk_lens.append(feed)
-        step.num_base_tokens += feed

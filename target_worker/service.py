@@ -6,7 +6,7 @@ import queue
 import uuid
 
 import grpc
-from outrider.router.policy import Acceptance, CostModel, RequestState, SpecMode
+from outrider.router.policy import MAX_GAMMA, Acceptance, CostModel, RequestState, SpecMode
 from outrider.target_worker.engine import Handle, TargetEngine
 
 from outrider.engine.sampling import SamplingError
@@ -15,7 +15,6 @@ from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 from outrider.wire import sampling_from_proto
 
-MAX_GAMMA = 16
 SPEC_MODES = {pb.SPEC_MODE_AUTO: SpecMode.AUTO, pb.SPEC_MODE_OFF: SpecMode.OFF,
               pb.SPEC_MODE_FIXED: SpecMode.FIXED}
 

@@ -19,7 +19,6 @@ import os
 import platform
 import threading
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
@@ -31,7 +30,7 @@ from outrider.client import Client
 from outrider.engine.sampling import SamplingParams
 from outrider.engine.tokenizer import Tokenizer
 from outrider.grpc_server import token_metadata
-from outrider.launch import outrider_process
+from outrider.local_system import LocalSystemConfig, local_system
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 from outrider.wire import sampling_to_proto
@@ -194,18 +193,13 @@ def main() -> None:
                          f"--max-tokens {args.max_tokens} --ramp-step-s {args.ramp_step_s} "
                          f"--max-streams {args.max_streams} "
                          f"--max-batch-tokens {args.max_batch_tokens}"}
-    with ExitStack() as stack:
-        def start(*a: str) -> str:
-            return stack.enter_context(outrider_process(*a, token=TOKEN))[1]
-
-        draft = start("draft-worker", "--model", draft_dir)
-        target = start("target-worker", "--model", target_dir, "--draft-address", draft,
-                       "--max-batch-tokens", str(args.max_batch_tokens))
-        router = start("router", "--model", target_dir, "--target-address", target,
-                       "--port", "0")
-        report["overhead"] = overhead(router, target, prompts, args.max_tokens, args.gamma)
+    cfg = LocalSystemConfig(target_dir, draft_dir, grpc_port=0,
+                            max_batch_tokens=args.max_batch_tokens)
+    with local_system(cfg, TOKEN) as system:
+        report["overhead"] = overhead(system.router, system.target, prompts, args.max_tokens,
+                                      args.gamma)
         print(json.dumps(report["overhead"], indent=2), flush=True)
-        result = ramp(router, short, levels, args.ramp_step_s, args.max_tokens)
+        result = ramp(system.router, short, levels, args.ramp_step_s, args.max_tokens)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     png = out.with_name("gamma_vs_heat.png")

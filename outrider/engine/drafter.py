@@ -14,7 +14,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -83,7 +82,7 @@ class Drafter:
 
     @property
     def model_name(self) -> str:
-        return Path(self.runner.cfg.model_dir).name
+        return self.runner.model_name
 
     def release(self, seq_id) -> bool:
         self.last_used.pop(seq_id, None)

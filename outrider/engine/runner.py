@@ -69,6 +69,11 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
+    @property
+    def model_name(self) -> str:
+        """The checkpoint folder's name (how replicas name their model pair)."""
+        return Path(self.cfg.model_dir).name
+
     def _load_model(self) -> CausalLM:
         torch.set_default_dtype(self.dtype)
         try:

@@ -292,10 +292,10 @@ class SpeculativeDecoder:
     def _draft_item(seq: Sequence, gamma: int, drafts: list[int] = ()) -> DraftItem:
         """Draft after the committed tokens (+ `drafts`, assumed accepted). The draft must
         be sent at least the last token: drafting needs its logits."""
-        chain = seq.token_ids + list(drafts)
-        start = min(seq.draft_len, len(chain) - 1)
-        return DraftItem(seq.seq_id, start, chain[start:] if gamma else [], gamma, seq.params,
-                         seq.seed)
+        num_committed = len(seq.token_ids)
+        start = min(seq.draft_len, num_committed + len(drafts) - 1)
+        new = seq.token_ids[start:] + list(drafts[max(0, start - num_committed):])
+        return DraftItem(seq.seq_id, start, new if gamma else [], gamma, seq.params, seq.seed)
 
     def _draft_ahead(self, seqs: list[Sequence], draft_ids: torch.Tensor,
                      gammas: list[int]) -> DraftCall:

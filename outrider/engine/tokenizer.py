@@ -52,16 +52,20 @@ class IncrementalDetokenizer:
 
     def push(self, new_ids: list[int]) -> str:
         self.token_ids.extend(new_ids)
-        prefix = self.tokenizer.decode(self.token_ids[self._prefix_start:self._read_start])
-        text = self.tokenizer.decode(self.token_ids[self._prefix_start:])
-        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+        delta = self._unread_text()
+        if not delta or delta.endswith("\ufffd"):
             return ""  # nothing new yet, or a character still incomplete
         self._prefix_start, self._read_start = self._read_start, len(self.token_ids)
-        return text[len(prefix):]
+        return delta
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end)."""
+        delta = self._unread_text()
+        self._prefix_start = self._read_start = len(self.token_ids)
+        return delta
+
+    def _unread_text(self) -> str:
+        """Text of the tokens from _read_start on, decoded after their context window."""
         prefix = self.tokenizer.decode(self.token_ids[self._prefix_start:self._read_start])
         text = self.tokenizer.decode(self.token_ids[self._prefix_start:])
-        self._prefix_start = self._read_start = len(self.token_ids)
         return text[len(prefix):]

@@ -4,8 +4,6 @@ starts the servers uses the project; `reflection_stream` uses grpc and protobuf 
 
 from __future__ import annotations
 
-from contextlib import ExitStack
-
 import grpc
 import pytest
 from google.protobuf import descriptor_pool, message_factory
@@ -18,16 +16,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def router(llama_dir, draft_dir):
-    from outrider.launch import outrider_process
+    from outrider.local_system import LocalSystemConfig, local_system
 
-    with ExitStack() as stack:
-        def start(*args: str) -> str:
-            return stack.enter_context(outrider_process(*args, token="t"))[1]
-
-        draft = start("draft-worker", "--model", str(draft_dir))
-        target = start("target-worker", "--model", str(llama_dir), "--draft-address", draft)
-        yield start("router", "--model", str(llama_dir), "--target-address", target,
-                    "--port", "0")
+    with local_system(LocalSystemConfig(str(llama_dir), str(draft_dir), grpc_port=0)) as system:
+        yield system.router
 
 
 def reflection_stream(address: str, prompt: str) -> list:

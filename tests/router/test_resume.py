@@ -4,15 +4,13 @@ nothing lost or repeated."""
 
 from __future__ import annotations
 
-from contextlib import ExitStack
-
 import pytest
 
 from outrider.client import Client
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.sampling import SamplingParams
 from outrider.engine.spec_decode import SpeculativeDecoder
-from outrider.launch import outrider_process
+from outrider.launch import process_group
 
 pytestmark = pytest.mark.slow
 PROMPT = [11, 23, 5, 87, 140, 9]
@@ -21,10 +19,7 @@ PROMPT = [11, 23, 5, 87, 140, 9]
 def test_killed_replica_mid_stream_loses_and_repeats_nothing(llama_dir, draft_dir):
     expected = SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir)))).generate(
         [PROMPT], SamplingParams(max_tokens=300, ignore_eos=True), 0)[0].output_ids
-    with ExitStack() as stack:
-        def start(*args: str):
-            return stack.enter_context(outrider_process(*args, token="t"))
-
+    with process_group("t") as start:
         _, draft = start("draft-worker", "--model", str(draft_dir))
         targets = {}
         for _ in range(2):

@@ -7,7 +7,6 @@ import math
 import subprocess
 import sys
 import time
-from contextlib import ExitStack
 
 import grpc
 import pytest
@@ -20,7 +19,7 @@ from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.sampling import SamplingParams
 from outrider.engine.spec_decode import SpeculativeDecoder
-from outrider.launch import outrider_process
+from outrider.launch import process_group
 from outrider.v1 import generate_pb2 as gp
 from outrider.v1 import generate_pb2_grpc
 from outrider.v1 import state_pb2 as st
@@ -35,18 +34,14 @@ pytestmark = pytest.mark.slow
 def system(llama_dir, draft_dir, redis_url):
     """(router A address, router B address, target address); B knows no replica itself."""
     redis.Redis.from_url(redis_url).flushdb()
-    env = {"OUTRIDER_API_KEYS": KEY}
-    with ExitStack() as stack:
-        def start(*args: str) -> str:
-            return stack.enter_context(outrider_process(*args, token=TOKEN, env=env))[1]
-
-        draft = start("draft-worker", "--model", str(draft_dir))
-        target = start("target-worker", "--model", str(llama_dir), "--draft-address", draft,
-                       "--kv-cache-mb", "8")
-        router_a = start("router", "--model", str(llama_dir), "--target-address", target,
-                         "--redis", redis_url, "--port", "0")
-        router_b = start("router", "--model", str(llama_dir), "--redis", redis_url,
-                         "--port", "0")
+    with process_group(TOKEN, env={"OUTRIDER_API_KEYS": KEY}) as start:
+        _, draft = start("draft-worker", "--model", str(draft_dir))
+        _, target = start("target-worker", "--model", str(llama_dir), "--draft-address", draft,
+                          "--kv-cache-mb", "8")
+        _, router_a = start("router", "--model", str(llama_dir), "--target-address", target,
+                            "--redis", redis_url, "--port", "0")
+        _, router_b = start("router", "--model", str(llama_dir), "--redis", redis_url,
+                            "--port", "0")
         yield router_a, router_b, target
 
 
