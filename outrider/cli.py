@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 from outrider import paths
@@ -34,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the models in this process instead of calling a router")
     gen.add_argument("--address", default="127.0.0.1:50051", help="router host:port")
     gen.add_argument("--tls-ca", help="CA certificate (PEM) when the router uses TLS")
+    gen.add_argument("--timeout", type=float, default=None,
+                     help="deadline in seconds (default: none); the API key comes from "
+                          "$OUTRIDER_API_KEY")
     gen.add_argument("--speculation", choices=["auto", "off", "fixed"], default=None,
                      help="router mode (default: fixed when --gamma is given, else auto)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -142,8 +144,13 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    help="refuse calls without a key (implied by OUTRIDER_API_KEYS)")
     p.add_argument("--rate-limit-rpm", type=int, default=0,
                    help="requests per minute per OUTRIDER_API_KEYS key (0: no limit)")
-    p.add_argument("--tls-cert", help="PEM certificate for TLS on the public port")
+    p.add_argument("--tls-cert", help="PEM certificate for TLS on the public ports")
     p.add_argument("--tls-key", help="PEM private key for --tls-cert")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="port of the OpenAI-compatible HTTP API (0 picks a free port)")
+    p.add_argument("--no-http", action="store_true", help="no HTTP API, gRPC only")
+    p.add_argument("--served-model-name",
+                   help="model id of the HTTP API (default: the target dir's name)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -196,105 +203,83 @@ DEFAULT_GAMMA = 4
 
 def cmd_generate(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if not args.local:
-        return _generate_remote(args, prompt)
-    params = _sampling(args)
-    with _engine(args) as engine:
-        result = _run_stream(engine, prompt, params, args.gamma, echo=not args.json)
-    out = _result_json(engine, *result)
+    result = (_generate_local if args.local else _generate_remote)(args, prompt)
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps(result.to_dict()))
     if args.stats:
-        print(_stats_line(out), file=sys.stderr)
+        print(_stats_line(result), file=sys.stderr)
     return 0
 
 
-def _run_stream(engine, prompt: str, params, gamma: int, echo: bool):
+def _generate_local(args, prompt: str):
+    from outrider.client.results import Collector
     from outrider.engine.tokenizer import IncrementalDetokenizer
+    from outrider.v1 import generate_pb2 as gp
 
-    detok = IncrementalDetokenizer(engine.tokenizer)
-    start, seq = time.perf_counter(), None
-    for seq, new_ids in engine.decoder.stream(engine.tokenizer.encode(prompt), params, gamma):  # noqa: B007
-        delta = detok.push(new_ids)
-        if echo and delta:
-            sys.stdout.write(delta)
-            sys.stdout.flush()
-    if echo:
+    params = _sampling(args)
+    with _engine(args) as engine:
+        detok, collector, seq = IncrementalDetokenizer(engine.tokenizer), Collector(), None
+        for seq, new_ids in engine.decoder.stream(engine.tokenizer.encode(prompt), params,  # noqa: B007
+                                                  args.gamma):
+            _echo(args, collector.add(gp.GenerateResponse(text=detok.push(new_ids),
+                                                          token_ids=new_ids)))
+        _echo(args, collector.add(_final_message(seq, detok.flush())))
+    if not args.json:
         sys.stdout.write("\n")
-    return seq, time.perf_counter() - start
+    return collector.result()
 
 
-def _generate_remote(args, prompt: str) -> int:
-    import os
+def _final_message(seq, text: str):
+    """What a router's last message would say of a sequence generated in this process."""
+    from outrider.v1 import generate_pb2 as gp
 
-    from outrider.client import Client
-    from outrider.router.service import merge_responses
+    s = seq.stats
+    return gp.GenerateResponse(
+        text=text, finish_reason=seq.finish_reason, replica="local",
+        usage=gp.Usage(prompt_tokens=seq.prompt_len, completion_tokens=seq.num_output),
+        speculation=gp.SpeculationStats(
+            draft_tokens=s.num_draft_tokens, accepted_tokens=s.num_accepted_tokens,
+            acceptance_rate=s.acceptance_rate, mean_accepted_len=s.mean_accepted_len,
+            rounds=s.num_rounds, drafted_per_position=s.drafted_per_position,
+            accepted_per_position=s.accepted_per_position))
+
+
+def _generate_remote(args, prompt: str):
+    from outrider.client import Client, Tls
 
     mode = args.speculation or ("auto" if args.gamma is None else
                                 "off" if args.gamma == 0 else "fixed")
     options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, tag=args.tag,
                    speculation=mode, gamma_max=args.gamma or 0)
-    start, parts = time.perf_counter(), []
-    with Client(args.address, os.environ.get("OUTRIDER_API_KEY"), args.tls_ca) as client:
-        for part in client.stream(prompt, **options):
-            parts.append(part)
-            if not args.json:
-                sys.stdout.write(part.text)
-                sys.stdout.flush()
-    seconds = time.perf_counter() - start
-    result = _response_json(merge_responses(parts), seconds)
-    if args.json:
-        print(json.dumps(result))
-    else:
+    tls = Tls(ca=args.tls_ca) if args.tls_ca else None
+    with Client(args.address, tls=tls, timeout_s=args.timeout) as client:
+        stream = client.stream(prompt, **options)
+        for delta in stream:
+            _echo(args, delta)
+        result = stream.result()
+    if not args.json:
         sys.stdout.write("\n")
-    if args.stats:
-        print(f"{_stats_line(result)} on {result['replica']}", file=sys.stderr)
-    return 0
+    return result
 
 
-def _response_json(resp, seconds: float) -> dict:
-    s = resp.speculation
-    return {"token_ids": list(resp.token_ids), "text": resp.text,
-            "finish_reason": resp.finish_reason,
-            "stats": {"draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
-                      "rounds": s.rounds, "acceptance_rate": s.acceptance_rate,
-                      "mean_accepted_len": s.mean_accepted_len,
-                      "accepted_per_position": list(s.accepted_per_position),
-                      "drafted_per_position": list(s.drafted_per_position)},
-            "seconds": seconds, "tokens_per_s": len(resp.token_ids) / seconds if seconds else 0,
-            "request_id": resp.request_id, "replica": resp.replica}
+def _echo(args, delta) -> None:
+    if not args.json and delta.text:
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
 
 
-def _result_json(engine, seq, seconds: float) -> dict:
-    s = seq.stats
-    return {
-        "token_ids": seq.output_ids,
-        "text": engine.tokenizer.decode(seq.output_ids),
-        "finish_reason": seq.finish_reason,
-        "stats": {
-            "draft_tokens": s.num_draft_tokens,
-            "accepted_tokens": s.num_accepted_tokens,
-            "rounds": s.num_rounds,
-            "acceptance_rate": s.acceptance_rate,
-            "mean_accepted_len": s.mean_accepted_len,
-            "accepted_per_position": s.accepted_per_position,
-            "drafted_per_position": s.drafted_per_position,
-        },
-        "seconds": seconds,
-        "tokens_per_s": seq.num_output / seconds if seconds else 0.0,
-    }
-
-
-def _stats_line(result: dict) -> str:
-    """One line of acceptance figures from a --json result (local or through a router)."""
-    s, n, seconds = result["stats"], len(result["token_ids"]), result["seconds"]
-    per_pos = ", ".join(f"{a / d:.2f}" for a, d in zip(s["accepted_per_position"],
-                                                        s["drafted_per_position"]) if d)
-    return (f"[{n} tokens in {seconds:.2f}s = {n / seconds:.1f} tok/s; rounds {s['rounds']}; "
-            f"draft tokens {s['draft_tokens']}, accepted {s['accepted_tokens']} "
-            f"(α = {s['acceptance_rate']:.3f}; per position: {per_pos or '-'}); "
-            f"mean accepted length {s['mean_accepted_len']:.2f} tokens/round]")
+def _stats_line(result) -> str:
+    """One line of acceptance figures of a Generation (local or through a router)."""
+    s, t, n = result.speculation, result.timings, len(result.token_ids)
+    per_pos = ", ".join(f"{a / d:.2f}" for a, d in zip(s.accepted_per_position,
+                                                        s.drafted_per_position) if d)
+    where = f" on {result.replica}" if result.replica != "local" else ""
+    return (f"[{n} tokens in {t.total_s:.2f}s = {t.tokens_per_s:.1f} tok/s "
+            f"(first after {t.ttft_s * 1000:.0f} ms){where}; rounds {s.rounds}; "
+            f"draft tokens {s.draft_tokens}, accepted {s.accepted_tokens} "
+            f"(α = {s.acceptance_rate:.3f}; per position: {per_pos or '-'}); "
+            f"mean accepted length {s.mean_accepted_len:.2f} tokens/round]")
 
 
 def cmd_draft_worker(args) -> int:
@@ -326,7 +311,9 @@ def cmd_router(args) -> int:
 
     serve(RouterConfig(args.model, tuple(args.target_address), args.host, args.port,
                        args.redis, args.require_api_key, args.rate_limit_rpm,
-                       tls_cert=args.tls_cert, tls_key=args.tls_key), cluster_token())
+                       tls_cert=args.tls_cert, tls_key=args.tls_key,
+                       http_port=None if args.no_http else args.http_port,
+                       served_model_name=args.served_model_name), cluster_token())
     return 0
 
 
@@ -340,17 +327,21 @@ def cmd_serve(args) -> int:
     router_args = [*(["--require-api-key"] if args.require_api_key else []),
                    "--rate-limit-rpm", str(args.rate_limit_rpm),
                    *(["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
-                     if args.tls_cert else [])]
+                     if args.tls_cert else []),
+                   *(["--served-model-name", args.served_model_name]
+                     if args.served_model_name else [])]
     cfg = LocalSystemConfig(str(target), draft if args.gamma else None, args.draft_replicas,
                             args.tp, args.gamma, args.host, args.grpc_port, args.redis,
                             args.device, args.kv_cache_mb, args.max_batch_tokens,
-                            args.max_num_seqs, extra_router_args=tuple(router_args))
+                            args.max_num_seqs, extra_router_args=tuple(router_args),
+                            http_port=None if args.no_http else args.http_port)
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
     with local_system(cfg, cluster_token(), echo=True) as system:
-        print(f"outrider serve: router listening on {system.router} (Ctrl-C stops everything)",
-              flush=True)
+        http = f"; OpenAI-compatible API at http://{system.http}/v1" if system.http else ""
+        print(f"outrider serve: router listening on {system.router}{http} "
+              "(Ctrl-C stops everything)", flush=True)
         stopping.wait()
         print("outrider serve: stopping", flush=True)
     return 0
@@ -380,7 +371,6 @@ def cmd_demo(args) -> int:
     one generation streamed through the router, then the target alone for comparison."""
     from outrider.client import Client
     from outrider.local_system import LocalSystemConfig, local_system
-    from outrider.router.service import merge_responses
 
     prompt = _demo_prompt()
     cfg = LocalSystemConfig(str(paths.demo_target_dir()), str(paths.demo_draft_dir()),
@@ -392,20 +382,16 @@ def cmd_demo(args) -> int:
               f"{DEMO_MODULE} ==\n{prompt}", flush=True)
         print(f"== through the router: target + draft, greedy, γ = {args.gamma} ==", flush=True)
         options = dict(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-        start, parts = time.perf_counter(), []
-        for part in client.stream(prompt, speculation="fixed", gamma_max=args.gamma, **options):
-            parts.append(part)
-            sys.stdout.write(part.text)
+        stream = client.stream(prompt, speculation="fixed", gamma_max=args.gamma, **options)
+        for delta in stream:
+            sys.stdout.write(delta.text)
             sys.stdout.flush()
-        spec_s, spec = time.perf_counter() - start, merge_responses(parts)
-        start = time.perf_counter()
+        spec = stream.result()
         plain = client.generate(prompt, speculation="off", **options)
-        plain_s = time.perf_counter() - start
-    n = len(spec.token_ids)
-    print("\n" + _stats_line(_response_json(spec, spec_s)))
-    same = "identical" if list(plain.token_ids) == list(spec.token_ids) else "DIFFERENT"
-    print(f"target alone (speculation off): {len(plain.token_ids) / plain_s:.1f} tok/s; "
-          f"speculative speedup {plain_s / spec_s * n / len(plain.token_ids):.2f}x; "
+    print("\n" + _stats_line(spec))
+    same = "identical" if plain.token_ids == spec.token_ids else "DIFFERENT"
+    print(f"target alone (speculation off): {plain.timings.tokens_per_s:.1f} tok/s; "
+          f"speculative speedup {spec.timings.tokens_per_s / plain.timings.tokens_per_s:.2f}x; "
           f"output {same} to the target's own greedy output")
     return 0
 

@@ -7,6 +7,7 @@ import secrets
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from outrider.engine.distributed import free_port
 from outrider.launch import process_group
 
 
@@ -26,6 +27,7 @@ class LocalSystemConfig:
     max_num_seqs: int = 64
     extra_target_args: tuple[str, ...] = ()
     extra_router_args: tuple[str, ...] = ()
+    http_port: int | None = None    # the router's OpenAI-compatible API (0: a free port)
 
     def __post_init__(self) -> None:
         if self.draft and self.draft_replicas < 1:
@@ -37,13 +39,16 @@ class LocalSystem:
     router: str                 # host:port of the public API
     target: str                 # host:port of the target replica (cluster token required)
     drafts: tuple[str, ...]
+    http: str | None = None     # host:port of the OpenAI-compatible API
 
 
 @contextmanager
-def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = False):
-    """Start everything; yields the LocalSystem's addresses. Workers listen on free
-    loopback ports and require `token` (a fresh random one by default)."""
-    with process_group(token or secrets.token_urlsafe(24)) as start:
+def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = False,
+                 env: dict[str, str] | None = None):
+    """Start everything (with `env` added to the environment); yields the LocalSystem's
+    addresses. Workers listen on free loopback ports and require `token` (a fresh random
+    one by default)."""
+    with process_group(token or secrets.token_urlsafe(24), env=env) as start:
         def run(name: str, *args: str) -> str:
             return start(*args, echo=f"[{name}] " if echo else None)[1]
 
@@ -57,8 +62,11 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                      "--max-num-seqs", str(cfg.max_num_seqs),
                      *[a for d in drafts for a in ("--draft-address", d)],
                      *cfg.extra_target_args)
+        http_port = None if cfg.http_port is None else cfg.http_port or free_port()
         router = run("router", "router", "--model", cfg.target, "--target-address", target,
                      "--host", cfg.host, "--port", str(cfg.grpc_port),
                      *(["--redis", cfg.redis_url] if cfg.redis_url else []),
+                     *(["--no-http"] if http_port is None else ["--http-port", str(http_port)]),
                      *cfg.extra_router_args)
-        yield LocalSystem(router, target, drafts)
+        http = None if http_port is None else f"{cfg.host}:{http_port}"
+        yield LocalSystem(router, target, drafts, http)

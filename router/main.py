@@ -9,6 +9,8 @@ from pathlib import Path
 
 import grpc
 from outrider.router.auth import Authenticator
+from outrider.router.chat_template import ChatTemplate
+from outrider.router.http_api import HttpSettings, build_app, start_http
 from outrider.router.replicas import ReplicaSet
 from outrider.router.service import GenerationService, ServiceLimits
 from outrider.router.state import open_store
@@ -39,6 +41,8 @@ class RouterConfig:
     limits: ServiceLimits = ServiceLimits()
     heartbeat_s: float = 0.5
     max_workers: int = 128                  # concurrent calls (each stream holds one)
+    http_port: int | None = 8000            # the OpenAI-compatible API; None: off
+    served_model_name: str | None = None    # its model id (default: the model dir's name)
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -66,10 +70,24 @@ def serve(cfg: RouterConfig, cluster_token: str | None) -> None:
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(service, s),
         [SERVICE_NAME], f"{cfg.host}:{cfg.port}", token=None, max_workers=cfg.max_workers,
         credentials=_tls(cfg))
+    http = _start_http(cfg, service, max_model_len) if cfg.http_port is not None else None
     try:
         serve_until_signalled(server, "router", f"{cfg.host}:{bound}")
     finally:
+        if http:
+            http.should_exit = True
         replicas.close()
+
+
+def _start_http(cfg: RouterConfig, service: GenerationService, max_model_len: int):
+    name = cfg.served_model_name or Path(cfg.model_dir).resolve().name
+    app = build_app(service, HttpSettings(name, max_model_len, cfg.max_workers),
+                    ChatTemplate.from_dir(cfg.model_dir))
+    server, port = start_http(app, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key)
+    scheme = "https" if cfg.tls_cert else "http"
+    print(f"router: OpenAI-compatible HTTP API at {scheme}://{cfg.host}:{port}/v1 "
+          f"(model {name!r})", flush=True)
+    return server
 
 
 def _tls(cfg: RouterConfig) -> grpc.ServerCredentials | None:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 from outrider.router.auth import Authenticator, AuthError
@@ -69,6 +71,17 @@ class Refused(Exception):
         self.code, self.message, self.retry_after_s = code, message, retry_after_s
 
 
+class CallContext(Protocol):
+    """What the service needs from a call, whatever carries it: grpc.ServicerContext, or
+    router.http_api.HttpCall for the HTTP API."""
+
+    def invocation_metadata(self) -> Sequence[tuple[str, str]]: ...
+
+    def time_remaining(self) -> float | None: ...
+
+    def add_callback(self, callback: Callable[[], None]) -> bool: ...
+
+
 class GenerationService(generate_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, store, replicas: ReplicaSet,
                  auth: Authenticator, cluster_token: str | None,
@@ -82,30 +95,18 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     # -- RPCs --------------------------------------------------------------------------------
     def GenerateStream(self, request: gp.GenerateRequest, context):
         try:
-            job, replay = self._admit(request, context)
+            yield from self.responses(request, context)
         except Refused as refusal:
             _abort(context, refusal)
-        if replay is not None:
-            yield replay
-            return
-        is_finished = False
-        try:
-            yield from self._run(job, context)
-            is_finished = True
-        except Refused as refusal:
-            _abort(context, refusal)
-        finally:
-            if not is_finished:  # failed or abandoned: the same request id may try again
-                self._drop_journal(job.request_id)
 
     def Generate(self, request: gp.GenerateRequest, context) -> gp.GenerateResponse:
         return merge_responses(list(self.GenerateStream(request, context)))
 
     def Status(self, request: gp.StatusRequest, context) -> gp.RouterStatus:
         try:
-            self.auth.check(context.invocation_metadata(), request.tag)
-        except AuthError as exc:
-            _abort(context, Refused(exc.code, exc.message, exc.retry_after_s))
+            self.authorize(context, request.tag)
+        except Refused as refusal:
+            _abort(context, refusal)
         now = time.time()
         replicas = [gp.Replica(address=r.address, model_pair=r.load.model_pair,
                                heat=r.load.heat, num_running=r.load.num_running,
@@ -125,17 +126,37 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         return gp.RouterStatus(replicas=replicas, acceptance=acceptance,
                                is_store_reachable=reachable)
 
+    # -- the transport-neutral core (gRPC above, HTTP in router/http_api.py) -----------------
+    def responses(self, request: gp.GenerateRequest, context):
+        """The request's messages, the last with finish reason, usage and statistics;
+        refusals raise Refused. `context` is a CallContext."""
+        job, replay = self._admit(request, context)
+        if replay is not None:
+            yield replay
+            return
+        is_finished = False
+        try:
+            yield from self._run(job, context)
+            is_finished = True
+        finally:
+            if not is_finished:  # failed or abandoned: the same request id may try again
+                self._drop_journal(job.request_id)
+
     # -- admission ---------------------------------------------------------------------------
     def _admit(self, request, context) -> tuple[Job, gp.GenerateResponse | None]:
         try:
             job = validate(request, self.tokenizer, self.max_model_len)
         except ValidationError as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        self.authorize(context, job.tag)
+        return job, self._open_journal(job)
+
+    def authorize(self, context, tag: str = "") -> None:
+        """Refused unless the caller's key may use `tag` now (rate limits count it)."""
         try:
-            self.auth.check(context.invocation_metadata(), job.tag)
+            self.auth.check(context.invocation_metadata(), tag)
         except AuthError as exc:
             raise Refused(exc.code, exc.message, exc.retry_after_s) from None
-        return job, self._open_journal(job)
 
     def _open_journal(self, job: Job) -> gp.GenerateResponse | None:
         """A finished request with this id: its response again. One still running, or a
@@ -167,7 +188,6 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             try:
                 yield from self._stream_from(replica.address, progress, context)
             except grpc.RpcError as exc:
-                self.replicas.mark_down(replica.address)
                 self._after_failure(exc, progress, attempts)
             if not progress.finish_reason and attempts > self.limits.max_migrations:
                 raise Refused(grpc.StatusCode.INTERNAL, f"target replica {replica.address} "
@@ -217,6 +237,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         code = exc.code()
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             raise Refused(code, exc.details()) from None
+        if code in MIGRATE_ON:  # not CANCELLED: a caller that left says nothing of the replica
+            self.replicas.mark_down(progress.replica)
         if code not in MIGRATE_ON or attempts > self.limits.max_migrations:
             raise Refused(code if code != grpc.StatusCode.UNKNOWN else grpc.StatusCode.INTERNAL,
                           f"target replica {progress.replica} failed: {exc.details()}",
@@ -318,6 +340,9 @@ def merge_responses(parts: list[gp.GenerateResponse]) -> gp.GenerateResponse:
 
 def _abort(context, refusal: Refused) -> None:
     if refusal.retry_after_s:
-        context.set_trailing_metadata(
-            (("retry-after-ms", str(int(refusal.retry_after_s * 1000))),))
+        wait_ms = str(int(refusal.retry_after_s * 1000))
+        trailers = [("retry-after-ms", wait_ms)]
+        if refusal.code == grpc.StatusCode.UNAVAILABLE:  # clients' gRPC retries wait this long
+            trailers.append(("grpc-retry-pushback-ms", wait_ms))
+        context.set_trailing_metadata(tuple(trailers))
     context.abort(refusal.code, refusal.message)

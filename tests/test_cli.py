@@ -24,14 +24,14 @@ def test_help_lists_subcommands_and_examples():
 def test_json_output_contract(llama_dir, draft_dir):
     out = generate_json("--target", str(llama_dir), "--draft", str(draft_dir), "--gamma", "3",
                         "--max-tokens", "20", PROMPT)
-    assert set(out) >= {"token_ids", "text", "stats", "finish_reason"}
-    assert set(out["stats"]) >= {"draft_tokens", "accepted_tokens", "rounds"}
+    assert set(out) >= {"token_ids", "text", "speculation", "finish_reason", "usage", "timings"}
+    assert set(out["speculation"]) >= {"draft_tokens", "accepted_tokens", "rounds"}
     assert 1 <= len(out["token_ids"]) <= 20
-    assert out["stats"]["rounds"] >= 1
-    assert 0 <= out["stats"]["accepted_tokens"] <= out["stats"]["draft_tokens"]
+    assert out["speculation"]["rounds"] >= 1
+    assert 0 <= out["speculation"]["accepted_tokens"] <= out["speculation"]["draft_tokens"]
     plain = generate_json("--target", str(llama_dir), "--gamma", "0", "--max-tokens", "20", PROMPT)
     assert plain["token_ids"] == out["token_ids"]
-    assert plain["stats"]["draft_tokens"] == 0
+    assert plain["speculation"]["draft_tokens"] == 0
 
 
 def test_seeded_sampling_is_reproducible(llama_dir, draft_dir):

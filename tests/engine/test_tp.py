@@ -28,7 +28,7 @@ def test_tp2_with_draft_matches_tp1(llama_dir, draft_dir, tp1_output):
     out = generate_json("--target", str(llama_dir), "--draft", str(draft_dir), "--gamma", "4",
                         "--tp", "2", *ARGS, PROMPT)
     assert out["token_ids"] == tp1_output["token_ids"]
-    assert out["stats"]["draft_tokens"] > 0
+    assert out["speculation"]["draft_tokens"] > 0
 
 
 def test_tp_that_does_not_divide_heads_is_refused(llama_dir):

@@ -26,16 +26,18 @@ def test_killed_replica_mid_stream_loses_and_repeats_nothing(llama_dir, draft_di
             proc, address = start("target-worker", "--model", str(llama_dir),
                                   "--draft-address", draft)
             targets[address] = proc
-        _, router = start("router", "--model", str(llama_dir), "--port", "0",
+        _, router = start("router", "--model", str(llama_dir), "--port", "0", "--no-http",
                           *[a for t in targets for a in ("--target-address", t)])
         with Client(router, timeout_s=300) as client:
             assert len(client.status().replicas) == 2
             stream = client.stream(PROMPT, max_tokens=300, temperature=0.0, ignore_eos=True,
                                    speculation="fixed", gamma_max=3)
-            parts = [next(stream)]
+            deltas = iter(stream)
+            parts = [next(deltas)]
             targets[parts[0].replica].kill()  # SIGKILL: no goodbye
-            parts += list(stream)
+            parts += list(deltas)
+            result = stream.result()
     tokens = [t for p in parts for t in p.token_ids]
-    assert tokens == expected
-    assert parts[-1].replica != parts[0].replica and parts[-1].finish_reason == "length"
-    assert parts[-1].usage.completion_tokens == 300
+    assert tokens == expected == list(result.token_ids)
+    assert result.replica != parts[0].replica and result.finish_reason == "length"
+    assert result.usage.completion_tokens == 300

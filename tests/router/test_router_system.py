@@ -14,7 +14,16 @@ import redis
 from outrider.router.auth import hash_key
 from outrider.router.state import RedisStore
 
-from outrider.client import Client, build_request
+from outrider.client import (
+    AuthenticationError,
+    Client,
+    ConflictError,
+    InvalidRequestError,
+    OutriderError,
+    PermissionDeniedError,
+    RateLimitError,
+    build_request,
+)
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.sampling import SamplingParams
@@ -39,9 +48,9 @@ def system(llama_dir, draft_dir, redis_url):
         _, target = start("target-worker", "--model", str(llama_dir), "--draft-address", draft,
                           "--kv-cache-mb", "8")
         _, router_a = start("router", "--model", str(llama_dir), "--target-address", target,
-                            "--redis", redis_url, "--port", "0")
+                            "--redis", redis_url, "--port", "0", "--http-port", "0")
         _, router_b = start("router", "--model", str(llama_dir), "--redis", redis_url,
-                            "--port", "0")
+                            "--port", "0", "--no-http")
         yield router_a, router_b, target
 
 
@@ -82,14 +91,17 @@ def test_streaming_and_unary_agree(system):
     router_a, _, _ = system
     with client(router_a) as c:
         options = dict(max_tokens=24, temperature=0.0, speculation="auto", include_rounds=True)
-        parts = list(c.stream("def add(a, b):", **options))
+        stream = c.stream("def add(a, b):", **options)
+        parts = list(stream)
+        streamed = stream.result()
         whole = c.generate("def add(a, b):", **options)
-    assert len(parts) > 2 and parts[-1].finish_reason and not parts[0].finish_reason
-    assert "".join(p.text for p in parts) == whole.text
+    assert len(parts) > 2 and streamed.finish_reason == whole.finish_reason != ""
+    assert "".join(p.text for p in parts) == streamed.text == whole.text
     assert [t for p in parts for t in p.token_ids] == list(whole.token_ids)
-    assert parts[-1].usage == whole.usage
+    assert streamed.usage == whole.usage  # (AUTO may choose other γ the second time)
     assert sum(len(p.rounds) for p in parts) == whole.speculation.rounds
     assert all(r.heat >= 0 for p in parts for r in p.rounds)
+    assert 0 < streamed.timings.ttft_s <= streamed.timings.total_s
 
 
 def test_stop_strings_end_the_text_before_them(system, llama_dir):
@@ -121,12 +133,11 @@ def test_two_routers_share_replicas_statistics_and_rate_limits(system, redis_url
     with client(router_a, limited) as a, client(router_b, limited) as b:
         a.generate(PROMPT, max_tokens=1)
         b.generate(PROMPT, max_tokens=1)
-        with pytest.raises(grpc.RpcError) as refused:
+        with pytest.raises(RateLimitError) as refused:
             a.generate(PROMPT, max_tokens=1)
-    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "rate limit" in refused.value.details()
-    retry_ms = dict(refused.value.trailing_metadata())["retry-after-ms"]
-    assert 0 < int(retry_ms) <= 30_000
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "rate limit" in refused.value.message
+    assert 0 < refused.value.retry_after_s <= 30
 
 
 def test_idempotent_request_id(system):
@@ -134,11 +145,13 @@ def test_idempotent_request_id(system):
     with client(router_a) as a, client(router_b) as b:
         first = a.generate(PROMPT, max_tokens=10, temperature=1.0, request_id="idem-1")
         again = b.generate(PROMPT, max_tokens=10, temperature=1.0, request_id="idem-1")
-        assert again == first  # the journal's answer: no second (differently seeded) sample
-        with pytest.raises(grpc.RpcError) as clash:
+        # the journal's answer: no second (differently seeded) sample
+        assert (again.token_ids, again.text, again.speculation, again.request_id) == (
+            first.token_ids, first.text, first.speculation, first.request_id)
+        with pytest.raises(ConflictError) as clash:
             a.generate(PROMPT, max_tokens=11, temperature=1.0, request_id="idem-1")
-    assert clash.value.code() == grpc.StatusCode.ALREADY_EXISTS
-    assert "request_id" in clash.value.details()
+    assert clash.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert "request_id" in clash.value.message
 
 
 BAD_INPUTS = [
@@ -166,10 +179,10 @@ def test_bad_input_gets_its_status_and_names_the_field(system, fields, code, nam
     router_a, _, _ = system
     fields = dict(fields)
     prompt = fields.pop("prompt", PROMPT)
-    with client(router_a) as c, pytest.raises(grpc.RpcError) as err:
+    with client(router_a) as c, pytest.raises(InvalidRequestError) as err:
         c.generate(prompt, **{"max_tokens": 4, **fields})
-    assert err.value.code().name == code
-    assert named in err.value.details()
+    assert err.value.code.name == code
+    assert named in err.value.message
 
 
 def test_unknown_speculation_mode_and_missing_prompt(system):
@@ -194,9 +207,11 @@ def test_keys_are_required_and_checked(system, redis_url):
              ("or-off", "PERMISSION_DENIED", "disabled"),
              (code_only, "PERMISSION_DENIED", "tag")]
     for key, code, words in cases:
-        with client(router_a, key) as c, pytest.raises(grpc.RpcError) as err:
+        with client(router_a, key) as c, pytest.raises(OutriderError) as err:
             c.generate(PROMPT, max_tokens=2, tag="chat")
-        assert err.value.code().name == code and words in err.value.details()
+        assert err.value.code.name == code and words in err.value.message
+        assert isinstance(err.value, AuthenticationError if code == "UNAUTHENTICATED"
+                          else PermissionDeniedError)
     with client(router_a, code_only) as c:
         assert c.generate(PROMPT, max_tokens=2, tag="code").usage.completion_tokens == 2
     assert store.api_key(hash_key(KEY)) is not None  # stored by its hash ...

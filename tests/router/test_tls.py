@@ -7,7 +7,7 @@ import subprocess
 import grpc
 import pytest
 
-from outrider.client import Client
+from outrider.client import Client, Tls, UnavailableError
 from outrider.launch import outrider_process
 
 pytestmark = pytest.mark.slow
@@ -27,9 +27,10 @@ def test_tls_router_serves_tls_clients_only(cert, llama_dir):
     cert_pem, key_pem = cert
     with outrider_process("router", "--model", str(llama_dir), "--port", "0",
                           "--tls-cert", str(cert_pem), "--tls-key", str(key_pem)) as (_, addr):
-        with Client(addr, tls_ca=str(cert_pem), timeout_s=30) as tls:
+        with Client(addr, tls=Tls(ca=str(cert_pem)), timeout_s=30) as tls:
             status = tls.status()
         assert list(status.replicas) == [] and status.is_store_reachable
-        with Client(addr, timeout_s=5) as plain, pytest.raises(grpc.RpcError) as err:
+        with Client(addr, timeout_s=5, retry=None, wait_for_ready=False) as plain, \
+             pytest.raises(UnavailableError) as err:
             plain.status()
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,107 @@
+"""The asyncio client: the same calls as Client, awaitable."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+
+import grpc
+
+from outrider.client.channel import (
+    DEFAULT_RETRY,
+    CallSettings,
+    Retry,
+    Tls,
+    auth_metadata,
+    open_channel,
+)
+from outrider.client.errors import from_rpc_error
+from outrider.client.request import build_request
+from outrider.client.results import Collector, Delta, Generation
+from outrider.v1 import generate_pb2 as gp
+from outrider.v1 import generate_pb2_grpc
+
+
+class AsyncGenerationStream:
+    """`async for` over Deltas; `await result()` gives the whole Generation."""
+
+    def __init__(self, call) -> None:
+        self._call, self._collector = call, Collector()
+        self._deltas = self._read()
+
+    async def _read(self) -> AsyncIterator[Delta]:
+        try:
+            async for msg in self._call:
+                yield self._collector.add(msg)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self._deltas
+
+    async def result(self) -> Generation:
+        async for _ in self._deltas:
+            pass
+        return self._collector.result()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    async def __aenter__(self) -> AsyncGenerationStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.cancel()
+
+
+class AsyncClient:
+    """Like Client (same options and errors), for asyncio code:
+
+        async with AsyncClient("127.0.0.1:50051") as client:
+            async for delta in client.stream("def fib(n):", max_tokens=64):
+                print(delta.text, end="")
+    """
+
+    def __init__(self, address: str = "127.0.0.1:50051", *, api_key: str | None = None,
+                 tls: Tls | None = None, timeout_s: float | None = None,
+                 retry: Retry | None = DEFAULT_RETRY,
+                 wait_for_ready: bool | None = None) -> None:
+        self._channel = open_channel(grpc.aio, address, tls, retry)
+        self._stub = generate_pb2_grpc.GenerationStub(self._channel)
+        self.settings = CallSettings(auth_metadata(api_key), timeout_s, wait_for_ready)
+
+    def stream(self, prompt: str | list[int], *, timeout_s: float | None = None,
+               **options) -> AsyncGenerationStream:
+        call = self._stub.GenerateStream(build_request(prompt, **options),
+                                         **self.settings.for_call(timeout_s))
+        return AsyncGenerationStream(call)
+
+    async def generate(self, prompt: str | list[int], *, timeout_s: float | None = None,
+                       **options) -> Generation:
+        return await self.stream(prompt, timeout_s=timeout_s, **options).result()
+
+    async def generate_batch(self, prompts: Iterable[str | list[int]], *,
+                             max_concurrency: int = 8, **options) -> list[Generation]:
+        """Generations in the prompts' order, up to max_concurrency at a time."""
+        slots = asyncio.Semaphore(max_concurrency)
+
+        async def one(prompt) -> Generation:
+            async with slots:
+                return await self.generate(prompt, **options)
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    async def status(self, tag: str = "", *, timeout_s: float | None = None) -> gp.RouterStatus:
+        try:
+            return await self._stub.Status(gp.StatusRequest(tag=tag),
+                                           **self.settings.for_call(timeout_s))
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

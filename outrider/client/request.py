@@ -1,0 +1,39 @@
+"""GenerateRequest messages from keyword options."""
+
+from __future__ import annotations
+
+from outrider.v1 import generate_pb2 as gp
+
+MODES = {"auto": gp.SPECULATION_MODE_AUTO, "off": gp.SPECULATION_MODE_OFF,
+         "fixed": gp.SPECULATION_MODE_FIXED}
+
+
+def build_request(prompt: str | list[int], *, max_tokens: int | None = None,
+                  temperature: float | None = None, top_k: int | None = None,
+                  top_p: float | None = None, seed: int | None = None,
+                  stop: list[str] = (), stop_token_ids: list[int] = (),
+                  ignore_eos: bool = False, speculation: str = "auto", gamma_max: int = 0,
+                  request_id: str = "", tag: str = "",
+                  include_rounds: bool = False) -> gp.GenerateRequest:
+    """A GenerateRequest; options left None take the router's defaults (16 tokens,
+    temperature 1, no top-k/top-p, a random seed)."""
+    if speculation not in MODES:
+        raise ValueError(f"speculation must be one of {sorted(MODES)}, got {speculation!r}")
+    sampling = gp.SamplingOptions(stop=list(stop), stop_token_ids=list(stop_token_ids),
+                                  ignore_eos=ignore_eos)
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
+                        ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
+        if value is not None:
+            try:
+                setattr(sampling, name, value)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{name}: {exc}") from None
+    req = gp.GenerateRequest(sampling=sampling, request_id=request_id, tag=tag,
+                             include_rounds=include_rounds,
+                             speculation=gp.SpeculationOptions(mode=MODES[speculation],
+                                                               gamma_max=gamma_max))
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req

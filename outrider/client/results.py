@@ -1,0 +1,119 @@
+"""Typed results of a generation, built from the router's messages as they arrive."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from outrider.v1 import generate_pb2 as gp
+
+
+@dataclass(frozen=True)
+class Round:
+    gamma: int            # draft tokens proposed
+    num_accepted: int
+    heat: float           # the replica's batch heat when γ was chosen
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One streamed message: the new text and the token ids behind it."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    replica: str                   # the target replica generating now
+    rounds: tuple[Round, ...] = ()  # with include_rounds=True
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class SpeculationStats:
+    draft_tokens: int
+    accepted_tokens: int
+    rounds: int
+    acceptance_rate: float          # accepted / draft tokens
+    mean_accepted_len: float        # tokens per round (accepted + 1)
+    drafted_per_position: tuple[int, ...]
+    accepted_per_position: tuple[int, ...]
+
+    @classmethod
+    def from_proto(cls, s: gp.SpeculationStats) -> SpeculationStats:
+        return cls(s.draft_tokens, s.accepted_tokens, s.rounds, s.acceptance_rate,
+                   s.mean_accepted_len, tuple(s.drafted_per_position),
+                   tuple(s.accepted_per_position))
+
+
+@dataclass(frozen=True)
+class Timings:
+    """As this client saw them."""
+
+    ttft_s: float           # call to first token
+    total_s: float          # call to last message
+    inter_token_s: float    # mean time per token after the first (0 for one token)
+    tokens_per_s: float     # completion tokens / total_s
+
+
+@dataclass(frozen=True)
+class Generation:
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str        # "stop" or "length"
+    usage: Usage
+    speculation: SpeculationStats
+    timings: Timings
+    replica: str              # the replica that finished it
+    rounds: tuple[Round, ...] = ()
+
+    def to_dict(self) -> dict:
+        """JSON-ready, as `outrider generate --json` prints it."""
+        out = dataclasses.asdict(self)
+        out["usage"]["total_tokens"] = self.usage.total_tokens
+        return out
+
+
+class Collector:
+    """Turns a stream's messages into Deltas and, at the end, one Generation."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.parts: list[str] = []
+        self.token_ids: list[int] = []
+        self.rounds: list[Round] = []
+        self.last = gp.GenerateResponse()
+
+    def add(self, msg: gp.GenerateResponse) -> Delta:
+        if msg.token_ids and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        rounds = tuple(Round(r.gamma, r.num_accepted, r.heat) for r in msg.rounds)
+        self.parts.append(msg.text)
+        self.token_ids.extend(msg.token_ids)
+        self.rounds.extend(rounds)
+        self.last = msg
+        return Delta(msg.text, tuple(msg.token_ids), msg.replica, rounds)
+
+    def result(self) -> Generation:
+        end = time.perf_counter()
+        first = self.first_token_at or end
+        n = len(self.token_ids)
+        last = self.last
+        return Generation(
+            request_id=last.request_id, text="".join(self.parts),
+            token_ids=tuple(self.token_ids), finish_reason=last.finish_reason,
+            usage=Usage(last.usage.prompt_tokens, last.usage.completion_tokens),
+            speculation=SpeculationStats.from_proto(last.speculation),
+            timings=Timings(first - self.started, end - self.started,
+                            (end - first) / (n - 1) if n > 1 else 0.0,
+                            n / (end - self.started) if end > self.started else 0.0),
+            replica=last.replica, rounds=tuple(self.rounds))

@@ -1,0 +1,403 @@
+"""The router's OpenAI-compatible HTTP API (FastAPI on uvicorn, in the router process).
+
+It calls the same GenerationService as the gRPC API, so keys, rate limits, validation,
+the journal, replica choice and resume on replica failure are the same. Each choice of
+a request is one generation; a thread pool runs their blocking streams and an asyncio
+queue merges them into server-sent events. A client that disconnects cancels its
+generations on the replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from outrider.router.chat_template import ChatTemplate
+from outrider.router.openai_protocol import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    http_field,
+)
+from outrider.router.service import GenerationService, Refused
+from outrider.router.validate import ValidationError
+
+from outrider.v1 import generate_pb2 as gp
+
+HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+               grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+               grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+               grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+               grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
+               grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+               grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+               grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error")}
+
+
+@dataclass
+class HttpCall:
+    """A CallContext (router/service.py) for one HTTP generation."""
+
+    authorization: str | None
+    callbacks: list = field(default_factory=list)
+    is_cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def invocation_metadata(self):
+        return (("authorization", self.authorization),) if self.authorization else ()
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def add_callback(self, callback) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+    def cancel(self) -> None:
+        self.is_cancelled.set()
+        for callback in list(self.callbacks):
+            callback()
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    model_name: str                 # what /v1/models lists and requests must name
+    max_model_len: int
+    max_streams: int = 128          # generations running at once over HTTP
+
+
+def build_app(service: GenerationService, settings: HttpSettings,
+              chat_template: ChatTemplate | None) -> FastAPI:
+    app = FastAPI(title="Outrider", summary="OpenAI-compatible API of the Outrider router")
+    pool = ThreadPoolExecutor(max_workers=settings.max_streams, thread_name_prefix="http")
+    created = int(time.time())
+
+    @app.exception_handler(Refused)
+    async def refused(_, exc: Refused):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_, exc: RequestValidationError):
+        return error_response(_body_refusal(exc))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        service.authorize(HttpCall(request.headers.get("authorization")))
+        return {"object": "list", "data": [_model_card(settings, created)]}
+
+    @app.get("/v1/models/{model}")
+    async def model(model: str, request: Request):
+        service.authorize(HttpCall(request.headers.get("authorization")))
+        _check_model(model, settings)
+        return _model_card(settings, created)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(body.model, settings)
+        prompts = _refusing(lambda: body.prompts)
+        max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+        requests = _refusing(lambda: [
+            r for i, p in enumerate(prompts)
+            for r in body.generate_requests(p, max_tokens, _request_id(request, i))])
+        view = CompletionView(settings.model_name, body, prompts)
+        return await _respond(service, pool, request, requests, view, body.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check_model(body.model, settings)
+        if chat_template is None:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"model {settings.model_name!r} has no chat template; "
+                          "use /v1/completions")
+        prompt_ids = _refusing(lambda: service.tokenizer.encode(chat_template.render(
+            [m.model_dump(exclude_none=True) | {"content": m.text()} for m in body.messages],
+            body.add_generation_prompt)))
+        # OpenAI's chat default: as many tokens as the context has room for
+        max_tokens = body.completion_limit or max(1, settings.max_model_len - len(prompt_ids))
+        requests = _refusing(lambda: body.generate_requests(prompt_ids, max_tokens,
+                                                            _request_id(request, 0)))
+        view = ChatView(settings.model_name, body)
+        return await _respond(service, pool, request, requests, view, body.stream)
+
+    app.state.pool = pool
+    return app
+
+
+# -- responses ---------------------------------------------------------------------------------
+class CompletionView:
+    """How /v1/completions shows choices."""
+
+    object, chunk_object, id_prefix = "text_completion", "text_completion", "cmpl-"
+
+    def __init__(self, model: str, body: CompletionRequest, prompts: list) -> None:
+        self.model, self.body = model, body
+        self.echo = [p if isinstance(p, str) else None for p in prompts] if body.echo else None
+
+    def echoed(self, index: int, service: GenerationService) -> str:
+        if self.echo is None:
+            return ""
+        prompt = self.echo[index // self.body.n]
+        if prompt is None:  # token ids: echo their text
+            prompt = service.tokenizer.decode(list(self.body.prompts[index // self.body.n]))
+        return prompt
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": None,
+                "finish_reason": finish_reason or None}
+
+    def first_delta(self, index: int) -> dict | None:
+        return None
+
+    def delta(self, index: int, text: str, finish_reason: str | None) -> dict:
+        return self.choice(index, text, finish_reason)
+
+
+class ChatView:
+    """How /v1/chat/completions shows choices."""
+
+    object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+
+    def __init__(self, model: str, body: ChatCompletionRequest) -> None:
+        self.model, self.body = model, body
+
+    def echoed(self, index: int, service: GenerationService) -> str:
+        return ""
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": None, "finish_reason": finish_reason or None}
+
+    def first_delta(self, index: int) -> dict | None:
+        return {"index": index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}
+
+    def delta(self, index: int, text: str, finish_reason: str | None) -> dict:
+        return {"index": index, "delta": {"content": text} if text else {},
+                "logprobs": None, "finish_reason": finish_reason or None}
+
+
+async def _respond(service, pool, request: Request, requests: list[gp.GenerateRequest],
+                   view, stream: bool):
+    calls = [HttpCall(request.headers.get("authorization")) for _ in requests]
+    events = _merged(service, pool, requests, calls)
+    response_id = view.id_prefix + uuid.uuid4().hex
+    try:
+        first = await anext(events)  # refusals before any token become HTTP errors
+    except Refused as refusal:
+        return error_response(refusal)
+    if stream:
+        sse = _sse(service, view, response_id, first, events, calls, len(requests))
+        return StreamingResponse(sse, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    finals, texts = await _collect(first, events, len(requests))
+    choices = [view.choice(i, view.echoed(i, service) + texts[i], finals[i].finish_reason)
+               for i in range(len(requests))]
+    return {"id": response_id, "object": view.object, "created": int(time.time()),
+            "model": view.model, "choices": choices, "usage": usage(finals)}
+
+
+async def _collect(first, events, n: int) -> tuple[list[gp.GenerateResponse], list[str]]:
+    finals: list[gp.GenerateResponse] = [gp.GenerateResponse()] * n
+    texts = [""] * n
+    index, msg = first
+    while True:
+        texts[index] += msg.text
+        if msg.finish_reason:
+            finals[index] = msg
+        try:
+            index, msg = await anext(events)
+        except StopAsyncIteration:
+            return finals, texts
+
+
+async def _sse(service, view, response_id: str, first, events, calls: list[HttpCall], n: int):
+    """Server-sent events in OpenAI's chunk format, then `data: [DONE]`."""
+    created = int(time.time())
+
+    def chunk(choices: list[dict], **extra) -> str:
+        body = {"id": response_id, "object": view.chunk_object, "created": created,
+                "model": view.model, "choices": choices, **extra}
+        return f"data: {json.dumps(body)}\n\n"
+
+    finals: list[gp.GenerateResponse] = [gp.GenerateResponse()] * n
+    try:
+        for i in range(n):
+            opening = view.first_delta(i)
+            echoed = view.echoed(i, service)
+            if opening or echoed:
+                yield chunk([opening or view.delta(i, echoed, None)])
+        pending = first
+        while pending is not None:
+            index, msg = pending
+            if msg.finish_reason:
+                finals[index] = msg
+            if msg.text or msg.finish_reason:
+                yield chunk([view.delta(index, msg.text, msg.finish_reason)])
+            pending = await anext(events, None)
+        if view.body.include_usage:
+            yield chunk([], usage=usage(finals))
+    except Refused as refusal:  # after the first token: reported in the stream
+        yield f"data: {json.dumps(error_body(refusal))}\n\n"
+    finally:
+        for call in calls:
+            call.cancel()
+    yield "data: [DONE]\n\n"
+
+
+async def _merged(service: GenerationService, pool: ThreadPoolExecutor,
+                  requests: list[gp.GenerateRequest],
+                  calls: list[HttpCall]) -> AsyncIterator[tuple[int, gp.GenerateResponse]]:
+    """(choice index, message) from all generations as they arrive; a refusal of any
+    raises Refused. Leaving early (a client gone) cancels them all."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    def pump(index: int) -> None:
+        messages = service.responses(requests[index], calls[index])
+        try:
+            for msg in messages:
+                if calls[index].is_cancelled.is_set():
+                    break
+                loop.call_soon_threadsafe(queue.put_nowait, (index, msg))
+        except Exception as exc:  # handed to the event loop, raised there
+            loop.call_soon_threadsafe(queue.put_nowait, (index, exc))
+        finally:
+            messages.close()
+            loop.call_soon_threadsafe(queue.put_nowait, (index, done))
+
+    futures = [loop.run_in_executor(pool, pump, i) for i in range(len(requests))]
+    running = len(requests)
+    try:
+        while running:
+            index, item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise _as_refusal(item)
+            else:
+                yield index, item
+    finally:
+        for call in calls:
+            call.cancel()
+        del futures  # the pumps end on their own once cancelled
+
+
+def usage(finals: list[gp.GenerateResponse]) -> dict:
+    """OpenAI usage, plus `speculation`: the statistics of all choices together."""
+    prompt = sum(f.usage.prompt_tokens for f in finals)
+    completion = sum(f.usage.completion_tokens for f in finals)
+    drafted = _sum_positions(f.speculation.drafted_per_position for f in finals)
+    accepted = _sum_positions(f.speculation.accepted_per_position for f in finals)
+    draft_tokens = sum(f.speculation.draft_tokens for f in finals)
+    accepted_tokens = sum(f.speculation.accepted_tokens for f in finals)
+    rounds = sum(f.speculation.rounds for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "speculation": {
+                "draft_tokens": draft_tokens, "accepted_tokens": accepted_tokens,
+                "rounds": rounds,
+                "acceptance_rate": accepted_tokens / draft_tokens if draft_tokens else 0.0,
+                "mean_accepted_len": (accepted_tokens + rounds) / rounds if rounds else 0.0,
+                "drafted_per_position": drafted, "accepted_per_position": accepted}}
+
+
+def _sum_positions(rows: Iterator) -> list[int]:
+    total: list[int] = []
+    for row in rows:
+        for k, value in enumerate(row):
+            if k == len(total):
+                total.append(0)
+            total[k] += value
+    return total
+
+
+# -- errors ------------------------------------------------------------------------------------
+def error_body(refusal: Refused) -> dict:
+    status, kind = HTTP_STATUS.get(refusal.code, (500, "server_error"))
+    param, message = http_field(refusal.message)
+    return {"error": {"message": message, "type": kind, "param": param,
+                      "code": refusal.code.name.lower()}}
+
+
+def error_response(refusal: Refused) -> JSONResponse:
+    status, _ = HTTP_STATUS.get(refusal.code, (500, "server_error"))
+    headers = ({"Retry-After": str(max(1, round(refusal.retry_after_s))),
+                "retry-after-ms": str(int(refusal.retry_after_s * 1000))}
+               if refusal.retry_after_s else None)
+    return JSONResponse(error_body(refusal), status_code=status, headers=headers)
+
+
+def _body_refusal(exc: RequestValidationError) -> Refused:
+    """pydantic's first complaint, as `field: problem` (the field in OpenAI's terms)."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+    if err.get("type") == "json_invalid":
+        return Refused(grpc.StatusCode.INVALID_ARGUMENT, "the body is not valid JSON")
+    message = err.get("msg", "invalid").removeprefix("Value error, ")
+    if err.get("type") == "extra_forbidden":
+        message = "is not a supported parameter"
+    return Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{where or 'body'}: {message}")
+
+
+def _as_refusal(exc: Exception) -> Refused:
+    if isinstance(exc, Refused):
+        return exc
+    if isinstance(exc, ValidationError | ValueError):
+        return Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    return Refused(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+
+def _refusing(build):
+    """build() with argument errors raised as INVALID_ARGUMENT refusals."""
+    try:
+        return build()
+    except (ValidationError, ValueError) as exc:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+
+
+def _check_model(model: str, settings: HttpSettings) -> None:
+    if model != settings.model_name:
+        raise Refused(grpc.StatusCode.NOT_FOUND, f"model {model!r} does not exist; this "
+                      f"router serves {settings.model_name!r} (see /v1/models)")
+
+
+def _model_card(settings: HttpSettings, created: int) -> dict:
+    return {"id": settings.model_name, "object": "model", "created": created,
+            "owned_by": "outrider", "max_model_len": settings.max_model_len}
+
+
+def _request_id(request: Request, index: int) -> str | None:
+    """X-Request-Id makes a request idempotent, as request_id does on gRPC."""
+    header = request.headers.get("x-request-id")
+    return f"{header}.p{index}" if header and index else header
+
+
+# -- serving -----------------------------------------------------------------------------------
+def start_http(app: FastAPI, host: str, port: int, tls_cert: str | None = None,
+               tls_key: str | None = None) -> tuple[uvicorn.Server, int]:
+    """uvicorn in a daemon thread; returns (server, bound port) once it listens."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           ssl_certfile=tls_cert, ssl_keyfile=tls_key,
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, name="http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise OSError(f"the HTTP API could not listen on {host}:{port}")
+        time.sleep(0.02)
+    return server, server.servers[0].sockets[0].getsockname()[1]

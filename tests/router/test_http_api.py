@@ -1,0 +1,175 @@
+"""The OpenAI-compatible HTTP API, driven by the official `openai` package against a live
+router, target and draft (the shipped demo pair, whose tokenizer has a chat template)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+from outrider.router.chat_template import ChatTemplate
+from outrider.router.http_api import error_response
+from outrider.router.service import Refused
+
+from outrider import paths
+from outrider.client import Client
+from outrider.local_system import LocalSystemConfig, local_system
+
+pytestmark = pytest.mark.slow
+
+KEY = "or-http-test-key"
+MODEL = "demo-target"
+PROMPT = "def fibonacci(n):\n"
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def system():
+    cfg = LocalSystemConfig(str(paths.demo_target_dir()), str(paths.demo_draft_dir()),
+                            grpc_port=0, http_port=0)
+    with local_system(cfg, env={"OUTRIDER_API_KEYS": KEY}) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def oai(system):
+    return openai.OpenAI(base_url=f"http://{system.http}/v1", api_key=KEY, max_retries=0,
+                         timeout=120)
+
+
+def test_models_lists_the_served_model(oai):
+    models = oai.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert oai.models.retrieve(MODEL).id == MODEL
+
+
+def test_completion_equals_the_grpc_api_and_carries_speculation_usage(system, oai):
+    done = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, **GREEDY)
+    with Client(system.router, api_key=KEY, timeout_s=120) as client:
+        same = client.generate(PROMPT, max_tokens=24, temperature=0.0, ignore_eos=True)
+    choice = done.choices[0]
+    assert choice.text == same.text and choice.finish_reason == "length"
+    assert done.usage.completion_tokens == 24
+    assert done.usage.prompt_tokens == same.usage.prompt_tokens
+    assert done.usage.total_tokens == done.usage.prompt_tokens + 24
+    spec = done.usage.model_extra["speculation"]
+    assert spec["rounds"] >= 1 and 0 <= spec["accepted_tokens"] <= spec["draft_tokens"]
+    assert sum(spec["accepted_per_position"]) == spec["accepted_tokens"]
+    assert spec["mean_accepted_len"] == pytest.approx(
+        (spec["accepted_tokens"] + spec["rounds"]) / spec["rounds"])
+
+
+def test_streamed_completion_equals_unary(oai):
+    whole = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, **GREEDY)
+    chunks = list(oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, stream=True,
+                                         stream_options={"include_usage": True}, **GREEDY))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert len(texts) > 2 and "".join(texts) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
+
+
+def test_chat_uses_the_models_template_streaming_or_not(oai):
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": [{"type": "text", "text": "Sort a list."}]}]
+    chat = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, **GREEDY)
+    prompt = ChatTemplate.from_dir(str(paths.demo_target_dir())).render(
+        [{"role": "system", "content": "You write Python."},
+         {"role": "user", "content": "Sort a list."}])
+    assert prompt.endswith("# assistant:\n")  # the shipped template's generation prompt
+    plain = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=20, **GREEDY)
+    message = chat.choices[0].message
+    assert message.role == "assistant" and message.content == plain.choices[0].text
+    assert chat.usage.prompt_tokens == plain.usage.prompt_tokens
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                              stream=True, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_several_choices_and_prompts(oai):
+    seeded = dict(temperature=0.9, seed=11, max_tokens=12)
+    both = oai.completions.create(model=MODEL, prompt=PROMPT, n=2, **seeded)
+    first = oai.completions.create(model=MODEL, prompt=PROMPT, **seeded)
+    assert [c.index for c in both.choices] == [0, 1]
+    assert both.choices[0].text == first.choices[0].text  # choice i is seeded with seed + i
+    batch = oai.completions.create(model=MODEL, prompt=[PROMPT, "import os\n"], max_tokens=5,
+                                   **GREEDY)
+    alone = oai.completions.create(model=MODEL, prompt="import os\n", max_tokens=5, **GREEDY)
+    assert batch.choices[1].text == alone.choices[0].text
+    assert batch.usage.completion_tokens == 10
+
+
+BAD = [
+    (dict(top_p=1.5), openai.BadRequestError, "top_p"),
+    (dict(temperature=-0.5), openai.BadRequestError, "temperature"),
+    (dict(max_tokens=100_000), openai.BadRequestError, "max_tokens"),
+    (dict(prompt=""), openai.BadRequestError, "prompt"),
+    (dict(logprobs=3), openai.BadRequestError, "logprobs"),
+    (dict(presence_penalty=0.5), openai.BadRequestError, "presence_penalty"),
+    (dict(extra_body={"bogus": 1}), openai.BadRequestError, "bogus"),
+    (dict(extra_body={"gamma": 99}), openai.BadRequestError, "gamma"),
+    (dict(stop=["x"] * 1000), openai.BadRequestError, "stop"),
+    (dict(model="no-such-model"), openai.NotFoundError, None),
+]
+
+
+@pytest.mark.parametrize("fields,error,param", BAD, ids=[str(b[2]) for b in BAD])
+def test_errors_use_openai_statuses_and_format(oai, fields, error, param):
+    with pytest.raises(error) as err:
+        oai.completions.create(**{"model": MODEL, "prompt": PROMPT, "max_tokens": 2, **fields})
+    body = err.value.body
+    assert set(body) >= {"message", "type", "param", "code"} and body["message"]
+    assert body["param"] == param
+
+
+def test_keys_are_checked_like_grpc(system):
+    bad = openai.OpenAI(base_url=f"http://{system.http}/v1", api_key="or-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as err:
+        bad.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert err.value.status_code == 401 and "invalid API key" in err.value.body["message"]
+    with pytest.raises(urllib.error.HTTPError) as missing:  # no header at all
+        urllib.request.urlopen(f"http://{system.http}/v1/models", timeout=30)
+    assert missing.value.code == 401
+    assert "missing API key" in json.loads(missing.value.read())["error"]["message"]
+
+
+def test_rate_limits_become_429_with_retry_after():
+    response = error_response(Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "slow down", 2.4))
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == "2" and response.headers["retry-after-ms"] == "2400"
+    assert json.loads(response.body)["error"]["type"] == "rate_limit_error"
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_replica(system, oai):
+    stream = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1500, stream=True,
+                                    **GREEDY)
+    next(iter(stream))
+    stream.close()  # the connection goes; the replica must stop generating for it
+    with Client(system.router, api_key=KEY, timeout_s=30) as client:
+        deadline = time.monotonic() + 20
+        while client.status().replicas[0].num_running and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert client.status().replicas[0].num_running == 0
+
+
+def test_concurrent_http_streams_do_not_disturb_each_other(oai):
+    expected = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, **GREEDY)
+    texts: list[str] = []
+
+    def one() -> None:
+        chunks = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, stream=True,
+                                        **GREEDY)
+        texts.append("".join(c.choices[0].text for c in chunks if c.choices))
+    threads = [threading.Thread(target=one) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert texts == [expected.choices[0].text] * 6
