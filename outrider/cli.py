@@ -117,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--tag", action="append", default=[], help="allowed tag (repeatable)")
     keys.set_defaults(func=cmd_keys)
 
+    status = sub.add_parser("status", help="a router's replicas (heat, load, KV, tokens/s) "
+                                           "and acceptance statistics")
+    status.add_argument("--address", default="127.0.0.1:50051", help="router host:port")
+    status.add_argument("--tls-ca", help="CA certificate (PEM) when the router uses TLS")
+    status.add_argument("--tag", default="", help="only this workload tag's statistics")
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
+    status.set_defaults(func=cmd_status)
+
     demo = sub.add_parser("demo", help="stream a generation from the shipped demo pair")
     demo.add_argument("--max-tokens", type=int, default=160)
     demo.add_argument("--gamma", type=int, default=4)
@@ -357,6 +365,44 @@ def cmd_keys(args) -> int:
         name=args.name, requests_per_minute=args.rpm, burst=args.burst, tags=args.tag))
     print(key)
     return 0
+
+
+def cmd_status(args) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from outrider.client import Client, Tls
+
+    tls = Tls(ca=args.tls_ca) if args.tls_ca else None
+    with Client(args.address, tls=tls, timeout_s=10) as client:
+        status = client.status(args.tag)
+    if args.json:
+        print(json.dumps(MessageToDict(status, always_print_fields_with_no_presence=True)))
+    else:
+        print(_status_table(args.address, status))
+    return 0
+
+
+def _status_table(address: str, status) -> str:
+    store = "reachable" if status.is_store_reachable else "UNREACHABLE (serving from snapshot)"
+    rows = [("REPLICA", "MODEL PAIR", "HEAT", "RUNNING", "WAITING", "KV BLOCKS", "TOK/S", "SEEN")]
+    rows += [(r.address, r.model_pair, f"{r.heat:.2f}", str(r.num_running),
+              str(r.num_waiting), f"{r.kv_used_blocks}/{r.kv_total_blocks}",
+              f"{r.tokens_per_s:.1f}", f"{r.age_s:.1f}s ago") for r in status.replicas]
+    lines = [f"router {address}; shared store {store}; {len(status.replicas)} replica(s)",
+             *_columns(rows)]
+    for a in status.acceptance:
+        tested, accepted = sum(a.tested_per_position), sum(a.accepted_per_position)
+        per_pos = " ".join(f"{x / t:.2f}" for x, t in zip(a.accepted_per_position,
+                                                          a.tested_per_position) if t)
+        lines.append(f"acceptance {a.model_pair} tag={a.tag or '-'}: "
+                     f"α = {accepted / tested if tested else 0:.3f} over {tested} draft tokens; "
+                     f"per position {per_pos or '-'}")
+    return "\n".join(lines)
+
+
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
 
 
 def cluster_token() -> str | None:

@@ -54,3 +54,24 @@ def test_no_router_is_one_clear_line():
     proc = run_cli("generate", "--address", f"127.0.0.1:{free_port()}", PROMPT, timeout=60)
     assert proc.returncode == 1
     assert proc.stderr.startswith("outrider: error: UNAVAILABLE") and proc.stderr.count("\n") == 1
+
+
+def test_every_subcommand_has_help():
+    from outrider.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    assert set(commands) >= {"generate", "serve", "router", "draft-worker", "target-worker",
+                             "keys", "status", "demo"}
+    for name in commands:
+        proc = run_cli(name, "--help", timeout=60)
+        assert proc.returncode == 0, (name, proc.stderr)
+        assert proc.stdout.startswith(f"usage: outrider {name}") and "--" in proc.stdout
+
+
+def test_errors_are_one_line_unless_debug(tmp_path):
+    proc = run_cli("generate", "--local", "--target", str(tmp_path), PROMPT, timeout=60)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith(f"outrider: error: no model at {tmp_path}")
+    debug = run_cli("--debug", "generate", "--local", "--target", str(tmp_path), PROMPT,
+                    timeout=60)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -35,12 +37,27 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def iter_tensor_slices(model_dir: Path) -> Iterator[tuple[str, object]]:
-    """Yield (name, lazy slice) for every tensor; a slice reads only what is indexed."""
-    for path in checkpoint_files(model_dir):
-        try:
-            with safe_open(str(path), framework="pt") as f:
+    """Yield (name, lazy slice) for every tensor; a slice reads only what is indexed.
+    A progress bar shows on a terminal (not in logs)."""
+    files = checkpoint_files(model_dir)
+    with tqdm(total=sum(_num_tensors(p) for p in files), desc=f"loading {model_dir.name}",
+              unit="tensor", disable=None, leave=False) as bar:
+        for path in files:
+            with _opened(path) as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     yield name, f.get_slice(name)
-        except SafetensorError as exc:
-            raise CheckpointError(
-                f"{path}: corrupt or unreadable safetensors file ({exc})") from exc
+                    bar.update()
+
+
+def _num_tensors(path: Path) -> int:
+    with _opened(path) as f:
+        return len(f.keys())
+
+
+@contextmanager
+def _opened(path: Path):
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path}: corrupt or unreadable safetensors file ({exc})") from exc
