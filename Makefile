@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTO_SRC := $(shell find protos -name '*.proto' 2>/dev/null)
 
-.PHONY: demo test test-fast lint protos setup redis clean
+.PHONY: demo test test-fast lint protos setup system-deps clean
 
 setup: $(STAMP)
 
@@ -20,16 +20,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,dev]'
 	touch $(STAMP)
 
-redis:
-	@command -v redis-server >/dev/null || { \
-	  echo "installing redis-server (apt)"; \
-	  (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) \
-	  || sudo sh -c 'apt-get update -qq && apt-get install -y -qq redis-server >/dev/null'; }
+# Debian packages the system tests start for real (each binary is named as its package).
+SYSTEM_BINARIES := redis-server prometheus chromium
+system-deps:
+	@missing=""; for b in $(SYSTEM_BINARIES); do command -v $$b >/dev/null || missing="$$missing $$b"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing$$missing (apt)"; \
+	  install="apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null"; \
+	  sh -c "$$install" || sudo sh -c "$$install"; \
+	fi
 
 demo: setup
 	$(PY) -m outrider.cli demo
 
-test: setup redis
+test: setup system-deps
 	$(PY) -m pytest -q
 
 test-fast: setup

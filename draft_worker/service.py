@@ -8,10 +8,13 @@ from datetime import timedelta
 
 import grpc
 import torch
+from opentelemetry import trace
 
 from outrider.dense_channel import DenseChannel
 from outrider.engine.drafter import Drafter, DraftItem
 from outrider.engine.sampling import SamplingError
+from outrider.telemetry.metrics import DraftMetrics
+from outrider.telemetry.tracing import context_from_traceparent, tracer
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 from outrider.wire import Q_FORMAT_NAMES, WireError, encode_proposal, sampling_from_proto
@@ -20,12 +23,50 @@ MAX_GAMMA = 32
 SEND_TIMEOUT = timedelta(seconds=5)
 
 
+class SequenceSpans:
+    """One span per draft sequence, from the Propose that starts it to its release or
+    eviction, in the trace of the request it serves (one Propose serves many requests,
+    so the trace context rides on each sequence, not on the call)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self._open: dict[str, tuple[trace.Span, list[int]]] = {}  # span, [proposals, tokens]
+
+    def proposed(self, item: DraftItem, num_tokens: int) -> None:
+        if item.traceparent and item.seq_id not in self._open:
+            span = tracer().start_span(
+                f"draft {self.model_name}", context_from_traceparent(item.traceparent),
+                kind=trace.SpanKind.SERVER,
+                attributes={"gen_ai.operation.name": "draft",
+                            "gen_ai.request.model": self.model_name,
+                            "outrider.draft.sequence_id": item.seq_id})
+            self._open[item.seq_id] = (span, [0, 0])
+        if item.seq_id in self._open:
+            counts = self._open[item.seq_id][1]
+            counts[0] += 1
+            counts[1] += num_tokens
+
+    def close(self, seq_ids) -> None:
+        for seq_id in seq_ids:
+            span, (proposals, tokens) = self._open.pop(seq_id, (None, (0, 0)))
+            if span is not None:
+                span.set_attributes({"outrider.draft.proposals": proposals,
+                                     "outrider.draft.tokens": tokens})
+                span.end()
+
+    def close_evicted(self, is_cached) -> None:
+        self.close([seq_id for seq_id in self._open if not is_cached(seq_id)])
+
+
 class DraftService(worker_pb2_grpc.DraftServicer):
     def __init__(self, drafter: Drafter, idle_ttl_s: float = 300.0,
-                 dense_channel: DenseChannel | None = None) -> None:
+                 dense_channel: DenseChannel | None = None,
+                 metrics: DraftMetrics | None = None) -> None:
         self.drafter = drafter
         self.idle_ttl_s = idle_ttl_s
         self.dense_channel = dense_channel
+        self.metrics = metrics
+        self.spans = SequenceSpans(drafter.model_name)
         self._pending_send = None  # (work, buffer) of the last dense-channel send
         self.num_dense_sends = 0
         self._lock = threading.Lock()  # one model, one forward at a time
@@ -41,7 +82,8 @@ class DraftService(worker_pb2_grpc.DraftServicer):
                           "Q_FORMAT_DENSE_DIST needs a dense channel (--dist-address)")
         start = time.perf_counter()
         with self._lock:
-            self.drafter.evict_idle(self.idle_ttl_s)
+            if self.drafter.evict_idle(self.idle_ttl_s):
+                self.spans.close_evicted(self.drafter.runner.blocks.has)
             out = self.drafter.draft(items, torch.device("cpu"))
             if any(is_dist):
                 try:
@@ -57,7 +99,19 @@ class DraftService(worker_pb2_grpc.DraftServicer):
                                   it.q_format)
             msg.miss = out.is_miss[i]
             proposals.append(msg)
-        return pb.ProposeResponse(proposals=proposals, draft_seconds=time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self._observe(items, out, seconds)
+        return pb.ProposeResponse(proposals=proposals, draft_seconds=seconds)
+
+    def _observe(self, items: list[DraftItem], out, seconds: float) -> None:
+        with self._lock:
+            for i, it in enumerate(items):
+                self.spans.proposed(it, out.gammas[i])
+        if self.metrics:
+            self.metrics.seconds.observe(seconds)
+            self.metrics.proposals.inc(len(items))
+            self.metrics.tokens.inc(sum(out.gammas))
+            self.metrics.misses.inc(sum(map(bool, out.is_miss)))
 
     def _send_dense(self, out, is_dist: list[bool], tag: int) -> None:
         """One send of every dense_dist row, in request order; the target receives it
@@ -74,6 +128,7 @@ class DraftService(worker_pb2_grpc.DraftServicer):
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         with self._lock:
             released = sum(self.drafter.release(seq_id) for seq_id in request.seq_ids)
+            self.spans.close(request.seq_ids)
         return pb.ReleaseResponse(num_released=released)
 
     def Stats(self, request, context) -> pb.DraftStats:
@@ -103,4 +158,4 @@ class DraftService(worker_pb2_grpc.DraftServicer):
             raise WireError(f"{where}: nothing to draft from (empty context)")
         params, seed = sampling_from_proto(s.sampling)
         return DraftItem(s.seq_id, s.committed_len, list(s.new_token_ids), s.gamma, params,
-                         seed, Q_FORMAT_NAMES[s.q_format])
+                         seed, Q_FORMAT_NAMES[s.q_format], s.traceparent)

@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="free sequences idle this long (they MISS later)")
     draft.add_argument("--dist-address", help="host:port of the co-located target's dense "
                                               "q channel (torch.distributed, gloo on CPU)")
+    _add_metrics_arg(draft)
     draft.set_defaults(func=cmd_draft_worker)
 
     target = sub.add_parser("target-worker", help="run one target replica (gRPC server)")
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="CPU threads per rank (0: the cores shared out over --tp)")
     target.add_argument("--max-batch-tokens", type=int, default=512)
     target.add_argument("--max-num-seqs", type=int, default=64)
+    _add_metrics_arg(target)
     target.set_defaults(func=cmd_target_worker)
 
     router = sub.add_parser("router", help="run the public gRPC router")
@@ -97,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "the shared registry)")
     _add_router_args(router)
     router.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    _add_metrics_arg(router)
     router.set_defaults(func=cmd_router)
 
     serve = sub.add_parser("serve", help="router + target + draft worker(s) on this machine")
@@ -142,6 +145,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV budget per rank")
+
+
+def _add_metrics_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free "
+                        "port; default: off). Traces go to $OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
 def _add_router_args(p: argparse.ArgumentParser) -> None:
@@ -295,7 +304,8 @@ def cmd_draft_worker(args) -> int:
 
     serve(args.model, args.host, args.port, cluster_token(), device=args.device,
           dtype=args.dtype, kv_cache_mb=args.kv_cache_mb, idle_ttl_s=args.idle_ttl_s,
-          dist_address=args.dist_address, threads=args.threads)
+          dist_address=args.dist_address, threads=args.threads,
+          metrics_port=args.metrics_port)
     return 0
 
 
@@ -310,7 +320,7 @@ def cmd_target_worker(args) -> int:
                             max_batch_tokens=args.max_batch_tokens)
     serve(TargetWorkerConfig(runner, sched, tuple(args.draft_address), args.gamma, args.host,
                              args.port, args.draft_dist_address, args.overlap_max_seqs,
-                             args.hot_heat, args.cool_heat), cluster_token())
+                             args.hot_heat, args.cool_heat, args.metrics_port), cluster_token())
     return 0
 
 
@@ -321,6 +331,7 @@ def cmd_router(args) -> int:
                        args.redis, args.require_api_key, args.rate_limit_rpm,
                        tls_cert=args.tls_cert, tls_key=args.tls_key,
                        http_port=None if args.no_http else args.http_port,
+                       metrics_port=args.metrics_port,
                        served_model_name=args.served_model_name), cluster_token())
     return 0
 
@@ -342,7 +353,8 @@ def cmd_serve(args) -> int:
                             args.tp, args.gamma, args.host, args.grpc_port, args.redis,
                             args.device, args.kv_cache_mb, args.max_batch_tokens,
                             args.max_num_seqs, extra_router_args=tuple(router_args),
-                            http_port=None if args.no_http else args.http_port)
+                            http_port=None if args.no_http else args.http_port,
+                            metrics=True)
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
@@ -350,6 +362,8 @@ def cmd_serve(args) -> int:
         http = f"; OpenAI-compatible API at http://{system.http}/v1" if system.http else ""
         print(f"outrider serve: router listening on {system.router}{http} "
               "(Ctrl-C stops everything)", flush=True)
+        for name, address in system.metrics.items():
+            print(f"outrider serve: {name} metrics at http://{address}/metrics", flush=True)
         stopping.wait()
         print("outrider serve: stopping", flush=True)
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import secrets
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from outrider.engine.distributed import free_port
 from outrider.launch import process_group
@@ -28,6 +28,7 @@ class LocalSystemConfig:
     extra_target_args: tuple[str, ...] = ()
     extra_router_args: tuple[str, ...] = ()
     http_port: int | None = None    # the router's OpenAI-compatible API (0: a free port)
+    metrics: bool = False           # every process serves /metrics on a free port
 
     def __post_init__(self) -> None:
         if self.draft and self.draft_replicas < 1:
@@ -40,6 +41,7 @@ class LocalSystem:
     target: str                 # host:port of the target replica (cluster token required)
     drafts: tuple[str, ...]
     http: str | None = None     # host:port of the OpenAI-compatible API
+    metrics: dict[str, str] = field(default_factory=dict)  # process name -> host:port
 
 
 @contextmanager
@@ -49,7 +51,12 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
     addresses. Workers listen on free loopback ports and require `token` (a fresh random
     one by default)."""
     with process_group(token or secrets.token_urlsafe(24), env=env) as start:
+        metrics: dict[str, str] = {}
+
         def run(name: str, *args: str) -> str:
+            if cfg.metrics:
+                metrics[name] = f"{cfg.host}:{free_port()}"
+                args = (*args, "--metrics-port", metrics[name].rsplit(":", 1)[1])
             return start(*args, echo=f"[{name}] " if echo else None)[1]
 
         drafts = tuple(run(f"draft-{i}", "draft-worker", "--model", cfg.draft,
@@ -69,4 +76,4 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                      *(["--no-http"] if http_port is None else ["--http-port", str(http_port)]),
                      *cfg.extra_router_args)
         http = None if http_port is None else f"{cfg.host}:{http_port}"
-        yield LocalSystem(router, target, drafts, http)
+        yield LocalSystem(router, target, drafts, http, metrics)

@@ -16,12 +16,13 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from outrider.router.chat_template import ChatTemplate
 from outrider.router.openai_protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -32,8 +33,11 @@ from outrider.router.openai_protocol import (
 from outrider.router.service import GenerationService, Refused
 from outrider.router.validate import ValidationError
 
+from outrider.telemetry.metrics import exposition
 from outrider.v1 import generate_pb2 as gp
 
+PASSED_HEADERS = {"authorization", "traceparent", "tracestate"}
+DASHBOARD_HTML = (Path(__file__).parent / "dashboard.html").read_text()
 HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
                grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
                grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
@@ -48,12 +52,17 @@ HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
 class HttpCall:
     """A CallContext (router/service.py) for one HTTP generation."""
 
-    authorization: str | None
+    metadata: tuple[tuple[str, str], ...]  # the headers the service reads
     callbacks: list = field(default_factory=list)
     is_cancelled: threading.Event = field(default_factory=threading.Event)
+    api: str = "http"
+
+    @classmethod
+    def of(cls, request: Request) -> HttpCall:
+        return cls(tuple((k, v) for k, v in request.headers.items() if k in PASSED_HEADERS))
 
     def invocation_metadata(self):
-        return (("authorization", self.authorization),) if self.authorization else ()
+        return self.metadata
 
     def time_remaining(self) -> float | None:
         return None
@@ -95,12 +104,12 @@ def build_app(service: GenerationService, settings: HttpSettings,
 
     @app.get("/v1/models")
     async def models(request: Request):
-        service.authorize(HttpCall(request.headers.get("authorization")))
+        service.authorize(HttpCall.of(request))
         return {"object": "list", "data": [_model_card(settings, created)]}
 
     @app.get("/v1/models/{model}")
     async def model(model: str, request: Request):
-        service.authorize(HttpCall(request.headers.get("authorization")))
+        service.authorize(HttpCall.of(request))
         _check_model(model, settings)
         return _model_card(settings, created)
 
@@ -131,6 +140,19 @@ def build_app(service: GenerationService, settings: HttpSettings,
                                                             _request_id(request, 0)))
         view = ChatView(settings.model_name, body)
         return await _respond(service, pool, request, requests, view, body.stream)
+
+    @app.get("/metrics")
+    async def metrics():
+        body, content_type = exposition()
+        return Response(body, media_type=content_type)
+
+    @app.get("/dashboard", response_class=HTMLResponse)
+    async def dashboard():
+        return DASHBOARD_HTML
+
+    @app.get("/dashboard/data")
+    async def dashboard_data():
+        return service.telemetry.live.snapshot()
 
     app.state.pool = pool
     return app
@@ -191,7 +213,7 @@ class ChatView:
 
 async def _respond(service, pool, request: Request, requests: list[gp.GenerateRequest],
                    view, stream: bool):
-    calls = [HttpCall(request.headers.get("authorization")) for _ in requests]
+    calls = [HttpCall.of(request) for _ in requests]
     events = _merged(service, pool, requests, calls)
     response_id = view.id_prefix + uuid.uuid4().hex
     try:

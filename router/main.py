@@ -14,10 +14,13 @@ from outrider.router.http_api import HttpSettings, build_app, start_http
 from outrider.router.replicas import ReplicaSet
 from outrider.router.service import GenerationService, ServiceLimits
 from outrider.router.state import open_store
+from outrider.router.telemetry import RouterTelemetry
 
 from outrider.engine.model_config import ModelConfig
 from outrider.engine.tokenizer import Tokenizer
 from outrider.grpc_server import build_server, serve_until_signalled
+from outrider.telemetry.metrics import serve_metrics
+from outrider.telemetry.tracing import setup_tracing
 from outrider.v1 import generate_pb2_grpc
 from outrider.v1 import state_pb2 as st
 from outrider.v1.generate_pb2 import DESCRIPTOR
@@ -42,6 +45,7 @@ class RouterConfig:
     heartbeat_s: float = 0.5
     max_workers: int = 128                  # concurrent calls (each stream holds one)
     http_port: int | None = 8000            # the OpenAI-compatible API; None: off
+    metrics_port: int | None = None         # Prometheus (also at the HTTP API's /metrics)
     served_model_name: str | None = None    # its model id (default: the model dir's name)
 
     def __post_init__(self) -> None:
@@ -52,6 +56,7 @@ class RouterConfig:
 
 
 def serve(cfg: RouterConfig, cluster_token: str | None) -> None:
+    setup_tracing("outrider-router")
     tokenizer = Tokenizer(cfg.model_dir)
     max_model_len = ModelConfig.from_dir(cfg.model_dir).max_position_embeddings
     store = open_store(cfg.redis_url)
@@ -64,8 +69,11 @@ def serve(cfg: RouterConfig, cluster_token: str | None) -> None:
         print("router: no API keys configured; the public port is open", file=sys.stderr)
     replicas = ReplicaSet(store, list(cfg.target_addresses), cluster_token, cfg.heartbeat_s)
     replicas.start()
+    telemetry = RouterTelemetry(_model_name(cfg))
     service = GenerationService(tokenizer, max_model_len, store, replicas, auth, cluster_token,
-                                cfg.limits)
+                                cfg.limits, telemetry)
+    if cfg.metrics_port is not None:
+        serve_metrics(cfg.host, cfg.metrics_port, "router")
     server, bound = build_server(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(service, s),
         [SERVICE_NAME], f"{cfg.host}:{cfg.port}", token=None, max_workers=cfg.max_workers,
@@ -77,10 +85,15 @@ def serve(cfg: RouterConfig, cluster_token: str | None) -> None:
         if http:
             http.should_exit = True
         replicas.close()
+        telemetry.close()
+
+
+def _model_name(cfg: RouterConfig) -> str:
+    return cfg.served_model_name or Path(cfg.model_dir).resolve().name
 
 
 def _start_http(cfg: RouterConfig, service: GenerationService, max_model_len: int):
-    name = cfg.served_model_name or Path(cfg.model_dir).resolve().name
+    name = _model_name(cfg)
     app = build_app(service, HttpSettings(name, max_model_len, cfg.max_workers),
                     ChatTemplate.from_dir(cfg.model_dir))
     server, port = start_http(app, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key)

@@ -22,6 +22,7 @@ from outrider.router.auth import Authenticator, AuthError
 from outrider.router.policy import Acceptance, SpecMode
 from outrider.router.replicas import ReplicaSet
 from outrider.router.state import AcceptanceCounts, StoreUnavailable
+from outrider.router.telemetry import RequestTelemetry, RouterTelemetry
 from outrider.router.text_stream import TextStream
 from outrider.router.validate import Job, ValidationError, validate
 
@@ -85,8 +86,10 @@ class CallContext(Protocol):
 class GenerationService(generate_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, store, replicas: ReplicaSet,
                  auth: Authenticator, cluster_token: str | None,
-                 limits: ServiceLimits = ServiceLimits()) -> None:
+                 limits: ServiceLimits = ServiceLimits(),
+                 telemetry: RouterTelemetry | None = None) -> None:
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
+        self.telemetry = telemetry or RouterTelemetry("")
         self.store, self.replicas, self.auth, self.limits = store, replicas, auth, limits
         self.worker_metadata = token_metadata(cluster_token)
         self._priors: dict[tuple[str, str], tuple[float, list[float]]] = {}
@@ -130,13 +133,25 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     def responses(self, request: gp.GenerateRequest, context):
         """The request's messages, the last with finish reason, usage and statistics;
         refusals raise Refused. `context` is a CallContext."""
-        job, replay = self._admit(request, context)
-        if replay is not None:
-            yield replay
-            return
+        observed = self.telemetry.request(context)
+        try:
+            job, replay = self._admit(request, context)
+            observed.admitted(job)
+            if replay is not None:
+                observed.outcome = "OK"
+                yield replay
+                return
+            yield from self._journaled(job, context, observed)
+        except Refused as refusal:
+            observed.refused(refusal.code, refusal.message)
+            raise
+        finally:
+            observed.end()
+
+    def _journaled(self, job: Job, context, observed: RequestTelemetry):
         is_finished = False
         try:
-            yield from self._run(job, context)
+            yield from self._run(job, context, observed)
             is_finished = True
         finally:
             if not is_finished:  # failed or abandoned: the same request id may try again
@@ -177,7 +192,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         return gp.GenerateResponse.FromString(existing.response)
 
     # -- generation --------------------------------------------------------------------------
-    def _run(self, job: Job, context):
+    def _run(self, job: Job, context, observed: RequestTelemetry):
         progress = Progress(job, TextStream(self.tokenizer, job.stop))
         tried: set[str] = set()
         attempts = 1
@@ -186,14 +201,18 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             tried.add(replica.address)
             progress.replica, progress.model_pair = replica.address, replica.load.model_pair
             try:
-                yield from self._stream_from(replica.address, progress, context)
+                yield from self._stream_from(replica.address, progress, context, observed)
             except grpc.RpcError as exc:
                 self._after_failure(exc, progress, attempts)
+                observed.migrated(replica.address, exc.code().name)
             if not progress.finish_reason and attempts > self.limits.max_migrations:
                 raise Refused(grpc.StatusCode.INTERNAL, f"target replica {replica.address} "
                               "ended the stream without finishing the request")
             attempts += 1
-        yield self._finish(progress)
+        final = self._finish(progress)
+        observed.finished(progress.finish_reason, progress.num_sent, progress.stats,
+                          progress.replica)
+        yield final
 
     def _pick(self, job: Job, tried: set[str]):
         deadline = time.monotonic() + self.limits.replica_wait_s
@@ -210,10 +229,11 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                               retry_after_s=2.0)
             time.sleep(0.1)
 
-    def _stream_from(self, address: str, progress: Progress, context):
+    def _stream_from(self, address: str, progress: Progress, context,
+                     observed: RequestTelemetry):
         job = progress.job
         call = self.replicas.stub(address).Generate(
-            self._target_request(progress), metadata=self.worker_metadata,
+            self._target_request(progress), metadata=observed.worker_metadata(self.worker_metadata),
             timeout=remaining_timeout(context))
         context.add_callback(call.cancel)  # a client that leaves frees the replica's work
         for chunk in call:
@@ -229,7 +249,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             elif chunk.finish_reason:
                 progress.finish_reason = chunk.finish_reason
                 delta += progress.text.finish()
-            yield self._delta(progress, delta, chunk.rounds)
+            message = self._delta(progress, delta, chunk.rounds)
+            observed.streamed(len(message.token_ids), chunk.rounds)
+            yield message
             if progress.finish_reason:
                 return
 

@@ -18,6 +18,7 @@ from outrider.router.policy import Acceptance, GammaPolicy, RequestState
 from outrider.target_worker.scheduler import Scheduler, SchedulerConfig
 
 from outrider.engine.spec_decode import Sequence, SpeculativeDecoder
+from outrider.telemetry.metrics import TargetMetrics
 
 
 @dataclass
@@ -41,8 +42,9 @@ class Handle:
 
 class TargetEngine:
     def __init__(self, decoder: SpeculativeDecoder, sched_cfg: SchedulerConfig,
-                 policy: GammaPolicy) -> None:
+                 policy: GammaPolicy, metrics: TargetMetrics | None = None) -> None:
         self.decoder = decoder
+        self.metrics = metrics
         self.scheduler = Scheduler(sched_cfg, decoder.target.blocks, self._preempt)
         self.policy = policy
         # what the replica has seen, for requests that bring no acceptance estimate
@@ -93,6 +95,8 @@ class TargetEngine:
         while not self._inbox.empty():
             handle = self._inbox.get_nowait()
             self._by_seq[handle.seq.seq_id] = handle
+            if self.metrics:
+                self.metrics.prompt_tokens.inc(handle.seq.prompt_len)
             self.scheduler.add(handle.seq)
 
     def _drop_cancelled(self) -> None:
@@ -124,6 +128,9 @@ class TargetEngine:
                 gamma, accepted = seq.last_round
                 self._learn(handle, gamma, accepted)
                 handle.chunks.put(Chunk(tokens, [(gamma, accepted, heat)]))
+                if self.metrics:
+                    self.metrics.record_round(gamma, accepted, heat, handle.spec.mode.value,
+                                              len(tokens))
             if seq.is_finished:
                 self._finish(handle, seq.finish_reason)
         return True

@@ -19,6 +19,8 @@ from outrider.engine.distributed import TPRunnerGroup
 from outrider.engine.runner import RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.grpc_server import build_server, serve_until_signalled
+from outrider.telemetry.metrics import TargetMetrics, serve_metrics
+from outrider.telemetry.tracing import setup_tracing
 from outrider.v1 import worker_pb2_grpc
 from outrider.v1.worker_pb2 import DESCRIPTOR
 
@@ -37,6 +39,7 @@ class TargetWorkerConfig:
     overlap_max_seqs: int = 2
     hot_heat: float = 0.9
     cool_heat: float = 0.7
+    metrics_port: int | None = None  # Prometheus exposition; None: off, 0: a free port
 
     def __post_init__(self) -> None:
         if not 0 <= self.gamma <= MAX_GAMMA:
@@ -47,6 +50,7 @@ class TargetWorkerConfig:
 
 
 def serve(cfg: TargetWorkerConfig, token: str | None) -> None:
+    setup_tracing("outrider-target")
     group = TPRunnerGroup(cfg.runner)
     channel = DenseChannel(cfg.dist_address, TARGET_RANK) if cfg.dist_address else None
     if channel and not channel.wait_ready(timeout_s=60):
@@ -58,7 +62,11 @@ def serve(cfg: TargetWorkerConfig, token: str | None) -> None:
     decoder = SpeculativeDecoder(group.runner, drafter, overlap_max_seqs=cfg.overlap_max_seqs)
     cost = measure_cost_model(group.runner, drafter, cfg.sched.max_batch_tokens)
     policy = GammaPolicy(PolicyConfig(MAX_GAMMA, cfg.hot_heat, cfg.cool_heat), cost)
-    engine = TargetEngine(decoder, cfg.sched, policy)
+    metrics = TargetMetrics(group.runner.model_name)
+    engine = TargetEngine(decoder, cfg.sched, policy, metrics)
+    metrics.watch_load(engine.load)
+    if cfg.metrics_port is not None:
+        serve_metrics(cfg.host, cfg.metrics_port, "target worker")
     service = TargetService(engine, default_gamma=cfg.gamma if drafter else 0, cost=cost)
     # every open stream holds a handler thread: room for a full batch, Cancel and GetLoad
     server, bound = build_server(

@@ -208,7 +208,7 @@ class RemoteDrafter:
                 seq_id=self._wire_id(it.seq_id), committed_len=it.committed_len,
                 new_token_ids=it.new_token_ids, gamma=it.gamma,
                 sampling=sampling_to_proto(it.params, it.seed),
-                q_format=Q_FORMAT_CODES[formats[i]]))
+                q_format=Q_FORMAT_CODES[formats[i]], traceparent=it.traceparent))
         return pb.ProposeRequest(sequences=seqs, dist_tag=self._dist_tag)
 
     def _read(self, item: DraftItem, proposal: pb.Proposal, q_format: str, i: int, gammas,

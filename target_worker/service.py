@@ -6,11 +6,20 @@ import queue
 import uuid
 
 import grpc
+from opentelemetry import trace
 from outrider.router.policy import MAX_GAMMA, Acceptance, CostModel, RequestState, SpecMode
 from outrider.target_worker.engine import Handle, TargetEngine
 
 from outrider.engine.sampling import SamplingError
-from outrider.engine.spec_decode import RequestError
+from outrider.engine.spec_decode import RequestError, SpecStats
+from outrider.telemetry.tracing import (
+    context_from_metadata,
+    request_attributes,
+    round_event,
+    spec_attributes,
+    traceparent_of,
+    tracer,
+)
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 from outrider.wire import sampling_from_proto
@@ -26,13 +35,26 @@ class TargetService(worker_pb2_grpc.TargetServicer):
         self.cost = pb.CostModel(**vars(cost))
 
     def Generate(self, request: pb.TargetRequest, context):
+        span = tracer().start_span(
+            f"text_completion {self.engine.decoder.target.model_name}",
+            context_from_metadata(context.invocation_metadata()), kind=trace.SpanKind.SERVER)
+        try:
+            yield from self._generate(request, context, span)
+        finally:
+            span.end()
+
+    def _generate(self, request: pb.TargetRequest, context, span: trace.Span):
         try:
             handle = self._handle(request)
             self.engine.submit(handle)
         except (SamplingError, RequestError, ValueError) as exc:
+            span.set_status(trace.StatusCode.ERROR, str(exc))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        handle.seq.traceparent = traceparent_of(span)
+        span.set_attributes(self._attributes(handle))
         # runs when the stream ends for any reason, a client disconnect included
         context.add_callback(lambda: self.engine.cancel(handle.request_id))
+        stats = SpecStats()
         while True:
             try:
                 chunk = handle.chunks.get(timeout=1.0)
@@ -41,12 +63,29 @@ class TargetService(worker_pb2_grpc.TargetServicer):
                     return
                 continue
             if chunk.finish_reason.startswith("error"):
+                span.set_status(trace.StatusCode.ERROR, chunk.finish_reason)
                 context.abort(grpc.StatusCode.INTERNAL, chunk.finish_reason)
+            for gamma, accepted, heat in chunk.rounds:
+                stats.record(gamma, accepted)
+                round_event(span, gamma, accepted, heat)
             yield pb.TargetChunk(
                 token_ids=chunk.token_ids, finish_reason=chunk.finish_reason,
                 rounds=[pb.RoundStats(gamma=g, num_accepted=a, heat=h) for g, a, h in chunk.rounds])
             if chunk.finish_reason:
+                span.set_attributes({**spec_attributes(stats),
+                                     "gen_ai.response.finish_reasons": [chunk.finish_reason],
+                                     "gen_ai.usage.output_tokens": handle.seq.num_output})
                 return
+
+    def _attributes(self, handle: Handle) -> dict:
+        seq = handle.seq
+        return {**request_attributes(self.engine.decoder.target.model_name, seq.params,
+                                     handle.request_id),
+                "gen_ai.operation.name": "text_completion",
+                "gen_ai.usage.input_tokens": seq.prompt_len,
+                "outrider.spec.mode": handle.spec.mode.value,
+                "outrider.spec.gamma_max": handle.gamma_limit,
+                "outrider.model_pair": self.engine.model_pair}
 
     def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
         return pb.CancelResponse(found=self.engine.cancel(request.request_id))

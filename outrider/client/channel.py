@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 
+from outrider.telemetry.tracing import traced_metadata
 from outrider.v1.generate_pb2 import DESCRIPTOR
 
 SERVICE = DESCRIPTOR.services_by_name["Generation"].full_name
@@ -75,7 +76,9 @@ class CallSettings:
         deadline); one without fails after the retries rather than hang forever."""
         timeout = timeout_s if timeout_s is not None else self.timeout_s
         wait = self.wait_for_ready if self.wait_for_ready is not None else timeout is not None
-        return {"metadata": self.metadata, "wait_for_ready": wait, "timeout": timeout}
+        # the caller's current span (if any) becomes the parent of the router's
+        return {"metadata": traced_metadata(self.metadata), "wait_for_ready": wait,
+                "timeout": timeout}
 
 
 def open_channel(grpc_module, address: str, tls: Tls | None, retry: Retry | None):

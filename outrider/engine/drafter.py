@@ -42,6 +42,7 @@ class DraftItem:
     params: SamplingParams
     seed: int
     q_format: str = "dense"
+    traceparent: str = ""       # the request's trace context, when the sequence starts
 
 
 @dataclass

@@ -115,6 +115,7 @@ class Sequence:
     stats: SpecStats = field(default_factory=SpecStats)
     last_round: tuple[int, int] = (0, 0)  # (γ, accepted) of the latest round
     ahead: DraftAhead | None = None  # next round's draft tokens, drafted during this one
+    traceparent: str = ""  # W3C trace context of its request, for the draft replica's span
 
     @property
     def output_ids(self) -> list[int]:
@@ -295,7 +296,8 @@ class SpeculativeDecoder:
         num_committed = len(seq.token_ids)
         start = min(seq.draft_len, num_committed + len(drafts) - 1)
         new = seq.token_ids[start:] + list(drafts[max(0, start - num_committed):])
-        return DraftItem(seq.seq_id, start, new if gamma else [], gamma, seq.params, seq.seed)
+        return DraftItem(seq.seq_id, start, new if gamma else [], gamma, seq.params, seq.seed,
+                         traceparent=seq.traceparent if start == 0 else "")
 
     def _draft_ahead(self, seqs: list[Sequence], draft_ids: torch.Tensor,
                      gammas: list[int]) -> DraftCall:

@@ -44,20 +44,22 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ProposeSequence(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "new_token_ids", "gamma", "sampling", "q_format")
+    __slots__ = ("seq_id", "committed_len", "new_token_ids", "gamma", "sampling", "q_format", "traceparent")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     Q_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     committed_len: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     gamma: int
     sampling: Sampling
     q_format: QFormat
-    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., q_format: _Optional[_Union[QFormat, str]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., q_format: _Optional[_Union[QFormat, str]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("sequences", "dist_tag")

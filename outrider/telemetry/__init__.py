@@ -1,0 +1,1 @@
+"""Metrics (Prometheus) and traces (OpenTelemetry) of every Outrider process."""

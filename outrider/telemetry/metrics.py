@@ -1,0 +1,186 @@
+"""Prometheus metrics of the router, target and draft replicas.
+
+Speculative-decoding counters carry vLLM's names and labels (model_name, engine), so
+queries written for vLLM work on Outrider's target replicas unchanged; so do its request
+latency histograms on the router. What vLLM has no name for is `outrider_*`. Families
+are module-level (one per process, as Prometheus wants); the classes bind labels."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+disable_created_metrics()  # no *_created series: as vLLM, and half the scrape size
+
+MAX_POSITIONS = 16  # MAX_GAMMA: per-position counters exist for positions 0..15
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+                   0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+GAMMA_BUCKETS = tuple(range(MAX_POSITIONS + 1))
+HEAT_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5, 2.0, 4.0)
+ENGINE = ["model_name", "engine"]
+MODEL = ["model_name"]
+
+# -- target replicas (vLLM's engine metrics) ----------------------------------------------
+SPEC_DRAFTS = Counter("vllm:spec_decode_num_drafts", "Speculative rounds verified", ENGINE)
+SPEC_DRAFT_TOKENS = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed",
+                            ENGINE)
+SPEC_ACCEPTED_TOKENS = Counter("vllm:spec_decode_num_accepted_tokens",
+                               "Draft tokens accepted", ENGINE)
+SPEC_ACCEPTED_PER_POS = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                "Draft tokens accepted, by position in the draft",
+                                [*ENGINE, "position"])
+SPEC_DRAFTED_PER_POS = Counter("outrider_spec_drafted_tokens_per_pos",
+                               "Draft tokens proposed, by position (the denominator of "
+                               "per-position acceptance when γ varies)", [*ENGINE, "position"])
+GENERATION_TOKENS = Counter("vllm:generation_tokens", "Tokens generated", ENGINE)
+PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Prompt tokens admitted", ENGINE)
+SPEC_GAMMA = Histogram("outrider_spec_gamma", "γ chosen per sequence per round",
+                       [*ENGINE, "mode"], buckets=GAMMA_BUCKETS)
+ROUND_HEAT = Histogram("outrider_spec_heat", "Batch heat of every sequence's round, by "
+                       "whether it speculated", [*ENGINE, "speculated"], buckets=HEAT_BUCKETS)
+LOAD_GAUGES = {
+    "num_running": Gauge("vllm:num_requests_running", "Sequences in the running batch", ENGINE),
+    "num_waiting": Gauge("vllm:num_requests_waiting", "Sequences queued", ENGINE),
+    "kv_usage": Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use", ENGINE),
+    "heat": Gauge("outrider_batch_heat", "Queued token demand / the step's token budget",
+                  ENGINE),
+    "tokens_per_s": Gauge("outrider_tokens_per_second",
+                          "Tokens committed per second (EWMA over steps)", ENGINE),
+}
+
+# -- routers (vLLM's request metrics, measured where requests enter) ----------------------
+TTFT = Histogram("vllm:time_to_first_token_seconds", "Time to first token", MODEL,
+                 buckets=LATENCY_BUCKETS)
+ITL = Histogram("vllm:inter_token_latency_seconds", "Time between tokens (a chunk of n "
+                "tokens counts n gaps of its time / n)", MODEL, buckets=LATENCY_BUCKETS)
+E2E = Histogram("vllm:e2e_request_latency_seconds", "Request latency, end to end", MODEL,
+                buckets=LATENCY_BUCKETS)
+REQUEST_SUCCESS = Counter("vllm:request_success", "Requests finished, by reason",
+                          [*MODEL, "finished_reason"])
+REQUESTS = Counter("outrider_requests", "Requests answered, by gRPC status code (HTTP "
+                   "requests by the code behind their status)", [*MODEL, "code", "api"])
+ROUTER_TOKENS = Counter("outrider_router_generation_tokens", "Tokens streamed to clients",
+                        MODEL)
+MIGRATIONS = Counter("outrider_request_migrations", "Requests moved to another replica after "
+                     "a failure", MODEL)
+
+# -- draft replicas -----------------------------------------------------------------------
+DRAFT_PROPOSALS = Counter("outrider_draft_proposals", "Sequences drafted for", MODEL)
+DRAFT_TOKENS = Counter("outrider_draft_tokens", "Tokens drafted", MODEL)
+DRAFT_MISSES = Counter("outrider_draft_misses", "Proposals refused for want of the "
+                       "sequence's cache (the target resends the context)", MODEL)
+DRAFT_SECONDS = Histogram("outrider_draft_propose_seconds", "Time to draft one Propose",
+                          MODEL, buckets=LATENCY_BUCKETS)
+DRAFT_CACHED = Gauge("outrider_draft_cached_sequences", "Sequences whose KV the draft holds",
+                     MODEL)
+
+
+class TargetMetrics:
+    """Per round of every sequence: the speculation counters; per scrape: load gauges."""
+
+    def __init__(self, model_name: str, engine: str = "0") -> None:
+        self.labels = {"model_name": model_name, "engine": engine}
+        self.drafts = SPEC_DRAFTS.labels(**self.labels)
+        self.draft_tokens = SPEC_DRAFT_TOKENS.labels(**self.labels)
+        self.accepted_tokens = SPEC_ACCEPTED_TOKENS.labels(**self.labels)
+        self.accepted_at = [SPEC_ACCEPTED_PER_POS.labels(**self.labels, position=str(p))
+                            for p in range(MAX_POSITIONS)]
+        self.drafted_at = [SPEC_DRAFTED_PER_POS.labels(**self.labels, position=str(p))
+                           for p in range(MAX_POSITIONS)]
+        self.generation_tokens = GENERATION_TOKENS.labels(**self.labels)
+        self.prompt_tokens = PROMPT_TOKENS.labels(**self.labels)
+
+    def record_round(self, gamma: int, accepted: int, heat: float, mode: str,
+                     num_tokens: int) -> None:
+        """One sequence's round: γ drafts, `accepted` of them, `num_tokens` committed."""
+        self.generation_tokens.inc(num_tokens)
+        SPEC_GAMMA.labels(**self.labels, mode=mode).observe(gamma)
+        ROUND_HEAT.labels(**self.labels, speculated=str(gamma > 0).lower()).observe(heat)
+        if not gamma:
+            return
+        self.drafts.inc()
+        self.draft_tokens.inc(gamma)
+        self.accepted_tokens.inc(accepted)
+        for p in range(gamma):
+            self.drafted_at[p].inc()
+        for p in range(accepted):
+            self.accepted_at[p].inc()
+
+    def watch_load(self, load: Callable[[], dict]) -> None:
+        """Gauges read at scrape time from the engine's load()."""
+        readers = {"num_running": lambda: load()["num_running"],
+                   "num_waiting": lambda: load()["num_waiting"],
+                   "kv_usage": lambda: _fraction(load()),
+                   "heat": lambda: load()["heat"],
+                   "tokens_per_s": lambda: load()["tokens_per_s"]}
+        for key, read in readers.items():
+            LOAD_GAUGES[key].labels(**self.labels).set_function(read)
+
+
+class RouterMetrics:
+    """What clients experience."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model = model_name
+        self.ttft, self.itl, self.e2e = (h.labels(model_name) for h in (TTFT, ITL, E2E))
+        self.tokens = ROUTER_TOKENS.labels(model_name)
+        self.migrations = MIGRATIONS.labels(model_name)
+
+    def finished(self, reason: str) -> None:
+        REQUEST_SUCCESS.labels(self.model, reason).inc()
+
+    def answered(self, code: str, api: str) -> None:
+        REQUESTS.labels(self.model, code, api).inc()
+
+
+class DraftMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.model = model_name
+        self.proposals = DRAFT_PROPOSALS.labels(model_name)
+        self.tokens = DRAFT_TOKENS.labels(model_name)
+        self.misses = DRAFT_MISSES.labels(model_name)
+        self.seconds = DRAFT_SECONDS.labels(model_name)
+
+    def watch_cache(self, num_sequences: Callable[[], int]) -> None:
+        DRAFT_CACHED.labels(self.model).set_function(num_sequences)
+
+
+def exposition() -> tuple[bytes, str]:
+    """(body, content type) of a scrape: always the text format 0.0.4, which keeps
+    vLLM's `vllm:` names; prometheus_client's OpenMetrics output, which Prometheus asks
+    for first, would escape their colons to underscores."""
+    return generate_latest(), CONTENT_TYPE_PLAIN_0_0_4
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        if self.path.split("?")[0] != "/metrics":
+            self.send_error(404, "try /metrics")
+            return
+        body, content_type = exposition()
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:  # scrapes are not news
+        pass
+
+
+def serve_metrics(host: str, port: int, name: str) -> int:
+    """Prometheus exposition at http://host:port/metrics; returns the bound port."""
+    server = ThreadingHTTPServer((host, port), _MetricsHandler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    bound = server.server_address[1]
+    print(f"{name}: metrics at http://{host}:{bound}/metrics", flush=True)
+    return bound
+
+
+def _fraction(load: dict) -> float:
+    return load["kv_used_blocks"] / load["kv_total_blocks"] if load["kv_total_blocks"] else 0.0
