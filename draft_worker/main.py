@@ -8,7 +8,7 @@ from outrider.dense_channel import DRAFT_RANK, DenseChannel
 from outrider.engine.distributed import set_cpu_threads
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.grpc_server import build_server, serve_until_signalled
+from outrider.grpc_server import Running, build_server, serve_until_signalled
 from outrider.telemetry.metrics import DraftMetrics, serve_metrics
 from outrider.telemetry.tracing import setup_tracing
 from outrider.v1 import worker_pb2_grpc
@@ -17,7 +17,12 @@ from outrider.v1.worker_pb2 import DESCRIPTOR
 SERVICE_NAME = DESCRIPTOR.services_by_name["Draft"].full_name
 
 
-def serve(model_dir: str, host: str, port: int, token: str | None, device: str = "cpu",
+def serve(*args, **kwargs) -> None:
+    """`outrider draft-worker`: start, then run until signalled."""
+    serve_until_signalled(start(*args, **kwargs), "draft worker")
+
+
+def start(model_dir: str, host: str, port: int, token: str | None, device: str = "cpu",
           dtype: str = "auto", kv_cache_mb: float = 256.0, idle_ttl_s: float = 300.0,
           dist_address: str | None = None, threads: int = 0,
           metrics_port: int | None = None) -> None:
@@ -30,10 +35,11 @@ def serve(model_dir: str, host: str, port: int, token: str | None, device: str =
     metrics = DraftMetrics(runner.model_name)
     metrics.watch_cache(lambda: runner.blocks.num_sequences)
     if metrics_port is not None:
-        serve_metrics(host, metrics_port, "draft worker")
+        serve_metrics(host, metrics_port, "draft worker", tries=16)
     service = DraftService(Drafter(runner, evict_lru=True), idle_ttl_s=idle_ttl_s,
                            dense_channel=channel, metrics=metrics)
     server, bound = build_server(
         lambda s: worker_pb2_grpc.add_DraftServicer_to_server(service, s),
         [SERVICE_NAME], f"{host}:{port}", token)
-    serve_until_signalled(server, "draft worker", f"{host}:{bound}")
+    server.start()
+    return Running(server, f"{host}:{bound}", service=service)

@@ -69,6 +69,7 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         self.spans = SequenceSpans(drafter.model_name)
         self._pending_send = None  # (work, buffer) of the last dense-channel send
         self.num_dense_sends = 0
+        self.draft_seconds_total = 0.0  # time spent drafting: the autoscaler's load signal
         self._lock = threading.Lock()  # one model, one forward at a time
 
     def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
@@ -105,6 +106,7 @@ class DraftService(worker_pb2_grpc.DraftServicer):
 
     def _observe(self, items: list[DraftItem], out, seconds: float) -> None:
         with self._lock:
+            self.draft_seconds_total += seconds
             for i, it in enumerate(items):
                 self.spans.proposed(it, out.gammas[i])
         if self.metrics:

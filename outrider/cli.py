@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from outrider import paths
+from outrider.bench import serving as bench_serving
 
 EXAMPLES = """examples:
   outrider serve &                      # router + target + draft on this machine
@@ -16,6 +17,15 @@ EXAMPLES = """examples:
   outrider generate --local --gamma 0 --max-tokens 32 --json "import os"
   outrider generate --local --temperature 0.7 --top-p 0.95 --seed 1 --stats "class Stack:"
   outrider demo
+"""
+
+
+CLUSTER_EXAMPLES = """examples:
+  redis-server --port 6379 --daemonize yes
+  outrider up -f deploy/cluster/cpu.yaml     # starts a local Ray head if none runs
+  outrider status                            # replicas: node, device, heat, tokens/s
+  outrider generate "def fibonacci(n):"
+  outrider down                              # drains, removes actors and placement groups
 """
 
 
@@ -120,13 +130,35 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--tag", action="append", default=[], help="allowed tag (repeatable)")
     keys.set_defaults(func=cmd_keys)
 
-    status = sub.add_parser("status", help="a router's replicas (heat, load, KV, tokens/s) "
-                                           "and acceptance statistics")
-    status.add_argument("--address", default="127.0.0.1:50051", help="router host:port")
+    up = sub.add_parser("up", help="bring a Ray cluster up from a spec (starts a local Ray "
+                                   "when none is running)", epilog=CLUSTER_EXAMPLES,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    up.add_argument("-f", "--file", required=True, help="cluster spec (YAML)")
+    up.add_argument("--address", help="Ray cluster address (default: the local one, "
+                                      "started if missing; 'auto' inside a Ray job)")
+    up.add_argument("--wait", action="store_true",
+                    help="stay in the foreground; SIGTERM/Ctrl-C brings it down (RayJob)")
+    up.set_defaults(func=cmd_up)
+
+    down = sub.add_parser("down", help="drain and remove everything `up` started")
+    down.add_argument("--address", help="Ray cluster address (default: the local one)")
+    down.set_defaults(func=cmd_down)
+
+    status = sub.add_parser("status", help="the cluster's replicas (node, device, heat, "
+                                           "tokens/s) or a router's, with acceptance")
+    status.add_argument("--address", default=None,
+                        help="router host:port (default: the Ray cluster's controller if one "
+                             "runs here, else 127.0.0.1:50051)")
+    status.add_argument("--ray-address", help="Ray cluster address for the cluster view")
     status.add_argument("--tls-ca", help="CA certificate (PEM) when the router uses TLS")
     status.add_argument("--tag", default="", help="only this workload tag's statistics")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     status.set_defaults(func=cmd_status)
+
+    bench = sub.add_parser("bench", help="serving benchmark: speculation off / fixed γ / "
+                                         "auto over 1-32 streams (JSON + plots)")
+    bench_serving.add_arguments(bench)
+    bench.set_defaults(func=bench_serving.run)
 
     demo = sub.add_parser("demo", help="stream a generation from the shipped demo pair")
     demo.add_argument("--max-tokens", type=int, default=160)
@@ -381,7 +413,81 @@ def cmd_keys(args) -> int:
     return 0
 
 
+def cmd_up(args) -> int:
+    import signal
+    import threading
+
+    from outrider.cluster import launch
+
+    endpoints, seconds = launch.up(args.file, args.address)
+    where = (f"router listening on {endpoints['router']}"
+             + (f"; OpenAI-compatible API at http://{endpoints['http']}/v1"
+                if endpoints.get("http") else "") if endpoints["router"]
+             else f"target replicas at {', '.join(endpoints['targets'])} (routers run "
+                  "elsewhere)")
+    print(f"outrider up: {where} ({seconds:.1f} s)", flush=True)
+    if args.wait:
+        stopping = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stopping.set())
+        stopping.wait()
+        launch.down(args.address)
+        print("outrider up: brought down", flush=True)
+    return 0
+
+
+def cmd_down(args) -> int:
+    from outrider.cluster import launch
+
+    print("outrider down: " + ("drained and removed" if launch.down(args.address)
+                               else "nothing was running"))
+    return 0
+
+
 def cmd_status(args) -> int:
+    if args.address is None:
+        table = _cluster_status(args.ray_address)
+        if table is not None:
+            print(table)
+            return 0
+        args.address = "127.0.0.1:50051"
+    return _router_status(args)
+
+
+def _cluster_status(ray_address: str | None) -> str | None:
+    """The controller's view, or None when no Ray cluster with one runs here."""
+    import ray
+
+    from outrider.cluster import launch
+
+    try:
+        handle = launch.controller(ray_address)
+    except ConnectionError:
+        return None
+    if handle is None:
+        return None
+    status = ray.get(handle.status.remote())
+    rows = [("ROLE", "TARGET", "ADDRESS", "NODE", "DEVICE", "PID", "RSS MB", "HEAT", "TOK/S",
+             "ALIVE")]
+    rows += [(r["role"], str(r["target"]), r["address"], r["node_ip"], r["device"],
+              str(r["pid"]), f"{r['rss_mb']:.0f}", _num(r["heat"], 2),
+              _num(r["tokens_per_s"], 1), "yes" if r["alive"] else "NO")
+             for r in status["rows"]]
+    lines = [f"cluster endpoints: {status['endpoints']}", *_columns(rows)]
+    router = status["endpoints"].get("router")
+    if router:
+        from outrider.client import Client
+
+        with Client(router, timeout_s=10) as client:
+            lines += _acceptance_lines(client.status())
+    return "\n".join(lines + [f"event: {e}" for e in status["events"][-5:]])
+
+
+def _num(value, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _router_status(args) -> int:
     from google.protobuf.json_format import MessageToDict
 
     from outrider.client import Client, Tls
@@ -403,7 +509,12 @@ def _status_table(address: str, status) -> str:
               str(r.num_waiting), f"{r.kv_used_blocks}/{r.kv_total_blocks}",
               f"{r.tokens_per_s:.1f}", f"{r.age_s:.1f}s ago") for r in status.replicas]
     lines = [f"router {address}; shared store {store}; {len(status.replicas)} replica(s)",
-             *_columns(rows)]
+             *_columns(rows), *_acceptance_lines(status)]
+    return "\n".join(lines)
+
+
+def _acceptance_lines(status) -> list[str]:
+    lines = []
     for a in status.acceptance:
         tested, accepted = sum(a.tested_per_position), sum(a.accepted_per_position)
         per_pos = " ".join(f"{x / t:.2f}" for x, t in zip(a.accepted_per_position,
@@ -411,7 +522,7 @@ def _status_table(address: str, status) -> str:
         lines.append(f"acceptance {a.model_pair} tag={a.tag or '-'}: "
                      f"α = {accepted / tested if tested else 0:.3f} over {tested} draft tokens; "
                      f"per position {per_pos or '-'}")
-    return "\n".join(lines)
+    return lines
 
 
 def _columns(rows: list[tuple[str, ...]]) -> list[str]:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import hmac
 import signal
 import threading
+from collections.abc import Callable
 from concurrent import futures
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -39,17 +41,30 @@ def _refuse(message: str):
     return grpc.unary_unary_rpc_method_handler(deny)
 
 
-def serve_until_signalled(server: grpc.Server, name: str, address: str,
-                          grace_s: float = 5.0) -> None:
-    """Start, say where it listens (launchers read this line), and on SIGTERM/SIGINT
-    stop taking calls, letting those in flight drain for `grace_s`."""
-    server.start()
-    print(f"{name} listening on {address}", flush=True)
+@dataclass
+class Running:
+    """A started server and what to close once it has drained."""
+
+    server: grpc.Server
+    address: str
+    closers: list[Callable[[], None]] = field(default_factory=list)
+    service: object = None  # the servicer, for whoever hosts it in-process (Ray actors)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop taking calls, let those in flight drain for `grace_s`, then close."""
+        self.server.stop(grace=grace_s).wait()
+        for close in self.closers:
+            close()
+
+
+def serve_until_signalled(running: Running, name: str, grace_s: float = 5.0) -> None:
+    """Say where it listens (launchers read this line) and run until SIGTERM/SIGINT."""
+    print(f"{name} listening on {running.address}", flush=True)
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
     stopping.wait()
-    server.stop(grace=grace_s).wait()
+    running.stop(grace_s)
 
 
 def remaining_timeout(context) -> float | None:
@@ -65,16 +80,19 @@ def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 def build_server(add_servicers, service_names: list[str], address: str,
                  token: str | None, max_workers: int = 16,
-                 credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int]:
+                 credentials: grpc.ServerCredentials | None = None,
+                 health_servicer: health.HealthServicer | None = None,
+                 ) -> tuple[grpc.Server, int]:
     """Start-ready server with health + reflection, on TLS when `credentials` are given;
-    returns (server, bound port)."""
+    returns (server, bound port). Every service starts SERVING in `health_servicer`
+    (given when the caller changes statuses later)."""
     interceptors = [ClusterTokenInterceptor(token)] if token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=interceptors,
                          options=[("grpc.max_receive_message_length", 64 * 2**20),
                                   ("grpc.max_send_message_length", 64 * 2**20)])
     add_servicers(server)
-    health_servicer = health.HealthServicer()
+    health_servicer = health_servicer or health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in [*service_names, ""]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

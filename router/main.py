@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health, health_pb2
 from outrider.router.auth import Authenticator
 from outrider.router.chat_template import ChatTemplate
 from outrider.router.http_api import HttpSettings, build_app, start_http
@@ -18,7 +19,7 @@ from outrider.router.telemetry import RouterTelemetry
 
 from outrider.engine.model_config import ModelConfig
 from outrider.engine.tokenizer import Tokenizer
-from outrider.grpc_server import build_server, serve_until_signalled
+from outrider.grpc_server import Running, build_server, serve_until_signalled
 from outrider.telemetry.metrics import serve_metrics
 from outrider.telemetry.tracing import setup_tracing
 from outrider.v1 import generate_pb2_grpc
@@ -56,6 +57,11 @@ class RouterConfig:
 
 
 def serve(cfg: RouterConfig, cluster_token: str | None) -> None:
+    """`outrider router`: start, then run until signalled."""
+    serve_until_signalled(start(cfg, cluster_token), "router")
+
+
+def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
     setup_tracing("outrider-router")
     tokenizer = Tokenizer(cfg.model_dir)
     max_model_len = ModelConfig.from_dir(cfg.model_dir).max_position_embeddings
@@ -74,18 +80,24 @@ def serve(cfg: RouterConfig, cluster_token: str | None) -> None:
                                 cfg.limits, telemetry)
     if cfg.metrics_port is not None:
         serve_metrics(cfg.host, cfg.metrics_port, "router")
+    health_servicer = health.HealthServicer()
     server, bound = build_server(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(service, s),
         [SERVICE_NAME], f"{cfg.host}:{cfg.port}", token=None, max_workers=cfg.max_workers,
-        credentials=_tls(cfg))
+        credentials=_tls(cfg), health_servicer=health_servicer)
+    # readiness: the Generation service is SERVING while some target replica is live
+    replicas.on_live = lambda is_live: health_servicer.set(
+        SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if is_live
+        else health_pb2.HealthCheckResponse.NOT_SERVING)
     http = _start_http(cfg, service, max_model_len) if cfg.http_port is not None else None
-    try:
-        serve_until_signalled(server, "router", f"{cfg.host}:{bound}")
-    finally:
+    server.start()
+
+    def close() -> None:
         if http:
             http.should_exit = True
         replicas.close()
         telemetry.close()
+    return Running(server, f"{cfg.host}:{bound}", [close], service)
 
 
 def _model_name(cfg: RouterConfig) -> str:

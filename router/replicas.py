@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 from outrider.router.policy import Acceptance, CostModel, GammaPolicy, PolicyConfig
@@ -28,6 +29,7 @@ class ReplicaSet:
         self.static_addresses = list(addresses)
         self.heartbeat_s, self.ttl_s = heartbeat_s, ttl_s
         self.metadata = token_metadata(token)
+        self.on_live: Callable[[bool], None] | None = None  # after each heartbeat: any live?
         self.is_store_reachable = True
         self._live: dict[str, st.ReplicaRecord] = {}   # answered the last heartbeat
         self._known: set[str] = set(addresses)
@@ -84,6 +86,8 @@ class ReplicaSet:
                 continue
             live[address] = st.ReplicaRecord(address=address, load=load,
                                              heartbeat_unix_s=time.time())
+        if self.on_live is not None:
+            self.on_live(bool(live))
         with self._lock:
             self._live = live
             # addresses that stopped answering are forgotten once the registry drops them

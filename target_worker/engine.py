@@ -56,6 +56,7 @@ class TargetEngine:
         self._lock = threading.Lock()
         self.heat = 0.0
         self.tokens_per_s = 0.0
+        self.broken = ""  # why the replica can no longer run steps (a TP rank is gone)
 
     @property
     def model_pair(self) -> str:
@@ -82,14 +83,15 @@ class TargetEngine:
 
     # -- the loop -------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
-        while not stop.is_set():
+        while not stop.is_set() and not self.broken:
             self._admit_new()
             self._drop_cancelled()
             if not (self.scheduler.has_work and self._step()):
                 self._wake.wait(timeout=0.1)
                 self._wake.clear()
+        self._admit_new()
         for handle in list(self._by_seq.values()):  # nobody is left to serve them
-            self._finish(handle, "error: the replica is shutting down")
+            self._finish(handle, f"error: {self.broken or 'the replica is shutting down'}")
 
     def _admit_new(self) -> None:
         while not self._inbox.empty():
@@ -115,7 +117,9 @@ class TargetEngine:
         start = time.perf_counter()
         try:
             committed = self.decoder.step(plan.seqs, plan.gammas, plan.chunk_lens)
-        except Exception as exc:  # a failed step fails its requests, not the replica
+        except Exception as exc:  # a failed step fails its requests, not the replica ...
+            if _is_group_failure(exc):  # ... unless its tensor-parallel group broke
+                self.broken = f"tensor-parallel group failed: {exc}"
             for seq in plan.seqs:
                 self._finish(self._by_seq[seq.seq_id], f"error: {exc}")
             return True
@@ -179,3 +183,11 @@ class TargetEngine:
                 "kv_total_blocks": blocks.num_blocks, "tokens_per_s": self.tokens_per_s,
                 "model_pair": self.model_pair,
                 "max_batch_tokens": self.scheduler.cfg.max_batch_tokens}
+
+
+def _is_group_failure(exc: Exception) -> bool:
+    """A collective failed: a peer rank crashed or the network between them went."""
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistError) or any(
+        word in str(exc) for word in ("gloo", "NCCL", "Connection closed by peer"))

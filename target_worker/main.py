@@ -18,7 +18,7 @@ from outrider.dense_channel import TARGET_RANK, DenseChannel
 from outrider.engine.distributed import TPRunnerGroup
 from outrider.engine.runner import RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
-from outrider.grpc_server import build_server, serve_until_signalled
+from outrider.grpc_server import Running, build_server, serve_until_signalled
 from outrider.telemetry.metrics import TargetMetrics, serve_metrics
 from outrider.telemetry.tracing import setup_tracing
 from outrider.v1 import worker_pb2_grpc
@@ -50,8 +50,16 @@ class TargetWorkerConfig:
 
 
 def serve(cfg: TargetWorkerConfig, token: str | None) -> None:
+    """`outrider target-worker`: start, then run until signalled."""
+    serve_until_signalled(start(cfg, token), "target worker")
+
+
+def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None = None,
+          spawn_ranks: bool = True) -> Running:
+    """Start the replica; with spawn_ranks=False its TP ranks 1.. are started elsewhere
+    (Ray actors) and join at `tp_init_method`."""
     setup_tracing("outrider-target")
-    group = TPRunnerGroup(cfg.runner)
+    group = TPRunnerGroup(cfg.runner, tp_init_method, spawn_ranks)
     channel = DenseChannel(cfg.dist_address, TARGET_RANK) if cfg.dist_address else None
     if channel and not channel.wait_ready(timeout_s=60):
         print("dense q channel did not come up; full-vocabulary q goes as fp16 over gRPC",
@@ -66,7 +74,7 @@ def serve(cfg: TargetWorkerConfig, token: str | None) -> None:
     engine = TargetEngine(decoder, cfg.sched, policy, metrics)
     metrics.watch_load(engine.load)
     if cfg.metrics_port is not None:
-        serve_metrics(cfg.host, cfg.metrics_port, "target worker")
+        serve_metrics(cfg.host, cfg.metrics_port, "target worker", tries=16)
     service = TargetService(engine, default_gamma=cfg.gamma if drafter else 0, cost=cost)
     # every open stream holds a handler thread: room for a full batch, Cancel and GetLoad
     server, bound = build_server(
@@ -76,10 +84,12 @@ def serve(cfg: TargetWorkerConfig, token: str | None) -> None:
     stop = threading.Event()
     loop = threading.Thread(target=engine.run, args=(stop,), name="target-engine", daemon=True)
     loop.start()
-    # the engine keeps running while streams in flight drain, then stops
-    serve_until_signalled(server, "target worker", f"{cfg.host}:{bound}")
-    stop.set()
-    loop.join(timeout=10)
-    group.close()
-    if drafter:
-        drafter.close()
+    server.start()
+
+    def close() -> None:  # after the streams in flight drained, the engine stops
+        stop.set()
+        loop.join(timeout=10)
+        group.close()
+        if drafter:
+            drafter.close()
+    return Running(server, f"{cfg.host}:{bound}", [close], service)

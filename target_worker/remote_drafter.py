@@ -8,6 +8,7 @@ a healthy replica, which answers MISS, and the decoder resends their whole conte
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
 
@@ -47,13 +48,12 @@ class RemoteDrafter:
         self.seq_prefix = seq_prefix  # keeps ids unique when targets share a draft replica
         self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
         self._metadata = token_metadata(token)
-        # reconnect quickly to a restarted replica (gRPC's default backoff grows to 2 min)
-        options = [("grpc.initial_reconnect_backoff_ms", 200),
-                   ("grpc.max_reconnect_backoff_ms", 2000)]
-        self._channels = [grpc.insecure_channel(a, options=options) for a in addresses]
+        self._channels = [_channel(a) for a in addresses]
         self._stubs = [worker_pb2_grpc.DraftStub(c) for c in self._channels]
         self._down_until = [0.0] * len(addresses)
         self._assigned: dict[object, int] = {}
+        self._next_addresses: list[str] | None = None  # set_addresses, applied by submit
+        self._lock = threading.Lock()
         self._releases: list[grpc.Future] = []
         self.dense_channel = dense_channel  # to replica 0, when it is co-located
         self._dist_tag = 0
@@ -77,6 +77,34 @@ class RemoteDrafter:
         for channel in self._channels:
             channel.close()
 
+    def set_addresses(self, addresses: list[str]) -> None:
+        """Speculate with these replicas from the next round on (called from any thread)."""
+        if not addresses:
+            raise DraftReplicaError("no draft replica addresses given")
+        with self._lock:
+            self._next_addresses = list(addresses)
+
+    def _apply_addresses(self) -> None:
+        """Between rounds, on the engine thread: sequences on a kept replica stay there;
+        those on a removed one move (their new replica answers MISS and gets the context)."""
+        with self._lock:
+            new, self._next_addresses = self._next_addresses, None
+        if new is None or new == self.addresses:
+            return
+        old = self.addresses
+        channels = {a: c for a, c in zip(old, self._channels)}
+        for address in set(old) - set(new):
+            channels.pop(address).close()
+        self._channels = [channels.get(a) or _channel(a) for a in new]
+        self._stubs = [worker_pb2_grpc.DraftStub(c) for c in self._channels]
+        self._down_until = [0.0] * len(new)
+        self._backoff = [self.retry_after_s] * len(new)
+        self._assigned = {seq: new.index(old[r]) for seq, r in self._assigned.items()
+                          if old[r] in new}
+        if self.dense_channel is not None and new[0] != old[0]:
+            self.dense_channel = None  # it pairs with the first replica only: q goes by gRPC
+        self.addresses = new
+
     # -- the Drafter contract ----------------------------------------------------------------
     def release(self, seq_id) -> bool:
         """Fire-and-forget: the engine loop never waits on a Release; a dead replica holds
@@ -95,6 +123,7 @@ class RemoteDrafter:
 
     def submit(self, items: list[DraftItem], device: torch.device) -> DraftCall:
         """Send one Propose per replica now; the DraftCall gathers the replies."""
+        self._apply_addresses()
         groups: dict[int, list[int]] = {}
         for i, it in enumerate(items):
             if it.gamma:
@@ -244,3 +273,9 @@ def _pack(items, gammas, is_miss, token_rows, q_rows, vocab: int,
             token_ids[i, :g] = torch.tensor(token_rows[i])
             probs[i, :g] = q_rows[i]
     return DraftOutput(token_ids.to(device), probs.to(device), gammas, is_miss)
+
+
+def _channel(address: str) -> grpc.Channel:
+    # reconnect quickly to a restarted replica (gRPC's default backoff grows to 2 min)
+    return grpc.insecure_channel(address, options=[("grpc.initial_reconnect_backoff_ms", 200),
+                                                   ("grpc.max_reconnect_backoff_ms", 2000)])

@@ -9,6 +9,7 @@ import grpc
 from opentelemetry import trace
 from outrider.router.policy import MAX_GAMMA, Acceptance, CostModel, RequestState, SpecMode
 from outrider.target_worker.engine import Handle, TargetEngine
+from outrider.target_worker.remote_drafter import DraftReplicaError
 
 from outrider.engine.sampling import SamplingError
 from outrider.engine.spec_decode import RequestError, SpecStats
@@ -44,6 +45,8 @@ class TargetService(worker_pb2_grpc.TargetServicer):
             span.end()
 
     def _generate(self, request: pb.TargetRequest, context, span: trace.Span):
+        if self.engine.broken:  # the router takes this as: try another replica
+            context.abort(grpc.StatusCode.UNAVAILABLE, self.engine.broken)
         try:
             handle = self._handle(request)
             self.engine.submit(handle)
@@ -90,7 +93,20 @@ class TargetService(worker_pb2_grpc.TargetServicer):
     def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
         return pb.CancelResponse(found=self.engine.cancel(request.request_id))
 
+    def SetDraftReplicas(self, request: pb.DraftReplicas, context) -> pb.DraftReplicas:
+        drafter = self.engine.decoder.drafter
+        if not hasattr(drafter, "set_addresses"):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "this replica was started without draft replicas")
+        try:
+            drafter.set_addresses(list(request.addresses))
+        except DraftReplicaError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.DraftReplicas(addresses=request.addresses)
+
     def GetLoad(self, request, context) -> pb.Load:
+        if self.engine.broken:  # out of every router's live set until replaced
+            context.abort(grpc.StatusCode.UNAVAILABLE, self.engine.broken)
         return pb.Load(**self.engine.load(), cost=self.cost, gamma_max=self.default_gamma)
 
     def _handle(self, request: pb.TargetRequest) -> Handle:

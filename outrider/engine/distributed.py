@@ -47,7 +47,9 @@ def set_cpu_threads(cfg: RunnerConfig) -> None:
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // cfg.tp))
 
 
-def _worker_main(cfg: RunnerConfig, rank: int, init_method: str) -> None:
+def run_tp_rank(cfg: RunnerConfig, rank: int, init_method: str) -> None:
+    """A non-driver rank: join the group, load its shard, follow the driver's forwards
+    until it says stop."""
     set_cpu_threads(cfg)
     tp = init_tp_group(rank, cfg.tp, init_method, cfg.device)
     runner = ModelRunner(replace(cfg, device=rank_device(cfg.device, rank)), tp)
@@ -60,14 +62,16 @@ def _worker_main(cfg: RunnerConfig, rank: int, init_method: str) -> None:
 class TPRunnerGroup:
     """The driver's ModelRunner plus the worker processes holding the other shards."""
 
-    def __init__(self, cfg: RunnerConfig, init_method: str | None = None) -> None:
+    def __init__(self, cfg: RunnerConfig, init_method: str | None = None,
+                 spawn_ranks: bool = True) -> None:
         ModelConfig.from_dir(cfg.model_dir).check_tp(cfg.tp)  # fail before spawning ranks
         self.processes: list[mp.Process] = []
+        self.size = cfg.tp
         init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
-        if cfg.tp > 1:
+        if cfg.tp > 1 and spawn_ranks:
             ctx = mp.get_context("spawn")
             for rank in range(1, cfg.tp):
-                proc = ctx.Process(target=_worker_main, args=(cfg, rank, init_method),
+                proc = ctx.Process(target=run_tp_rank, args=(cfg, rank, init_method),
                                    daemon=True)
                 proc.start()
                 self.processes.append(proc)
@@ -80,7 +84,7 @@ class TPRunnerGroup:
             raise
 
     def close(self) -> None:
-        if self.processes:
+        if self.size > 1:
             self.runner.stop_workers()
             for proc in self.processes:
                 proc.join(timeout=30)

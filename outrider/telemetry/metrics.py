@@ -172,9 +172,17 @@ class _MetricsHandler(BaseHTTPRequestHandler):
         pass
 
 
-def serve_metrics(host: str, port: int, name: str) -> int:
-    """Prometheus exposition at http://host:port/metrics; returns the bound port."""
-    server = ThreadingHTTPServer((host, port), _MetricsHandler)
+def serve_metrics(host: str, port: int, name: str, tries: int = 1) -> int:
+    """Prometheus exposition at http://host:port/metrics; returns the bound port. With
+    tries > 1 a taken port moves it to the next (replicas sharing a node)."""
+    for attempt in range(tries):
+        try:
+            server = ThreadingHTTPServer((host, port + attempt if port else 0),
+                                         _MetricsHandler)
+            break
+        except OSError:
+            if attempt == tries - 1:
+                raise
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     bound = server.server_address[1]

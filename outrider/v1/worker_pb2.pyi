@@ -232,3 +232,9 @@ class Load(_message.Message):
     max_batch_tokens: int
     gamma_max: int
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., heat: _Optional[float] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., model_pair: _Optional[str] = ..., cost: _Optional[_Union[CostModel, _Mapping]] = ..., max_batch_tokens: _Optional[int] = ..., gamma_max: _Optional[int] = ...) -> None: ...
+
+class DraftReplicas(_message.Message):
+    __slots__ = ("addresses",)
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, addresses: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -207,6 +207,11 @@ class TargetStub:
                 request_serializer=outrider_dot_v1_dot_worker__pb2.LoadRequest.SerializeToString,
                 response_deserializer=outrider_dot_v1_dot_worker__pb2.Load.FromString,
                 _registered_method=True)
+        self.SetDraftReplicas = channel.unary_unary(
+                '/outrider.v1.Target/SetDraftReplicas',
+                request_serializer=outrider_dot_v1_dot_worker__pb2.DraftReplicas.SerializeToString,
+                response_deserializer=outrider_dot_v1_dot_worker__pb2.DraftReplicas.FromString,
+                _registered_method=True)
 
 
 class TargetServicer:
@@ -230,6 +235,12 @@ class TargetServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetDraftReplicas(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -247,6 +258,11 @@ def add_TargetServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=outrider_dot_v1_dot_worker__pb2.LoadRequest.FromString,
                     response_serializer=outrider_dot_v1_dot_worker__pb2.Load.SerializeToString,
+            ),
+            'SetDraftReplicas': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetDraftReplicas,
+                    request_deserializer=outrider_dot_v1_dot_worker__pb2.DraftReplicas.FromString,
+                    response_serializer=outrider_dot_v1_dot_worker__pb2.DraftReplicas.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -330,6 +346,33 @@ class Target:
             '/outrider.v1.Target/GetLoad',
             outrider_dot_v1_dot_worker__pb2.LoadRequest.SerializeToString,
             outrider_dot_v1_dot_worker__pb2.Load.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetDraftReplicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/outrider.v1.Target/SetDraftReplicas',
+            outrider_dot_v1_dot_worker__pb2.DraftReplicas.SerializeToString,
+            outrider_dot_v1_dot_worker__pb2.DraftReplicas.FromString,
             options,
             channel_credentials,
             insecure,
