@@ -155,7 +155,8 @@ class Controller:
                                     max_batch_tokens=pair.max_batch_tokens),
             tuple(draft_addresses), pair.gamma, self.spec.worker_host, 0,
             overlap_max_seqs=policy.overlap_max_seqs, hot_heat=policy.hot_heat,
-            cool_heat=policy.cool_heat, metrics_port=pair.target_metrics_port)
+            cool_heat=policy.cool_heat, metrics_port=pair.target_metrics_port,
+            auto_gamma_max=pair.auto_gamma_max)
 
     def _register(self, address: str) -> None:
         """Into the shared registry: routers find the replica there and keep it alive."""

@@ -69,7 +69,8 @@ class ModelPair(_Strict):
     target_replicas: Annotated[int, Field(ge=1)] = 1
     tp: Annotated[int, Field(ge=1, le=64)] = 1
     drafts_per_target: Annotated[int, Field(ge=0)] = 1
-    gamma: Annotated[int, Field(ge=0, le=16)] = 4
+    gamma: Annotated[int, Field(ge=0, le=16)] = 4        # FIXED requests' γ
+    auto_gamma_max: Annotated[int, Field(ge=0, le=16)] = 8  # AUTO requests' γ cap
     device: str = "cpu"                               # "cuda" on GPU clusters
     dtype: str = "auto"
     kv_cache_mb: Annotated[float, Field(gt=0)] = 256.0

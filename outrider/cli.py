@@ -80,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="host:port to host a dense q channel (torch.distributed) with "
                              "the first draft replica, when it runs on this machine")
     target.add_argument("--gamma", type=int, default=4,
-                        help="γ of FIXED requests and γ_max of AUTO ones that set none")
+                        help="γ of FIXED requests that set none")
+    target.add_argument("--auto-gamma-max", type=int, default=8,
+                        help="the most γ the policy may choose for AUTO requests that set "
+                             "no gamma_max")
     target.add_argument("--hot-heat", type=float, default=0.9,
                         help="batch heat at which AUTO speculation turns off")
     target.add_argument("--cool-heat", type=float, default=0.7,
@@ -352,7 +355,8 @@ def cmd_target_worker(args) -> int:
                             max_batch_tokens=args.max_batch_tokens)
     serve(TargetWorkerConfig(runner, sched, tuple(args.draft_address), args.gamma, args.host,
                              args.port, args.draft_dist_address, args.overlap_max_seqs,
-                             args.hot_heat, args.cool_heat, args.metrics_port), cluster_token())
+                             args.hot_heat, args.cool_heat, args.metrics_port,
+                             args.auto_gamma_max), cluster_token())
     return 0
 
 

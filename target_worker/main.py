@@ -40,10 +40,13 @@ class TargetWorkerConfig:
     hot_heat: float = 0.9
     cool_heat: float = 0.7
     metrics_port: int | None = None  # Prometheus exposition; None: off, 0: a free port
+    auto_gamma_max: int = 8          # AUTO requests' γ cap when they set none
 
     def __post_init__(self) -> None:
-        if not 0 <= self.gamma <= MAX_GAMMA:
-            raise ValueError(f"gamma must be in [0, {MAX_GAMMA}], got {self.gamma}")
+        for name in ("gamma", "auto_gamma_max"):
+            if not 0 <= getattr(self, name) <= MAX_GAMMA:
+                raise ValueError(f"{name} must be in [0, {MAX_GAMMA}], got "
+                                 f"{getattr(self, name)}")
         if self.overlap_max_seqs < 0:
             raise ValueError("overlap_max_seqs must be >= 0")
         PolicyConfig(MAX_GAMMA, self.hot_heat, self.cool_heat)  # validates the heats
@@ -75,7 +78,8 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
     metrics.watch_load(engine.load)
     if cfg.metrics_port is not None:
         serve_metrics(cfg.host, cfg.metrics_port, "target worker", tries=16)
-    service = TargetService(engine, default_gamma=cfg.gamma if drafter else 0, cost=cost)
+    service = TargetService(engine, default_gamma=cfg.gamma if drafter else 0, cost=cost,
+                            auto_gamma_max=cfg.auto_gamma_max if drafter else 0)
     # every open stream holds a handler thread: room for a full batch, Cancel and GetLoad
     server, bound = build_server(
         lambda s: worker_pb2_grpc.add_TargetServicer_to_server(service, s),

@@ -30,9 +30,11 @@ SPEC_MODES = {pb.SPEC_MODE_AUTO: SpecMode.AUTO, pb.SPEC_MODE_OFF: SpecMode.OFF,
 
 
 class TargetService(worker_pb2_grpc.TargetServicer):
-    def __init__(self, engine: TargetEngine, default_gamma: int, cost: CostModel) -> None:
+    def __init__(self, engine: TargetEngine, default_gamma: int, cost: CostModel,
+                 auto_gamma_max: int | None = None) -> None:
         self.engine = engine
-        self.default_gamma = default_gamma
+        self.default_gamma = default_gamma            # FIXED requests that set no γ
+        self.auto_gamma_max = default_gamma if auto_gamma_max is None else auto_gamma_max
         self.cost = pb.CostModel(**vars(cost))
 
     def Generate(self, request: pb.TargetRequest, context):
@@ -107,7 +109,7 @@ class TargetService(worker_pb2_grpc.TargetServicer):
     def GetLoad(self, request, context) -> pb.Load:
         if self.engine.broken:  # out of every router's live set until replaced
             context.abort(grpc.StatusCode.UNAVAILABLE, self.engine.broken)
-        return pb.Load(**self.engine.load(), cost=self.cost, gamma_max=self.default_gamma)
+        return pb.Load(**self.engine.load(), cost=self.cost, gamma_max=self.auto_gamma_max)
 
     def _handle(self, request: pb.TargetRequest) -> Handle:
         if request.gamma > MAX_GAMMA:
@@ -122,7 +124,8 @@ class TargetService(worker_pb2_grpc.TargetServicer):
         seq = self.engine.decoder.new_sequence(list(request.prompt_ids), params,
                                                list(request.resume_output_ids))
         mode = SPEC_MODES[request.spec_mode]
-        gamma = request.gamma or self.default_gamma  # FIXED: γ; AUTO: γ_max
+        default = self.auto_gamma_max if mode == SpecMode.AUTO else self.default_gamma
+        gamma = request.gamma or default  # FIXED: γ; AUTO: γ_max
         prior = list(request.acceptance_prior) or list(self.engine.acceptance.alphas)
         spec = RequestState(Acceptance(prior, self.engine.policy.cfg.ewma_weight), mode,
                             fixed_gamma=gamma)
