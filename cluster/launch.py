@@ -50,7 +50,10 @@ def down(address: str | None) -> bool:
     False when nothing was running."""
     import ray
 
-    handle = controller(address)
+    try:
+        handle = controller(address)
+    except ConnectionError:  # no Ray here at all
+        return False
     if handle is None:
         return False
     started_ray = ray.get(handle.status.remote())["started_ray"]
@@ -88,10 +91,16 @@ def start_local_head(num_cpus: float) -> None:
     the spec even on a small machine (the OS shares the cores)."""
     ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
     cpus = max(os.cpu_count() or 1, math.ceil(num_cpus))
-    subprocess.run([ray_bin, "start", "--head", f"--num-cpus={cpus}", "--num-gpus=0",
-                    "--include-dashboard=false", "--disable-usage-stats",
-                    "--object-store-memory=200000000"],
-                   check=True, capture_output=True, text=True)
+    from outrider.engine.distributed import free_port
+
+    # not Ray's default GCS port 6379: that is Redis's, and the spec's Redis may be here
+    done = subprocess.run([ray_bin, "start", "--head", f"--port={free_port()}",
+                           f"--num-cpus={cpus}", "--num-gpus=0", "--include-dashboard=false",
+                           "--disable-usage-stats", "--object-store-memory=200000000"],
+                          capture_output=True, text=True)
+    if done.returncode:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise RuntimeError("`ray start --head` failed: " + " / ".join(tail))
     LOCAL_HEAD_MARK.write_text(str(time.time()))
 
 
