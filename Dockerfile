@@ -1,0 +1,70 @@
+# syntax=docker/dockerfile:1
+# The Outrider image: the `outrider` command, Ray (with the dashboard that KubeRay's
+# RayJob and probes need) and the shipped demo models in /app/models.
+#
+#   docker build --build-arg VARIANT=cpu  -t ghcr.io/outrider-project/outrider:0.1.0-cpu .
+#   docker build --build-arg VARIANT=cuda -t ghcr.io/outrider-project/outrider:0.1.0-cuda .
+#
+# VARIANT=cpu installs torch's CPU wheel (download.pytorch.org/whl/cpu, ~200 MB).
+# VARIANT=cuda installs the default PyPI wheel, which brings the CUDA runtime, cuBLAS,
+# cuDNN and NCCL as nvidia-* wheels: the node only needs the NVIDIA driver (the device
+# plugin/container toolkit mounts it), so both variants share python:3.11-slim rather
+# than an nvidia/cuda base that would ship a second copy of the CUDA libraries.
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+# --- the project as a wheel (no source tree in the final image: Ray puts the driver's
+# working directory on its workers' sys.path, where a source checkout would shadow the
+# installed package, whose outrider.router etc. live in other source folders) ---
+FROM ${PYTHON_IMAGE} AS wheel
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY outrider/ outrider/
+COPY draft_worker/ draft_worker/
+COPY target_worker/ target_worker/
+COPY router/ router/
+COPY cluster/ cluster/
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# --- the image ---
+FROM ${PYTHON_IMAGE}
+
+ARG VARIANT=cpu
+# Must equal pyproject.toml's torch pin (tests/deploy checks it).
+ARG TORCH_VERSION=2.13.0
+# Must equal pyproject.toml's ray pin; [default] adds the dashboard and job server that
+# RayJob submission and KubeRay's health probes use.
+ARG RAY_VERSION=2.60.0
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    OUTRIDER_MODELS_DIR=/app/models
+
+# wget: KubeRay's readiness/liveness probes of Ray pods call it.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends wget \
+ && rm -rf /var/lib/apt/lists/*
+
+# torch first, alone and pinned, so nothing later can pull another build.
+RUN case "$VARIANT" in \
+      cpu)  index="--index-url https://download.pytorch.org/whl/cpu" ;; \
+      cuda) index="" ;; \
+      *)    echo "VARIANT must be cpu or cuda, not '$VARIANT'" >&2; exit 1 ;; \
+    esac \
+ && pip install $index "torch==${TORCH_VERSION}"
+
+# The project with its pinned dependencies (pyproject.toml), torch already satisfied.
+COPY --from=wheel /wheels /tmp/wheels
+RUN pip install /tmp/wheels/*.whl "ray[default]==${RAY_VERSION}" \
+ && rm -rf /tmp/wheels
+
+# The demo pair: /app/models/demo-target and /app/models/demo-draft.
+WORKDIR /app
+COPY models/ /app/models/
+
+RUN useradd --uid 10001 --user-group --create-home --shell /bin/bash outrider
+USER 10001:10001
+
+ENTRYPOINT ["outrider"]
+CMD ["--help"]
