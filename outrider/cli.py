@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the models in this process instead of calling a router")
     gen.add_argument("--address", default="127.0.0.1:50051", help="router host:port")
     gen.add_argument("--tls-ca", help="CA certificate (PEM) when the router uses TLS")
+    gen.add_argument("--tls-cert", help="client certificate (PEM) for mTLS")
+    gen.add_argument("--tls-key", help="private key (PEM) of --tls-cert")
     gen.add_argument("--timeout", type=float, default=None,
                      help="deadline in seconds (default: none); the API key comes from "
                           "$OUTRIDER_API_KEY")
@@ -198,6 +200,8 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    help="requests per minute per OUTRIDER_API_KEYS key (0: no limit)")
     p.add_argument("--tls-cert", help="PEM certificate for TLS on the public ports")
     p.add_argument("--tls-key", help="PEM private key for --tls-cert")
+    p.add_argument("--tls-client-ca", help="mTLS: CA (PEM) whose client certificates the "
+                                           "public ports require")
     p.add_argument("--http-port", type=int, default=8000,
                    help="port of the OpenAI-compatible HTTP API (0 picks a free port)")
     p.add_argument("--no-http", action="store_true", help="no HTTP API, gRPC only")
@@ -304,7 +308,7 @@ def _generate_remote(args, prompt: str):
     options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, tag=args.tag,
                    speculation=mode, gamma_max=args.gamma or 0)
-    tls = Tls(ca=args.tls_ca) if args.tls_ca else None
+    tls = Tls(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca or args.tls_cert else None
     with Client(args.address, tls=tls, timeout_s=args.timeout) as client:
         stream = client.stream(prompt, **options)
         for delta in stream:
@@ -366,6 +370,7 @@ def cmd_router(args) -> int:
     serve(RouterConfig(args.model, tuple(args.target_address), args.host, args.port,
                        args.redis, args.require_api_key, args.rate_limit_rpm,
                        tls_cert=args.tls_cert, tls_key=args.tls_key,
+                       tls_client_ca=args.tls_client_ca,
                        http_port=None if args.no_http else args.http_port,
                        metrics_port=args.metrics_port,
                        served_model_name=args.served_model_name), cluster_token())
@@ -383,6 +388,7 @@ def cmd_serve(args) -> int:
                    "--rate-limit-rpm", str(args.rate_limit_rpm),
                    *(["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
                      if args.tls_cert else []),
+                   *(["--tls-client-ca", args.tls_client_ca] if args.tls_client_ca else []),
                    *(["--served-model-name", args.served_model_name]
                      if args.served_model_name else [])]
     cfg = LocalSystemConfig(str(target), draft if args.gamma else None, args.draft_replicas,

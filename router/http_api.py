@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import threading
 import time
 import uuid
@@ -410,11 +411,15 @@ def _request_id(request: Request, index: int) -> str | None:
 
 # -- serving -----------------------------------------------------------------------------------
 def start_http(app: FastAPI, host: str, port: int, tls_cert: str | None = None,
-               tls_key: str | None = None) -> tuple[uvicorn.Server, int]:
-    """uvicorn in a daemon thread; returns (server, bound port) once it listens."""
+               tls_key: str | None = None,
+               tls_client_ca: str | None = None) -> tuple[uvicorn.Server, int]:
+    """uvicorn in a daemon thread; returns (server, bound port) once it listens. With
+    `tls_client_ca`, clients must present a certificate it signed (mTLS)."""
+    mtls = {"ssl_ca_certs": tls_client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED} \
+        if tls_client_ca else {}
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                            ssl_certfile=tls_cert, ssl_keyfile=tls_key,
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=5, **mtls))
     thread = threading.Thread(target=server.run, name="http", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -42,6 +42,7 @@ class RouterConfig:
     rate_limit_burst: int = 10
     tls_cert: str | None = None
     tls_key: str | None = None
+    tls_client_ca: str | None = None        # mTLS: clients must present a cert it signed
     limits: ServiceLimits = ServiceLimits()
     heartbeat_s: float = 0.5
     max_workers: int = 128                  # concurrent calls (each stream holds one)
@@ -52,6 +53,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
         if not (Path(self.model_dir) / "tokenizer.json").is_file():
             raise ValueError(f"no tokenizer.json in {self.model_dir}")
 
@@ -108,7 +111,8 @@ def _start_http(cfg: RouterConfig, service: GenerationService, max_model_len: in
     name = _model_name(cfg)
     app = build_app(service, HttpSettings(name, max_model_len, cfg.max_workers),
                     ChatTemplate.from_dir(cfg.model_dir))
-    server, port = start_http(app, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key)
+    server, port = start_http(app, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key,
+                              cfg.tls_client_ca)
     scheme = "https" if cfg.tls_cert else "http"
     print(f"router: OpenAI-compatible HTTP API at {scheme}://{cfg.host}:{port}/v1 "
           f"(model {name!r})", flush=True)
@@ -118,5 +122,7 @@ def _start_http(cfg: RouterConfig, service: GenerationService, max_model_len: in
 def _tls(cfg: RouterConfig) -> grpc.ServerCredentials | None:
     if not cfg.tls_cert:
         return None
+    client_ca = Path(cfg.tls_client_ca).read_bytes() if cfg.tls_client_ca else None
     return grpc.ssl_server_credentials(
-        [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+        [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())],
+        root_certificates=client_ca, require_client_auth=client_ca is not None)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import ssl
 import subprocess
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
 
 from outrider.client import Client, Tls, UnavailableError
+from outrider.engine.distributed import free_port
 from outrider.launch import outrider_process
 
 pytestmark = pytest.mark.slow
@@ -34,3 +39,43 @@ def test_tls_router_serves_tls_clients_only(cert, llama_dir):
              pytest.raises(UnavailableError) as err:
             plain.status()
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, both signed by it."""
+    d = tmp_path_factory.mktemp("pki")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
+            "-keyout", "ca.key", "-out", "ca.pem")
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    for name, ext in (("server", ["-extfile", "san.ext"]), ("client", [])):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+                "-keyout", f"{name}.key", "-out", f"{name}.csr")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                "-CAcreateserial", "-days", "1", "-out", f"{name}.pem", *ext)
+    return d
+
+
+def test_mtls_router_requires_a_client_certificate(pki, llama_dir):
+    http_port = free_port()
+    with outrider_process("router", "--model", str(llama_dir), "--port", "0",
+                          "--http-port", str(http_port), "--tls-cert", str(pki / "server.pem"),
+                          "--tls-key", str(pki / "server.key"),
+                          "--tls-client-ca", str(pki / "ca.pem")) as (_, addr):
+        with_cert = Tls(ca=str(pki / "ca.pem"), cert=str(pki / "client.pem"),
+                        key=str(pki / "client.key"))
+        with Client(addr, tls=with_cert, timeout_s=30) as client:
+            assert client.status().is_store_reachable
+        with Client(addr, tls=Tls(ca=str(pki / "ca.pem")), timeout_s=5, retry=None,
+                    wait_for_ready=False) as anonymous, pytest.raises(UnavailableError):
+            anonymous.status()
+        context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+        url = f"https://127.0.0.1:{http_port}/health"
+        with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(url, context=context, timeout=10).read()
+        context.load_cert_chain(str(pki / "client.pem"), str(pki / "client.key"))
+        assert json.loads(urllib.request.urlopen(url, context=context, timeout=10).read()) == {
+            "status": "ok"}
