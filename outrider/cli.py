@@ -456,7 +456,7 @@ def cmd_down(args) -> int:
 
 def cmd_status(args) -> int:
     if args.address is None:
-        table = _cluster_status(args.ray_address)
+        table = _cluster_status(args.ray_address, args.json)
         if table is not None:
             print(table)
             return 0
@@ -464,8 +464,9 @@ def cmd_status(args) -> int:
     return _router_status(args)
 
 
-def _cluster_status(ray_address: str | None) -> str | None:
-    """The controller's view, or None when no Ray cluster with one runs here."""
+def _cluster_status(ray_address: str | None, as_json: bool = False) -> str | None:
+    """The controller's view (a table, or JSON), or None when no Ray cluster with one
+    runs here."""
     import ray
 
     from outrider.cluster import launch
@@ -477,6 +478,8 @@ def _cluster_status(ray_address: str | None) -> str | None:
     if handle is None:
         return None
     status = ray.get(handle.status.remote())
+    if as_json:
+        return json.dumps(status)
     rows = [("ROLE", "TARGET", "ADDRESS", "NODE", "DEVICE", "PID", "RSS MB", "HEAT", "TOK/S",
              "ALIVE")]
     rows += [(r["role"], str(r["target"]), r["address"], r["node_ip"], r["device"],
