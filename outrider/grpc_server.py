@@ -35,6 +35,35 @@ class ClusterTokenInterceptor(grpc.ServerInterceptor):
         return _refuse(f"missing or wrong {TOKEN_METADATA_KEY}")
 
 
+class StrictParsing(grpc.ServerInterceptor):
+    """A request that does not parse (malformed protobuf, invalid UTF-8 in a string)
+    gets INVALID_ARGUMENT naming the message, not gRPC's INTERNAL "Exception
+    deserializing request!", which reads as a server fault."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        for kind in ("unary_unary", "unary_stream"):
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                return handler._replace(request_deserializer=None,
+                                        **{kind: _parsing(parse, behavior)})
+        return handler
+
+
+def _parsing(parse, behavior):
+    def call(raw: bytes, context):
+        try:
+            request = parse(raw)
+        except Exception as exc:  # DecodeError, or anything a parser raises
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"request: not a valid message ({exc})")
+        return behavior(request, context)
+    return call
+
+
 def _refuse(message: str):
     def deny(request, context):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
@@ -86,7 +115,7 @@ def build_server(add_servicers, service_names: list[str], address: str,
     """Start-ready server with health + reflection, on TLS when `credentials` are given;
     returns (server, bound port). Every service starts SERVING in `health_servicer`
     (given when the caller changes statuses later)."""
-    interceptors = [ClusterTokenInterceptor(token)] if token else []
+    interceptors = [*([ClusterTokenInterceptor(token)] if token else []), StrictParsing()]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=interceptors,
                          options=[("grpc.max_receive_message_length", 64 * 2**20),

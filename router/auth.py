@@ -5,6 +5,7 @@ a little while, so a router keeps authenticating while the shared store is away.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import secrets
 import threading
@@ -48,10 +49,16 @@ class Authenticator:
         self.is_required = is_required
         self.cache_s = cache_s
         self._cache: dict[str, tuple[float, st.ApiKeyRecord]] = {}
+        self._own: dict[str, st.ApiKeyRecord] = {}  # this router's configured keys
         self._lock = threading.Lock()
 
     def add_key(self, key: str, record: st.ApiKeyRecord) -> None:
-        self.store.put_api_key(hash_key(key), record)
+        """A key this router was configured with: kept here too (by digest), so it
+        works through a store that restarted empty; also shared through the store."""
+        digest = hash_key(key)
+        self._own[digest] = record
+        with contextlib.suppress(StoreUnavailable):  # it works on this router meanwhile
+            self.store.put_api_key(digest, record)
 
     def check(self, metadata, tag: str) -> st.ApiKeyRecord | None:
         """The caller's key record (None when keys are not required); raises AuthError."""
@@ -75,6 +82,8 @@ class Authenticator:
         return record
 
     def _record(self, digest: str) -> st.ApiKeyRecord | None:
+        if digest in self._own:
+            return self._own[digest]
         now = time.monotonic()
         with self._lock:
             cached = self._cache.get(digest)

@@ -33,6 +33,7 @@ from outrider.router.openai_protocol import (
 )
 from outrider.router.service import GenerationService, Refused
 from outrider.router.validate import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from outrider.telemetry.metrics import exposition
 from outrider.v1 import generate_pb2 as gp
@@ -98,6 +99,17 @@ def build_app(service: GenerationService, settings: HttpSettings,
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_, exc: RequestValidationError):
         return error_response(_body_refusal(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, exc: StarletteHTTPException):
+        """The framework's own refusals (undecodable bodies, unknown paths), in
+        OpenAI's error format too."""
+        code = {404: grpc.StatusCode.NOT_FOUND, 405: grpc.StatusCode.INVALID_ARGUMENT}.get(
+            exc.status_code, grpc.StatusCode.INVALID_ARGUMENT if exc.status_code < 500
+            else grpc.StatusCode.INTERNAL)
+        response = error_response(Refused(code, f"{exc.detail}"))
+        response.status_code = exc.status_code
+        return response
 
     @app.get("/health")
     async def health():
@@ -352,6 +364,7 @@ def _sum_positions(rows: Iterator) -> list[int]:
 def error_body(refusal: Refused) -> dict:
     status, kind = HTTP_STATUS.get(refusal.code, (500, "server_error"))
     param, message = http_field(refusal.message)
+    param = refusal.param or param
     return {"error": {"message": message, "type": kind, "param": param,
                       "code": refusal.code.name.lower()}}
 
@@ -373,7 +386,9 @@ def _body_refusal(exc: RequestValidationError) -> Refused:
     message = err.get("msg", "invalid").removeprefix("Value error, ")
     if err.get("type") == "extra_forbidden":
         message = "is not a supported parameter"
-    return Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{where or 'body'}: {message}")
+    top = next((str(p) for p in err.get("loc", ()) if p != "body"), None)
+    return Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{where or 'body'}: {message}",
+                   param=top)
 
 
 def _as_refusal(exc: Exception) -> Refused:

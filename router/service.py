@@ -67,9 +67,11 @@ class Progress:
 
 
 class Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float = 0.0):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float = 0.0,
+                 param: str | None = None):
         super().__init__(message)
         self.code, self.message, self.retry_after_s = code, message, retry_after_s
+        self.param = param  # the request field at fault, when the caller knows it
 
 
 class CallContext(Protocol):

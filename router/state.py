@@ -124,11 +124,22 @@ class MemoryStore:
         """Open a journal; if one exists already, leave it and return its record."""
         now = time.monotonic()
         with self._lock:
+            self._sweep_journal(now)
             existing = self._journal.get(request_id)
             if existing is not None and existing[0] > now:
                 return st.JournalRecord.FromString(existing[1])
             self._journal[request_id] = (now + ttl_s, record.SerializeToString(), [])
         return None
+
+    def _sweep_journal(self, now: float) -> None:
+        """Forget expired journals (Redis does this by TTL), so a router without Redis
+        does not grow with every request it served. Oldest first, stopping at the first
+        one still alive: entries are in start order and share one TTL."""
+        while self._journal:
+            request_id, (expiry, _, _) = next(iter(self._journal.items()))
+            if expiry > now:
+                return
+            del self._journal[request_id]
 
     def journal_append(self, request_id: str, token_ids: list[int], ttl_s: float) -> None:
         with self._lock:

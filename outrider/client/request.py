@@ -19,8 +19,8 @@ def build_request(prompt: str | list[int], *, max_tokens: int | None = None,
     temperature 1, no top-k/top-p, a random seed)."""
     if speculation not in MODES:
         raise ValueError(f"speculation must be one of {sorted(MODES)}, got {speculation!r}")
-    sampling = gp.SamplingOptions(stop=list(stop), stop_token_ids=list(stop_token_ids),
-                                  ignore_eos=ignore_eos)
+    sampling = gp.SamplingOptions(stop=list(stop), ignore_eos=ignore_eos)
+    _set_ids(sampling.stop_token_ids, stop_token_ids, "stop_token_ids")
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
                         ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
         if value is not None:
@@ -35,5 +35,12 @@ def build_request(prompt: str | list[int], *, max_tokens: int | None = None,
     if isinstance(prompt, str):
         req.text = prompt
     else:
-        req.token_ids.ids.extend(prompt)
+        _set_ids(req.token_ids.ids, prompt, "prompt")
     return req
+
+
+def _set_ids(field, ids, name: str) -> None:
+    try:
+        field.extend(ids)
+    except (TypeError, ValueError) as exc:  # e.g. beyond int32
+        raise ValueError(f"{name}: {exc}") from None
