@@ -15,7 +15,9 @@ candidate for round r's bonus position, which then verifies it exactly (accept w
 min(1, p/q), else sample the residual) instead of sampling a fresh bonus; when it is
 accepted, the rest are round r+1's draft tokens and that round sends no Propose. It pays
 when the target is latency-bound (small batches); in big batches the drafts thrown away
-on rejection cost more than the overlap saves.
+on rejection cost more than the overlap saves. Sampled sequences overlap only with
+overlap_sampled=True: the distribution is the same, the sample a seed gives is not, and
+seeded output must not depend on the load.
 """
 
 from __future__ import annotations
@@ -132,13 +134,14 @@ class Sequence:
 
 class SpeculativeDecoder:
     def __init__(self, target: ModelRunner, drafter: Drafter | None = None,
-                 overlap_max_seqs: int = 0) -> None:
+                 overlap_max_seqs: int = 0, overlap_sampled: bool = False) -> None:
         if drafter is not None and drafter.vocab_size != target.vocab_size:
             raise RequestError(
                 f"draft and target have different vocabularies "
                 f"({drafter.vocab_size} vs {target.vocab_size} tokens)")
         self.target, self.drafter = target, drafter
         self.overlap_max_seqs = overlap_max_seqs if drafter is not None else 0
+        self.overlap_sampled = overlap_sampled  # sampled sequences draft ahead too
         self.num_candidates = 0    # bonus-position candidates verified (overlap)
         self.num_ahead_rounds = 0  # rounds whose drafts were drafted during the previous one
         self.eos_token_ids = frozenset(target.model_config.eos_token_ids)
@@ -208,8 +211,14 @@ class SpeculativeDecoder:
         gammas = [self.clip_gamma(s, g) if ready else 0
                   for s, g, ready in zip(seqs, gammas, is_ready, strict=True)]
         draft_ids, draft_probs, gammas = self._propose(seqs, gammas)
-        is_overlapping = 0 < sum(g > 0 for g in gammas) <= self.overlap_max_seqs
-        ahead = self._draft_ahead(seqs, draft_ids, gammas) if is_overlapping else None
+        # by default only greedy sequences draft ahead: a verified bonus candidate gives
+        # the same token as a fresh argmax, but not the same *sample* (the same
+        # distribution), and a seed's output must not depend on the batch's size
+        ahead_gammas = [g if self.overlap_sampled or s.params.is_greedy else 0
+                        for s, g in zip(seqs, gammas)]
+        is_overlapping = (any(ahead_gammas)
+                          and sum(g > 0 for g in gammas) <= self.overlap_max_seqs)
+        ahead = self._draft_ahead(seqs, draft_ids, ahead_gammas) if is_overlapping else None
         logits = self._verify_forward(seqs, draft_ids, gammas, feed, is_ready)
         ready = [i for i, r in enumerate(is_ready) if r]
         committed: list[list[int]] = [[] for _ in seqs]

@@ -46,7 +46,8 @@ def decoder(request, llama_dir, draft_dir):
     big = RunnerConfig(str(llama_dir), kv_cache_mb=64)
     return SpeculativeDecoder(ModelRunner(big),
                               Drafter(ModelRunner(RunnerConfig(str(draft_dir), kv_cache_mb=64))),
-                              overlap_max_seqs=ALL if request.param else 0)
+                              overlap_max_seqs=ALL if request.param else 0,
+                              overlap_sampled=request.param)
 
 
 @pytest.mark.slow
