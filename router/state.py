@@ -195,19 +195,35 @@ return '0'
 class RedisStore:
     """The store several routers share, in Redis."""
 
-    def __init__(self, url: str, timeout_s: float = 1.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 1.0, open_s: float = 2.0) -> None:
         import redis
 
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
         self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s,
                                            socket_connect_timeout=timeout_s)
         self._gcra = self._redis.register_script(_GCRA)
+        # circuit breaker: after a failure, calls fail at once for open_s, then one call
+        # at a time tries Redis again (a Redis that hangs must not stall every stream)
+        self.open_s = open_s
+        self._open_until = 0.0
+        self._probe = threading.Lock()
 
     def _call(self, fn):
+        if time.monotonic() < self._open_until:
+            raise StoreUnavailable("redis: unavailable (retrying shortly)")
+        is_probe = self._open_until > 0
+        if is_probe and not self._probe.acquire(blocking=False):
+            raise StoreUnavailable("redis: unavailable (being probed)")
         try:
-            return fn(self._redis)
+            result = fn(self._redis)
+            self._open_until = 0.0
+            return result
         except self._errors as exc:
+            self._open_until = time.monotonic() + self.open_s
             raise StoreUnavailable(f"redis: {exc}") from exc
+        finally:
+            if is_probe:
+                self._probe.release()
 
     # -- replica registry ------------------------------------------------------------------
     def put_replica(self, record: st.ReplicaRecord, ttl_s: float) -> None:
