@@ -25,6 +25,7 @@ from outrider.v1 import worker_pb2_grpc
 from outrider.v1.worker_pb2 import DESCRIPTOR
 
 SERVICE_NAME = DESCRIPTOR.services_by_name["Target"].full_name
+ROUTER_QUEUE_ROOM = 256  # = router ServiceLimits.max_waiting
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,14 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
         serve_metrics(cfg.host, cfg.metrics_port, "target worker", tries=16)
     service = TargetService(engine, default_gamma=cfg.gamma if drafter else 0, cost=cost,
                             auto_gamma_max=cfg.auto_gamma_max if drafter else 0)
-    # every open stream holds a handler thread: room for a full batch, Cancel and GetLoad
+    # every open stream holds a handler thread, waiting ones too: room for a full batch,
+    # the queue a router may build (ServiceLimits.max_waiting) and the control calls
+    # (GetLoad, Cancel), which must stay answerable under load or routers drop a
+    # healthy replica
     server, bound = build_server(
         lambda s: worker_pb2_grpc.add_TargetServicer_to_server(service, s),
         [SERVICE_NAME], f"{cfg.host}:{cfg.port}", token,
-        max_workers=cfg.sched.max_num_seqs + 16)
+        max_workers=cfg.sched.max_num_seqs + ROUTER_QUEUE_ROOM + 16)
     stop = threading.Event()
     loop = threading.Thread(target=engine.run, args=(stop,), name="target-engine", daemon=True)
     loop.start()
