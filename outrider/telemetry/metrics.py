@@ -93,13 +93,18 @@ class TargetMetrics:
                            for p in range(MAX_POSITIONS)]
         self.generation_tokens = GENERATION_TOKENS.labels(**self.labels)
         self.prompt_tokens = PROMPT_TOKENS.labels(**self.labels)
+        # children bound once: record_round runs per sequence per round
+        self._gamma = {m: SPEC_GAMMA.labels(**self.labels, mode=m)
+                       for m in ("auto", "off", "fixed")}
+        self._heat = {b: ROUND_HEAT.labels(**self.labels, speculated=str(b).lower())
+                      for b in (False, True)}
 
     def record_round(self, gamma: int, accepted: int, heat: float, mode: str,
                      num_tokens: int) -> None:
         """One sequence's round: γ drafts, `accepted` of them, `num_tokens` committed."""
         self.generation_tokens.inc(num_tokens)
-        SPEC_GAMMA.labels(**self.labels, mode=mode).observe(gamma)
-        ROUND_HEAT.labels(**self.labels, speculated=str(gamma > 0).lower()).observe(heat)
+        self._gamma[mode].observe(gamma)
+        self._heat[gamma > 0].observe(heat)
         if not gamma:
             return
         self.drafts.inc()
