@@ -4,6 +4,7 @@ runs), brings the spec up and returns; `down` drains everything and stops that h
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 
@@ -18,9 +19,12 @@ pytestmark = pytest.mark.slow
 
 
 def ray_processes() -> list[str]:
-    out = subprocess.run(["pgrep", "-af", "raylet|gcs_server|ray::"], capture_output=True,
-                         text=True)
-    return [line for line in out.stdout.splitlines() if "pgrep" not in line]
+    """Live Ray processes. Zombies are left out: they hold nothing, and where PID 1 does not
+    reap (CI containers) a worker killed by an earlier test stays one until the end."""
+    out = subprocess.run(["ps", "-eo", "stat=,pid=,args="], capture_output=True, text=True)
+    pattern = re.compile(r"raylet|gcs_server|ray::")
+    return [line.strip() for line in out.stdout.splitlines()
+            if pattern.search(line) and not line.lstrip().startswith("Z")]
 
 
 def test_up_status_down_leave_nothing_behind(tmp_path, llama_dir, draft_dir, redis_url):
