@@ -133,7 +133,8 @@ class Controller:
         cfg = RouterConfig(self.spec.pair.target, (), r.host, r.grpc_port, self.spec.redis_url,
                            http_port=r.http_port, metrics_port=r.metrics_port,
                            served_model_name=self.spec.pair.name,
-                           limits=ServiceLimits(replica_wait_s=r.replica_wait_s))
+                           limits=ServiceLimits(replica_wait_s=r.replica_wait_s,
+                                                max_running=r.max_running_requests))
         self.router = ray.remote(RouterReplica).options(
             **r.resources.ray_options(), max_concurrency=4).remote(cfg, self.token)
         self.router_address = ray.get(self.router.address.remote(), timeout=START_TIMEOUT_S)

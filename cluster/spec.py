@@ -112,6 +112,7 @@ class RouterSpec(_Strict):
     metrics_port: Port | None = None
     replica_wait_s: Annotated[float, Field(gt=0)] = 60.0  # a request waits this long for
     resources: Resources = Resources(cpus=1)              # a replica (e.g. one restarting)
+    max_running_requests: Annotated[int, Field(gt=0)] = 256  # more: RESOURCE_EXHAUSTED
 
 
 class ClusterSpec(_Strict):

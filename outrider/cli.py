@@ -207,6 +207,9 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-http", action="store_true", help="no HTTP API, gRPC only")
     p.add_argument("--served-model-name",
                    help="model id of the HTTP API (default: the target dir's name)")
+    p.add_argument("--max-running-requests", type=int, default=256,
+                   help="requests the router runs at once (gRPC and HTTP together); more "
+                        "are refused with RESOURCE_EXHAUSTED / 429 and a retry hint")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -366,6 +369,7 @@ def cmd_target_worker(args) -> int:
 
 def cmd_router(args) -> int:
     from outrider.router.main import RouterConfig, serve
+    from outrider.router.service import ServiceLimits
 
     serve(RouterConfig(args.model, tuple(args.target_address), args.host, args.port,
                        args.redis, args.require_api_key, args.rate_limit_rpm,
@@ -373,7 +377,9 @@ def cmd_router(args) -> int:
                        tls_client_ca=args.tls_client_ca,
                        http_port=None if args.no_http else args.http_port,
                        metrics_port=args.metrics_port,
-                       served_model_name=args.served_model_name), cluster_token())
+                       served_model_name=args.served_model_name,
+                       limits=ServiceLimits(max_running=args.max_running_requests)),
+          cluster_token())
     return 0
 
 
@@ -390,7 +396,8 @@ def cmd_serve(args) -> int:
                      if args.tls_cert else []),
                    *(["--tls-client-ca", args.tls_client_ca] if args.tls_client_ca else []),
                    *(["--served-model-name", args.served_model_name]
-                     if args.served_model_name else [])]
+                     if args.served_model_name else []),
+                   "--max-running-requests", str(args.max_running_requests)]
     cfg = LocalSystemConfig(str(target), draft if args.gamma else None, args.draft_replicas,
                             args.tp, args.gamma, args.host, args.grpc_port, args.redis,
                             args.device, args.kv_cache_mb, args.max_batch_tokens,

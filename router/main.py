@@ -28,6 +28,9 @@ from outrider.v1.generate_pb2 import DESCRIPTOR
 
 SERVICE_NAME = DESCRIPTOR.services_by_name["Generation"].full_name
 API_KEYS_ENV = "OUTRIDER_API_KEYS"  # comma-separated keys this router accepts
+# server threads beyond the running requests' (each holds one while it streams): health
+# checks, Status and refusals stay answerable however many requests run
+CONTROL_THREADS = 16
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,6 @@ class RouterConfig:
     tls_client_ca: str | None = None        # mTLS: clients must present a cert it signed
     limits: ServiceLimits = ServiceLimits()
     heartbeat_s: float = 0.5
-    max_workers: int = 128                  # concurrent calls (each stream holds one)
     http_port: int | None = 8000            # the OpenAI-compatible API; None: off
     metrics_port: int | None = None         # Prometheus (also at the HTTP API's /metrics)
     served_model_name: str | None = None    # its model id (default: the model dir's name)
@@ -86,7 +88,8 @@ def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
     health_servicer = health.HealthServicer()
     server, bound = build_server(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(service, s),
-        [SERVICE_NAME], f"{cfg.host}:{cfg.port}", token=None, max_workers=cfg.max_workers,
+        [SERVICE_NAME], f"{cfg.host}:{cfg.port}", token=None,
+        max_workers=cfg.limits.max_running + CONTROL_THREADS,
         credentials=_tls(cfg), health_servicer=health_servicer)
     # readiness: the Generation service is SERVING while some target replica is live
     replicas.on_live = lambda is_live: health_servicer.set(
@@ -99,6 +102,7 @@ def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
         if http:
             http.should_exit = True
         replicas.close()
+        service.close()
         telemetry.close()
     return Running(server, f"{cfg.host}:{bound}", [close], service)
 
@@ -109,7 +113,7 @@ def _model_name(cfg: RouterConfig) -> str:
 
 def _start_http(cfg: RouterConfig, service: GenerationService, max_model_len: int):
     name = _model_name(cfg)
-    app = build_app(service, HttpSettings(name, max_model_len, cfg.max_workers),
+    app = build_app(service, HttpSettings(name, max_model_len, cfg.limits.max_running),
                     ChatTemplate.from_dir(cfg.model_dir))
     server, port = start_http(app, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key,
                               cfg.tls_client_ca)

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import grpc
 from outrider.router.auth import Authenticator, AuthError
+from outrider.router.claims import ClaimKeeper
 from outrider.router.policy import Acceptance, SpecMode
 from outrider.router.replicas import ReplicaSet
 from outrider.router.state import AcceptanceCounts, StoreUnavailable
@@ -45,6 +46,12 @@ MIGRATE_ON = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.Status
 class ServiceLimits:
     max_migrations: int = 2         # replica failures one request survives
     journal_ttl_s: float = 600.0
+    journal_lease_s: float = 5.0    # a crashed router's request ids free up after this
+    max_running: int = 256          # requests generating at once; more: RESOURCE_EXHAUSTED
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1:
+            raise ValueError(f"max running requests must be at least 1, got {self.max_running}")
     max_waiting: int = 256          # a replica with this many queued takes no more
     replica_wait_s: float = 10.0    # how long a request waits for a replica to appear
     prior_cache_s: float = 5.0      # shared acceptance statistics are re-read this often
@@ -96,6 +103,11 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self.worker_metadata = token_metadata(cluster_token)
         self._priors: dict[tuple[str, str], tuple[float, list[float]]] = {}
         self._lock = threading.Lock()
+        self._claims = ClaimKeeper(store, limits.journal_lease_s)
+        self._free_slots = threading.BoundedSemaphore(limits.max_running)
+
+    def close(self) -> None:
+        self._claims.close()
 
     # -- RPCs --------------------------------------------------------------------------------
     def GenerateStream(self, request: gp.GenerateRequest, context):
@@ -137,23 +149,38 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         refusals raise Refused. `context` is a CallContext."""
         observed = self.telemetry.request(context)
         try:
-            job, replay = self._admit(request, context)
-            observed.admitted(job)
-            if replay is not None:
-                observed.outcome = "OK"
-                yield replay
-                return
-            yield from self._journaled(job, context, observed)
+            with self._running_slot():
+                job, replay = self._admit(request, context)
+                observed.admitted(job)
+                if replay is not None:
+                    observed.outcome = "OK"
+                    yield replay
+                    return
+                yield from self._journaled(job, context, observed)
         except Refused as refusal:
             observed.refused(refusal.code, refusal.message)
             raise
         finally:
             observed.end()
 
+    @contextlib.contextmanager
+    def _running_slot(self):
+        """One of `max_running` slots, or an immediate refusal: each running request
+        holds a server thread, and the router must keep threads for health and Status."""
+        if not self._free_slots.acquire(blocking=False):
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"the router runs its limit of {self.limits.max_running} requests "
+                          "at once", retry_after_s=1.0)
+        try:
+            yield
+        finally:
+            self._free_slots.release()
+
     def _journaled(self, job: Job, context, observed: RequestTelemetry):
         is_finished = False
         try:
-            yield from self._run(job, context, observed)
+            with self._claims.holding(job.request_id):
+                yield from self._run(job, context, observed)
             is_finished = True
         finally:
             if not is_finished:  # failed or abandoned: the same request id may try again
@@ -180,7 +207,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         different request under the same id: refused."""
         record = st.JournalRecord(fingerprint=job.fingerprint, prompt_ids=job.prompt_ids)
         try:
-            existing = self.store.journal_start(job.request_id, record, self.limits.journal_ttl_s)
+            existing = self.store.journal_start(job.request_id, record,
+                                                self.limits.journal_ttl_s,
+                                                self.limits.journal_lease_s)
         except StoreUnavailable:
             return None  # no idempotency without the store; the request still runs
         if existing is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,9 +120,10 @@ class MemoryStore:
         return 0.0
 
     # -- journal -----------------------------------------------------------------------------
-    def journal_start(self, request_id: str, record: st.JournalRecord,
-                      ttl_s: float) -> st.JournalRecord | None:
-        """Open a journal; if one exists already, leave it and return its record."""
+    def journal_start(self, request_id: str, record: st.JournalRecord, ttl_s: float,
+                      lease_s: float) -> st.JournalRecord | None:
+        """Open a journal; if one exists already, leave it and return its record. Only
+        this router uses this store, and it runs every journal it holds: no leases."""
         now = time.monotonic()
         with self._lock:
             self._sweep_journal(now)
@@ -130,6 +132,9 @@ class MemoryStore:
                 return st.JournalRecord.FromString(existing[1])
             self._journal[request_id] = (now + ttl_s, record.SerializeToString(), [])
         return None
+
+    def journal_renew(self, request_ids: list[str], lease_s: float) -> None:
+        """Nothing to renew: this store's journals live and die with this router."""
 
     def _sweep_journal(self, now: float) -> None:
         """Forget expired journals (Redis does this by TTL), so a router without Redis
@@ -191,6 +196,28 @@ redis.call('SET', KEYS[1], tostring(new_tat), 'PX', math.ceil(new_tat - now) + 1
 return '0'
 """
 
+# A journal is claimed while a router runs its request: KEYS[3] holds that router's
+# claim with a short lease, or FINISHED_CLAIM once the response is recorded. No claim
+# means nobody runs it (new, or its router died): this caller (re)starts it.
+# KEYS: record, tokens, claim; ARGV: record, ttl ms, lease ms, owner -> nil or old record
+_CLAIM_JOURNAL = """
+if redis.call('SET', KEYS[3], ARGV[4], 'NX', 'PX', ARGV[3]) then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  redis.call('DEL', KEYS[2])
+  return false
+end
+return redis.call('GET', KEYS[1])
+"""
+FINISHED_CLAIM = "finished"
+
+# KEYS: claims; ARGV: owner, lease ms. Only the owner's own running claims are extended.
+_RENEW_CLAIMS = """
+for _, key in ipairs(KEYS) do
+  if redis.call('GET', key) == ARGV[1] then redis.call('PEXPIRE', key, ARGV[2]) end
+end
+return 0
+"""
+
 
 class RedisStore:
     """The store several routers share, in Redis."""
@@ -202,6 +229,9 @@ class RedisStore:
         self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s,
                                            socket_connect_timeout=timeout_s)
         self._gcra = self._redis.register_script(_GCRA)
+        self._claim = self._redis.register_script(_CLAIM_JOURNAL)
+        self._renew = self._redis.register_script(_RENEW_CLAIMS)
+        self._owner = f"running:{uuid.uuid4().hex}"  # this router's claims
         # circuit breaker: after a failure, calls fail at once for open_s, then one call
         # at a time tries Redis again (a Redis that hangs must not stall every stream)
         self.open_s = open_s
@@ -286,17 +316,24 @@ class RedisStore:
         return float(wait_ms) / 1000
 
     # -- journal -----------------------------------------------------------------------------
-    def journal_start(self, request_id: str, record: st.JournalRecord,
-                      ttl_s: float) -> st.JournalRecord | None:
+    def journal_start(self, request_id: str, record: st.JournalRecord, ttl_s: float,
+                      lease_s: float) -> st.JournalRecord | None:
+        """Open a journal and claim it for `lease_s` (renewed by `journal_renew` while
+        this router runs it); if it is claimed already, leave it and return its record.
+        A journal whose router stopped renewing is unclaimed, and starts over."""
         key = f"{PREFIX}journal:{request_id}"
+        raw = self._call(lambda r: self._claim(
+            keys=[key, f"{key}:out", f"{key}:claim"],
+            args=[record.SerializeToString(), math.ceil(ttl_s * 1000),
+                  math.ceil(lease_s * 1000), self._owner], client=r))
+        return None if raw is None else st.JournalRecord.FromString(raw)
 
-        def start(r):
-            if r.set(key, record.SerializeToString(), nx=True, px=math.ceil(ttl_s * 1000)):
-                r.delete(f"{key}:out")
-                return None
-            raw = r.get(key)
-            return None if raw is None else st.JournalRecord.FromString(raw)
-        return self._call(start)
+    def journal_renew(self, request_ids: list[str], lease_s: float) -> None:
+        """Extend this router's claims on the journals of the requests it runs."""
+        if request_ids:
+            self._call(lambda r: self._renew(
+                keys=[f"{PREFIX}journal:{i}:claim" for i in request_ids],
+                args=[self._owner, math.ceil(lease_s * 1000)], client=r))
 
     def journal_append(self, request_id: str, token_ids: list[int], ttl_s: float) -> None:
         key, ttl_ms = f"{PREFIX}journal:{request_id}", math.ceil(ttl_s * 1000)
@@ -316,12 +353,13 @@ class RedisStore:
             pipe = r.pipeline()
             pipe.set(key, record.SerializeToString(), px=ttl_ms)
             pipe.pexpire(f"{key}:out", ttl_ms)
+            pipe.set(f"{key}:claim", FINISHED_CLAIM, px=ttl_ms)  # a retry gets the response
             pipe.execute()
         self._call(finish)
 
     def journal_drop(self, request_id: str) -> None:
         key = f"{PREFIX}journal:{request_id}"
-        self._call(lambda r: r.delete(key, f"{key}:out"))
+        self._call(lambda r: r.delete(key, f"{key}:out", f"{key}:claim"))
 
     def journal(self, request_id: str) -> tuple[st.JournalRecord, list[int]] | None:
         key = f"{PREFIX}journal:{request_id}"

@@ -172,8 +172,8 @@ def test_seeded_sampling_resumed_after_target_kill_reproduces_the_run(llama_dir,
     streams at once: after a SIGKILL of the replica serving them, they resume on the
     other one and every token equals the uninterrupted run's (randomness is keyed by
     seed and absolute position, so the new replica's round boundaries do not matter,
-    and sampled sequences never draft ahead, so neither does the load:
-    test_found_bugs.py::test_seeded_sampling_does_not_depend_on_the_load)."""
+    and sampled sequences never draft ahead, so neither does the load: the three streams
+    must equal their solo runs)."""
     with process_group(TOKEN) as start:
         _, draft = start("draft-worker", "--model", str(draft_dir))
         targets = {}

@@ -636,7 +636,7 @@ def test_http_sse_client_that_stops_reading_then_disconnects(live, expected_back
 def test_more_streams_than_the_batch_holds_wait_and_finish(live, expected_background):
     """70 streams at once against a replica that runs 64 sequences (the rest wait in
     its queue): every one finishes with the right tokens. (Far more open streams than
-    that: test_found_bugs.py::test_a_target_full_of_streams_stays_live.)"""
+    that: test_regressions.py::test_a_target_full_of_streams_stays_live.)"""
     results: list = []
     waiting: list[int] = []
 

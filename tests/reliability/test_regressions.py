@@ -1,6 +1,8 @@
 """Regression tests for bugs the reliability work found (issue 11) and that were fixed
 while it went on (docs/RELIABILITY.md, "Findings"). Each failed on the code before its
-fix; the docstring says what was wrong. Two more live in other files:
+fix; the docstring says what was wrong. Findings 9 and 10 were open (strict expected
+failures) until the router got journal claims with leases and a running-request limit.
+Two more live in other files:
 seeded sampling that changed with the load
 (test_failures.py::test_seeded_sampling_resumed_after_target_kill_reproduces_the_run, whose
 concurrent streams must equal their solo runs) and a frozen Redis stalling every stream
@@ -18,13 +20,13 @@ import pytest
 import requests
 from outrider.router.state import MemoryStore
 
-from outrider.client import Client
+from outrider.client import Client, ConflictError
 from outrider.engine.distributed import free_port
 from outrider.launch import process_group
 from outrider.v1 import generate_pb2 as gp
 from outrider.v1 import generate_pb2_grpc
 from outrider.v1 import state_pb2 as st
-from tests.reliability._support import RedisServer, wait_until
+from tests.reliability._support import RedisServer, record, reference_greedy, wait_until
 
 TOKEN = "reliability-regressions-token"
 
@@ -41,12 +43,12 @@ def test_memory_store_forgets_expired_journals():
     try:
         before = tracemalloc.get_traced_memory()[0]
         for i in range(5000):
-            store.journal_start(f"req-{i}", record, ttl_s=0.01)
+            store.journal_start(f"req-{i}", record, ttl_s=0.01, lease_s=0.01)
             store.journal_append(f"req-{i}", list(range(64)), ttl_s=0.01)
             store.journal_finish(f"req-{i}", finished, ttl_s=0.01)
         time.sleep(0.05)
         assert store.journal("req-0") is None  # expired ...
-        store.journal_start("one-more", record, ttl_s=60)  # (a chance to sweep)
+        store.journal_start("one-more", record, ttl_s=60, lease_s=60)  # (a chance to sweep)
         gc.collect()
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
@@ -164,3 +166,91 @@ def test_a_target_full_of_streams_stays_live(llama_dir):
             finally:
                 for s in streams:
                     s.cancel()
+
+
+@pytest.mark.slow
+def test_a_request_id_is_usable_again_after_its_router_crashed(llama_dir, tmp_path):
+    """Was (finding 9): a router SIGKILLed mid-stream never closed its request's journal
+    in Redis, so a retry with the same request id (the idempotency key) got ALREADY_EXISTS
+    "still running" from every router for the journal's TTL, 600 s, although nothing ran
+    it (router/service.py _open_journal; fixed by claims with a 5 s lease that the running
+    router renews, router/claims.py). The retry runs the request afresh."""
+    redis_server = RedisServer(free_port(), tmp_path).start()
+    port = free_port()
+    router_args = ("router", "--model", str(llama_dir), "--redis", redis_server.url,
+                   "--port", str(port), "--no-http")
+    options = dict(max_tokens=120, temperature=0.0, ignore_eos=True, request_id="crash-1")
+    try:
+        with process_group(TOKEN) as start:
+            _, target = start("target-worker", "--model", str(llama_dir))
+            router_proc, router = start(*router_args, "--target-address", target)
+            with Client(router, timeout_s=60) as client:
+                next(iter(client.stream([5, 6, 7], **options)))
+                router_proc.kill()  # SIGKILL: no goodbye
+                router_proc.wait()
+            killed_at = time.monotonic()
+            _, router = start(*router_args, "--target-address", target)
+            with Client(router, timeout_s=60) as client:
+                def retry():
+                    try:
+                        retry.result = client.generate([5, 6, 7], **options)
+                        return True
+                    except ConflictError:  # the dead router's claim has not lapsed yet
+                        return False
+                wait_until(retry, timeout_s=30, interval_s=0.5)
+        free_after_s = time.monotonic() - killed_at
+        record("request_id_free_after_router_kill", seconds=round(free_after_s, 2))
+        assert list(retry.result.token_ids) == reference_greedy(llama_dir, [[5, 6, 7]], 120)[0]
+    finally:
+        redis_server.kill()
+
+
+@pytest.mark.slow
+def test_a_router_at_its_limit_refuses_more_and_stays_answerable(llama_dir):
+    """Was (finding 10): the router served gRPC from one pool of 128 threads and every
+    open stream held one; with 140 streams open, health checks, Status and new requests
+    all waited in gRPC's queue until their deadlines, and a liveness probe would have
+    restarted the router (router/main.py; fixed by a running-request limit with spare
+    threads for the rest). Here 140 streams meet a limit of 100: 40 are refused at once
+    with RESOURCE_EXHAUSTED and a retry hint, over gRPC and HTTP alike, while health and
+    Status answer; once streams end, requests run again."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    request = gp.GenerateRequest(token_ids=gp.TokenIds(ids=[5, 6, 7]),
+                                 sampling=gp.SamplingOptions(max_tokens=400, temperature=0.0,
+                                                             ignore_eos=True))
+    http_port = free_port()
+    with process_group(TOKEN) as start:
+        _, target = start("target-worker", "--model", str(llama_dir), "--max-num-seqs", "4")
+        _, router = start("router", "--model", str(llama_dir), "--target-address", target,
+                          "--port", "0", "--http-port", str(http_port),
+                          "--max-running-requests", "100")
+        with grpc.insecure_channel(router) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            streams = [stub.GenerateStream(request, timeout=120) for _ in range(140)]
+            try:
+                wait_until(lambda: sum(s.done() for s in streams) >= 40, timeout_s=20)
+                refused = [s for s in streams if s.done()]
+                assert len(refused) == 40
+                for s in refused:
+                    assert s.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, s.details()
+                    assert "retry-after-ms" in dict(s.trailing_metadata())
+                health = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5)
+                assert health.status == health_pb2.HealthCheckResponse.SERVING
+                with Client(router, timeout_s=5) as client:
+                    assert [r.address for r in client.status().replicas] == [target]
+                over_http = requests.post(f"http://127.0.0.1:{http_port}/v1/completions",
+                                          json={"model": llama_dir.name, "prompt": "hi",
+                                                "max_tokens": 2}, timeout=10)
+                assert over_http.status_code == 429 and "Retry-After" in over_http.headers
+            finally:
+                for s in streams:
+                    s.cancel()
+        with Client(router, timeout_s=60) as client:
+            def runs_again():
+                try:
+                    return client.generate([5, 6, 7], max_tokens=2).usage.completion_tokens == 2
+                except Exception:  # noqa: BLE001 - slots free as the cancels arrive
+                    return False
+            wait_until(runs_again, timeout_s=30, interval_s=0.5)

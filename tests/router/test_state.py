@@ -61,16 +61,45 @@ def test_rate_limit_allows_a_burst_then_spaces_requests(store):
 def test_journal_keeps_tokens_and_refuses_a_second_start(store):
     rid = uuid.uuid4().hex
     record = st.JournalRecord(fingerprint="f", prompt_ids=[1, 2])
-    assert store.journal_start(rid, record, ttl_s=30) is None
+    assert store.journal_start(rid, record, ttl_s=30, lease_s=30) is None
     store.journal_append(rid, [5, 6], ttl_s=30)
     store.journal_append(rid, [7], ttl_s=30)
-    assert store.journal_start(rid, record, ttl_s=30).fingerprint == "f"
+    assert store.journal_start(rid, record, ttl_s=30, lease_s=30).fingerprint == "f"
     got, tokens = store.journal(rid)
     assert (list(got.prompt_ids), tokens, got.is_finished) == ([1, 2], [5, 6, 7], False)
     store.journal_finish(rid, st.JournalRecord(fingerprint="f", is_finished=True), ttl_s=30)
     assert store.journal(rid)[0].is_finished and store.journal(rid)[1] == [5, 6, 7]
     store.journal_drop(rid)
     assert store.journal(rid) is None
+
+
+def test_a_journal_nobody_renews_is_free_again_once_its_lease_lapses(redis_url):
+    """Two routers share Redis; the one running a request dies (stops renewing). Until
+    its lease lapses a retry is refused; after it, the retry claims the id afresh."""
+    alive, crashed = RedisStore(redis_url), RedisStore(redis_url)
+    rid, record = uuid.uuid4().hex, st.JournalRecord(fingerprint="f", prompt_ids=[1])
+    assert crashed.journal_start(rid, record, ttl_s=30, lease_s=0.5) is None
+    crashed.journal_append(rid, [5, 6], ttl_s=30)
+    alive.journal_renew([rid], lease_s=30)  # not its claim: must not extend it
+    assert alive.journal_start(rid, record, ttl_s=30, lease_s=5).fingerprint == "f"
+    time.sleep(0.7)
+    assert alive.journal_start(rid, record, ttl_s=30, lease_s=5) is None  # taken over
+    assert alive.journal(rid)[1] == []  # it starts over: the dead router's tokens are gone
+    assert crashed.journal_start(rid, record, ttl_s=30, lease_s=5) is not None  # now held
+
+
+def test_renewal_keeps_a_claim_and_never_shortens_a_finished_one(redis_url):
+    router, other = RedisStore(redis_url), RedisStore(redis_url)
+    rid, record = uuid.uuid4().hex, st.JournalRecord(fingerprint="f")
+    assert router.journal_start(rid, record, ttl_s=30, lease_s=0.5) is None
+    for _ in range(4):
+        time.sleep(0.25)
+        router.journal_renew([rid], lease_s=0.5)
+    assert other.journal_start(rid, record, ttl_s=30, lease_s=5) is not None  # still held
+    router.journal_finish(rid, st.JournalRecord(fingerprint="f", is_finished=True), ttl_s=30)
+    router.journal_renew([rid], lease_s=0.1)  # a renewal racing the finish
+    time.sleep(0.3)
+    assert other.journal_start(rid, record, ttl_s=30, lease_s=5).is_finished  # replayed
 
 
 def test_api_keys_are_records_under_their_hash(store):
