@@ -22,7 +22,7 @@ from outrider.router.auth import Authenticator, AuthError
 from outrider.router.claims import ClaimKeeper
 from outrider.router.policy import Acceptance, SpecMode
 from outrider.router.replicas import ReplicaSet
-from outrider.router.state import AcceptanceCounts, StoreUnavailable
+from outrider.router.state import MAX_ACCEPTANCE_ENTRIES, AcceptanceCounts, StoreUnavailable
 from outrider.router.telemetry import RequestTelemetry, RouterTelemetry
 from outrider.router.text_stream import TextStream
 from outrider.router.validate import Job, ValidationError, validate
@@ -378,7 +378,10 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         except StoreUnavailable:
             alphas = cached[1] if cached else []
         with self._lock:
+            self._priors.pop((pair, tag), None)  # re-inserted last: oldest refresh first
             self._priors[(pair, tag)] = (now, alphas)
+            while len(self._priors) > MAX_ACCEPTANCE_ENTRIES:
+                del self._priors[next(iter(self._priors))]
         return alphas
 
 

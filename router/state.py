@@ -22,6 +22,9 @@ import numpy as np
 from outrider.v1 import state_pb2 as st
 
 PREFIX = "outrider:"
+# (model pair, workload tag) statistics kept at most: any client may send a new tag with
+# every request, so tags beyond these share their pair's untagged statistics
+MAX_ACCEPTANCE_ENTRIES = 1024
 
 
 class StoreUnavailable(RuntimeError):
@@ -81,10 +84,15 @@ class MemoryStore:
         return [st.ReplicaRecord.FromString(v) for v in live]
 
     # -- acceptance statistics -------------------------------------------------------------
-    def add_acceptance(self, pair: str, tag: str, counts: AcceptanceCounts) -> None:
+    def add_acceptance(self, pair: str, tag: str, counts: AcceptanceCounts) -> str:
+        """Add a request's rounds; returns the tag they were counted under."""
         with self._lock:
+            if ((pair, tag) not in self._acceptance
+                    and len(self._acceptance) >= MAX_ACCEPTANCE_ENTRIES):
+                tag = ""
             total = self._acceptance.setdefault((pair, tag), AcceptanceCounts([], []))
             _add_into(total, counts)
+        return tag
 
     def acceptance(self, pair: str, tag: str) -> AcceptanceCounts:
         with self._lock:
@@ -196,6 +204,22 @@ redis.call('SET', KEYS[1], tostring(new_tat), 'PX', math.ceil(new_tat - now) + 1
 return '0'
 """
 
+# KEYS: the set of statistics names; ARGV: key prefix, pair, tag, most entries, then
+# tested and accepted counts per position -> the name counted under
+_ADD_ACCEPTANCE = """
+local name = ARGV[2] .. ':' .. ARGV[3]
+if redis.call('SISMEMBER', KEYS[1], name) == 0
+    and redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[4]) then
+  name = ARGV[2] .. ':'
+end
+redis.call('SADD', KEYS[1], name)
+for j = 0, (#ARGV - 4) / 2 - 1 do
+  redis.call('HINCRBY', ARGV[1] .. name, 't' .. j, ARGV[5 + 2 * j])
+  redis.call('HINCRBY', ARGV[1] .. name, 'a' .. j, ARGV[6 + 2 * j])
+end
+return name
+"""
+
 # A journal is claimed while a router runs its request: KEYS[3] holds that router's
 # claim with a short lease, or FINISHED_CLAIM once the response is recorded. No claim
 # means nobody runs it (new, or its router died): this caller (re)starts it.
@@ -229,6 +253,7 @@ class RedisStore:
         self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s,
                                            socket_connect_timeout=timeout_s)
         self._gcra = self._redis.register_script(_GCRA)
+        self._add_acceptance = self._redis.register_script(_ADD_ACCEPTANCE)
         self._claim = self._redis.register_script(_CLAIM_JOURNAL)
         self._renew = self._redis.register_script(_RENEW_CLAIMS)
         self._owner = f"running:{uuid.uuid4().hex}"  # this router's claims
@@ -276,16 +301,14 @@ class RedisStore:
         return self._call(read)
 
     # -- acceptance statistics -------------------------------------------------------------
-    def add_acceptance(self, pair: str, tag: str, counts: AcceptanceCounts) -> None:
-        def add(r):
-            pipe = r.pipeline()
-            key = f"{PREFIX}acceptance:{pair}:{tag}"
-            for j, (t, a) in enumerate(zip(counts.tested, counts.accepted)):
-                pipe.hincrby(key, f"t{j}", t)
-                pipe.hincrby(key, f"a{j}", a)
-            pipe.sadd(f"{PREFIX}acceptance-keys", f"{pair}:{tag}")
-            pipe.execute()
-        self._call(add)
+    def add_acceptance(self, pair: str, tag: str, counts: AcceptanceCounts) -> str:
+        """Add a request's rounds; returns the tag they were counted under."""
+        per_position = [n for t, a in zip(counts.tested, counts.accepted) for n in (t, a)]
+        name = self._call(lambda r: self._add_acceptance(
+            keys=[f"{PREFIX}acceptance-keys"],
+            args=[f"{PREFIX}acceptance:", pair, tag, MAX_ACCEPTANCE_ENTRIES, *per_position],
+            client=r))
+        return name.decode().rpartition(":")[2]
 
     def acceptance(self, pair: str, tag: str) -> AcceptanceCounts:
         fields = self._call(lambda r: r.hgetall(f"{PREFIX}acceptance:{pair}:{tag}"))

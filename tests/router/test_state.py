@@ -40,6 +40,20 @@ def test_acceptance_counts_add_up_per_pair_and_tag(store):
     assert set(store.acceptance_all()) == {("t+d", "code"), ("t+d", "chat")}
 
 
+def test_tags_beyond_the_limit_share_the_untagged_statistics(store, monkeypatch):
+    """A client may send a new tag with every request: the statistics stop growing at
+    MAX_ACCEPTANCE_ENTRIES, and rounds under tags beyond it count for their pair."""
+    monkeypatch.setattr("outrider.router.state.MAX_ACCEPTANCE_ENTRIES", 3)
+    counts = AcceptanceCounts([2, 1], [1, 0])
+    assert [store.add_acceptance("t+d", tag, counts) for tag in ("a", "b", "c")] == ["a", "b", "c"]
+    assert store.add_acceptance("t+d", "new", counts) == ""   # full: the pair's own
+    assert store.add_acceptance("t+d", "b", counts) == "b"    # known tags still count
+    assert store.add_acceptance("t+d", "other", counts) == ""
+    stats = store.acceptance_all()
+    assert sorted(stats) == [("t+d", ""), ("t+d", "a"), ("t+d", "b"), ("t+d", "c")]
+    assert stats[("t+d", "")].tested == [4, 2] and stats[("t+d", "b")].accepted == [2, 0]
+
+
 def test_acceptance_counts_follow_the_rounds():
     counts = AcceptanceCounts([], [])
     counts.add_round(gamma=4, num_accepted=1)  # position 0 accepted, 1 rejected, 2-3 untested
