@@ -233,13 +233,12 @@ class Controller:
             return [d.address for d in target.drafts]
 
     def _set_drafts(self, target: Target) -> None:
-        import grpc
-
+        from outrider.cluster_tls import internal_channel
         from outrider.grpc_server import token_metadata
         from outrider.v1 import worker_pb2 as pb
         from outrider.v1 import worker_pb2_grpc
 
-        with grpc.insecure_channel(target.address) as channel:
+        with internal_channel(target.address) as channel:
             worker_pb2_grpc.TargetStub(channel).SetDraftReplicas(
                 pb.DraftReplicas(addresses=[d.address for d in target.drafts]),
                 metadata=token_metadata(self.token), timeout=30)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from outrider.draft_worker.service import DraftService
 
+from outrider import cluster_tls
 from outrider.dense_channel import DRAFT_RANK, DenseChannel
 from outrider.engine.distributed import set_cpu_threads
 from outrider.engine.drafter import Drafter
@@ -27,6 +28,7 @@ def start(model_dir: str, host: str, port: int, token: str | None, device: str =
           dist_address: str | None = None, threads: int = 0,
           metrics_port: int | None = None) -> None:
     setup_tracing("outrider-draft")
+    credentials = cluster_tls.server_credentials()  # before loading: a bad setup fails fast
     cfg = RunnerConfig(model_dir, device=device, dtype=dtype, kv_cache_mb=kv_cache_mb,
                        threads=threads)
     set_cpu_threads(cfg)
@@ -40,6 +42,7 @@ def start(model_dir: str, host: str, port: int, token: str | None, device: str =
                            dense_channel=channel, metrics=metrics)
     server, bound = build_server(
         lambda s: worker_pb2_grpc.add_DraftServicer_to_server(service, s),
-        [SERVICE_NAME], f"{host}:{port}", token)
+        [SERVICE_NAME], f"{host}:{port}", token,
+        credentials=credentials)
     server.start()
     return Running(server, f"{host}:{bound}", service=service)

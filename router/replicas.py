@@ -16,6 +16,7 @@ import grpc
 from outrider.router.policy import Acceptance, CostModel, GammaPolicy, PolicyConfig
 from outrider.router.state import StoreUnavailable
 
+from outrider.cluster_tls import internal_channel
 from outrider.grpc_server import token_metadata
 from outrider.v1 import state_pb2 as st
 from outrider.v1 import worker_pb2 as pb
@@ -53,7 +54,7 @@ class ReplicaSet:
     def stub(self, address: str) -> worker_pb2_grpc.TargetStub:
         with self._lock:
             if address not in self._channels:
-                self._channels[address] = grpc.insecure_channel(address, options=[
+                self._channels[address] = internal_channel(address, options=[
                     ("grpc.max_receive_message_length", 64 * 2**20)])
             return worker_pb2_grpc.TargetStub(self._channels[address])
 

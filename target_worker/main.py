@@ -14,6 +14,7 @@ from outrider.target_worker.remote_drafter import RemoteDrafter
 from outrider.target_worker.scheduler import SchedulerConfig
 from outrider.target_worker.service import TargetService
 
+from outrider import cluster_tls
 from outrider.dense_channel import TARGET_RANK, DenseChannel
 from outrider.engine.distributed import TPRunnerGroup
 from outrider.engine.runner import RunnerConfig
@@ -63,6 +64,7 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
     """Start the replica; with spawn_ranks=False its TP ranks 1.. are started elsewhere
     (Ray actors) and join at `tp_init_method`."""
     setup_tracing("outrider-target")
+    credentials = cluster_tls.server_credentials()  # before loading: a bad setup fails fast
     group = TPRunnerGroup(cfg.runner, tp_init_method, spawn_ranks)
     channel = DenseChannel(cfg.dist_address, TARGET_RANK) if cfg.dist_address else None
     if channel and not channel.wait_ready(timeout_s=60):
@@ -88,7 +90,8 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
     server, bound = build_server(
         lambda s: worker_pb2_grpc.add_TargetServicer_to_server(service, s),
         [SERVICE_NAME], f"{cfg.host}:{cfg.port}", token,
-        max_workers=cfg.sched.max_num_seqs + ROUTER_QUEUE_ROOM + 16)
+        max_workers=cfg.sched.max_num_seqs + ROUTER_QUEUE_ROOM + 16,
+        credentials=credentials)
     stop = threading.Event()
     loop = threading.Thread(target=engine.run, args=(stop,), name="target-engine", daemon=True)
     loop.start()

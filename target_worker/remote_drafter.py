@@ -15,6 +15,7 @@ import zlib
 import grpc
 import torch
 
+from outrider.cluster_tls import internal_channel
 from outrider.dense_channel import DenseChannel
 from outrider.engine.drafter import DraftCall, DraftItem, DraftOutput
 from outrider.grpc_server import token_metadata
@@ -277,5 +278,5 @@ def _pack(items, gammas, is_miss, token_rows, q_rows, vocab: int,
 
 def _channel(address: str) -> grpc.Channel:
     # reconnect quickly to a restarted replica (gRPC's default backoff grows to 2 min)
-    return grpc.insecure_channel(address, options=[("grpc.initial_reconnect_backoff_ms", 200),
-                                                   ("grpc.max_reconnect_backoff_ms", 2000)])
+    return internal_channel(address, options=[("grpc.initial_reconnect_backoff_ms", 200),
+                                              ("grpc.max_reconnect_backoff_ms", 2000)])

@@ -20,11 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-import grpc
 import torch
 
 from outrider import paths
 from outrider.bench.acceptance import heldout_prompts
+from outrider.cluster_tls import internal_channel
 from outrider.engine.distributed import free_port
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
@@ -51,7 +51,7 @@ def cluster(target_dir: str, draft_dir: str, dense_channel: bool = False,
     with outrider_process("draft-worker", "--model", draft_dir, *dist, token=TOKEN) as (_, d), \
          outrider_process("target-worker", "--model", target_dir, "--draft-address", d,
                           *target_flags, token=TOKEN) as (_, t), \
-         grpc.insecure_channel(t) as channel:
+         internal_channel(t) as channel:
         yield worker_pb2_grpc.TargetStub(channel)
 
 

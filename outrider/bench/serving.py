@@ -368,10 +368,11 @@ def replica_cost_model(target_address: str | None, token: str | None) -> dict | 
     harness knows the replica (it started it); None otherwise."""
     if not target_address:
         return None
+    from outrider.cluster_tls import internal_channel
     from outrider.grpc_server import token_metadata
     from outrider.v1 import worker_pb2, worker_pb2_grpc
 
-    with grpc.insecure_channel(target_address) as channel:
+    with internal_channel(target_address) as channel:
         load = worker_pb2_grpc.TargetStub(channel).GetLoad(
             worker_pb2.LoadRequest(), metadata=token_metadata(token), timeout=30)
     cost = load.cost
