@@ -48,13 +48,13 @@ class ServiceLimits:
     journal_ttl_s: float = 600.0
     journal_lease_s: float = 5.0    # a crashed router's request ids free up after this
     max_running: int = 256          # requests generating at once; more: RESOURCE_EXHAUSTED
+    max_waiting: int = 256          # a replica with this many queued takes no more
+    replica_wait_s: float = 10.0    # how long a request waits for a replica to appear
+    prior_cache_s: float = 5.0      # shared acceptance statistics are re-read this often
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
             raise ValueError(f"max running requests must be at least 1, got {self.max_running}")
-    max_waiting: int = 256          # a replica with this many queued takes no more
-    replica_wait_s: float = 10.0    # how long a request waits for a replica to appear
-    prior_cache_s: float = 5.0      # shared acceptance statistics are re-read this often
 
 
 @dataclass
