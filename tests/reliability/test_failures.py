@@ -25,6 +25,7 @@ import redis
 from outrider.client import Client
 from outrider.engine.distributed import free_port
 from outrider.launch import outrider_process, process_group
+from tests.processes import two_targets_behind_a_router
 from tests.reliability._support import (
     RedisServer,
     Workers,
@@ -175,14 +176,7 @@ def test_seeded_sampling_resumed_after_target_kill_reproduces_the_run(llama_dir,
     and sampled sequences never draft ahead, so neither does the load: the three streams
     must equal their solo runs)."""
     with process_group(TOKEN) as start:
-        _, draft = start("draft-worker", "--model", str(draft_dir))
-        targets = {}
-        for _ in range(2):
-            proc, address = start("target-worker", "--model", str(llama_dir),
-                                  "--draft-address", draft)
-            targets[address] = proc
-        _, router = start("router", "--model", str(llama_dir), "--port", "0", "--no-http",
-                          *[a for t in targets for a in ("--target-address", t)])
+        targets, router = two_targets_behind_a_router(start, llama_dir, draft_dir)
         with Client(router, timeout_s=300) as client:
             wait_until(lambda: len(client.status().replicas) == 2, 30)
             seeds = [1000 + i for i in range(len(SEEDED_PROMPTS))]

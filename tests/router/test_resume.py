@@ -11,6 +11,7 @@ from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.sampling import SamplingParams
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.launch import process_group
+from tests.processes import two_targets_behind_a_router
 
 pytestmark = pytest.mark.slow
 PROMPT = [11, 23, 5, 87, 140, 9]
@@ -20,14 +21,7 @@ def test_killed_replica_mid_stream_loses_and_repeats_nothing(llama_dir, draft_di
     expected = SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir)))).generate(
         [PROMPT], SamplingParams(max_tokens=300, ignore_eos=True), 0)[0].output_ids
     with process_group("t") as start:
-        _, draft = start("draft-worker", "--model", str(draft_dir))
-        targets = {}
-        for _ in range(2):
-            proc, address = start("target-worker", "--model", str(llama_dir),
-                                  "--draft-address", draft)
-            targets[address] = proc
-        _, router = start("router", "--model", str(llama_dir), "--port", "0", "--no-http",
-                          *[a for t in targets for a in ("--target-address", t)])
+        targets, router = two_targets_behind_a_router(start, llama_dir, draft_dir)
         with Client(router, timeout_s=300) as client:
             assert len(client.status().replicas) == 2
             stream = client.stream(PROMPT, max_tokens=300, temperature=0.0, ignore_eos=True,
