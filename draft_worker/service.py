@@ -96,8 +96,8 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         proposals = []
         for i, it in enumerate(items):
             g = out.gammas[i]
-            msg = encode_proposal(it.seq_id, out.token_ids[i, :g].tolist(), out.probs[i, :g],
-                                  it.q_format)
+            q_rows = None if out.probs is None else out.probs[i, :g]
+            msg = encode_proposal(it.seq_id, out.token_ids[i, :g].tolist(), q_rows, it.q_format)
             msg.miss = out.is_miss[i]
             proposals.append(msg)
         seconds = time.perf_counter() - start
@@ -160,4 +160,4 @@ class DraftService(worker_pb2_grpc.DraftServicer):
             raise WireError(f"{where}: nothing to draft from (empty context)")
         params, seed = sampling_from_proto(s.sampling)
         return DraftItem(s.seq_id, s.committed_len, list(s.new_token_ids), s.gamma, params,
-                         seed, Q_FORMAT_NAMES[s.q_format], s.traceparent)
+                         seed, Q_FORMAT_NAMES[s.q_format], s.traceparent, s.prefill_only)

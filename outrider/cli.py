@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     draft.add_argument("--device", default="cpu")
     draft.add_argument("--dtype", default="auto")
     draft.add_argument("--kv-cache-mb", type=float, default=256.0)
-    draft.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores)")
+    draft.add_argument("--threads", type=int, default=0,
+                       help="CPU threads (0: one per core it may use)")
+    _add_cpus_arg(draft)
     draft.add_argument("--idle-ttl-s", type=float, default=300.0,
                        help="free sequences idle this long (they MISS later)")
     draft.add_argument("--dist-address", help="host:port of the co-located target's dense "
@@ -100,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--dtype", default="auto")
     target.add_argument("--kv-cache-mb", type=float, default=256.0)
     target.add_argument("--threads", type=int, default=0,
-                        help="CPU threads per rank (0: the cores shared out over --tp)")
+                        help="CPU threads per rank (0: the cores it may use, shared out over "
+                             "--tp)")
+    _add_cpus_arg(target)
     target.add_argument("--max-batch-tokens", type=int, default=512)
     target.add_argument("--max-num-seqs", type=int, default=64)
     _add_metrics_arg(target)
@@ -115,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_router_args(router)
     router.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     _add_metrics_arg(router)
+    _add_cpus_arg(router)
     router.set_defaults(func=cmd_router)
 
     serve = sub.add_parser("serve", help="router + target + draft worker(s) on this machine")
@@ -123,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-port", type=int, default=50051, help="the router's port")
     serve.add_argument("--max-batch-tokens", type=int, default=512)
     serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument("--no-cpu-pinning", action="store_true",
+                       help="let the processes share every core (default on a CPU: the "
+                            "target gets cores of its own; drafts and router the rest)")
     _add_router_args(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -182,6 +190,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV budget per rank")
+
+
+def _add_cpus_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cpus", help="run on these CPU cores only, e.g. 0-2,5 (Linux; default: "
+                                   "any)")
 
 
 def _add_metrics_arg(p: argparse.ArgumentParser) -> None:
@@ -403,7 +416,7 @@ def cmd_serve(args) -> int:
                             args.device, args.kv_cache_mb, args.max_batch_tokens,
                             args.max_num_seqs, extra_router_args=tuple(router_args),
                             http_port=None if args.no_http else args.http_port,
-                            metrics=True)
+                            metrics=True, pin_cpus=not args.no_cpu_pinning)
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
@@ -602,6 +615,10 @@ def _demo_prompt() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "cpus", None):
+            from outrider.cpus import pin_cpus
+
+            pin_cpus(args.cpus)
         return args.func(args)
     except KeyboardInterrupt:
         return 130

@@ -7,6 +7,7 @@ import secrets
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from outrider.cpus import plan_cpus
 from outrider.engine.distributed import free_port
 from outrider.launch import process_group
 
@@ -29,6 +30,7 @@ class LocalSystemConfig:
     extra_router_args: tuple[str, ...] = ()
     http_port: int | None = None    # the router's OpenAI-compatible API (0: a free port)
     metrics: bool = False           # every process serves /metrics on a free port
+    pin_cpus: bool = True           # on a CPU: the target on cores of its own (outrider.cpus)
 
     def __post_init__(self) -> None:
         if self.draft and self.draft_replicas < 1:
@@ -52,6 +54,8 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
     one by default)."""
     with process_group(token or secrets.token_urlsafe(24), env=env) as start:
         metrics: dict[str, str] = {}
+        cpus = plan_cpus() if cfg.pin_cpus and cfg.device == "cpu" else None
+        pinned = (lambda role: ("--cpus", getattr(cpus, role))) if cpus else (lambda role: ())
 
         def run(name: str, *args: str) -> str:
             if cfg.metrics:
@@ -60,7 +64,7 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
             return start(*args, echo=f"[{name}] " if echo else None)[1]
 
         drafts = tuple(run(f"draft-{i}", "draft-worker", "--model", cfg.draft,
-                           "--device", cfg.device)
+                           "--device", cfg.device, *pinned("drafts"))
                        for i in range(cfg.draft_replicas if cfg.draft else 0))
         target = run("target", "target-worker", "--model", cfg.target, "--tp", str(cfg.tp),
                      "--gamma", str(cfg.gamma), "--device", cfg.device,
@@ -68,12 +72,12 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                      "--max-batch-tokens", str(cfg.max_batch_tokens),
                      "--max-num-seqs", str(cfg.max_num_seqs),
                      *[a for d in drafts for a in ("--draft-address", d)],
-                     *cfg.extra_target_args)
+                     *pinned("target"), *cfg.extra_target_args)
         http_port = None if cfg.http_port is None else cfg.http_port or free_port()
         router = run("router", "router", "--model", cfg.target, "--target-address", target,
                      "--host", cfg.host, "--port", str(cfg.grpc_port),
                      *(["--redis", cfg.redis_url] if cfg.redis_url else []),
                      *(["--no-http"] if http_port is None else ["--http-port", str(http_port)]),
-                     *cfg.extra_router_args)
+                     *pinned("router"), *cfg.extra_router_args)
         http = None if http_port is None else f"{cfg.host}:{http_port}"
         yield LocalSystem(router, target, drafts, http, metrics)

@@ -45,10 +45,14 @@ def q_format_for(params: SamplingParams, has_dense_channel: bool = False) -> str
     return "dense_dist" if has_dense_channel else "dense_fp16"
 
 
-def encode_proposal(seq_id: str, token_ids: list[int], q_rows: torch.Tensor,
+def encode_proposal(seq_id: str, token_ids: list[int], q_rows: torch.Tensor | None,
                     q_format: str) -> pb.Proposal:
-    """q_rows: [gamma, vocab], the rows the draft sampled from."""
-    msg = pb.Proposal(seq_id=seq_id, token_ids=token_ids, vocab_size=q_rows.shape[-1])
+    """q_rows: [gamma, vocab], the rows the draft sampled from (None for point masses:
+    the ids say it all)."""
+    msg = pb.Proposal(seq_id=seq_id, token_ids=token_ids)
+    if q_rows is None or q_format in ("ids", "point_mass"):
+        return msg
+    msg.vocab_size = q_rows.shape[-1]
     if q_format == "sparse":
         for row in q_rows:
             support = row.nonzero().squeeze(-1)
@@ -62,10 +66,8 @@ def encode_proposal(seq_id: str, token_ids: list[int], q_rows: torch.Tensor,
 
 def decode_q(msg: pb.Proposal, q_format: str, vocab: int) -> torch.Tensor:
     """Dense, normalised q [gamma, vocab] from a proposal."""
-    ids = torch.tensor(list(msg.token_ids), dtype=torch.long)
+    ids = torch.tensor(checked_ids(msg, vocab), dtype=torch.long)
     gamma = len(ids)
-    if gamma and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise WireError(f"proposal {msg.seq_id}: token_ids outside the vocabulary [0, {vocab})")
     if q_format in ("ids", "point_mass"):
         return torch.nn.functional.one_hot(ids, vocab).float()
     if q_format == "sparse":
@@ -79,6 +81,14 @@ def decode_q(msg: pb.Proposal, q_format: str, vocab: int) -> torch.Tensor:
     else:
         raise WireError(f"unknown q format {q_format!r}")
     return checked_q(q, ids, msg.seq_id)
+
+
+def checked_ids(msg: pb.Proposal, vocab: int) -> list[int]:
+    """The proposal's draft tokens, refused when one is outside the vocabulary."""
+    ids = list(msg.token_ids)
+    if ids and (min(ids) < 0 or max(ids) >= vocab):
+        raise WireError(f"proposal {msg.seq_id}: token_ids outside the vocabulary [0, {vocab})")
+    return ids
 
 
 def checked_q(q: torch.Tensor, token_ids: torch.Tensor, seq_id: str) -> torch.Tensor:

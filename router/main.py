@@ -81,7 +81,7 @@ def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
     replicas = ReplicaSet(store, list(cfg.target_addresses), cluster_token, cfg.heartbeat_s)
     replicas.start()
     telemetry = RouterTelemetry(_model_name(cfg))
-    service = GenerationService(tokenizer, max_model_len, store, replicas, auth, cluster_token,
+    service = GenerationService(tokenizer, max_model_len, store, replicas, auth,
                                 cfg.limits, telemetry)
     if cfg.metrics_port is not None:
         serve_metrics(cfg.host, cfg.metrics_port, "router")

@@ -43,6 +43,7 @@ class _GenerationRequest(_Strict):
     seed: Annotated[int, Field(ge=0, le=SEED_MAX)] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension; its load client sends 1.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # Outrider extensions
@@ -60,6 +61,13 @@ class _GenerationRequest(_Strict):
     def _neutral(cls, value):
         if value:
             raise ValueError("is not supported (only its neutral value)")
+        return value
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _neutral_factor(cls, value: float) -> float:
+        if value != 1.0:
+            raise ValueError("is not supported (only its neutral value, 1.0)")
         return value
 
     @property

@@ -6,16 +6,19 @@ tokens per second over all running requests — from
   * batch heat (0 = idle, 1 = the step's token budget is full without speculation),
   * each request's per-position acceptance estimate (EWMA, warm-started from shared
     statistics for its model pair and workload tag),
-  * a cost model measured on the replica (verify time vs batch tokens, draft time per
-    drafted position, draft round trip).
+  * a cost model measured on the replica at start-up (verify time vs batch tokens, draft
+    time per drafting position and per drafted token, draft round trip) and kept true
+    online by the replica's own step timings.
 Speculation is switched off when the batch is hot and back on when it cools, with
 hysteresis; per-request overrides (OFF, FIXED γ) always win.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
+
+import numpy as np
 
 MAX_GAMMA = 16  # the most draft tokens a request may ask for per round
 
@@ -35,16 +38,60 @@ class CostModel:
     draft_per_position_s: float  # each drafting position (the draft batches sequences)
     draft_rtt_s: float = 0.0     # the Propose round trip, paid once per speculative step
     knee_tokens: int = 0         # positions that ride free (memory-bound forward)
+    draft_per_token_s: float = 0.0  # each drafted token (a drafting position's batch grows)
 
     def __post_init__(self) -> None:
         if min(self.verify_base_s, self.verify_per_token_s, self.draft_per_position_s,
-               self.draft_rtt_s) < 0:
+               self.draft_rtt_s, self.draft_per_token_s) < 0:
             raise ValueError("cost model times must be >= 0")
 
-    def step_seconds(self, batch_tokens: int, max_gamma: int) -> float:
-        draft = max_gamma * self.draft_per_position_s + self.draft_rtt_s if max_gamma else 0.0
-        extra_tokens = max(0, batch_tokens - self.knee_tokens)
-        return self.verify_base_s + self.verify_per_token_s * extra_tokens + draft
+    def step_seconds(self, batch_tokens, max_gamma, draft_tokens=0):
+        """Works on numbers and on numpy arrays alike."""
+        return self.verify_seconds(batch_tokens) + self.draft_seconds(max_gamma, draft_tokens)
+
+    def verify_seconds(self, batch_tokens):
+        return self.verify_base_s + self.verify_per_token_s * np.maximum(
+            0, np.asarray(batch_tokens) - self.knee_tokens)
+
+    def draft_seconds(self, max_gamma, draft_tokens=0):
+        draft = (self.draft_rtt_s + self.draft_per_position_s * np.asarray(max_gamma)
+                 + self.draft_per_token_s * np.asarray(draft_tokens))
+        return np.where(np.asarray(max_gamma) > 0, draft, 0.0)
+
+    def scaled(self, verify: float, draft: float) -> CostModel:
+        """The same shape with every verify time × `verify` and draft time × `draft`."""
+        return replace(self, verify_base_s=self.verify_base_s * verify,
+                       verify_per_token_s=self.verify_per_token_s * verify,
+                       draft_per_position_s=self.draft_per_position_s * draft,
+                       draft_rtt_s=self.draft_rtt_s * draft,
+                       draft_per_token_s=self.draft_per_token_s * draft)
+
+
+class OnlineCost:
+    """The start-up cost model, kept true by the replica's own steps: each step's
+    measured forward and Propose times, against what the model predicted for that step,
+    move an EWMA correction of its verify part and of its draft part (contention from
+    neighbours, batch shapes the start-up runs did not cover)."""
+
+    def __init__(self, measured: CostModel, weight: float = 0.05) -> None:
+        self.measured, self.weight = measured, weight
+        self.verify_scale = self.draft_scale = 1.0
+        self.model = measured
+
+    def observe(self, batch_tokens: int, verify_s: float, max_gamma: int = 0,
+                draft_tokens: int = 0, draft_s: float = 0.0) -> None:
+        predicted = float(self.measured.verify_seconds(batch_tokens))
+        if predicted > 0 and verify_s > 0:
+            self.verify_scale = self._moved(self.verify_scale, verify_s / predicted)
+        predicted = float(self.measured.draft_seconds(max_gamma, draft_tokens))
+        if predicted > 0 and max_gamma:
+            self.draft_scale = self._moved(self.draft_scale, draft_s / predicted)
+        self.model = self.measured.scaled(self.verify_scale, self.draft_scale)
+
+    def _moved(self, scale: float, ratio: float) -> float:
+        # bounded: one stalled step (a page fault, a GC pause) must not flip the policy
+        ratio = min(max(ratio, 0.1), 10.0)
+        return scale + self.weight * (ratio - scale)
 
 
 @dataclass(frozen=True)
@@ -134,30 +181,38 @@ class GammaPolicy:
         """Exact maximum of batch goodput over the AUTO requests' γ.
 
         For a given largest γ G (which sets the draft's time), adding draft position j
-        to request i adds P(positions 0..j all accepted) expected tokens and one batch
-        token; those marginal gains fall along j, so for G and a number k of added
-        positions the best choice is the k largest gains. Enumerating (G, k) costs
-        O(G_max · n log n) instead of a search over all γ vectors."""
+        to request i adds P(positions 0..j all accepted) expected tokens, one batch
+        token and one drafted token; those marginal gains fall along j, so for G and a
+        number k of added positions the best choice is the k largest gains. Every
+        (G, k) is evaluated at once with numpy: O(G_max · n log n), no Python loop per
+        candidate."""
+        cost = self.cost
         is_auto = set(auto)
         fixed_tokens = sum(r.acceptance.expected_tokens(gammas[i])
                            for i, r in enumerate(requests) if i not in is_auto)
         base_batch = sum(1 + g for g in gammas)  # AUTO rows start at γ = 0
+        base_drafts = sum(gammas)
         fixed_max = max(gammas, default=0)
-        best = (fixed_tokens + len(auto)) / self.cost.step_seconds(base_batch, fixed_max)
-        best_plan: dict[int, int] = {}
+        base_tokens = fixed_tokens + len(auto)
+        best = base_tokens / float(cost.step_seconds(base_batch, fixed_max, base_drafts))
+        gains, owners, positions = _all_gains(requests, auto, self.cfg.gamma_max)
+        order = np.argsort(-gains, kind="stable")  # best gains first; positions in order
+        gains, owners, positions = gains[order], owners[order], positions[order]
+        best_plan = None
         for top in range(1, self.cfg.gamma_max + 1):
-            gains = sorted(((gain, i) for i in auto
-                            for gain in _marginal_gains(requests[i], top)), reverse=True)
-            tokens, counts = fixed_tokens + len(auto), {}
-            for k, (gain, i) in enumerate(gains, start=1):
-                tokens += gain
-                counts[i] = counts.get(i, 0) + 1
-                value = tokens / self.cost.step_seconds(base_batch + k,
-                                                        max(fixed_max, max(counts.values())))
-                if value > best * (1 + 1e-9):
-                    best, best_plan = value, dict(counts)
-        for i, g in best_plan.items():
-            gammas[i] = g
+            take = positions < top
+            if not take.any():
+                break
+            k = np.arange(1, int(take.sum()) + 1)
+            tokens = base_tokens + np.cumsum(gains[take])
+            largest = np.maximum(fixed_max, np.maximum.accumulate(positions[take] + 1))
+            values = tokens / cost.step_seconds(base_batch + k, largest, base_drafts + k)
+            at = int(values.argmax())
+            if values[at] > best * (1 + 1e-9):
+                best, best_plan = float(values[at]), owners[take][:at + 1]
+        if best_plan is not None:
+            for i, g in zip(*np.unique(best_plan, return_counts=True)):
+                gammas[int(i)] = int(g)
 
     def request_rate(self, heat: float, num_running: int, acceptance: Acceptance) -> float:
         """Expected tokens/s for one more request like this on a replica at `heat` with
@@ -167,15 +222,21 @@ class GammaPolicy:
         gammas = [0] * len(batch)
         if heat < self.cfg.hot_heat:
             self._maximise_goodput(batch, gammas, list(range(len(batch))))
-        gamma = max(gammas)
-        step = self.cost.step_seconds(sum(1 + g for g in gammas), gamma)
-        return acceptance.expected_tokens(gammas[-1]) / step
+        step = self.cost.step_seconds(sum(1 + g for g in gammas), max(gammas), sum(gammas))
+        return acceptance.expected_tokens(gammas[-1]) / float(step)
 
 
-def _marginal_gains(request: RequestState, top: int) -> list[float]:
-    """Expected extra tokens from each draft position up to min(top, cap)."""
-    gains, survive = [], 1.0
-    for j in range(min(top, request.gamma_cap)):
-        survive *= request.acceptance.alpha(j)
-        gains.append(survive)
-    return gains
+def _all_gains(requests, auto: list[int], gamma_max: int):
+    """Every AUTO request's marginal gains up to min(γ_max, its cap): (expected extra
+    tokens, request index, draft position) as parallel arrays."""
+    gains, owners, positions = [], [], []
+    for i in auto:
+        survive = 1.0
+        acceptance = requests[i].acceptance
+        for j in range(min(gamma_max, requests[i].gamma_cap)):
+            survive *= acceptance.alpha(j)
+            gains.append(survive)
+            owners.append(i)
+            positions.append(j)
+    return (np.array(gains, dtype=float), np.array(owners, dtype=np.int64),
+            np.array(positions, dtype=np.int64))

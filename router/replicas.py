@@ -15,6 +15,7 @@ from collections.abc import Callable
 import grpc
 from outrider.router.policy import Acceptance, CostModel, GammaPolicy, PolicyConfig
 from outrider.router.state import StoreUnavailable
+from outrider.router.target_link import TargetLink
 
 from outrider.cluster_tls import internal_channel
 from outrider.grpc_server import token_metadata
@@ -36,6 +37,7 @@ class ReplicaSet:
         self._known: set[str] = set(addresses)
         self._registered: set[str] = set()   # addresses in the shared registry
         self._channels: dict[str, grpc.Channel] = {}
+        self._links: dict[str, TargetLink] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="replica-heartbeat",
@@ -48,6 +50,8 @@ class ReplicaSet:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        for link in self._links.values():
+            link.close()
         for channel in self._channels.values():
             channel.close()
 
@@ -57,6 +61,14 @@ class ReplicaSet:
                 self._channels[address] = internal_channel(address, options=[
                     ("grpc.max_receive_message_length", 64 * 2**20)])
             return worker_pb2_grpc.TargetStub(self._channels[address])
+
+    def link(self, address: str) -> TargetLink:
+        """The one stream this router runs its requests on `address` through."""
+        stub = self.stub(address)
+        with self._lock:
+            if address not in self._links:
+                self._links[address] = TargetLink(stub, self.metadata)
+            return self._links[address]
 
     def live(self) -> list[st.ReplicaRecord]:
         with self._lock:
@@ -131,6 +143,6 @@ def expected_rate(load: pb.Load, acceptance: Acceptance) -> float:
     if not c.verify_base_s:  # no cost model reported: prefer the coolest replica
         return -load.heat
     cost = CostModel(c.verify_base_s, c.verify_per_token_s, c.draft_per_position_s,
-                     c.draft_rtt_s, c.knee_tokens)
+                     c.draft_rtt_s, c.knee_tokens, c.draft_per_token_s)
     policy = GammaPolicy(PolicyConfig(gamma_max=load.gamma_max), cost)
     return policy.request_rate(load.heat, load.num_running + load.num_waiting, acceptance)

@@ -29,7 +29,7 @@ from outrider.router.validate import Job, ValidationError, validate
 
 from outrider.engine.spec_decode import SpecStats
 from outrider.engine.tokenizer import Tokenizer
-from outrider.grpc_server import remaining_timeout, token_metadata
+from outrider.grpc_server import remaining_timeout
 from outrider.v1 import generate_pb2 as gp
 from outrider.v1 import generate_pb2_grpc
 from outrider.v1 import state_pb2 as st
@@ -94,13 +94,11 @@ class CallContext(Protocol):
 
 class GenerationService(generate_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, store, replicas: ReplicaSet,
-                 auth: Authenticator, cluster_token: str | None,
-                 limits: ServiceLimits = ServiceLimits(),
+                 auth: Authenticator, limits: ServiceLimits = ServiceLimits(),
                  telemetry: RouterTelemetry | None = None) -> None:
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
         self.telemetry = telemetry or RouterTelemetry("")
         self.store, self.replicas, self.auth, self.limits = store, replicas, auth, limits
-        self.worker_metadata = token_metadata(cluster_token)
         self._priors: dict[tuple[str, str], tuple[float, list[float]]] = {}
         self._lock = threading.Lock()
         self._claims = ClaimKeeper(store, limits.journal_lease_s)
@@ -263,28 +261,28 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     def _stream_from(self, address: str, progress: Progress, context,
                      observed: RequestTelemetry):
         job = progress.job
-        call = self.replicas.stub(address).Generate(
-            self._target_request(progress), metadata=observed.worker_metadata(self.worker_metadata),
-            timeout=remaining_timeout(context))
-        context.add_callback(call.cancel)  # a client that leaves frees the replica's work
-        for chunk in call:
-            self._journal(job.request_id, list(chunk.token_ids))
-            progress.output_ids.extend(chunk.token_ids)
-            for r in chunk.rounds:
-                progress.stats.record(r.gamma, r.num_accepted)
-                progress.counts.add_round(r.gamma, r.num_accepted)
-            delta = progress.text.push(list(chunk.token_ids))
-            if progress.text.is_stopped:
-                call.cancel()
-                progress.finish_reason = "stop"
-            elif chunk.finish_reason:
-                progress.finish_reason = chunk.finish_reason
-                delta += progress.text.finish()
-            message = self._delta(progress, delta, chunk.rounds)
-            observed.streamed(len(message.token_ids), chunk.rounds)
-            yield message
-            if progress.finish_reason:
-                return
+        request = self._target_request(progress)
+        request.traceparent = observed.traceparent()
+        with self.replicas.link(address).start(request) as feed:
+            context.add_callback(feed.cancel)  # a client that leaves frees the replica's work
+            for chunk in feed.chunks(remaining_timeout(context)):
+                self._journal(job.request_id, list(chunk.token_ids))
+                progress.output_ids.extend(chunk.token_ids)
+                for r in chunk.rounds:
+                    progress.stats.record(r.gamma, r.num_accepted)
+                    progress.counts.add_round(r.gamma, r.num_accepted)
+                delta = progress.text.push(list(chunk.token_ids))
+                if progress.text.is_stopped:
+                    feed.cancel()
+                    progress.finish_reason = "stop"
+                elif chunk.finish_reason:
+                    progress.finish_reason = chunk.finish_reason
+                    delta += progress.text.finish()
+                message = self._delta(progress, delta, chunk.rounds)
+                observed.streamed(len(message.token_ids), chunk.rounds)
+                yield message
+                if progress.finish_reason:
+                    return
 
     def _after_failure(self, exc: grpc.RpcError, progress: Progress, attempts: int) -> None:
         code = exc.code()

@@ -15,7 +15,7 @@ from outrider.telemetry.tracing import (
     context_from_metadata,
     request_attributes,
     spec_attributes,
-    traced_metadata,
+    traceparent_of,
     tracer,
 )
 
@@ -57,9 +57,9 @@ class RequestTelemetry:
             "outrider.spec.mode": job.mode.value, "outrider.spec.gamma_max": job.gamma_max,
             "outrider.tag": job.tag})
 
-    def worker_metadata(self, metadata: tuple) -> tuple:
-        """Metadata for calls made for this request: they join its trace."""
-        return traced_metadata(metadata, self.span)
+    def traceparent(self) -> str:
+        """The trace context work done for this request elsewhere joins."""
+        return traceparent_of(self.span)
 
     def streamed(self, num_tokens: int, rounds) -> None:
         now = time.perf_counter()

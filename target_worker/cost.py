@@ -15,6 +15,7 @@ from outrider.engine.sampling import SamplingParams
 
 SCRATCH = "cost-calibration"
 MIN_DRAFT_SHARE = 0.25  # of a γ = 4 Propose's time per position, at the least
+WIDE = 8                # sequences in the batched calibration Propose
 
 
 def measure_cost_model(target: ModelRunner, drafter, max_batch_tokens: int,
@@ -27,9 +28,11 @@ def measure_cost_model(target: ModelRunner, drafter, max_batch_tokens: int,
     mid = sizes[max(0, len(sizes) - 2)]
     slope = max(0.0, (times[top] - times[mid]) / (top - mid)) if top > mid else 0.0
     knee = int(max(0, min(top, top - (times[top] - base) / slope))) if slope else top
-    per_position, rtt = _draft_seconds(drafter, target.device, repeats) if drafter else (0, 0)
+    per_position, per_token, rtt = (_draft_seconds(drafter, target.device, repeats)
+                                    if drafter else (0, 0, 0))
     return CostModel(verify_base_s=base, verify_per_token_s=slope, knee_tokens=knee,
-                     draft_per_position_s=per_position, draft_rtt_s=rtt)
+                     draft_per_position_s=per_position, draft_rtt_s=rtt,
+                     draft_per_token_s=per_token)
 
 
 def _verify_seconds(runner: ModelRunner, num_tokens: int, repeats: int) -> float:
@@ -48,19 +51,24 @@ def _verify_seconds(runner: ModelRunner, num_tokens: int, repeats: int) -> float
             blocks.free(seq_id)
 
 
-def _draft_seconds(drafter, device, repeats: int) -> tuple[float, float]:
-    """(seconds per drafted position, fixed seconds per Propose) from γ = 1 and γ = 4."""
-    def propose(gamma: int) -> float:
-        item = DraftItem(SCRATCH, 0, [1] * 16, gamma, SamplingParams(), seed=0)
-        return _best_seconds(lambda: drafter.draft([item], device), repeats)
+def _draft_seconds(drafter, device, repeats: int) -> tuple[float, float, float]:
+    """(seconds per drafting position, per drafted token, fixed seconds per Propose) from
+    one sequence at γ = 1 and γ = 4 and WIDE sequences at γ = 4. At one sequence the
+    time is rtt + γ (position + token); the wide batch adds (WIDE - 1) γ tokens."""
+    def propose(num_seqs: int, gamma: int) -> float:
+        items = [DraftItem((SCRATCH, k), 0, [1] * 16, gamma, SamplingParams(), seed=0)
+                 for k in range(num_seqs)]
+        return _best_seconds(lambda: drafter.draft(items, device), repeats)
 
     try:
-        one, four = propose(1), propose(4)
+        one, four, wide = propose(1, 1), propose(1, 4), propose(WIDE, 4)
     finally:
-        drafter.release(SCRATCH)
+        for k in range(WIDE):
+            drafter.release((SCRATCH, k))
+    per_token = max(0.0, (wide - four) / (4 * (WIDE - 1)))
     # drafting is never free: noise must not make the policy think so
-    per_position = max((four - one) / 3, MIN_DRAFT_SHARE * four / 4)
-    return per_position, max(0.0, one - per_position)
+    per_position = max((four - one) / 3 - per_token, MIN_DRAFT_SHARE * four / 4)
+    return per_position, per_token, max(0.0, one - per_position - per_token)
 
 
 def _best_seconds(fn, repeats: int) -> float:

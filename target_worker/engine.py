@@ -1,5 +1,7 @@
 """The target replica's engine loop: one thread runs steps for the whole batch; gRPC
-handlers submit requests and read their tokens from per-request queues.
+handlers submit requests, and each request's chunks go to its sink — a queue of its own
+(a Generate stream), or the Serve stream of the router that sent it, which takes a
+whole step's chunks as one message: sinks are flushed once per step.
 
 Every step the γ policy (router/policy.py) chooses γ for each sequence from the batch
 heat, the sequence's acceptance estimate and the replica's measured cost model; the
@@ -13,8 +15,9 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from outrider.router.policy import Acceptance, GammaPolicy, RequestState
+from outrider.router.policy import Acceptance, GammaPolicy, OnlineCost, RequestState
 from outrider.target_worker.scheduler import Scheduler, SchedulerConfig
 
 from outrider.engine.spec_decode import Sequence, SpeculativeDecoder
@@ -30,12 +33,34 @@ class Chunk:
     finish_reason: str = ""  # "", "stop", "length", "cancelled", "error: ..."
 
 
+class ChunkSink(Protocol):
+    """Where a request's chunks go."""
+
+    def deliver(self, handle: Handle, chunk: Chunk) -> None: ...
+
+    def flush(self) -> None:
+        """The step is over: what it delivered may go out together."""
+
+
+class ChunkQueue:
+    """One request's chunks, in a queue its own reader drains."""
+
+    def __init__(self) -> None:
+        self.chunks: queue.Queue[Chunk] = queue.Queue()
+
+    def deliver(self, handle: Handle, chunk: Chunk) -> None:
+        self.chunks.put(chunk)
+
+    def flush(self) -> None:
+        pass
+
+
 @dataclass
 class Handle:
     request_id: str
     seq: Sequence
     spec: RequestState  # mode, γ cap, acceptance estimate
-    chunks: queue.Queue = field(default_factory=queue.Queue)
+    sink: ChunkSink = field(default_factory=ChunkQueue)
     is_cancelled: bool = False
     gamma_limit: int = 0  # FIXED: γ; AUTO: γ_max
 
@@ -47,6 +72,7 @@ class TargetEngine:
         self.metrics = metrics
         self.scheduler = Scheduler(sched_cfg, decoder.target.blocks, self._preempt)
         self.policy = policy
+        self.cost = OnlineCost(policy.cost)  # the policy's model, kept true by every step
         # what the replica has seen, for requests that bring no acceptance estimate
         self.acceptance = Acceptance([0.7] * policy.cfg.gamma_max, policy.cfg.ewma_weight)
         self._inbox: queue.Queue[Handle] = queue.Queue()
@@ -54,6 +80,7 @@ class TargetEngine:
         self._by_seq: dict[int, Handle] = {}
         self._wake = threading.Event()
         self._lock = threading.Lock()
+        self._touched: set = set()  # sinks delivered to since the last flush
         self.heat = 0.0
         self.tokens_per_s = 0.0
         self.broken = ""  # why the replica can no longer run steps (a TP rank is gone)
@@ -86,12 +113,24 @@ class TargetEngine:
         while not stop.is_set() and not self.broken:
             self._admit_new()
             self._drop_cancelled()
-            if not (self.scheduler.has_work and self._step()):
+            has_stepped = self.scheduler.has_work and self._step()
+            self._flush()
+            if not has_stepped:
                 self._wake.wait(timeout=0.1)
                 self._wake.clear()
         self._admit_new()
         for handle in list(self._by_seq.values()):  # nobody is left to serve them
             self._finish(handle, f"error: {self.broken or 'the replica is shutting down'}")
+        self._flush()
+
+    def _deliver(self, handle: Handle, chunk: Chunk) -> None:
+        handle.sink.deliver(handle, chunk)
+        self._touched.add(handle.sink)
+
+    def _flush(self) -> None:
+        for sink in self._touched:
+            sink.flush()
+        self._touched.clear()
 
     def _admit_new(self) -> None:
         while not self._inbox.empty():
@@ -124,6 +163,7 @@ class TargetEngine:
                 self._finish(self._by_seq[seq.seq_id], f"error: {exc}")
             return True
         elapsed = time.perf_counter() - start
+        self._observe_cost(self.decoder.last_timing)
         num_tokens = sum(len(c) for c in committed)
         self.tokens_per_s = 0.9 * self.tokens_per_s + 0.1 * (num_tokens / max(elapsed, 1e-9))
         for seq, tokens in zip(plan.seqs, committed):
@@ -131,7 +171,7 @@ class TargetEngine:
             if tokens:
                 gamma, accepted = seq.last_round
                 self._learn(handle, gamma, accepted)
-                handle.chunks.put(Chunk(tokens, [(gamma, accepted, heat)]))
+                self._deliver(handle, Chunk(tokens, [(gamma, accepted, heat)]))
                 if self.metrics:
                     self.metrics.record_round(gamma, accepted, heat, handle.spec.mode.value,
                                               len(tokens))
@@ -157,6 +197,12 @@ class TargetEngine:
             states.append(handle.spec)
         return {s.seq_id: g for s, g in zip(seqs, self.policy.choose(heat, states))}
 
+    def _observe_cost(self, timing) -> None:
+        if timing is not None:
+            self.cost.observe(timing.batch_tokens, timing.verify_s, timing.max_gamma,
+                              timing.draft_tokens, timing.draft_s)
+            self.policy.cost = self.cost.model
+
     def _learn(self, handle: Handle, gamma: int, accepted: int) -> None:
         if gamma:
             handle.spec.acceptance.update(gamma, accepted)
@@ -168,7 +214,7 @@ class TargetEngine:
         self._by_seq.pop(handle.seq.seq_id, None)
         with self._lock:
             self._handles.pop(handle.request_id, None)
-        handle.chunks.put(Chunk([], finish_reason=reason))
+        self._deliver(handle, Chunk([], finish_reason=reason))
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: free the target KV; the draft's cache stays valid."""

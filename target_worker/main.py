@@ -81,7 +81,7 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
     metrics.watch_load(engine.load)
     if cfg.metrics_port is not None:
         serve_metrics(cfg.host, cfg.metrics_port, "target worker", tries=16)
-    service = TargetService(engine, default_gamma=cfg.gamma if drafter else 0, cost=cost,
+    service = TargetService(engine, default_gamma=cfg.gamma if drafter else 0,
                             auto_gamma_max=cfg.auto_gamma_max if drafter else 0)
     # every open stream holds a handler thread, waiting ones too: room for a full batch,
     # the queue a router may build (ServiceLimits.max_waiting) and the control calls

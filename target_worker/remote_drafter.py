@@ -18,12 +18,14 @@ import torch
 from outrider.cluster_tls import internal_channel
 from outrider.dense_channel import DenseChannel
 from outrider.engine.drafter import DraftCall, DraftItem, DraftOutput
+from outrider.engine.rejection import dense_draft_probs
 from outrider.grpc_server import token_metadata
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 from outrider.wire import (
     Q_FORMAT_CODES,
     WireError,
+    checked_ids,
     checked_q,
     decode_q,
     q_format_for,
@@ -127,7 +129,7 @@ class RemoteDrafter:
         self._apply_addresses()
         groups: dict[int, list[int]] = {}
         for i, it in enumerate(items):
-            if it.gamma:
+            if it.is_active:
                 groups.setdefault(self._replica_for(it.seq_id), []).append(i)
         formats = [self._q_format(it, self._assigned.get(it.seq_id, -1)) for it in items]
         self._dist_tag += 1
@@ -238,7 +240,8 @@ class RemoteDrafter:
                 seq_id=self._wire_id(it.seq_id), committed_len=it.committed_len,
                 new_token_ids=it.new_token_ids, gamma=it.gamma,
                 sampling=sampling_to_proto(it.params, it.seed),
-                q_format=Q_FORMAT_CODES[formats[i]], traceparent=it.traceparent))
+                q_format=Q_FORMAT_CODES[formats[i]], traceparent=it.traceparent,
+                prefill_only=it.prefill_only))
         return pb.ProposeRequest(sequences=seqs, dist_tag=self._dist_tag)
 
     def _read(self, item: DraftItem, proposal: pb.Proposal, q_format: str, i: int, gammas,
@@ -249,11 +252,13 @@ class RemoteDrafter:
         gamma = len(proposal.token_ids)
         if gamma > item.gamma:
             return  # not what was asked: unused, γ = 0 this round
-        if q_format != "dense_dist":  # dense_dist rows arrive over the channel
-            try:
+        try:  # point masses need nothing but their ids; dense_dist q comes by the channel
+            if q_format in ("ids", "point_mass"):
+                checked_ids(proposal, self.vocab_size)
+            elif q_format != "dense_dist":
                 q_rows[i] = decode_q(proposal, q_format, self.vocab_size)
-            except WireError:
-                return  # a malformed proposal is simply not used: γ = 0 this round
+        except WireError:
+            return  # a malformed proposal is simply not used: γ = 0 this round
         gammas[i], token_rows[i] = gamma, list(proposal.token_ids)
 
 
@@ -266,14 +271,19 @@ def _checked_or_none(q: torch.Tensor, token_ids: list[int]) -> torch.Tensor | No
 
 def _pack(items, gammas, is_miss, token_rows, q_rows, vocab: int,
           device: torch.device) -> DraftOutput:
+    """Dense q only when some row brought one; point-mass rows are their ids."""
     max_gamma = max(gammas, default=0)
-    token_ids = torch.zeros(len(items), max_gamma, dtype=torch.long)
-    probs = torch.zeros(len(items), max_gamma, vocab)
-    for i, g in enumerate(gammas):
-        if g:
-            token_ids[i, :g] = torch.tensor(token_rows[i])
-            probs[i, :g] = q_rows[i]
-    return DraftOutput(token_ids.to(device), probs.to(device), gammas, is_miss)
+    token_ids = torch.tensor([row + [0] * (max_gamma - len(row)) if g else [0] * max_gamma
+                              for row, g in zip(token_rows, gammas)],
+                             dtype=torch.long).view(len(items), max_gamma)
+    probs = None
+    if any(gammas[i] for i in q_rows):
+        probs = dense_draft_probs(token_ids, vocab)
+        for i, q in q_rows.items():
+            if gammas[i]:
+                probs[i, :gammas[i]] = q
+        probs = probs.to(device)
+    return DraftOutput(token_ids.to(device), probs, gammas, is_miss)
 
 
 def _channel(address: str) -> grpc.Channel:

@@ -1,9 +1,14 @@
 """Attention over a ragged batch with a paged (block) KV cache.
 
 Every sequence brings its own number of new positions (a prefill chunk, one decode
-token, or 1+γ verification tokens). New keys/values are written to their cache slots,
-then each sequence's whole context is gathered from the cache and attended to in one
-padded SDPA call for the batch.
+token, or 1+γ verification tokens). New keys/values are written to their cache slots;
+then the sequences are attended in groups, one SDPA call each:
+  - every sequence with a short query (decode, verification) in one padded batch, its
+    context gathered block by block from the cache;
+  - each prefill chunk on its own, so a 500-token chunk never pads the decoding
+    sequences of its step to 500 queries (a mixed step would cost several times the two
+    alone); a chunk with nothing cached attends to its own keys, causally, with no
+    gather at all.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+SHORT_QUERY = 32  # sequences with at most this many new positions share one padded batch
 
 
 @dataclass
@@ -28,44 +35,45 @@ class SequenceSlice:
 
 
 @dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor       # [num_tokens] cache slot for each new token
-    kv_slots: torch.Tensor           # [batch, max_ctx] cache slot of every context position
-    pad_index: torch.Tensor | None   # [num_tokens] row in the [batch * max_q] padded queries
+class AttentionGroup:
+    """Sequences attended in one padded SDPA call."""
+
+    rows: slice | torch.Tensor      # their rows of the flat [num_tokens] queries
+    pad_index: torch.Tensor | None  # [rows] row in the [batch * max_q] padded queries
+    block_tables: torch.Tensor      # [batch, max_blocks]
     max_query_len: int
-    query_positions: torch.Tensor    # [batch, max_q] absolute position of each padded query
-    context_lens: torch.Tensor       # [batch]
-    is_uniform_context: bool         # every sequence has max_ctx positions
+    max_context_len: int
+    query_positions: torch.Tensor   # [batch, max_q] absolute position of each padded query
+    context_lens: torch.Tensor      # [batch]
+    is_uniform_context: bool        # every sequence has max_context_len positions
+    is_fresh_prefill: bool          # one sequence, nothing cached: its own keys are the context
     masks: dict = field(default_factory=dict)  # window -> [batch, 1, max_q, max_ctx] bool | None
 
     @classmethod
-    def build(cls, seqs: list[SequenceSlice], block_size: int,
-              device: torch.device) -> AttentionMetadata:
+    def build(cls, seqs: list[SequenceSlice], rows: slice | torch.Tensor,
+              device: torch.device) -> AttentionGroup:
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        batch = len(seqs)
-        # sizes from the host-side lists: no device round trips
         max_blocks = max(len(s.block_table) for s in seqs)
         max_q = max(s.query_len for s in seqs)
         context_lens = [s.context_len for s in seqs]
-        max_ctx = max(context_lens)
-        is_dense = all(s.query_len == max_q for s in seqs)
-        tables = as_long([s.block_table + [0] * (max_blocks - len(s.block_table))
-                          for s in seqs])  # [batch, max_blocks]
-        cached = as_long([s.cached_len for s in seqs])  # [batch]
-        query_lens = as_long([s.query_len for s in seqs])  # [batch]
-        pos = torch.arange(max_ctx, device=device)
-        kv_slots = tables[:, pos // block_size] * block_size + pos % block_size  # [batch, max_ctx]
         offsets = torch.arange(max_q, device=device)
-        q_pos = cached[:, None] + offsets  # [batch, max_q]
-        is_real = offsets < query_lens[:, None]  # [batch, max_q]
-        slot_mapping = kv_slots.gather(1, q_pos.clamp(max=max_ctx - 1))
-        slot_mapping = slot_mapping.flatten() if is_dense else slot_mapping[is_real]
-        pad_index = (None if is_dense else
-                     torch.arange(batch * max_q, device=device).view(batch, max_q)[is_real])
-        return cls(slot_mapping=slot_mapping, kv_slots=kv_slots, pad_index=pad_index,
-                   max_query_len=max_q, query_positions=q_pos,
+        query_lens = as_long([s.query_len for s in seqs])  # [batch]
+        pad_index = None
+        if any(s.query_len != max_q for s in seqs):
+            is_real = offsets < query_lens[:, None]  # [batch, max_q]
+            pad_index = torch.arange(len(seqs) * max_q, device=device).view(-1, max_q)[is_real]
+        return cls(rows=rows, pad_index=pad_index,
+                   block_tables=as_long([s.block_table + [0] * (max_blocks - len(s.block_table))
+                                         for s in seqs]),
+                   max_query_len=max_q, max_context_len=max(context_lens),
+                   query_positions=as_long([s.cached_len for s in seqs])[:, None] + offsets,
                    context_lens=as_long(context_lens),
-                   is_uniform_context=min(context_lens) == max_ctx)
+                   is_uniform_context=min(context_lens) == max(context_lens),
+                   is_fresh_prefill=len(seqs) == 1 and seqs[0].cached_len == 0)
+
+    @property
+    def batch(self) -> int:
+        return self.block_tables.shape[0]
 
     def mask(self, window: int | None) -> torch.Tensor | None:
         """Causal (and sliding-window) mask, built once per window size per forward."""
@@ -74,17 +82,48 @@ class AttentionMetadata:
         return self.masks[window]
 
     def _build_mask(self, window: int | None) -> torch.Tensor | None:
-        max_ctx = self.kv_slots.shape[1]
+        max_ctx = self.max_context_len
         if (self.max_query_len == 1 and self.is_uniform_context
                 and (window is None or max_ctx <= window)):
             return None  # every query sees every cached key
-        key_pos = torch.arange(max_ctx, device=self.kv_slots.device)  # [max_ctx]
+        key_pos = torch.arange(max_ctx, device=self.block_tables.device)  # [max_ctx]
         q_pos = self.query_positions.unsqueeze(-1)  # [batch, max_q, 1]
         mask = (key_pos <= q_pos) & (key_pos < self.context_lens[:, None, None])
         if window is not None:
             mask &= key_pos > q_pos - window
         mask[..., 0] |= ~mask.any(-1)  # padded query rows: attend somewhere, avoid NaN
         return mask.unsqueeze(1)  # [batch, 1, max_q, max_ctx]
+
+    def is_plain_causal(self, window: int | None) -> bool:
+        """A fresh prefill without a window that cuts in: SDPA's own causal path."""
+        return self.is_fresh_prefill and (window is None or self.max_context_len <= window)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor    # [num_tokens] cache slot for each new token
+    block_size: int
+    groups: list[AttentionGroup]  # short queries first, then one group per prefill chunk
+
+    @classmethod
+    def build(cls, seqs: list[SequenceSlice], block_size: int,
+              device: torch.device) -> AttentionMetadata:
+        slots, starts, start = [], [], 0
+        for s in seqs:
+            starts.append(start)
+            start += s.query_len
+            slots += [s.block_table[p // block_size] * block_size + p % block_size
+                      for p in range(s.cached_len, s.context_len)]
+        short = [i for i, s in enumerate(seqs) if s.query_len <= SHORT_QUERY]
+        groups = []
+        if short:
+            rows = (slice(0, start) if len(short) == len(seqs) else torch.tensor(
+                [starts[i] + j for i in short for j in range(seqs[i].query_len)],
+                dtype=torch.long, device=device))
+            groups.append(AttentionGroup.build([seqs[i] for i in short], rows, device))
+        groups += [AttentionGroup.build([s], slice(starts[i], starts[i] + s.query_len), device)
+                   for i, s in enumerate(seqs) if s.query_len > SHORT_QUERY]
+        return cls(torch.tensor(slots, dtype=torch.long, device=device), block_size, groups)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -94,17 +133,64 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache, v_cache: [num_slots, kv_heads, head_dim]. Returns [num_tokens, heads * head_dim]."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
-    batch, max_q = meta.kv_slots.shape[0], meta.max_query_len
+    if len(meta.groups) == 1:
+        return _attend(meta.groups[0], q, k, v, k_cache, v_cache, meta.block_size, window,
+                       scale)
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    for group in meta.groups:
+        out[group.rows] = _attend(group, q[group.rows], k[group.rows], v[group.rows],
+                                  k_cache, v_cache, meta.block_size, window, scale)
+    return out
+
+
+def _attend(group: AttentionGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int,
+            window: int | None, scale: float) -> torch.Tensor:
+    """One group's queries q [n, heads, head_dim] -> [n, heads * head_dim]."""
+    batch, max_q = group.batch, group.max_query_len
     num_tokens, heads, head_dim = q.shape
-    if meta.pad_index is None:
+    if group.pad_index is None:
         q_pad = q.view(batch, max_q, heads, head_dim)
     else:
-        q_pad = q.new_zeros(batch * max_q, heads, head_dim).index_copy_(0, meta.pad_index, q)
+        q_pad = q.new_zeros(batch * max_q, heads, head_dim).index_copy_(0, group.pad_index, q)
         q_pad = q_pad.view(batch, max_q, heads, head_dim)
-    keys = k_cache[meta.kv_slots].transpose(1, 2)  # [batch, kv_heads, max_ctx, head_dim]
-    values = v_cache[meta.kv_slots].transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), keys, values, attn_mask=meta.mask(window), scale=scale,
-        enable_gqa=keys.shape[1] != heads)  # [batch, heads, max_q, head_dim]
-    out = out.transpose(1, 2).reshape(batch * max_q, heads * head_dim)
-    return out if meta.pad_index is None else out.index_select(0, meta.pad_index)
+    if group.is_plain_causal(window):
+        out = F.scaled_dot_product_attention(  # [1, heads, q, head_dim]
+            q_pad.transpose(1, 2), k.unsqueeze(0).transpose(1, 2),
+            v.unsqueeze(0).transpose(1, 2), is_causal=True, scale=scale,
+            enable_gqa=k.shape[1] != heads)
+        return out.transpose(1, 2).reshape(num_tokens, heads * head_dim)
+    keys = _gather_context(k_cache, group, block_size)  # [batch, max_ctx, kv_heads, head_dim]
+    values = _gather_context(v_cache, group, block_size)
+    out = _grouped_sdpa(q_pad, keys, values, group.mask(window), scale)
+    out = out.reshape(batch * max_q, heads * head_dim)
+    return out if group.pad_index is None else out.index_select(0, group.pad_index)
+
+
+def _grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [batch, max_q, heads, dim], keys/values [batch, ctx, kv_heads, dim] ->
+    [batch, max_q, heads, dim]. The query heads sharing a KV head are folded into its
+    query rows (one SDPA head per KV head): the same arithmetic as grouped-query
+    attention, without SDPA's slower GQA path."""
+    batch, max_q, heads, dim = q.shape
+    kv_heads = keys.shape[2]
+    group = heads // kv_heads
+    folded = (q.view(batch, max_q, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+              .reshape(batch, kv_heads, group * max_q, dim))  # rows: (head in group, query)
+    if mask is not None and group > 1:
+        mask = mask.repeat(1, 1, group, 1)  # [batch, 1, group * max_q, ctx]
+    out = F.scaled_dot_product_attention(folded, keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask, scale=scale)
+    return out.view(batch, kv_heads, group, max_q, dim).permute(0, 3, 1, 2, 4)
+
+
+def _gather_context(cache: torch.Tensor, group: AttentionGroup,
+                    block_size: int) -> torch.Tensor:
+    """Each sequence's context [batch, max_ctx, kv_heads, head_dim], copied whole blocks
+    at a time (one index per block, not per position)."""
+    blocks = cache.view(-1, block_size, *cache.shape[1:])  # [num_blocks, block, kv_heads, dim]
+    tables = group.block_tables
+    gathered = blocks.index_select(0, tables.flatten())  # [batch * max_blocks, block, ...]
+    gathered = gathered.view(tables.shape[0], -1, *cache.shape[1:])
+    return gathered[:, :group.max_context_len]

@@ -7,7 +7,6 @@ for the driver's forward descriptions.
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import replace
 from datetime import timedelta
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from outrider.cpus import available_cpus, format_cpus, pin_cpus
 from outrider.engine.model_config import ModelConfig
 from outrider.engine.parallel import TPGroup
 from outrider.engine.runner import ModelRunner, RunnerConfig
@@ -43,14 +43,22 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank % torch.cuda.device_count()}" if device.startswith("cuda") else device
 
 
-def set_cpu_threads(cfg: RunnerConfig) -> None:
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // cfg.tp))
+def set_cpu_threads(cfg: RunnerConfig, rank: int = 0) -> None:
+    """This rank's share of the cores the process may use: on a CPU device with enough
+    of them each rank runs on its own (ranks of one group must not preempt each other
+    mid-collective), and with as many torch threads as it has cores."""
+    cores = available_cpus()
+    share = max(1, len(cores) // cfg.tp)
+    mine = cores[rank * share:(rank + 1) * share] if len(cores) >= cfg.tp else cores
+    if cfg.device == "cpu" and cfg.tp > 1 and len(cores) >= cfg.tp:
+        pin_cpus(format_cpus(mine))
+    torch.set_num_threads(cfg.threads or len(mine))
 
 
 def run_tp_rank(cfg: RunnerConfig, rank: int, init_method: str) -> None:
     """A non-driver rank: join the group, load its shard, follow the driver's forwards
     until it says stop."""
-    set_cpu_threads(cfg)
+    set_cpu_threads(cfg, rank)
     tp = init_tp_group(rank, cfg.tp, init_method, cfg.device)
     runner = ModelRunner(replace(cfg, device=rank_device(cfg.device, rank)), tp)
     try:

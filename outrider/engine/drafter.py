@@ -43,14 +43,22 @@ class DraftItem:
     seed: int
     q_format: str = "dense"
     traceparent: str = ""       # the request's trace context, when the sequence starts
+    prefill_only: bool = False  # take the new tokens into the cache, draft nothing (gamma 0)
+
+    @property
+    def is_active(self) -> bool:
+        """Whether the drafter has work for this item: drafting, or a prefill."""
+        return bool(self.gamma or (self.prefill_only and self.new_token_ids))
 
 
 @dataclass
 class DraftOutput:
     token_ids: torch.Tensor  # [batch, max_gamma] int64 (0 in padding)
-    probs: torch.Tensor      # [batch, max_gamma, vocab] q after the request's processing
+    # [batch, max_gamma, vocab] q after the request's processing; None when every row is
+    # a point mass at its token (greedy drafting): nothing dense is built or sent
+    probs: torch.Tensor | None
     gammas: list[int]        # tokens drafted per item (0 on a miss or when the KV is full)
-    is_miss: list[bool]
+    is_miss: list[bool]      # prefill-only items: True unless the draft now caches them
 
 
 class DraftCall:
@@ -101,12 +109,17 @@ class Drafter:
         return evicted
 
     def draft(self, items: list[DraftItem], device: torch.device | None = None) -> DraftOutput:
-        is_miss = [it.gamma > 0 and not self._sync(it) for it in items]
+        is_miss = [it.is_active and not self._sync(it) for it in items]
         self.num_misses += sum(is_miss)
         protected = {it.seq_id for it in items}
-        gammas = [0 if miss or not it.gamma or not self._reserve(it, protected) else it.gamma
-                  for it, miss in zip(items, is_miss)]
-        token_ids, probs = self._draft_tokens(items, gammas, device or self.runner.device)
+        is_held = [it.is_active and not miss and self._reserve(it, protected)
+                   for it, miss in zip(items, is_miss)]
+        gammas = [it.gamma if held else 0 for it, held in zip(items, is_held)]
+        is_prefilled = [held and it.prefill_only for it, held in zip(items, is_held)]
+        token_ids, probs = self._draft_tokens(items, gammas, is_prefilled,
+                                              device or self.runner.device)
+        is_miss = [miss or (it.prefill_only and not done)
+                   for it, miss, done in zip(items, is_miss, is_prefilled)]
         return DraftOutput(token_ids, probs, gammas, is_miss)
 
     def submit(self, items: list[DraftItem], device: torch.device | None = None) -> DraftCall:
@@ -134,7 +147,7 @@ class Drafter:
         """KV room for the new tokens and γ-1 draft positions (the last draft token is
         never fed back); evicts least-recently-used other sequences when allowed."""
         blocks = self.runner.blocks
-        needed = len(item.new_token_ids) + item.gamma - 1
+        needed = len(item.new_token_ids) + max(0, item.gamma - 1)
         context = item.committed_len + needed + 1
         if context > self.max_model_len:
             return False
@@ -167,11 +180,21 @@ class Drafter:
         return True
 
     # -- the drafting chain: γ batched forwards ---------------------------------------------
-    def _draft_tokens(self, items: list[DraftItem], gammas: list[int], device: torch.device):
+    def _draft_tokens(self, items: list[DraftItem], gammas: list[int], is_prefilled: list[bool],
+                      device: torch.device):
+        """The drafting chain; prefill-only items ride along in its first forward (KV
+        only, no logits)."""
         max_gamma = max(gammas, default=0)
         drafted: list[list[int]] = [[] for _ in items]
-        probs_out = torch.zeros(len(items), max_gamma, self.vocab_size, device=device)
+        probs_out = None
+        if any(g and not it.params.is_greedy for it, g in zip(items, gammas)):
+            probs_out = torch.zeros(len(items), max_gamma, self.vocab_size, device=device)
         blocks = self.runner.blocks
+        prefills = [ForwardRequest(it.new_token_ids, it.committed_len,
+                                   blocks.block_table(it.seq_id), 0)
+                    for it, done in zip(items, is_prefilled) if done]
+        if prefills and not max_gamma:
+            self.runner.forward(prefills)
         for j in range(max_gamma):
             rows = [i for i, g in enumerate(gammas) if g > j]
             requests = []
@@ -180,10 +203,12 @@ class Drafter:
                 cached = it.committed_len + (0 if j == 0 else len(it.new_token_ids) + j - 1)
                 new = it.new_token_ids if j == 0 else drafted[i][-1:]
                 requests.append(ForwardRequest(new, cached, blocks.block_table(it.seq_id), 1))
-            logits = self.runner.forward(requests)  # [len(rows), vocab]
+            logits = self.runner.forward(requests + (prefills if j == 0 else []))  # [len(rows), V]
             tokens, probs = self._pick(logits, [items[i] for i in rows], j)
             for i, token in zip(rows, tokens.tolist()):
                 drafted[i].append(token)
+            if probs_out is None:
+                continue
             if probs is None:  # greedy: q is the point mass on the drafted token
                 probs_out[rows, j, tokens.to(device)] = 1.0
             else:

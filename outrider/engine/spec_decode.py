@@ -23,6 +23,7 @@ seeded output must not depend on the load.
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -30,7 +31,7 @@ import torch
 
 from outrider.engine.block_manager import OutOfBlocksError
 from outrider.engine.drafter import DraftCall, Drafter, DraftItem, DraftOutput
-from outrider.engine.rejection import greedy_verify, rejection_sample
+from outrider.engine.rejection import dense_draft_probs, greedy_verify, rejection_sample
 from outrider.engine.runner import ForwardRequest, ModelRunner
 from outrider.engine.sampling import (
     MAX_SEED,
@@ -95,13 +96,24 @@ class SpecStats:
         return (self.num_accepted_tokens + self.num_rounds) / self.num_rounds
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """What a step cost: the γ policy keeps its cost model true with these."""
+
+    batch_tokens: int   # target positions in the forward
+    verify_s: float     # the target forward
+    max_gamma: int      # the largest γ drafted
+    draft_tokens: int   # tokens drafted
+    draft_s: float      # time the step waited for the draft
+
+
 @dataclass
 class DraftAhead:
     """Draft tokens for the next round, drafted ahead (overlap) after a bonus-position
     candidate that was accepted."""
 
-    token_ids: list[int]  # [n]
-    probs: torch.Tensor   # [n, vocab] q they were drafted from
+    token_ids: list[int]        # [n]
+    probs: torch.Tensor | None  # [n, vocab] q they were drafted from (None: point masses)
 
 
 @dataclass
@@ -145,6 +157,7 @@ class SpeculativeDecoder:
         self.num_candidates = 0    # bonus-position candidates verified (overlap)
         self.num_ahead_rounds = 0  # rounds whose drafts were drafted during the previous one
         self.eos_token_ids = frozenset(target.model_config.eos_token_ids)
+        self.last_timing: StepTiming | None = None
         # a sequence must fit the target's KV cache on its own, or it could never run
         kv_capacity = target.blocks.num_blocks * target.blocks.block_size
         self.max_model_len = min(target.max_model_len, kv_capacity,
@@ -204,30 +217,48 @@ class SpeculativeDecoder:
 
         chunk_lens caps how many pending tokens a sequence feeds the target this step
         (chunked prefill); a sequence whose pending tokens do not all fit only advances
-        its prefill: no draft, no sampling, nothing committed."""
+        its prefill: no draft, no sampling, nothing committed. A request's first token
+        comes from its prefill step without speculating (time to first token), while the
+        draft takes the context in the background: the next round drafts at once. A
+        resumed or recomputed sequence speculates at once, as the run it continues did
+        at that position: a seeded sample must not depend on where a run broke."""
         pending = [len(s.token_ids) - s.target_len for s in seqs]
         feed = pending if chunk_lens is None else [min(p, c) for p, c in zip(pending, chunk_lens)]
         is_ready = [f == p for f, p in zip(feed, pending)]
-        gammas = [self.clip_gamma(s, g) if ready else 0
+        wanted = [self.clip_gamma(s, g) if ready else 0
                   for s, g, ready in zip(seqs, gammas, is_ready, strict=True)]
+        is_first = [s.num_output == 0 for s in seqs]
+        gammas = [0 if first else g for first, g in zip(is_first, wanted)]
+        start = time.perf_counter()
         draft_ids, draft_probs, gammas = self._propose(seqs, gammas)
+        draft_s = time.perf_counter() - start
         # by default only greedy sequences draft ahead: a verified bonus candidate gives
         # the same token as a fresh argmax, but not the same *sample* (the same
         # distribution), and a seed's output must not depend on the batch's size
         ahead_gammas = [g if self.overlap_sampled or s.params.is_greedy else 0
                         for s, g in zip(seqs, gammas)]
-        is_overlapping = (any(ahead_gammas)
-                          and sum(g > 0 for g in gammas) <= self.overlap_max_seqs)
-        ahead = self._draft_ahead(seqs, draft_ids, ahead_gammas) if is_overlapping else None
+        if not (any(ahead_gammas) and sum(g > 0 for g in gammas) <= self.overlap_max_seqs):
+            ahead_gammas = [0] * len(seqs)
+        warm = [first and g > 0 for first, g in zip(is_first, wanted)]
+        background = self._draft_background(seqs, draft_ids, ahead_gammas, warm)
+        start = time.perf_counter()
         logits = self._verify_forward(seqs, draft_ids, gammas, feed, is_ready)
+        verify_s = time.perf_counter() - start
         ready = [i for i, r in enumerate(is_ready) if r]
         committed: list[list[int]] = [[] for _ in seqs]
+        num_draft, next_ahead = list(gammas), {}
+        if background is not None:
+            start = time.perf_counter()
+            out = background.result()
+            draft_s += time.perf_counter() - start
+            self._note_prefilled(seqs, warm, out.is_miss)
+            if any(ahead_gammas):
+                draft_ids, draft_probs = self._add_bonus_candidates(
+                    seqs, out, draft_ids, draft_probs, num_draft, next_ahead)
+        self.last_timing = StepTiming(sum(feed) + sum(gammas), verify_s, max(gammas, default=0),
+                                      sum(gammas), draft_s)
         if not ready:
             return committed
-        num_draft, next_ahead = list(gammas), {}
-        if ahead is not None:
-            draft_ids, draft_probs = self._add_bonus_candidates(
-                seqs, ahead.result(), draft_ids, draft_probs, num_draft, next_ahead)
         result = self._accept(seqs, ready, gammas, num_draft, logits, draft_ids, draft_probs)
         for i, k, row in zip(ready, result.num_accepted.tolist(), result.token_ids.tolist()):
             committed[i] = self._commit(seqs[i], gammas[i], k, row, next_ahead.get(i))
@@ -244,6 +275,8 @@ class SpeculativeDecoder:
         if all(seqs[i].params.is_greedy for i in ready):
             argmax = _pad_rows(logits.argmax(-1), num_rows, width)  # [n, width]
             return greedy_verify(argmax, draft_ids[rows], num_verified)
+        if draft_probs is None:  # every draft row is a point mass
+            draft_probs = dense_draft_probs(draft_ids, self.target.vocab_size)
         params = [seqs[i].params for i in ready for _ in range(gammas[i] + 1)]
         target_probs = _pad_rows(logits_to_probs(logits, params), num_rows, width)
         positions = [[len(seqs[i].token_ids) + j for j in range(width)] for i in ready]
@@ -273,8 +306,7 @@ class SpeculativeDecoder:
         if any(to_draft):
             out = self._draft(seqs, to_draft)
         else:
-            out = DraftOutput(torch.zeros(len(seqs), 0, dtype=torch.long, device=device),
-                              torch.zeros(len(seqs), 0, vocab, device=device),
+            out = DraftOutput(torch.zeros(len(seqs), 0, dtype=torch.long, device=device), None,
                               [0] * len(seqs), [False] * len(seqs))
         if any(aheads):
             out = _merge_rows(out, [i for i, a in enumerate(aheads) if a],
@@ -308,33 +340,56 @@ class SpeculativeDecoder:
         return DraftItem(seq.seq_id, start, new if gamma else [], gamma, seq.params, seq.seed,
                          traceparent=seq.traceparent if start == 0 else "")
 
-    def _draft_ahead(self, seqs: list[Sequence], draft_ids: torch.Tensor,
-                     gammas: list[int]) -> DraftCall:
-        """Start drafting the next round now, assuming this round's drafts all pass:
-        1 bonus-position candidate + γ_i draft tokens per speculating sequence."""
+    def _draft_background(self, seqs: list[Sequence], draft_ids: torch.Tensor,
+                          ahead_gammas: list[int], warm: list[bool]) -> DraftCall | None:
+        """What the draft does while the target verifies: drafting the next round ahead
+        (overlap), assuming this round's drafts all pass — 1 bonus-position candidate +
+        γ_i draft tokens per sequence —, and taking in the context of sequences whose
+        prefill completes now."""
+        if not (any(ahead_gammas) or any(warm)):
+            return None
         drafts = draft_ids.tolist()
         items = [self._draft_item(s, g + 1 if g else 0, drafts[i][:g])
-                 for i, (s, g) in enumerate(zip(seqs, gammas))]
+                 for i, (s, g) in enumerate(zip(seqs, ahead_gammas))]
+        for i, s in enumerate(seqs):
+            if warm[i]:
+                items[i] = DraftItem(
+                    s.seq_id, s.draft_len, s.token_ids[s.draft_len:], 0, s.params, s.seed,
+                    traceparent=s.traceparent if s.draft_len == 0 else "", prefill_only=True)
         return self.drafter.submit(items, self.target.device)
 
+    @staticmethod
+    def _note_prefilled(seqs: list[Sequence], warm: list[bool], is_miss: list[bool]) -> None:
+        for s, is_warm, miss in zip(seqs, warm, is_miss):
+            if is_warm and not miss:
+                s.draft_len = s.target_len  # the whole context, as the target now holds it
+
     def _add_bonus_candidates(self, seqs, ahead: DraftOutput, draft_ids: torch.Tensor,
-                              draft_probs: torch.Tensor, num_draft: list[int],
+                              draft_probs: torch.Tensor | None, num_draft: list[int],
                               next_ahead: dict[int, DraftAhead]):
         """Append each sequence's bonus-position candidate to its draft row (γ_i + 1
         tokens to verify) and keep the rest as next round's drafts."""
-        draft_ids = torch.nn.functional.pad(draft_ids, (0, 1))            # [batch, γ_max + 1]
-        draft_probs = torch.nn.functional.pad(draft_probs, (0, 0, 0, 1))  # [batch, γ_max + 1, V]
+        vocab = self.target.vocab_size
+        draft_ids = torch.nn.functional.pad(draft_ids, (0, 1))  # [batch, γ_max + 1]
+        ahead_probs = ahead.probs
+        if draft_probs is not None or ahead_probs is not None:
+            draft_probs = torch.nn.functional.pad(  # [batch, γ_max + 1, V]
+                _dense(draft_probs, draft_ids[:, :-1], vocab), (0, 0, 0, 1))
+            ahead_probs = _dense(ahead_probs, ahead.token_ids, vocab)
         for i, g in enumerate(ahead.gammas):
             if not g:
                 continue
             gamma = num_draft[i]
-            draft_ids[i, gamma], draft_probs[i, gamma] = ahead.token_ids[i, 0], ahead.probs[i, 0]
+            draft_ids[i, gamma] = ahead.token_ids[i, 0]
+            if draft_probs is not None:
+                draft_probs[i, gamma] = ahead_probs[i, 0]
             num_draft[i] = gamma + 1
             self.num_candidates += 1
             # the draft now holds the context, this round's drafts and g-1 drafted ahead
             seqs[i].draft_len = len(seqs[i].token_ids) + gamma + g - 1
             if g > 1:
-                next_ahead[i] = DraftAhead(ahead.token_ids[i, 1:g].tolist(), ahead.probs[i, 1:g])
+                next_ahead[i] = DraftAhead(ahead.token_ids[i, 1:g].tolist(),
+                                           None if ahead_probs is None else ahead_probs[i, 1:g])
         return draft_ids, draft_probs
 
     def _verify_forward(self, seqs: list[Sequence], draft_ids: torch.Tensor, gammas: list[int],
@@ -399,24 +454,42 @@ def _merge_rows(first: DraftOutput, rows: list[int], other: DraftOutput) -> Draf
     widening γ if needed."""
     max_gamma = max(first.token_ids.shape[1], other.token_ids.shape[1])
     token_ids = torch.nn.functional.pad(first.token_ids, (0, max_gamma - first.token_ids.shape[1]))
-    probs = torch.nn.functional.pad(first.probs, (0, 0, 0, max_gamma - first.probs.shape[1]))
+    probs = other_probs = None
+    if first.probs is not None or other.probs is not None:
+        vocab = (first.probs if first.probs is not None else other.probs).shape[-1]
+        probs = torch.nn.functional.pad(_dense(first.probs, first.token_ids, vocab),
+                                        (0, 0, 0, max_gamma - first.token_ids.shape[1]))
+        other_probs = _dense(other.probs, other.token_ids, vocab)
     gammas = list(first.gammas)
     for k, i in enumerate(rows):
         g = other.gammas[k]
-        token_ids[i, :g], probs[i, :g], gammas[i] = other.token_ids[k, :g], other.probs[k, :g], g
+        token_ids[i, :g], gammas[i] = other.token_ids[k, :g], g
+        if probs is not None:
+            probs[i, :g] = other_probs[k, :g]
     return DraftOutput(token_ids, probs, gammas, [False] * len(gammas))
 
 
 def _ahead_output(aheads: list[DraftAhead | None], gammas: list[int], vocab: int,
                   device: torch.device) -> DraftOutput:
     """The drafted-ahead tokens of the sequences that have them, each cut to its γ."""
-    rows = [(a.token_ids[:g], a.probs[:g]) for a, g in zip(aheads, gammas) if a]
+    rows = [(a.token_ids[:g], None if a.probs is None else a.probs[:g])
+            for a, g in zip(aheads, gammas) if a]
     width = max(len(ids) for ids, _ in rows)
     token_ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-    probs = torch.zeros(len(rows), width, vocab, device=device)
-    for k, (ids, q) in enumerate(rows):
-        token_ids[k, :len(ids)], probs[k, :len(ids)] = torch.tensor(ids), q
+    for k, (ids, _) in enumerate(rows):
+        token_ids[k, :len(ids)] = torch.tensor(ids)
+    probs = None
+    if any(q is not None for _, q in rows):
+        probs = dense_draft_probs(token_ids, vocab)
+        for k, (ids, q) in enumerate(rows):
+            if q is not None:
+                probs[k, :len(ids)] = q
     return DraftOutput(token_ids, probs, [len(ids) for ids, _ in rows], [False] * len(rows))
+
+
+def _dense(probs: torch.Tensor | None, token_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """q rows [batch, γ, vocab]: `probs`, or the point masses at `token_ids`."""
+    return probs if probs is not None else dense_draft_probs(token_ids, vocab)
 
 
 def _pad_rows(values: torch.Tensor, num_rows: list[int], width: int) -> torch.Tensor:

@@ -44,7 +44,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ProposeSequence(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "new_token_ids", "gamma", "sampling", "q_format", "traceparent")
+    __slots__ = ("seq_id", "committed_len", "new_token_ids", "gamma", "sampling", "q_format", "traceparent", "prefill_only")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class ProposeSequence(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     Q_FORMAT_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ONLY_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     committed_len: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -59,7 +60,8 @@ class ProposeSequence(_message.Message):
     sampling: Sampling
     q_format: QFormat
     traceparent: str
-    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., q_format: _Optional[_Union[QFormat, str]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    prefill_only: bool
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., q_format: _Optional[_Union[QFormat, str]] = ..., traceparent: _Optional[str] = ..., prefill_only: _Optional[bool] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("sequences", "dist_tag")
@@ -136,7 +138,7 @@ class DraftStats(_message.Message):
     def __init__(self, num_sequences: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_evicted: _Optional[int] = ..., num_misses: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_dense_sends: _Optional[int] = ..., model_name: _Optional[str] = ...) -> None: ...
 
 class TargetRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "resume_output_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "spec_mode", "gamma", "acceptance_prior")
+    __slots__ = ("request_id", "prompt_ids", "resume_output_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "spec_mode", "gamma", "acceptance_prior", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +149,7 @@ class TargetRequest(_message.Message):
     SPEC_MODE_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_PRIOR_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     resume_output_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -157,7 +160,8 @@ class TargetRequest(_message.Message):
     spec_mode: SpecMode
     gamma: int
     acceptance_prior: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., resume_output_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., spec_mode: _Optional[_Union[SpecMode, str]] = ..., gamma: _Optional[int] = ..., acceptance_prior: _Optional[_Iterable[float]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., resume_output_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., spec_mode: _Optional[_Union[SpecMode, str]] = ..., gamma: _Optional[int] = ..., acceptance_prior: _Optional[_Iterable[float]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class RoundStats(_message.Message):
     __slots__ = ("gamma", "num_accepted", "heat")
@@ -185,6 +189,32 @@ class CancelRequest(_message.Message):
     request_id: str
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
+class ServeRequest(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: TargetRequest
+    cancel: CancelRequest
+    def __init__(self, start: _Optional[_Union[TargetRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ...) -> None: ...
+
+class StepOutput(_message.Message):
+    __slots__ = ("request_id", "chunk", "error_code", "error_message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    chunk: TargetChunk
+    error_code: int
+    error_message: str
+    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[TargetChunk, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class ServeStep(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[StepOutput]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[StepOutput, _Mapping]]] = ...) -> None: ...
+
 class CancelResponse(_message.Message):
     __slots__ = ("found",)
     FOUND_FIELD_NUMBER: _ClassVar[int]
@@ -196,18 +226,20 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CostModel(_message.Message):
-    __slots__ = ("verify_base_s", "verify_per_token_s", "knee_tokens", "draft_per_position_s", "draft_rtt_s")
+    __slots__ = ("verify_base_s", "verify_per_token_s", "knee_tokens", "draft_per_position_s", "draft_rtt_s", "draft_per_token_s")
     VERIFY_BASE_S_FIELD_NUMBER: _ClassVar[int]
     VERIFY_PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     KNEE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PER_POSITION_S_FIELD_NUMBER: _ClassVar[int]
     DRAFT_RTT_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     verify_base_s: float
     verify_per_token_s: float
     knee_tokens: int
     draft_per_position_s: float
     draft_rtt_s: float
-    def __init__(self, verify_base_s: _Optional[float] = ..., verify_per_token_s: _Optional[float] = ..., knee_tokens: _Optional[int] = ..., draft_per_position_s: _Optional[float] = ..., draft_rtt_s: _Optional[float] = ...) -> None: ...
+    draft_per_token_s: float
+    def __init__(self, verify_base_s: _Optional[float] = ..., verify_per_token_s: _Optional[float] = ..., knee_tokens: _Optional[int] = ..., draft_per_position_s: _Optional[float] = ..., draft_rtt_s: _Optional[float] = ..., draft_per_token_s: _Optional[float] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("num_running", "num_waiting", "heat", "kv_used_blocks", "kv_total_blocks", "tokens_per_s", "model_pair", "cost", "max_batch_tokens", "gamma_max")

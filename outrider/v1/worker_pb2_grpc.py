@@ -197,6 +197,11 @@ class TargetStub:
                 request_serializer=outrider_dot_v1_dot_worker__pb2.TargetRequest.SerializeToString,
                 response_deserializer=outrider_dot_v1_dot_worker__pb2.TargetChunk.FromString,
                 _registered_method=True)
+        self.Serve = channel.stream_stream(
+                '/outrider.v1.Target/Serve',
+                request_serializer=outrider_dot_v1_dot_worker__pb2.ServeRequest.SerializeToString,
+                response_deserializer=outrider_dot_v1_dot_worker__pb2.ServeStep.FromString,
+                _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/outrider.v1.Target/Cancel',
                 request_serializer=outrider_dot_v1_dot_worker__pb2.CancelRequest.SerializeToString,
@@ -218,6 +223,12 @@ class TargetServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Serve(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -248,6 +259,11 @@ def add_TargetServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=outrider_dot_v1_dot_worker__pb2.TargetRequest.FromString,
                     response_serializer=outrider_dot_v1_dot_worker__pb2.TargetChunk.SerializeToString,
+            ),
+            'Serve': grpc.stream_stream_rpc_method_handler(
+                    servicer.Serve,
+                    request_deserializer=outrider_dot_v1_dot_worker__pb2.ServeRequest.FromString,
+                    response_serializer=outrider_dot_v1_dot_worker__pb2.ServeStep.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
@@ -292,6 +308,33 @@ class Target:
             '/outrider.v1.Target/Generate',
             outrider_dot_v1_dot_worker__pb2.TargetRequest.SerializeToString,
             outrider_dot_v1_dot_worker__pb2.TargetChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Serve(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/outrider.v1.Target/Serve',
+            outrider_dot_v1_dot_worker__pb2.ServeRequest.SerializeToString,
+            outrider_dot_v1_dot_worker__pb2.ServeStep.FromString,
             options,
             channel_credentials,
             insecure,

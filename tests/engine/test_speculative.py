@@ -121,3 +121,37 @@ def test_chunked_prefill_changes_nothing(llama_dir, draft_dir, target_only):
         num_steps += 1
     assert [s.output_ids for s in seqs] == target_only
     assert decoder.target.blocks.num_used_blocks == 0
+
+
+def test_first_token_comes_from_the_prefill_while_the_draft_takes_the_context(
+        llama_dir, draft_dir, target_only):
+    """Time to first token: the prefill step emits its token without speculating, the
+    draft prefills the context meanwhile, and the next round sends it one token. A
+    resumed sequence speculates at once (as the run it continues did there)."""
+    drafter = Drafter(ModelRunner(RunnerConfig(str(draft_dir))))
+    decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir))), drafter)
+    prompt = ragged_prompts()[3]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    seq = decoder.new_sequence(prompt, params)
+    assert decoder.step([seq], [4]) == [target_only[3][:1]] and seq.last_round == (0, 0)
+    assert drafter.runner.blocks.seq_len(seq.seq_id) == seq.draft_len == len(prompt)
+    sent = []
+    drafter.draft = lambda items, device=None, draft=drafter.draft: (
+        sent.extend(items) or draft(items, device))
+    decoder.step([seq], [4])
+    assert seq.last_round[0] == 4 and [len(it.new_token_ids) for it in sent] == [1]
+
+    resumed = decoder.new_sequence(prompt, params, resume_ids=target_only[3][:5])
+    decoder.step([resumed], [4])
+    assert resumed.last_round[0] == 4
+    assert resumed.output_ids == target_only[3][:len(resumed.output_ids)]
+
+
+def test_greedy_drafts_build_no_dense_q(draft_dir):
+    from outrider.engine.drafter import DraftItem
+
+    drafter = Drafter(ModelRunner(RunnerConfig(str(draft_dir))))
+    greedy = DraftItem("g", 0, [5, 6, 7], 4, SamplingParams(), seed=1)
+    assert drafter.draft([greedy]).probs is None
+    sampled = DraftItem("s", 0, [5, 6, 7], 4, SamplingParams(temperature=1.0), seed=1)
+    assert drafter.draft([greedy, sampled]).probs.shape == (2, 4, drafter.vocab_size)

@@ -118,3 +118,24 @@ def test_config_is_validated():
         PolicyConfig(hot_heat=0.5, cool_heat=0.6)
     with pytest.raises(ValueError, match=">= 0"):
         CostModel(verify_base_s=-1, verify_per_token_s=0, draft_per_position_s=0)
+
+
+def test_online_cost_follows_the_replicas_own_steps():
+    from outrider.router.policy import OnlineCost
+
+    online = OnlineCost(CHEAP_DRAFT, weight=0.5)
+    predicted_verify = float(CHEAP_DRAFT.verify_seconds(40))
+    predicted_draft = float(CHEAP_DRAFT.draft_seconds(4, 32))
+    for _ in range(30):  # the forward runs twice as slow here, the draft as measured
+        online.observe(40, 2 * predicted_verify, 4, 32, predicted_draft)
+    assert online.verify_scale == pytest.approx(2.0, rel=1e-3)
+    assert online.draft_scale == pytest.approx(1.0, rel=1e-3)
+    assert float(online.model.verify_seconds(40)) == pytest.approx(2 * predicted_verify, 1e-3)
+    online.observe(40, 1000.0)  # one stalled step moves it by a bounded amount
+    assert online.verify_scale < 7
+    slow_draft = OnlineCost(CHEAP_DRAFT, weight=0.5)
+    for _ in range(30):
+        slow_draft.observe(40, predicted_verify, 4, 32, 5 * predicted_draft)
+    cheap = policy().choose(0.1, [request(0.8)])[0]
+    costly = GammaPolicy(PolicyConfig(), slow_draft.model).choose(0.1, [request(0.8)])[0]
+    assert costly < cheap  # a draft measured slower gets fewer tokens to draft

@@ -275,3 +275,57 @@ def test_sigterm_with_an_open_stream_stops_the_worker(llama_dir):
             assert list(stream)[-1].finish_reason
         except grpc.RpcError as err:
             assert err.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_serve_stream_multiplexes_requests_one_message_per_step(cluster, llama_dir, draft_dir):
+    """A router's Serve stream: several requests start on one stream, each engine step
+    answers with ONE message carrying every running request's part; a bad request gets
+    its own error while the others go on; a cancel stops only its request; closing the
+    stream cancels what still runs on it."""
+    stub, draft = cluster
+    reqs = [request_for(40 + i, p, gamma=3, max_tokens=30, sampled=i == 1)
+            for i, p in enumerate(prompts(3, seed=6))]
+    bad = pb.TargetRequest(request_id="bad", prompt_ids=[VOCAB + 5], max_tokens=4)
+    long = request_for(50, prompts(1, seed=7)[0], gamma=3, max_tokens=400, sampled=False)
+    outbox = [pb.ServeRequest(start=r) for r in [*reqs, bad, long]]
+    sent = threading.Event()
+
+    def requests():
+        yield from outbox
+        sent.wait(60)  # keep the stream open until the test is done
+        yield pb.ServeRequest(cancel=pb.CancelRequest(request_id=long.request_id))
+        time.sleep(0.5)
+
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in [*reqs, long]}
+    finish, errors, max_outputs = {}, {}, 0
+    for step in stub.Serve(requests(), metadata=token_metadata(TOKEN), timeout=120):
+        max_outputs = max(max_outputs, len({o.request_id for o in step.outputs}))
+        for out in step.outputs:
+            if out.error_code:
+                errors[out.request_id] = (out.error_code, out.error_message)
+                continue
+            tokens[out.request_id] += out.chunk.token_ids
+            if out.chunk.finish_reason:
+                finish[out.request_id] = out.chunk.finish_reason
+        if all(r.request_id in finish for r in reqs):
+            sent.set()
+        if long.request_id in finish:
+            break
+    assert errors["bad"][0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "outside the vocabulary" in errors["bad"][1]
+    assert max_outputs >= 2  # requests really share step messages
+    for r in reqs:
+        assert finish[r.request_id] == "length"
+        assert tokens[r.request_id] == run_local(llama_dir, draft_dir, r)
+    assert finish[long.request_id] == "cancelled" and len(tokens[long.request_id]) < 400
+    _wait_idle(stub, draft)
+
+
+def test_closing_a_serve_stream_cancels_its_requests(cluster):
+    stub, draft = cluster
+    req = request_for(60, prompts(1, seed=8)[0], gamma=3, max_tokens=400, sampled=False)
+    steps = stub.Serve(iter([pb.ServeRequest(start=req)]), metadata=token_metadata(TOKEN),
+                       timeout=120)
+    assert next(steps).outputs[0].request_id == req.request_id
+    steps.cancel()  # the router went away
+    _wait_idle(stub, draft)

@@ -1,0 +1,71 @@
+"""CPU cores for processes that share a machine. `outrider serve` on a CPU gives the
+target replica cores of its own and leaves the rest to the draft replicas and the router
+(and whatever clients run there): a model's threads that meet other busy processes on
+their cores wait at every parallel region for the one that was preempted, and the
+target's forward is the step every request waits on. Every role takes `--cpus LIST`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+DRAFT_SHARE = 8  # one core in this many goes to the drafts and the router (at least one)
+
+
+class CpuListError(ValueError):
+    """A --cpus value that names no usable core; the message says why."""
+
+
+def parse_cpus(text: str) -> list[int]:
+    """'0-2,5' -> [0, 1, 2, 5]."""
+    cores: set[int] = set()
+    try:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            low, _, high = part.partition("-")
+            cores.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise CpuListError(f"--cpus {text!r}: expected a list like 0-2,5") from None
+    if not cores:
+        raise CpuListError(f"--cpus {text!r}: names no core")
+    return sorted(cores)
+
+
+def format_cpus(cores: list[int]) -> str:
+    return ",".join(map(str, cores))
+
+
+def available_cpus() -> list[int]:
+    """The cores this process may run on."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
+        range(os.cpu_count() or 1))
+
+
+def pin_cpus(text: str) -> None:
+    """Run this process (and the threads it starts from now on) on the cores `text` names."""
+    cores = parse_cpus(text)
+    allowed = set(available_cpus())
+    if not set(cores) <= allowed:
+        raise CpuListError(f"--cpus {text!r}: this process may only use cores "
+                           f"{format_cpus(sorted(allowed))}")
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """Cores per role, as --cpus values."""
+
+    target: str
+    drafts: str
+    router: str
+
+
+def plan_cpus(cores: list[int] | None = None) -> CpuPlan | None:
+    """The target replica on all cores but the last few; drafts and router on those
+    (None with a single core: there is nothing to share out)."""
+    cores = sorted(cores or available_cpus())
+    if len(cores) < 2:
+        return None
+    spare = cores[-max(1, len(cores) // DRAFT_SHARE):]
+    return CpuPlan(target=format_cpus(cores[:-len(spare)]), drafts=format_cpus(spare),
+                   router=format_cpus(spare))

@@ -1,0 +1,37 @@
+"""The CPU budget of co-located processes (outrider.cpus)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from outrider.cpus import CpuListError, parse_cpus, plan_cpus
+
+
+def test_cpu_lists_parse_and_bad_ones_name_the_flag():
+    assert parse_cpus("0-2,5") == [0, 1, 2, 5]
+    assert parse_cpus("3") == [3]
+    for bad in ("", "a", "1-b", ","):
+        with pytest.raises(CpuListError, match="--cpus"):
+            parse_cpus(bad)
+
+
+def test_the_target_gets_cores_of_its_own():
+    assert plan_cpus([0]) is None  # one core: nothing to share out
+    two = plan_cpus([0, 1])
+    assert (two.target, two.drafts, two.router) == ("0", "1", "1")
+    sixteen = plan_cpus(list(range(16)))
+    assert sixteen.target == ",".join(map(str, range(14))) and sixteen.drafts == "14,15"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux affinity only")
+def test_a_role_runs_on_the_cores_it_was_given():
+    core = sorted(os.sched_getaffinity(0))[0]
+    code = ("import os; from outrider.cpus import pin_cpus; "
+            f"pin_cpus('{core}'); print(sorted(os.sched_getaffinity(0)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == f"[{core}]"
