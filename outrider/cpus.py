@@ -1,15 +1,17 @@
 """CPU cores for processes that share a machine. `outrider serve` on a CPU gives the
-target replica cores of its own and leaves the rest to the draft replicas and the router
-(and whatever clients run there): a model's threads that meet other busy processes on
-their cores wait at every parallel region for the one that was preempted, and the
-target's forward is the step every request waits on. Every role takes `--cpus LIST`."""
+target replica cores of its own and the router the rest (with whatever clients run
+there): a model's threads that meet other busy processes on their cores wait at every
+parallel region for the one that was preempted, and the target's forward is the step
+every request waits on. Draft replicas may run anywhere: while the target waits for a
+Propose its cores are idle, and while it verifies (overlap) the others are — measured
+both ways here, pinning them to either side lost. Every role takes `--cpus LIST`."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
-DRAFT_SHARE = 8  # one core in this many goes to the drafts and the router (at least one)
+ROUTER_SHARE = 8  # one core in this many is kept off the target (at least one)
 
 
 class CpuListError(ValueError):
@@ -53,19 +55,18 @@ def pin_cpus(text: str) -> None:
 
 @dataclass(frozen=True)
 class CpuPlan:
-    """Cores per role, as --cpus values."""
+    """Cores per role, as --cpus values (None: any)."""
 
     target: str
-    drafts: str
     router: str
+    drafts: str | None = None
 
 
 def plan_cpus(cores: list[int] | None = None) -> CpuPlan | None:
-    """The target replica on all cores but the last few; drafts and router on those
-    (None with a single core: there is nothing to share out)."""
+    """The target replica on all cores but the last few, the router on those (None
+    with a single core: there is nothing to share out)."""
     cores = sorted(cores or available_cpus())
     if len(cores) < 2:
         return None
-    spare = cores[-max(1, len(cores) // DRAFT_SHARE):]
-    return CpuPlan(target=format_cpus(cores[:-len(spare)]), drafts=format_cpus(spare),
-                   router=format_cpus(spare))
+    spare = cores[-max(1, len(cores) // ROUTER_SHARE):]
+    return CpuPlan(target=format_cpus(cores[:-len(spare)]), router=format_cpus(spare))

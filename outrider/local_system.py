@@ -55,7 +55,8 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
     with process_group(token or secrets.token_urlsafe(24), env=env) as start:
         metrics: dict[str, str] = {}
         cpus = plan_cpus() if cfg.pin_cpus and cfg.device == "cpu" else None
-        pinned = (lambda role: ("--cpus", getattr(cpus, role))) if cpus else (lambda role: ())
+        pinned = lambda role: ("--cpus", getattr(cpus, role)) if cpus and getattr(  # noqa: E731
+            cpus, role) else ()
 
         def run(name: str, *args: str) -> str:
             if cfg.metrics:

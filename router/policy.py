@@ -68,30 +68,43 @@ class CostModel:
 
 
 class OnlineCost:
-    """The start-up cost model, kept true by the replica's own steps: each step's
-    measured forward and Propose times, against what the model predicted for that step,
-    move an EWMA correction of its verify part and of its draft part (contention from
-    neighbours, batch shapes the start-up runs did not cover)."""
+    """The start-up cost model, kept true by the replica's own steps. Verify time is
+    refitted as a line in batch tokens over the recent steps (exponentially weighted
+    least squares: contention from neighbours and real batch shapes — contexts, prefill
+    chunks — that the start-up runs did not have); when recent steps all had one size,
+    only the line's base moves. The draft part keeps its start-up shape, scaled by an
+    EWMA of measured over predicted Propose time."""
 
     def __init__(self, measured: CostModel, weight: float = 0.05) -> None:
         self.measured, self.weight = measured, weight
-        self.verify_scale = self.draft_scale = 1.0
+        self.draft_scale = 1.0
+        self._sums = np.zeros(5)  # weighted count, Σx, Σy, Σx², Σxy (x: tokens, y: seconds)
         self.model = measured
 
     def observe(self, batch_tokens: int, verify_s: float, max_gamma: int = 0,
                 draft_tokens: int = 0, draft_s: float = 0.0) -> None:
-        predicted = float(self.measured.verify_seconds(batch_tokens))
-        if predicted > 0 and verify_s > 0:
-            self.verify_scale = self._moved(self.verify_scale, verify_s / predicted)
+        if verify_s > 0:
+            # bounded: one stalled step (a page fault, a GC pause) must not flip the policy
+            y = min(verify_s, 10 * float(self.model.verify_seconds(batch_tokens)))
+            x = float(batch_tokens)
+            self._sums = (1 - self.weight) * self._sums + np.array([1.0, x, y, x * x, x * y])
         predicted = float(self.measured.draft_seconds(max_gamma, draft_tokens))
         if predicted > 0 and max_gamma:
-            self.draft_scale = self._moved(self.draft_scale, draft_s / predicted)
-        self.model = self.measured.scaled(self.verify_scale, self.draft_scale)
+            ratio = min(max(draft_s / predicted, 0.1), 10.0)
+            self.draft_scale += self.weight * (ratio - self.draft_scale)
+        self.model = replace(self.measured.scaled(1.0, self.draft_scale), **self._verify_line())
 
-    def _moved(self, scale: float, ratio: float) -> float:
-        # bounded: one stalled step (a page fault, a GC pause) must not flip the policy
-        ratio = min(max(ratio, 0.1), 10.0)
-        return scale + self.weight * (ratio - scale)
+    def _verify_line(self) -> dict:
+        count, sx, sy, sxx, sxy = self._sums
+        if count < 1.0:
+            return {}
+        spread = count * sxx - sx * sx  # count² × variance of the batch sizes
+        if spread <= (0.05 * sx) ** 2:  # sizes within ~5 % of each other: no slope to see
+            slope = self.measured.verify_per_token_s
+        else:
+            slope = max(0.0, (count * sxy - sx * sy) / spread)
+        base = max(0.0, (sy - slope * sx) / count)
+        return {"verify_base_s": base, "verify_per_token_s": slope, "knee_tokens": 0}
 
 
 @dataclass(frozen=True)
@@ -127,6 +140,13 @@ class Acceptance:
 
     def alpha(self, position: int) -> float:
         return self.alphas[min(position, len(self.alphas) - 1)] if self.alphas else 0.0
+
+    def drift(self, toward: list[float]) -> None:
+        """A round without drafting says nothing of this request: its estimate moves
+        toward `toward` (what the replica sees), so a request whose early rounds went
+        badly is tried again rather than kept at γ = 0 for good."""
+        for j, target in enumerate(toward[:len(self.alphas)]):
+            self.alphas[j] += self.weight * (target - self.alphas[j])
 
     def update(self, gamma: int, num_accepted: int) -> None:
         """A round drafted `gamma` tokens and accepted the first `num_accepted`."""
@@ -196,22 +216,23 @@ class GammaPolicy:
         base_tokens = fixed_tokens + len(auto)
         best = base_tokens / float(cost.step_seconds(base_batch, fixed_max, base_drafts))
         gains, owners, positions = _all_gains(requests, auto, self.cfg.gamma_max)
+        if not len(gains):
+            return
         order = np.argsort(-gains, kind="stable")  # best gains first; positions in order
         gains, owners, positions = gains[order], owners[order], positions[order]
-        best_plan = None
-        for top in range(1, self.cfg.gamma_max + 1):
-            take = positions < top
-            if not take.any():
-                break
-            k = np.arange(1, int(take.sum()) + 1)
-            tokens = base_tokens + np.cumsum(gains[take])
-            largest = np.maximum(fixed_max, np.maximum.accumulate(positions[take] + 1))
-            values = tokens / cost.step_seconds(base_batch + k, largest, base_drafts + k)
-            at = int(values.argmax())
-            if values[at] > best * (1 + 1e-9):
-                best, best_plan = float(values[at]), owners[take][:at + 1]
-        if best_plan is not None:
-            for i, g in zip(*np.unique(best_plan, return_counts=True)):
+        # row G: the k best gains among positions < G (largest γ G); [G, k] at once
+        tops = np.arange(1, self.cfg.gamma_max + 1)[:, None]
+        take = positions[None, :] < tops                       # [G, num_gains]
+        k = np.cumsum(take, axis=1)
+        tokens = base_tokens + np.cumsum(np.where(take, gains, 0.0), axis=1)
+        largest = np.maximum(fixed_max, np.maximum.accumulate(
+            np.where(take, positions + 1, 0), axis=1))
+        values = np.where(take, tokens / cost.step_seconds(base_batch + k, largest,
+                                                           base_drafts + k), -np.inf)
+        top, at = np.unravel_index(int(values.argmax()), values.shape)
+        if values[top, at] > best * (1 + 1e-9):
+            plan = owners[:at + 1][take[top, :at + 1]]
+            for i, g in zip(*np.unique(plan, return_counts=True)):
                 gammas[int(i)] = int(g)
 
     def request_rate(self, heat: float, num_running: int, acceptance: Acceptance) -> float:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from outrider.router.policy import Acceptance, GammaPolicy, OnlineCost, RequestState
+from outrider.router.policy import Acceptance, GammaPolicy, OnlineCost, RequestState, SpecMode
 from outrider.target_worker.scheduler import Scheduler, SchedulerConfig
 
 from outrider.engine.spec_decode import Sequence, SpeculativeDecoder
@@ -207,6 +207,8 @@ class TargetEngine:
         if gamma:
             handle.spec.acceptance.update(gamma, accepted)
             self.acceptance.update(gamma, accepted)
+        elif handle.spec.mode is SpecMode.AUTO and self.policy.is_speculating:
+            handle.spec.acceptance.drift(self.acceptance.alphas)
 
     def _finish(self, handle: Handle, reason: str) -> None:
         self.scheduler.remove(handle.seq)

@@ -19,7 +19,7 @@ from outrider.engine.attention import AttentionMetadata, SequenceSlice
 from outrider.engine.block_manager import BlockManager
 from outrider.engine.model import CausalLM
 from outrider.engine.model_config import ModelConfig, ModelConfigError, parse_dtype
-from outrider.engine.parallel import TPGroup, TransposedForCPU
+from outrider.engine.parallel import PackedForCPU, TPGroup
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,8 @@ class ModelRunner:
         model.load_weights(Path(self.cfg.model_dir))
         if self.device.type == "cpu":
             for module in model.modules():
-                if isinstance(module, TransposedForCPU):
-                    module.transpose_for_cpu()
+                if isinstance(module, PackedForCPU):
+                    module.pack_for_cpu()
         return model.eval()
 
     def _allocate_kv(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:

@@ -123,19 +123,32 @@ def test_config_is_validated():
 def test_online_cost_follows_the_replicas_own_steps():
     from outrider.router.policy import OnlineCost
 
-    online = OnlineCost(CHEAP_DRAFT, weight=0.5)
-    predicted_verify = float(CHEAP_DRAFT.verify_seconds(40))
+    online = OnlineCost(CHEAP_DRAFT, weight=0.2)
+    for step in range(60):  # the forward is 6 ms + 0.2 ms per token here, whatever start-up said
+        tokens = 10 + 17 * (step % 7)
+        online.observe(tokens, 0.006 + 0.0002 * tokens)
+    assert online.model.verify_base_s == pytest.approx(0.006, rel=1e-3)
+    assert online.model.verify_per_token_s == pytest.approx(0.0002, rel=1e-3)
+    same_size = OnlineCost(CHEAP_DRAFT, weight=0.5)
+    predicted = float(CHEAP_DRAFT.verify_seconds(40))
+    for _ in range(30):  # one size only: no slope to see, the level still moves
+        same_size.observe(40, 2 * predicted)
+    assert float(same_size.model.verify_seconds(40)) == pytest.approx(2 * predicted, rel=1e-3)
+    assert same_size.model.verify_per_token_s == CHEAP_DRAFT.verify_per_token_s
+    same_size.observe(40, 1000.0)  # one stalled step moves it by a bounded amount
+    assert float(same_size.model.verify_seconds(40)) < 6 * 2 * predicted  # at most 10x, weighted
     predicted_draft = float(CHEAP_DRAFT.draft_seconds(4, 32))
-    for _ in range(30):  # the forward runs twice as slow here, the draft as measured
-        online.observe(40, 2 * predicted_verify, 4, 32, predicted_draft)
-    assert online.verify_scale == pytest.approx(2.0, rel=1e-3)
-    assert online.draft_scale == pytest.approx(1.0, rel=1e-3)
-    assert float(online.model.verify_seconds(40)) == pytest.approx(2 * predicted_verify, 1e-3)
-    online.observe(40, 1000.0)  # one stalled step moves it by a bounded amount
-    assert online.verify_scale < 7
     slow_draft = OnlineCost(CHEAP_DRAFT, weight=0.5)
     for _ in range(30):
-        slow_draft.observe(40, predicted_verify, 4, 32, 5 * predicted_draft)
+        slow_draft.observe(40, predicted, 4, 32, 5 * predicted_draft)
+    assert slow_draft.draft_scale == pytest.approx(5.0, rel=1e-3)
     cheap = policy().choose(0.1, [request(0.8)])[0]
     costly = GammaPolicy(PolicyConfig(), slow_draft.model).choose(0.1, [request(0.8)])[0]
     assert costly < cheap  # a draft measured slower gets fewer tokens to draft
+
+
+def test_a_request_at_gamma_zero_drifts_back_to_what_the_replica_sees():
+    acc = Acceptance([0.1, 0.1], weight=0.5)
+    for _ in range(10):
+        acc.drift([0.8, 0.6])
+    assert acc.alphas == pytest.approx([0.8, 0.6], abs=1e-3)

