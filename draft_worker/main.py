@@ -5,6 +5,7 @@ from __future__ import annotations
 from outrider.draft_worker.service import DraftService
 
 from outrider import cluster_tls
+from outrider.cpus import available_cpus, parse_cpus
 from outrider.dense_channel import DRAFT_RANK, DenseChannel
 from outrider.engine.distributed import set_cpu_threads
 from outrider.engine.drafter import Drafter
@@ -26,7 +27,7 @@ def serve(*args, **kwargs) -> None:
 def start(model_dir: str, host: str, port: int, token: str | None, device: str = "cpu",
           dtype: str = "auto", kv_cache_mb: float = 256.0, idle_ttl_s: float = 300.0,
           dist_address: str | None = None, threads: int = 0,
-          metrics_port: int | None = None) -> None:
+          metrics_port: int | None = None, target_cpus: str | None = None) -> None:
     setup_tracing("outrider-draft")
     credentials = cluster_tls.server_credentials()  # before loading: a bad setup fails fast
     cfg = RunnerConfig(model_dir, device=device, dtype=dtype, kv_cache_mb=kv_cache_mb,
@@ -38,8 +39,12 @@ def start(model_dir: str, host: str, port: int, token: str | None, device: str =
     metrics.watch_cache(lambda: runner.blocks.num_sequences)
     if metrics_port is not None:
         serve_metrics(host, metrics_port, "draft worker", tries=16)
+    cores = None
+    if target_cpus:  # (while the target waits, while it verifies)
+        shared = parse_cpus(target_cpus)
+        cores = (shared, [c for c in available_cpus() if c not in shared] or shared)
     service = DraftService(Drafter(runner, evict_lru=True), idle_ttl_s=idle_ttl_s,
-                           dense_channel=channel, metrics=metrics)
+                           dense_channel=channel, metrics=metrics, cores=cores)
     server, bound = build_server(
         lambda s: worker_pb2_grpc.add_DraftServicer_to_server(service, s),
         [SERVICE_NAME], f"{host}:{port}", token,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from datetime import timedelta
@@ -61,8 +62,12 @@ class SequenceSpans:
 class DraftService(worker_pb2_grpc.DraftServicer):
     def __init__(self, drafter: Drafter, idle_ttl_s: float = 300.0,
                  dense_channel: DenseChannel | None = None,
-                 metrics: DraftMetrics | None = None) -> None:
+                 metrics: DraftMetrics | None = None,
+                 cores: tuple[list[int], list[int]] | None = None) -> None:
         self.drafter = drafter
+        # (while the target waits, while it verifies): a draft on the target's machine
+        # drafts on the target's idle cores when it waits, beside them when it verifies
+        self.cores = cores
         self.idle_ttl_s = idle_ttl_s
         self.dense_channel = dense_channel
         self.metrics = metrics
@@ -83,6 +88,8 @@ class DraftService(worker_pb2_grpc.DraftServicer):
                           "Q_FORMAT_DENSE_DIST needs a dense channel (--dist-address)")
         start = time.perf_counter()
         with self._lock:
+            if self.cores is not None:  # this thread drafts: move it where it belongs
+                os.sched_setaffinity(0, self.cores[request.beside_target])
             if self.drafter.evict_idle(self.idle_ttl_s):
                 self.spans.close_evicted(self.drafter.runner.blocks.has)
             out = self.drafter.draft(items, torch.device("cpu"))

@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     draft.add_argument("--threads", type=int, default=0,
                        help="CPU threads (0: one per core it may use)")
     _add_cpus_arg(draft)
+    draft.add_argument("--target-cpus",
+                       help="cores of a target replica on this machine: the draft drafts "
+                            "on them while the target waits for it, and on the other cores "
+                            "while the target verifies (overlap)")
     draft.add_argument("--idle-ttl-s", type=float, default=300.0,
                        help="free sequences idle this long (they MISS later)")
     draft.add_argument("--dist-address", help="host:port of the co-located target's dense "
@@ -360,7 +364,7 @@ def cmd_draft_worker(args) -> int:
     serve(args.model, args.host, args.port, cluster_token(), device=args.device,
           dtype=args.dtype, kv_cache_mb=args.kv_cache_mb, idle_ttl_s=args.idle_ttl_s,
           dist_address=args.dist_address, threads=args.threads,
-          metrics_port=args.metrics_port)
+          metrics_port=args.metrics_port, target_cpus=args.target_cpus)
     return 0
 
 

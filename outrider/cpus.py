@@ -2,9 +2,9 @@
 target replica cores of its own and the router the rest (with whatever clients run
 there): a model's threads that meet other busy processes on their cores wait at every
 parallel region for the one that was preempted, and the target's forward is the step
-every request waits on. Draft replicas may run anywhere: while the target waits for a
-Propose its cores are idle, and while it verifies (overlap) the others are — measured
-both ways here, pinning them to either side lost. Every role takes `--cpus LIST`."""
+every request waits on. A draft replica drafts on the target's cores while the target
+waits for its Propose (they are idle then) and on the others while the target verifies
+(overlap): draft-worker --target-cpus. Every role takes `--cpus LIST`."""
 
 from __future__ import annotations
 
@@ -55,11 +55,10 @@ def pin_cpus(text: str) -> None:
 
 @dataclass(frozen=True)
 class CpuPlan:
-    """Cores per role, as --cpus values (None: any)."""
+    """Cores per role, as --cpus values."""
 
     target: str
     router: str
-    drafts: str | None = None
 
 
 def plan_cpus(cores: list[int] | None = None) -> CpuPlan | None:

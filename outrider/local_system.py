@@ -30,7 +30,7 @@ class LocalSystemConfig:
     extra_router_args: tuple[str, ...] = ()
     http_port: int | None = None    # the router's OpenAI-compatible API (0: a free port)
     metrics: bool = False           # every process serves /metrics on a free port
-    pin_cpus: bool = True           # on a CPU: the target on cores of its own (outrider.cpus)
+    pin_cpus: bool = True           # on a CPU: cores per role (outrider.cpus)
 
     def __post_init__(self) -> None:
         if self.draft and self.draft_replicas < 1:
@@ -55,8 +55,7 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
     with process_group(token or secrets.token_urlsafe(24), env=env) as start:
         metrics: dict[str, str] = {}
         cpus = plan_cpus() if cfg.pin_cpus and cfg.device == "cpu" else None
-        pinned = lambda role: ("--cpus", getattr(cpus, role)) if cpus and getattr(  # noqa: E731
-            cpus, role) else ()
+        pinned = lambda role: ("--cpus", getattr(cpus, role)) if cpus else ()  # noqa: E731
 
         def run(name: str, *args: str) -> str:
             if cfg.metrics:
@@ -65,7 +64,8 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
             return start(*args, echo=f"[{name}] " if echo else None)[1]
 
         drafts = tuple(run(f"draft-{i}", "draft-worker", "--model", cfg.draft,
-                           "--device", cfg.device, *pinned("drafts"))
+                           "--device", cfg.device,
+                           *(("--target-cpus", cpus.target, "--threads", "1") if cpus else ()))
                        for i in range(cfg.draft_replicas if cfg.draft else 0))
         target = run("target", "target-worker", "--model", cfg.target, "--tp", str(cfg.tp),
                      "--gamma", str(cfg.gamma), "--device", cfg.device,

@@ -124,8 +124,10 @@ class RemoteDrafter:
     def draft(self, items: list[DraftItem], device: torch.device) -> DraftOutput:
         return self.submit(items, device).result()
 
-    def submit(self, items: list[DraftItem], device: torch.device) -> DraftCall:
-        """Send one Propose per replica now; the DraftCall gathers the replies."""
+    def submit(self, items: list[DraftItem], device: torch.device,
+               beside_target: bool = False) -> DraftCall:
+        """Send one Propose per replica now; the DraftCall gathers the replies.
+        `beside_target`: the target verifies meanwhile rather than waiting for it."""
         self._apply_addresses()
         groups: dict[int, list[int]] = {}
         for i, it in enumerate(items):
@@ -135,7 +137,7 @@ class RemoteDrafter:
         self._dist_tag += 1
         start = time.monotonic()
         calls = {r: self._stubs[r].Propose.future(
-                     self._request(items, formats, rows), metadata=self._metadata,
+                     self._request(items, formats, rows, beside_target), metadata=self._metadata,
                      timeout=self._deadline(sum(len(items[i].new_token_ids) for i in rows)))
                  for r, rows in groups.items() if r >= 0}
         return DraftCall(lambda: self._gather(items, formats, groups, calls, start, device))
@@ -231,8 +233,8 @@ class RemoteDrafter:
         self._down_until[replica] = time.monotonic() + self._backoff[replica]
         self._backoff[replica] = min(MAX_BACKOFF_S, 2 * self._backoff[replica])
 
-    def _request(self, items: list[DraftItem], formats: list[str],
-                 rows: list[int]) -> pb.ProposeRequest:
+    def _request(self, items: list[DraftItem], formats: list[str], rows: list[int],
+                 beside_target: bool) -> pb.ProposeRequest:
         seqs = []
         for i in rows:
             it = items[i]
@@ -242,7 +244,8 @@ class RemoteDrafter:
                 sampling=sampling_to_proto(it.params, it.seed),
                 q_format=Q_FORMAT_CODES[formats[i]], traceparent=it.traceparent,
                 prefill_only=it.prefill_only))
-        return pb.ProposeRequest(sequences=seqs, dist_tag=self._dist_tag)
+        return pb.ProposeRequest(sequences=seqs, dist_tag=self._dist_tag,
+                                 beside_target=beside_target)
 
     def _read(self, item: DraftItem, proposal: pb.Proposal, q_format: str, i: int, gammas,
               is_miss, token_rows, q_rows) -> None:

@@ -22,7 +22,7 @@ def test_cpu_lists_parse_and_bad_ones_name_the_flag():
 def test_the_target_gets_cores_of_its_own():
     assert plan_cpus([0]) is None  # one core: nothing to share out
     two = plan_cpus([0, 1])
-    assert (two.target, two.router, two.drafts) == ("0", "1", None)  # drafts: anywhere
+    assert (two.target, two.router) == ("0", "1")
     sixteen = plan_cpus(list(range(16)))
     assert sixteen.target == ",".join(map(str, range(14))) and sixteen.router == "14,15"
 

@@ -122,7 +122,8 @@ class Drafter:
                    for it, miss, done in zip(items, is_miss, is_prefilled)]
         return DraftOutput(token_ids, probs, gammas, is_miss)
 
-    def submit(self, items: list[DraftItem], device: torch.device | None = None) -> DraftCall:
+    def submit(self, items: list[DraftItem], device: torch.device | None = None,
+               beside_target: bool = False) -> DraftCall:
         """In process there is nothing to overlap with: the draft runs now."""
         out = self.draft(items, device)
         return DraftCall(lambda: out)

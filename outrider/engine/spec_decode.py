@@ -356,7 +356,7 @@ class SpeculativeDecoder:
                 items[i] = DraftItem(
                     s.seq_id, s.draft_len, s.token_ids[s.draft_len:], 0, s.params, s.seed,
                     traceparent=s.traceparent if s.draft_len == 0 else "", prefill_only=True)
-        return self.drafter.submit(items, self.target.device)
+        return self.drafter.submit(items, self.target.device, beside_target=True)
 
     @staticmethod
     def _note_prefilled(seqs: list[Sequence], warm: list[bool], is_miss: list[bool]) -> None:

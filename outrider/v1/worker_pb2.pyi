@@ -64,12 +64,14 @@ class ProposeSequence(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., q_format: _Optional[_Union[QFormat, str]] = ..., traceparent: _Optional[str] = ..., prefill_only: _Optional[bool] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("sequences", "dist_tag")
+    __slots__ = ("sequences", "dist_tag", "beside_target")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     DIST_TAG_FIELD_NUMBER: _ClassVar[int]
+    BESIDE_TARGET_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[ProposeSequence]
     dist_tag: int
-    def __init__(self, sequences: _Optional[_Iterable[_Union[ProposeSequence, _Mapping]]] = ..., dist_tag: _Optional[int] = ...) -> None: ...
+    beside_target: bool
+    def __init__(self, sequences: _Optional[_Iterable[_Union[ProposeSequence, _Mapping]]] = ..., dist_tag: _Optional[int] = ..., beside_target: _Optional[bool] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("seq_id", "miss", "token_ids", "support_lens", "support_ids", "support_probs", "dense_q", "vocab_size")
