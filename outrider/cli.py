@@ -9,6 +9,7 @@ from pathlib import Path
 
 from outrider import paths
 from outrider.bench import serving as bench_serving
+from outrider.bench import versus as bench_versus
 
 EXAMPLES = """examples:
   outrider serve &                      # router + target + draft on this machine
@@ -175,7 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="serving benchmark: speculation off / fixed γ / "
                                          "auto over 1-32 streams (JSON + plots)")
     bench_serving.add_arguments(bench)
-    bench.set_defaults(func=bench_serving.run)
+    bench.add_argument("--vllm", help="instead: served Outrider vs its in-process engine vs "
+                                      "vLLM with vLLM's load client (outrider.bench.versus); "
+                                      "a vLLM venv, or the command that runs vLLM's CLI")
+    bench_versus.add_arguments(bench, standalone=False)
+    bench.set_defaults(func=cmd_bench)
 
     demo = sub.add_parser("demo", help="stream a generation from the shipped demo pair")
     demo.add_argument("--max-tokens", type=int, default=160)
@@ -433,6 +438,14 @@ def cmd_serve(args) -> int:
         stopping.wait()
         print("outrider serve: stopping", flush=True)
     return 0
+
+
+def cmd_bench(args) -> int:
+    if not args.vllm:
+        return bench_serving.run(args)
+    if args.out == bench_serving.DEFAULT_OUT:
+        args.out = bench_versus.DEFAULT_OUT
+    return bench_versus.run(args)
 
 
 def cmd_keys(args) -> int:

@@ -54,6 +54,7 @@ WORKLOADS = ("code", "text")
 DEFAULT_MODES = "off,fixed2,fixed4,fixed6,auto"
 DEFAULT_CONCURRENCY = "1,2,4,8,16,32"
 WARMUP_TOKENS = 16
+DEFAULT_OUT = "results/serving.json"
 # the settings of outrider.bench.acceptance (not imported here: it pulls in torch, and
 # `outrider bench --help` should not wait for torch)
 SETTINGS = {"greedy": dict(temperature=0.0),
@@ -524,7 +525,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and the in-process engine at batch 1 (outrider.bench.hf_peer)")
     parser.add_argument("--peer-prompts", type=int, default=None,
                         help="prompts for --peer (default: --prompts)")
-    parser.add_argument("--out", default="results/serving.json")
+    parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--plots-dir", default=None,
                         help="where the PNG plots go (default: the folder of --out)")
     parser.add_argument("--no-plots", action="store_true")

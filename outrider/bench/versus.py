@@ -52,6 +52,7 @@ from outrider.bench import serving
 from outrider.engine.distributed import free_port
 
 SERVED_NAME = "demo-target"
+DEFAULT_OUT = "results/versus.json"
 PACKAGES = ("fastapi", "starlette", "pydantic", "jinja2", "yaml", "redis", "uvicorn",
             "opentelemetry", "prometheus_client", "tqdm", "safetensors", "tokenizers")
 
@@ -397,7 +398,7 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
         parser.add_argument("--prompt-tokens", type=int, default=128)
         parser.add_argument("--threads", type=int, default=0,
                             help="torch threads of the in-process engine (0: all cores)")
-        parser.add_argument("--out", default="results/versus.json")
+        parser.add_argument("--out", default=DEFAULT_OUT)
         parser.add_argument("--plots-dir", default=None)
     parser.add_argument("--gamma", type=int, default=4,
                         help="γ of FIXED, the engine and vLLM's draft (and the server's default)")
