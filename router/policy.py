@@ -58,11 +58,9 @@ class CostModel:
                  + self.draft_per_token_s * np.asarray(draft_tokens))
         return np.where(np.asarray(max_gamma) > 0, draft, 0.0)
 
-    def scaled(self, verify: float, draft: float) -> CostModel:
-        """The same shape with every verify time × `verify` and draft time × `draft`."""
-        return replace(self, verify_base_s=self.verify_base_s * verify,
-                       verify_per_token_s=self.verify_per_token_s * verify,
-                       draft_per_position_s=self.draft_per_position_s * draft,
+    def draft_scaled(self, draft: float) -> CostModel:
+        """The same model with every draft time × `draft`."""
+        return replace(self, draft_per_position_s=self.draft_per_position_s * draft,
                        draft_rtt_s=self.draft_rtt_s * draft,
                        draft_per_token_s=self.draft_per_token_s * draft)
 
@@ -92,7 +90,7 @@ class OnlineCost:
         if predicted > 0 and max_gamma:
             ratio = min(max(draft_s / predicted, 0.1), 10.0)
             self.draft_scale += self.weight * (ratio - self.draft_scale)
-        self.model = replace(self.measured.scaled(1.0, self.draft_scale), **self._verify_line())
+        self.model = replace(self.measured.draft_scaled(self.draft_scale), **self._verify_line())
 
     def _verify_line(self) -> dict:
         count, sx, sy, sxx, sxy = self._sums

@@ -90,26 +90,17 @@ class ServeSession:
 
     def __init__(self, service: TargetService, context) -> None:
         self.service, self.context = service, context
-        self._outputs: list[pb.StepOutput] = []
+        self._outputs: list[pb.StepOutput | tuple[Handle, Chunk]] = []  # refusals, chunks
         self._spans: dict[str, RequestSpan] = {}   # its running requests
         self._handles: dict[str, Handle] = {}
         self._ready = threading.Condition()
         self._is_closed = False
         self._is_input_done = False  # the router has sent all it will
 
-    # -- the engine's side (a ChunkSink) -----------------------------------------------------
+    # -- the engine's side (a ChunkSink): no more than a list append on its thread ------------
     def deliver(self, handle: Handle, chunk: Chunk) -> None:
-        output = pb.StepOutput(request_id=handle.request_id, chunk=chunk_message(chunk))
-        if chunk.finish_reason.startswith("error"):
-            output.error_code = grpc.StatusCode.INTERNAL.value[0]
-            output.error_message = chunk.finish_reason
         with self._ready:
-            self._outputs.append(output)
-        span = self._spans.get(handle.request_id)
-        if span is not None:
-            span.record(handle, chunk)
-            if chunk.finish_reason:
-                self._end(handle.request_id)
+            self._outputs.append((handle, chunk))
 
     def flush(self) -> None:
         with self._ready:
@@ -129,9 +120,25 @@ class ServeSession:
                     if not outputs and self._is_over:
                         return
                 if outputs:
-                    yield pb.ServeStep(outputs=outputs)
+                    yield pb.ServeStep(outputs=[self._message(o) for o in outputs])
         finally:
             self._close()
+
+    def _message(self, output: pb.StepOutput | tuple[Handle, Chunk]) -> pb.StepOutput:
+        """A step's output for one request (its span records the chunk)."""
+        if isinstance(output, pb.StepOutput):
+            return output
+        handle, chunk = output
+        message = pb.StepOutput(request_id=handle.request_id, chunk=chunk_message(chunk))
+        if chunk.finish_reason.startswith("error"):
+            message.error_code = grpc.StatusCode.INTERNAL.value[0]
+            message.error_message = chunk.finish_reason
+        span = self._spans.get(handle.request_id)
+        if span is not None:
+            span.record(handle, chunk)
+        if chunk.finish_reason:
+            self._end(handle.request_id)
+        return message
 
     @property
     def _is_over(self) -> bool:
@@ -218,13 +225,14 @@ class TargetService(worker_pb2_grpc.TargetServicer):
             context.abort(refusal.code, refusal.message)
         span = RequestSpan(self.engine, handle, parent)
         try:
-            try:
-                self.submit(handle)
-            except Refusal as refusal:
-                span.fail(refusal.message)
-                context.abort(refusal.code, refusal.message)
-            # runs when the stream ends for any reason, a client disconnect included
-            context.add_callback(lambda: self.engine.cancel(handle.request_id))
+            self.submit(handle)
+        except Refusal as refusal:
+            span.fail(refusal.message)
+            span.end()
+            context.abort(refusal.code, refusal.message)
+        # runs when the stream ends for any reason, a client disconnect included
+        context.add_callback(lambda: self.engine.cancel(handle.request_id))
+        try:
             yield from self._stream(handle, sink, span, context)
         finally:
             span.end()
