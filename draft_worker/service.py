@@ -167,4 +167,5 @@ class DraftService(worker_pb2_grpc.DraftServicer):
             raise WireError(f"{where}: nothing to draft from (empty context)")
         params, seed = sampling_from_proto(s.sampling)
         return DraftItem(s.seq_id, s.committed_len, list(s.new_token_ids), s.gamma, params,
-                         seed, Q_FORMAT_NAMES[s.q_format], s.traceparent, s.prefill_only)
+                         seed, Q_FORMAT_NAMES[s.q_format], s.traceparent, s.prefill_only,
+                         s.prompt_len)

@@ -51,9 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "$OUTRIDER_API_KEY")
     gen.add_argument("--speculation", choices=["auto", "off", "fixed"], default=None,
                      help="router mode (default: fixed when --gamma is given, else auto)")
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--tag", default="", help="workload tag (acceptance statistics)")
     _add_model_args(gen)
+    gen.add_argument("--draft-kv-cache-mb", type=float, default=None,
+                     help="KV budget of the draft with --local (default: --kv-cache-mb)")
     _add_sampling_args(gen)
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (token_ids, text, stats) instead of streaming")
@@ -239,7 +240,44 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 disables")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 disables")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 disables")
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS to token ID's logit (repeatable)")
+    p.add_argument("--min-tokens", type=int, default=0,
+                   help="hold EOS and stop tokens back until this many tokens")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", action="append", type=int, default=[],
+                   dest="stop_token_ids", help="stop token id (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate past EOS")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="print each token's logprob and its K likeliest alternatives "
+                        "(with --json)")
+
+
+def _sampling_options(args) -> dict:
+    """The sampling flags as keyword options (SamplingParams' and the SDK's names)."""
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                repetition_penalty=args.repetition_penalty,
+                frequency_penalty=args.frequency_penalty,
+                presence_penalty=args.presence_penalty, logit_bias=_logit_bias(args.logit_bias),
+                min_tokens=args.min_tokens, stop_token_ids=args.stop_token_ids,
+                ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+
+
+def _logit_bias(pairs: list[str]) -> dict[int, float]:
+    bias = {}
+    for pair in pairs:
+        token, sep, value = pair.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise UsageError(f"--logit-bias wants ID=BIAS, got {pair!r}") from None
+    return bias
 
 
 def _engine(args):
@@ -249,8 +287,9 @@ def _engine(args):
     target, draft = _model_dirs(args)
     runner = RunnerConfig(model_dir=str(target), device=args.device, dtype=args.dtype,
                           tp=args.tp, kv_cache_mb=args.kv_cache_mb)
-    return LocalEngine(LocalEngineConfig(target=runner,
-                                         draft_dir=draft if args.gamma else None))
+    draft_kv = getattr(args, "draft_kv_cache_mb", None) or args.kv_cache_mb
+    return LocalEngine(LocalEngineConfig(target=runner, draft_dir=draft if args.gamma else None,
+                                         draft_kv_cache_mb=draft_kv))
 
 
 def _model_dirs(args) -> tuple[Path, str | None]:
@@ -271,8 +310,10 @@ def _model_dirs(args) -> tuple[Path, str | None]:
 def _sampling(args):
     from outrider.engine.sampling import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    options = _sampling_options(args)
+    options.update(logit_bias=tuple(sorted(options["logit_bias"].items())),
+                   stop_token_ids=tuple(options["stop_token_ids"]))
+    return SamplingParams(**options)
 
 
 class UsageError(ValueError):
@@ -294,30 +335,42 @@ def cmd_generate(args) -> int:
 
 def _generate_local(args, prompt: str):
     from outrider.client.results import Collector
-    from outrider.engine.tokenizer import IncrementalDetokenizer
+    from outrider.router.text_stream import TextStream
     from outrider.v1 import generate_pb2 as gp
+    from outrider.wire import logprobs_to_proto
 
     params = _sampling(args)
     with _engine(args) as engine:
-        detok, collector, seq = IncrementalDetokenizer(engine.tokenizer), Collector(), None
+        text, collector, sent = TextStream(engine.tokenizer, tuple(args.stop)), Collector(), 0
         for seq, new_ids in engine.decoder.stream(engine.tokenizer.encode(prompt), params,  # noqa: B007
                                                   args.gamma):
-            _echo(args, collector.add(gp.GenerateResponse(text=detok.push(new_ids),
-                                                          token_ids=new_ids)))
-        _echo(args, collector.add(_final_message(seq, detok.flush())))
+            delta = text.push(new_ids)
+            if text.is_stopped:
+                seq.finish_reason = "stop"
+                engine.decoder.release(seq)
+            elif seq.is_finished:
+                delta += text.finish()
+            ids, logprobs = (seq.output_ids[sent:text.num_tokens],
+                             seq.logprobs[sent:text.num_tokens])
+            sent = text.num_tokens
+            _echo(args, collector.add(gp.GenerateResponse(
+                text=delta, token_ids=ids, logprobs=logprobs_to_proto(logprobs))))
+            if seq.is_finished:
+                break
+        _echo(args, collector.add(_final_message(seq, sent)))
     if not args.json:
         sys.stdout.write("\n")
     return collector.result()
 
 
-def _final_message(seq, text: str):
+def _final_message(seq, num_sent: int):
     """What a router's last message would say of a sequence generated in this process."""
     from outrider.v1 import generate_pb2 as gp
 
     s = seq.stats
     return gp.GenerateResponse(
-        text=text, finish_reason=seq.finish_reason, replica="local",
-        usage=gp.Usage(prompt_tokens=seq.prompt_len, completion_tokens=seq.num_output),
+        finish_reason=seq.finish_reason, replica="local",
+        usage=gp.Usage(prompt_tokens=seq.prompt_len, completion_tokens=num_sent),
         speculation=gp.SpeculationStats(
             draft_tokens=s.num_draft_tokens, accepted_tokens=s.num_accepted_tokens,
             acceptance_rate=s.acceptance_rate, mean_accepted_len=s.mean_accepted_len,
@@ -330,9 +383,8 @@ def _generate_remote(args, prompt: str):
 
     mode = args.speculation or ("auto" if args.gamma is None else
                                 "off" if args.gamma == 0 else "fixed")
-    options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, stop=args.stop, tag=args.tag,
-                   speculation=mode, gamma_max=args.gamma or 0)
+    options = dict(_sampling_options(args), stop=args.stop, tag=args.tag, speculation=mode,
+                   gamma_max=args.gamma or 0)
     tls = Tls(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca or args.tls_cert else None
     with Client(args.address, tls=tls, timeout_s=args.timeout) as client:
         stream = client.stream(prompt, **options)

@@ -39,6 +39,7 @@ from outrider.telemetry.metrics import exposition
 from outrider.v1 import generate_pb2 as gp
 
 PASSED_HEADERS = {"authorization", "traceparent", "tracestate"}
+LOGPROB_FLOOR = -9999.0
 DASHBOARD_HTML = (Path(__file__).parent / "dashboard.html").read_text()
 HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
                grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
@@ -134,7 +135,7 @@ def build_app(service: GenerationService, settings: HttpSettings,
         requests = _refusing(lambda: [
             r for i, p in enumerate(prompts)
             for r in body.generate_requests(p, max_tokens, _request_id(request, i))])
-        view = CompletionView(settings.model_name, body, prompts)
+        view = CompletionView(settings.model_name, body, service.tokenizer, prompts)
         return await _respond(service, pool, request, requests, view, body.stream)
 
     @app.post("/v1/chat/completions")
@@ -151,7 +152,7 @@ def build_app(service: GenerationService, settings: HttpSettings,
         max_tokens = body.completion_limit or max(1, settings.max_model_len - len(prompt_ids))
         requests = _refusing(lambda: body.generate_requests(prompt_ids, max_tokens,
                                                             _request_id(request, 0)))
-        view = ChatView(settings.model_name, body)
+        view = ChatView(settings.model_name, body, service.tokenizer)
         return await _respond(service, pool, request, requests, view, body.stream)
 
     @app.get("/metrics")
@@ -172,14 +173,30 @@ def build_app(service: GenerationService, settings: HttpSettings,
 
 
 # -- responses ---------------------------------------------------------------------------------
-class CompletionView:
-    """How /v1/completions shows choices."""
+class _View:
+    """What both endpoints share: the model, the body, token texts for logprobs."""
+
+    def __init__(self, model: str, body, tokenizer) -> None:
+        self.model, self.body, self.tokenizer = model, body, tokenizer
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+def _json_logprob(value: float) -> float:
+    """JSON has no -inf (a token truncation removed): vLLM's stand-in for it."""
+    return max(value, LOGPROB_FLOOR)
+
+
+class CompletionView(_View):
+    """How /v1/completions shows choices (logprobs in the legacy completions format)."""
 
     object, chunk_object, id_prefix = "text_completion", "text_completion", "cmpl-"
 
-    def __init__(self, model: str, body: CompletionRequest, prompts: list) -> None:
-        self.model, self.body = model, body
+    def __init__(self, model: str, body: CompletionRequest, tokenizer, prompts: list) -> None:
+        super().__init__(model, body, tokenizer)
         self.echo = [p if isinstance(p, str) else None for p in prompts] if body.echo else None
+        self._offsets: dict[int, int] = {}  # per choice: where its next token's text starts
 
     def echoed(self, index: int, service: GenerationService) -> str:
         if self.echo is None:
@@ -189,39 +206,68 @@ class CompletionView:
             prompt = service.tokenizer.decode(list(self.body.prompts[index // self.body.n]))
         return prompt
 
-    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
-        return {"index": index, "text": text, "logprobs": None,
+    def choice(self, index: int, text: str, finish_reason: str | None,
+               logprobs: list[gp.TokenLogprob] = ()) -> dict:
+        return {"index": index, "text": text, "logprobs": self.logprobs(index, logprobs),
                 "finish_reason": finish_reason or None}
 
     def first_delta(self, index: int) -> dict | None:
         return None
 
-    def delta(self, index: int, text: str, finish_reason: str | None) -> dict:
-        return self.choice(index, text, finish_reason)
+    def delta(self, index: int, text: str, finish_reason: str | None,
+              logprobs: list[gp.TokenLogprob] = ()) -> dict:
+        return self.choice(index, text, finish_reason, logprobs)
+
+    def logprobs(self, index: int, logprobs: list[gp.TokenLogprob]) -> dict | None:
+        if self.body.num_logprobs is None:
+            return None
+        tokens = [self.token_text(lp.token_id) for lp in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._offsets.get(index, 0))
+            self._offsets[index] = offsets[-1] + len(token)
+        return {"tokens": tokens, "token_logprobs": [_json_logprob(lp.logprob) for lp in logprobs],
+                "top_logprobs": [{self.token_text(t): _json_logprob(v)
+                                  for t, v in zip(lp.top_ids, lp.top_logprobs)}
+                                 for lp in logprobs],
+                "text_offset": offsets}
 
 
-class ChatView:
+class ChatView(_View):
     """How /v1/chat/completions shows choices."""
 
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
 
-    def __init__(self, model: str, body: ChatCompletionRequest) -> None:
-        self.model, self.body = model, body
-
     def echoed(self, index: int, service: GenerationService) -> str:
         return ""
 
-    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str | None,
+               logprobs: list[gp.TokenLogprob] = ()) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish_reason or None}
+                "logprobs": self.logprobs(index, logprobs),
+                "finish_reason": finish_reason or None}
 
     def first_delta(self, index: int) -> dict | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""},
                 "logprobs": None, "finish_reason": None}
 
-    def delta(self, index: int, text: str, finish_reason: str | None) -> dict:
+    def delta(self, index: int, text: str, finish_reason: str | None,
+              logprobs: list[gp.TokenLogprob] = ()) -> dict:
         return {"index": index, "delta": {"content": text} if text else {},
-                "logprobs": None, "finish_reason": finish_reason or None}
+                "logprobs": self.logprobs(index, logprobs),
+                "finish_reason": finish_reason or None}
+
+    def logprobs(self, index: int, logprobs: list[gp.TokenLogprob]) -> dict | None:
+        if self.body.num_logprobs is None:
+            return None
+        return {"content": [
+            {**self._entry(lp.token_id, lp.logprob),
+             "top_logprobs": [self._entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs)]}
+            for lp in logprobs]}
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        return {"token": self.token_text(token_id), "logprob": _json_logprob(logprob),
+                "bytes": list(self.tokenizer.token_bytes(token_id))}
 
 
 async def _respond(service, pool, request: Request, requests: list[gp.GenerateRequest],
@@ -237,25 +283,29 @@ async def _respond(service, pool, request: Request, requests: list[gp.GenerateRe
         sse = _sse(service, view, response_id, first, events, calls, len(requests))
         return StreamingResponse(sse, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    finals, texts = await _collect(first, events, len(requests))
-    choices = [view.choice(i, view.echoed(i, service) + texts[i], finals[i].finish_reason)
+    finals, texts, logprobs = await _collect(first, events, len(requests))
+    choices = [view.choice(i, view.echoed(i, service) + texts[i], finals[i].finish_reason,
+                           logprobs[i])
                for i in range(len(requests))]
     return {"id": response_id, "object": view.object, "created": int(time.time()),
             "model": view.model, "choices": choices, "usage": usage(finals)}
 
 
-async def _collect(first, events, n: int) -> tuple[list[gp.GenerateResponse], list[str]]:
+async def _collect(first, events, n: int):
+    """Per choice: its last message, its text, its tokens' logprobs."""
     finals: list[gp.GenerateResponse] = [gp.GenerateResponse()] * n
     texts = [""] * n
+    logprobs: list[list[gp.TokenLogprob]] = [[] for _ in range(n)]
     index, msg = first
     while True:
         texts[index] += msg.text
+        logprobs[index] += msg.logprobs
         if msg.finish_reason:
             finals[index] = msg
         try:
             index, msg = await anext(events)
         except StopAsyncIteration:
-            return finals, texts
+            return finals, texts, logprobs
 
 
 async def _sse(service, view, response_id: str, first, events, calls: list[HttpCall], n: int):
@@ -279,8 +329,8 @@ async def _sse(service, view, response_id: str, first, events, calls: list[HttpC
             index, msg = pending
             if msg.finish_reason:
                 finals[index] = msg
-            if msg.text or msg.finish_reason:
-                yield chunk([view.delta(index, msg.text, msg.finish_reason)])
+            if msg.text or msg.finish_reason or msg.logprobs:
+                yield chunk([view.delta(index, msg.text, msg.finish_reason, msg.logprobs)])
             pending = await anext(events, None)
         if view.body.include_usage:
             yield chunk([], usage=usage(finals))

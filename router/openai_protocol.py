@@ -1,10 +1,11 @@
 """The OpenAI-compatible request bodies (pydantic) and how they become GenerateRequests.
 
-Fields OpenAI defines that Outrider cannot honour (logprobs, penalties, logit_bias,
-suffix, tools) are accepted only at their neutral values, so a client never gets an
-answer that silently ignored what it asked for; unknown fields are refused. Outrider's
-own options ride along as extensions (send them with the openai package's `extra_body`):
-top_k, ignore_eos, stop_token_ids, speculation, gamma, tag, request_id."""
+Fields OpenAI defines that Outrider cannot honour (suffix, best_of > 1, echo together
+with logprobs) are accepted only at their neutral values, so a client never gets an
+answer that silently ignored what it asked for; unknown fields are refused. vLLM's
+sampling extensions and Outrider's own options ride along (send them with the openai
+package's `extra_body`): top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+stop_token_ids, speculation, gamma, tag, request_id."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from outrider.client.request import build_request
 from outrider.v1 import generate_pb2 as gp
 
 UINT32_MAX = 2**32 - 1
+INT32_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1
 MAX_CHOICES = 16
+MAX_LOGPROBS = 20
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -41,13 +44,16 @@ class _GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: Annotated[int, Field(ge=0, le=SEED_MAX)] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # vLLM's extension; its load client sends 1.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     user: str | None = None
+    # vLLM's sampling extensions
+    top_k: Annotated[int, Field(ge=-1, le=UINT32_MAX)] | None = None  # -1 or 0: off
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] = 0
     # Outrider extensions
-    top_k: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
     speculation: Literal["auto", "off", "fixed"] = "auto"
@@ -55,20 +61,25 @@ class _GenerationRequest(_Strict):
     tag: str = ""
     request_id: str | None = None
 
-    @field_validator("presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-                     "top_logprobs", "suffix", check_fields=False)
+    @field_validator("suffix", check_fields=False)
     @classmethod
     def _neutral(cls, value):
         if value:
             raise ValueError("is not supported (only its neutral value)")
         return value
 
-    @field_validator("repetition_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _neutral_factor(cls, value: float) -> float:
-        if value != 1.0:
-            raise ValueError("is not supported (only its neutral value, 1.0)")
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not (key.isascii() and key.isdigit() and int(key) <= INT32_MAX):
+                raise ValueError(f"key {key!r} is not a token id")
         return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token to return (None: no logprobs)."""
+        return None
 
     @property
     def stops(self) -> list[str]:
@@ -82,21 +93,37 @@ class _GenerationRequest(_Strict):
                           request_id: str | None) -> list[gp.GenerateRequest]:
         """One GenerateRequest per choice; choice i of a seeded request uses seed + i."""
         request_id = self.request_id or request_id
+        bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         return [build_request(
-            prompt, max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
-            top_p=self.top_p, seed=None if self.seed is None else (self.seed + i) % SEED_MAX,
+            prompt, max_tokens=max_tokens, temperature=self.temperature,
+            top_k=max(self.top_k, 0) if self.top_k is not None else None, top_p=self.top_p,
+            min_p=self.min_p, seed=None if self.seed is None else (self.seed + i) % SEED_MAX,
             stop=self.stops, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            speculation=self.speculation, gamma_max=self.gamma, tag=self.tag,
-            request_id=_choice_id(request_id, i, self.n))
+            repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            logit_bias=bias, logprobs=self.num_logprobs, speculation=self.speculation,
+            gamma_max=self.gamma, tag=self.tag, request_id=_choice_id(request_id, i, self.n))
             for i in range(self.n)]
 
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | Annotated[list[int], Field(min_length=1)] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
     suffix: str | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _not_with_echo(cls, value: int | None, info) -> int | None:
+        if value is not None and info.data.get("echo"):
+            raise ValueError("together with echo needs the prompt's logprobs, which are "
+                             "not supported: drop one of them")
+        return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -128,8 +155,19 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def completion_limit(self) -> int | None:
@@ -145,6 +183,11 @@ def _choice_id(request_id: str | None, i: int, n: int) -> str:
 # Router validation names GenerateRequest fields; HTTP callers know the OpenAI ones.
 HTTP_FIELD = {"sampling.max_tokens": "max_tokens", "sampling.temperature": "temperature",
               "sampling.top_p": "top_p", "sampling.top_k": "top_k", "sampling.seed": "seed",
+              "sampling.min_p": "min_p", "sampling.min_tokens": "min_tokens",
+              "sampling.repetition_penalty": "repetition_penalty",
+              "sampling.frequency_penalty": "frequency_penalty",
+              "sampling.presence_penalty": "presence_penalty",
+              "sampling.logit_bias": "logit_bias", "sampling.logprobs": "logprobs",
               "sampling.stop_token_ids": "stop_token_ids", "sampling.stop": "stop",
               "text": "prompt", "token_ids.ids": "prompt", "prompt": "prompt",
               "speculation.gamma_max": "gamma", "speculation.mode": "speculation",

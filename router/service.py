@@ -64,6 +64,7 @@ class Progress:
     job: Job
     text: TextStream
     output_ids: list[int] = field(default_factory=list)   # committed, journaled
+    logprobs: list[gp.TokenLogprob] = field(default_factory=list)  # per output id, if asked
     num_sent: int = 0                                      # token ids given to the client
     sent_text: str = ""
     stats: SpecStats = field(default_factory=SpecStats)
@@ -268,6 +269,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             for chunk in feed.chunks(remaining_timeout(context)):
                 self._journal(job.request_id, list(chunk.token_ids))
                 progress.output_ids.extend(chunk.token_ids)
+                progress.logprobs.extend(chunk.logprobs)
                 for r in chunk.rounds:
                     progress.stats.record(r.gamma, r.num_accepted)
                     progress.counts.add_round(r.gamma, r.num_accepted)
@@ -304,15 +306,16 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             resume_output_ids=progress.output_ids, sampling=sampling_to_proto(p, p.seed),
             max_tokens=p.max_tokens, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
             spec_mode=TARGET_MODES[job.mode], gamma=job.gamma_max,
-            acceptance_prior=self._prior(progress.model_pair, job.tag))
+            acceptance_prior=self._prior(progress.model_pair, job.tag), logprobs=p.logprobs)
 
     def _delta(self, progress: Progress, text: str, rounds) -> gp.GenerateResponse:
         consumed = progress.text.num_tokens
         ids = progress.output_ids[progress.num_sent:consumed]
+        logprobs = progress.logprobs[progress.num_sent:consumed]
         progress.num_sent = consumed
         progress.sent_text += text
         msg = gp.GenerateResponse(request_id=progress.job.request_id, text=text, token_ids=ids,
-                                  replica=progress.replica)
+                                  replica=progress.replica, logprobs=logprobs)
         if progress.job.include_rounds:
             msg.rounds.extend(gp.Round(gamma=r.gamma, num_accepted=r.num_accepted, heat=r.heat)
                               for r in rounds)
@@ -347,7 +350,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     def _record(self, progress: Progress, final: gp.GenerateResponse) -> None:
         job = progress.job
         whole = merge_responses([gp.GenerateResponse(
-            text=progress.sent_text, token_ids=progress.output_ids[:progress.num_sent]), final])
+            text=progress.sent_text, token_ids=progress.output_ids[:progress.num_sent],
+            logprobs=progress.logprobs[:progress.num_sent]), final])
         record = st.JournalRecord(fingerprint=job.fingerprint, prompt_ids=job.prompt_ids,
                                   is_finished=True, response=whole.SerializeToString())
         try:

@@ -17,6 +17,7 @@ from outrider.v1 import generate_pb2 as gp
 MAX_STOP_STRINGS = 64
 MAX_STOP_LEN = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS_IDS = 1024
 MAX_PROMPT_CHARS = 1 << 20
 DEFAULT_MAX_TOKENS = 16
 NAME_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
@@ -92,6 +93,9 @@ def _sampling(s: gp.SamplingOptions, vocab: int,
             not 0 <= t < vocab for t in s.stop_token_ids):
         raise ValidationError(f"sampling.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, "
                               f"each in [0, {vocab})")
+    if len(s.logit_bias) > MAX_LOGIT_BIAS_IDS or any(not 0 <= t < vocab for t in s.logit_bias):
+        raise ValidationError(f"sampling.logit_bias: at most {MAX_LOGIT_BIAS_IDS} token ids, "
+                              f"each in [0, {vocab})")
     max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
     if max_tokens > max_model_len:
         raise ValidationError(f"sampling.max_tokens={max_tokens} exceeds the model's context "
@@ -99,11 +103,18 @@ def _sampling(s: gp.SamplingOptions, vocab: int,
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=s.temperature if s.HasField("temperature") else 1.0,
-            top_k=s.top_k, top_p=s.top_p if s.HasField("top_p") else 1.0,
+            temperature=_or(s, "temperature", 1.0), top_k=s.top_k, top_p=_or(s, "top_p", 1.0),
             seed=s.seed if s.HasField("seed") else secrets.randbelow(MAX_SEED),
-            stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+            stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+            min_p=s.min_p, repetition_penalty=_or(s, "repetition_penalty", 1.0),
+            frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+            logit_bias=tuple(sorted(s.logit_bias.items())), min_tokens=s.min_tokens,
+            logprobs=s.logprobs if s.HasField("logprobs") else None)
     except SamplingError as exc:
         raise ValidationError(f"sampling.{exc}") from None
     return params, tuple(s.stop)
+
+
+def _or(msg, name: str, default: float) -> float:
+    return getattr(msg, name) if msg.HasField(name) else default
 

@@ -20,6 +20,7 @@ from typing import Protocol
 from outrider.router.policy import Acceptance, GammaPolicy, OnlineCost, RequestState, SpecMode
 from outrider.target_worker.scheduler import Scheduler, SchedulerConfig
 
+from outrider.engine.sampling import TokenLogprob
 from outrider.engine.spec_decode import Sequence, SpeculativeDecoder
 from outrider.telemetry.metrics import TargetMetrics
 
@@ -31,6 +32,7 @@ class Chunk:
     token_ids: list[int]
     rounds: list[tuple[int, int, float]] = field(default_factory=list)  # (γ, accepted, heat)
     finish_reason: str = ""  # "", "stop", "length", "cancelled", "error: ..."
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when asked for
 
 
 class ChunkSink(Protocol):
@@ -171,7 +173,8 @@ class TargetEngine:
             if tokens:
                 gamma, accepted = seq.last_round
                 self._learn(handle, gamma, accepted)
-                self._deliver(handle, Chunk(tokens, [(gamma, accepted, heat)]))
+                logprobs = seq.logprobs[len(seq.logprobs) - len(tokens):] if seq.logprobs else []
+                self._deliver(handle, Chunk(tokens, [(gamma, accepted, heat)], logprobs=logprobs))
                 if self.metrics:
                     self.metrics.record_round(gamma, accepted, heat, handle.spec.mode.value,
                                               len(tokens))

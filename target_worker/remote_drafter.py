@@ -243,7 +243,7 @@ class RemoteDrafter:
                 new_token_ids=it.new_token_ids, gamma=it.gamma,
                 sampling=sampling_to_proto(it.params, it.seed),
                 q_format=Q_FORMAT_CODES[formats[i]], traceparent=it.traceparent,
-                prefill_only=it.prefill_only))
+                prefill_only=it.prefill_only, prompt_len=it.prompt_len))
         return pb.ProposeRequest(sequences=seqs, dist_tag=self._dist_tag,
                                  beside_target=beside_target)
 

@@ -27,7 +27,7 @@ from outrider.telemetry.tracing import (
 )
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from outrider.wire import sampling_from_proto
+from outrider.wire import logprobs_to_proto, sampling_from_proto
 
 SPEC_MODES = {pb.SPEC_MODE_AUTO: SpecMode.AUTO, pb.SPEC_MODE_OFF: SpecMode.OFF,
               pb.SPEC_MODE_FIXED: SpecMode.FIXED}
@@ -81,7 +81,8 @@ class RequestSpan:
 def chunk_message(chunk: Chunk) -> pb.TargetChunk:
     return pb.TargetChunk(token_ids=chunk.token_ids, finish_reason=chunk.finish_reason,
                           rounds=[pb.RoundStats(gamma=g, num_accepted=a, heat=h)
-                                  for g, a, h in chunk.rounds])
+                                  for g, a, h in chunk.rounds],
+                          logprobs=logprobs_to_proto(chunk.logprobs))
 
 
 class ServeSession:
@@ -293,7 +294,8 @@ class TargetService(worker_pb2_grpc.TargetServicer):
             raise ValueError(f"gamma={request.gamma} exceeds {MAX_GAMMA}")
         params, _ = sampling_from_proto(
             request.sampling, max_tokens=request.max_tokens,
-            stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos)
+            stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos,
+            logprobs=request.logprobs if request.HasField("logprobs") else None)
         if request.spec_mode not in SPEC_MODES:
             raise ValueError(f"spec_mode={request.spec_mode} is not a SpecMode")
         if any(not 0 <= a <= 1 for a in request.acceptance_prior):

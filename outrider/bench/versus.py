@@ -103,6 +103,8 @@ def write_prompts(prompts: list[str], folder: Path) -> Path:
     return path
 
 
+DEFAULT_SAMPLING = "temperature=0"
+
 # -- the load client -----------------------------------------------------------------------
 def vllm_command(vllm: str) -> list[str]:
     """A venv's bin/vllm, or the command given."""
@@ -110,9 +112,21 @@ def vllm_command(vllm: str) -> list[str]:
     return [str(venv_cli)] if venv_cli.is_file() else shlex.split(vllm)
 
 
+def sampling_flags(spec: str) -> list[str]:
+    """`temperature=0.8,top_p=0.9` -> vllm bench serve's flags (--temperature 0.8 ...)."""
+    flags = []
+    for pair in filter(None, spec.split(",")):
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--sampling wants NAME=VALUE pairs, got {pair!r}")
+        flags += [f"--{name.strip().replace('_', '-')}", value.strip()]
+    return flags
+
+
 def bench_serve(vllm: list[str], base_url: str, tokenizer_dir: str, prompts_file: Path,
                 concurrency: int, num_prompts: int, max_tokens: int, out_dir: Path,
-                label: str, extra_body: dict | None = None) -> dict:
+                label: str, extra_body: dict | None = None,
+                sampling: str = DEFAULT_SAMPLING) -> dict:
     """One `vllm bench serve` run; its saved result (output_throughput, median_ttft_ms,
     ...)."""
     name = f"{label}-c{concurrency}.json"
@@ -121,7 +135,7 @@ def bench_serve(vllm: list[str], base_url: str, tokenizer_dir: str, prompts_file
                "--tokenizer", tokenizer_dir, "--dataset-name", "custom",
                "--dataset-path", str(prompts_file), "--skip-chat-template",
                "--custom-output-len", str(max_tokens), "--num-prompts", str(num_prompts),
-               "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0",
+               "--max-concurrency", str(concurrency), "--ignore-eos", *sampling_flags(sampling),
                "--disable-tqdm", "--save-result", "--result-dir", str(out_dir),
                "--result-filename", name]
     if extra_body:
@@ -276,12 +290,12 @@ def measure_server(args, system: str, url: str, prompts_file: Path, levels: list
                    out_dir: Path, log) -> dict[int, dict]:
     vllm, extra = vllm_command(args.vllm), _outrider_body(system)
     bench_serve(vllm, url, args.target, prompts_file, 1, 4, 16, out_dir, f"warmup-{system}",
-                extra)
+                extra, args.sampling)
     cells = {}
     for c in levels:
         data = bench_serve(vllm, url, args.target, prompts_file, c,
                            num_requests(c, args.requests_per_stream), args.max_tokens,
-                           out_dir, system, extra)
+                           out_dir, system, extra, args.sampling)
         cells[c] = cell(data)
         log(f"{system} c={c}: {cells[c]['tokens_per_s']:.0f} tok/s, "
             f"TTFT p50 {cells[c]['ttft_ms_p50']:.0f} ms")
@@ -408,6 +422,11 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
     parser.add_argument("--systems", default=None,
                         help="comma list (default: outrider-auto,outrider-fixedG,engine-gG,"
                              "engine-g0,vllm-draftG,vllm); --hf adds transformers at batch 1")
+    parser.add_argument("--sampling", default=DEFAULT_SAMPLING,
+                        help="the client's sampling flags as NAME=VALUE pairs, e.g. "
+                             "temperature=0.8,top_p=0.9,repetition_penalty=1.1,logprobs=2 "
+                             "(vllm bench serve's names; default: greedy). The in-process "
+                             "engine rows are greedy whatever this says")
     parser.add_argument("--hf", action="store_true",
                         help="transformers (assisted generation) at batch 1 on the same prompts")
 
@@ -438,7 +457,7 @@ def run(args) -> int:
                          "requests_per_stream": args.requests_per_stream,
                          "prompts": "first tokens of source files of " + ", ".join(PACKAGES),
                          "client": "vllm bench serve (--backend openai, /v1/completions, "
-                                   "greedy, --ignore-eos)"},
+                                   "--ignore-eos)", "sampling": args.sampling},
               "results": {s: {str(c): x for c, x in cells.items()} for s, cells in results.items()},
               "targets": targets(results, g)}
     if args.hf:

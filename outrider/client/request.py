@@ -13,16 +13,28 @@ def build_request(prompt: str | list[int], *, max_tokens: int | None = None,
                   top_p: float | None = None, seed: int | None = None,
                   stop: list[str] = (), stop_token_ids: list[int] = (),
                   ignore_eos: bool = False, speculation: str = "auto", gamma_max: int = 0,
-                  request_id: str = "", tag: str = "",
-                  include_rounds: bool = False) -> gp.GenerateRequest:
+                  request_id: str = "", tag: str = "", include_rounds: bool = False,
+                  min_p: float | None = None, repetition_penalty: float | None = None,
+                  frequency_penalty: float | None = None, presence_penalty: float | None = None,
+                  logit_bias: dict[int, float] | None = None, min_tokens: int = 0,
+                  logprobs: int | None = None) -> gp.GenerateRequest:
     """A GenerateRequest; options left None take the router's defaults (16 tokens,
-    temperature 1, no top-k/top-p, a random seed)."""
+    temperature 1, no top-k/top-p/min-p, no penalties, a random seed, no logprobs).
+    logprobs=k returns each token's log-probability and its k likeliest alternatives."""
     if speculation not in MODES:
         raise ValueError(f"speculation must be one of {sorted(MODES)}, got {speculation!r}")
     sampling = gp.SamplingOptions(stop=list(stop), ignore_eos=ignore_eos)
     _set_ids(sampling.stop_token_ids, stop_token_ids, "stop_token_ids")
-    for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
-                        ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
+    try:
+        sampling.logit_bias.update(logit_bias or {})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"logit_bias: {exc}") from None
+    for name, value in (("min_tokens", min_tokens), ("max_tokens", max_tokens),
+                        ("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                        ("seed", seed), ("min_p", min_p),
+                        ("repetition_penalty", repetition_penalty),
+                        ("frequency_penalty", frequency_penalty),
+                        ("presence_penalty", presence_penalty), ("logprobs", logprobs)):
         if value is not None:
             try:
                 setattr(sampling, name, value)

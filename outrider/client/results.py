@@ -17,6 +17,20 @@ class Round:
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """A generated token's log-probability under the distribution it was chosen from,
+    and the likeliest tokens of that distribution (token id, logprob), likeliest first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def from_proto(cls, lp: gp.TokenLogprob) -> Logprob:
+        return cls(lp.token_id, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs)))
+
+
+@dataclass(frozen=True)
 class Delta:
     """One streamed message: the new text and the token ids behind it."""
 
@@ -24,6 +38,7 @@ class Delta:
     token_ids: tuple[int, ...]
     replica: str                   # the target replica generating now
     rounds: tuple[Round, ...] = ()  # with include_rounds=True
+    logprobs: tuple[Logprob, ...] = ()  # one per token id, with logprobs=k
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,7 @@ class Generation:
     timings: Timings
     replica: str              # the replica that finished it
     rounds: tuple[Round, ...] = ()
+    logprobs: tuple[Logprob, ...] = ()  # one per token id, with logprobs=k
 
     def to_dict(self) -> dict:
         """JSON-ready, as `outrider generate --json` prints it."""
@@ -91,6 +107,7 @@ class Collector:
         self.parts: list[str] = []
         self.token_ids: list[int] = []
         self.rounds: list[Round] = []
+        self.logprobs: list[Logprob] = []
         self.last = gp.GenerateResponse()
 
     def add(self, msg: gp.GenerateResponse) -> Delta:
@@ -100,8 +117,10 @@ class Collector:
         self.parts.append(msg.text)
         self.token_ids.extend(msg.token_ids)
         self.rounds.extend(rounds)
+        logprobs = tuple(Logprob.from_proto(lp) for lp in msg.logprobs)
+        self.logprobs.extend(logprobs)
         self.last = msg
-        return Delta(msg.text, tuple(msg.token_ids), msg.replica, rounds)
+        return Delta(msg.text, tuple(msg.token_ids), msg.replica, rounds, logprobs)
 
     def result(self) -> Generation:
         end = time.perf_counter()
@@ -116,4 +135,4 @@ class Collector:
             timings=Timings(first - self.started, end - self.started,
                             (end - first) / (n - 1) if n > 1 else 0.0,
                             n / (end - self.started) if end > self.started else 0.0),
-            replica=last.replica, rounds=tuple(self.rounds))
+            replica=last.replica, rounds=tuple(self.rounds), logprobs=tuple(self.logprobs))

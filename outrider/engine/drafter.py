@@ -20,9 +20,11 @@ import torch
 from outrider.engine.runner import ForwardRequest, ModelRunner
 from outrider.engine.sampling import (
     STREAM_DRAFT,
+    History,
     SamplingParams,
     logits_to_probs,
     position_uniforms,
+    processed_logits,
     sample_from_probs,
 )
 
@@ -44,6 +46,7 @@ class DraftItem:
     q_format: str = "dense"
     traceparent: str = ""       # the request's trace context, when the sequence starts
     prefill_only: bool = False  # take the new tokens into the cache, draft nothing (gamma 0)
+    prompt_len: int = 0         # the sequence's prompt: penalties count output after it
 
     @property
     def is_active(self) -> bool:
@@ -78,6 +81,8 @@ class Drafter:
         self.runner = runner
         self.evict_lru = evict_lru
         self.last_used: OrderedDict[object, float] = OrderedDict()  # LRU order, oldest first
+        # each sequence's tokens in the KV cache, for the processors that read the history
+        self.token_ids: dict[object, list[int]] = {}
         self.num_evicted = 0
         self.num_misses = 0
 
@@ -95,6 +100,7 @@ class Drafter:
 
     def release(self, seq_id) -> bool:
         self.last_used.pop(seq_id, None)
+        self.token_ids.pop(seq_id, None)
         found = self.runner.blocks.has(seq_id)
         self.runner.blocks.free(seq_id)
         return found
@@ -140,6 +146,7 @@ class Drafter:
         elif not blocks.has(item.seq_id) or blocks.seq_len(item.seq_id) < item.committed_len:
             return False
         blocks.rollback(item.seq_id, item.committed_len)
+        del self.token_ids.setdefault(item.seq_id, [])[item.committed_len:]
         self.last_used[item.seq_id] = time.monotonic()
         self.last_used.move_to_end(item.seq_id)
         return True
@@ -156,6 +163,7 @@ class Drafter:
                 item.seq_id, needed, protected):
             return False
         blocks.append(item.seq_id, needed)
+        self.token_ids[item.seq_id] += item.new_token_ids
         return True
 
     def _make_room(self, seq_id, needed: int, protected: set) -> bool:
@@ -205,7 +213,9 @@ class Drafter:
                 new = it.new_token_ids if j == 0 else drafted[i][-1:]
                 requests.append(ForwardRequest(new, cached, blocks.block_table(it.seq_id), 1))
             logits = self.runner.forward(requests + (prefills if j == 0 else []))  # [len(rows), V]
-            tokens, probs = self._pick(logits, [items[i] for i in rows], j)
+            histories = [History(self.token_ids[items[i].seq_id], items[i].prompt_len,
+                                 tuple(drafted[i])) for i in rows]
+            tokens, probs = self._pick(logits, [items[i] for i in rows], histories, j)
             for i, token in zip(rows, tokens.tolist()):
                 drafted[i].append(token)
             if probs_out is None:
@@ -214,17 +224,22 @@ class Drafter:
                 probs_out[rows, j, tokens.to(device)] = 1.0
             else:
                 probs_out[rows, j] = probs.to(device)
+        for it, d in zip(items, drafted):  # the KV holds all but the last draft token
+            if d:
+                self.token_ids[it.seq_id] += d[:-1]
         token_ids = torch.tensor([d + [0] * (max_gamma - len(d)) for d in drafted],
                                  dtype=torch.long, device=device).view(len(items), max_gamma)
         return token_ids, probs_out
 
     @staticmethod
-    def _pick(logits: torch.Tensor, items: list[DraftItem], j: int):
+    def _pick(logits: torch.Tensor, items: list[DraftItem], histories: list[History], j: int):
         """Draft tokens [num_rows] and the q rows they were sampled from (None: all greedy,
-        q = one-hot, no need to build it)."""
-        if all(it.params.is_greedy for it in items):
-            return logits.argmax(-1), None
-        probs = _as_sent(logits_to_probs(logits, [it.params for it in items]),
+        q = one-hot, no need to build it). The request's processors shape q as they
+        shape the target's p, over the same history, drafts included."""
+        params = [it.params for it in items]
+        if all(p.is_greedy for p in params):
+            return processed_logits(logits, params, histories).argmax(-1), None
+        probs = _as_sent(logits_to_probs(logits, params, histories),
                          [it.q_format for it in items])
         positions = [it.committed_len + len(it.new_token_ids) + j for it in items]
         uniforms = position_uniforms([it.seed for it in items], positions, STREAM_DRAFT)

@@ -1,9 +1,17 @@
 """Per-request sampling: parameters, logits processing, and position-keyed randomness.
 
-Every distribution the engine samples from or verifies against is produced by
-`logits_to_probs`, for draft and target alike (DESIGN §3: p and q are the distributions
-after temperature, top-k and top-p). Greedy is the point mass on the argmax, so greedy
-and sampled requests share one verification path.
+Every distribution the engine samples from or verifies against comes from
+`processed_logits`, for draft and target alike: p and q are the distributions after the
+request's processors, temperature and truncation. Greedy is the point mass on the argmax
+of the processed logits, so greedy and sampled requests share one verification path.
+
+The processors, in vLLM's order: logit_bias and min_tokens, then the repetition,
+frequency and presence penalties, then temperature (1 for greedy), then min_p, top-k and
+top-p. The penalties look at the tokens before the row: prompt + output for the
+repetition penalty, output only for frequency and presence. In a speculative round the
+output before row j includes the round's draft tokens 0..j-1, on the draft and on the
+target alike, so p and q are each the distribution of the token at that position given
+that history, and rejection sampling stays exact.
 
 Randomness is a pure function of (seed, absolute position, purpose): output does not
 depend on batch composition, on how many tokens a round accepted, or on which replica
@@ -13,6 +21,7 @@ ran the round, so a request can be resumed elsewhere and reproduce the same toke
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +29,9 @@ import torch
 
 MAX_SEED = 2**63 - 1
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy: logits / T would overflow
+MAX_LOGPROBS = 20    # alternatives per token (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 100.0
+MAX_PENALTY = 2.0    # |frequency_penalty|, |presence_penalty| (OpenAI's range)
 
 
 class SamplingError(ValueError):
@@ -35,6 +47,14 @@ class SamplingParams:
     seed: int | None = None   # None: the engine draws one per request
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0        # drop tokens less likely than min_p x the likeliest
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output
+    frequency_penalty: float = 0.0   # subtracted x each earlier occurrence in the output
+    presence_penalty: float = 0.0    # subtracted once if the token is in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0       # EOS and stop_token_ids are held back until this many
+    logprobs: int | None = None  # None: none; k: the chosen token's and the k likeliest
+    eos_token_ids: tuple[int, ...] = ()  # the model's, set by the engine (min_tokens)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -49,10 +69,57 @@ class SamplingParams:
         if self.seed is not None and (not _is_int(self.seed)
                                       or not 0 <= self.seed <= MAX_SEED):
             raise SamplingError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise SamplingError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise SamplingError(f"repetition_penalty must be a finite number > 0 "
+                                f"(1 disables), got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or abs(value) > MAX_PENALTY:
+                raise SamplingError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                                    f"got {value!r}")
+        for token, bias in self.logit_bias:
+            if not _is_int(token) or token < 0:
+                raise SamplingError(f"logit_bias: token id {token!r} is not an id")
+            if not _is_real(bias) or abs(bias) > MAX_LOGIT_BIAS:
+                raise SamplingError(f"logit_bias[{token}] must be in [-{MAX_LOGIT_BIAS:g}, "
+                                    f"{MAX_LOGIT_BIAS:g}], got {bias!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise SamplingError(f"min_tokens must be an integer in [0, max_tokens="
+                                f"{self.max_tokens}], got {self.min_tokens!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise SamplingError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], "
+                                f"got {self.logprobs!r}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether the processed logits depend on the tokens before the row."""
+        return (self.repetition_penalty != 1 or self.frequency_penalty != 0
+                or self.presence_penalty != 0 or self.min_tokens > 0)
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether any processor runs before temperature (greedy argmax included)."""
+        return self.reads_history or bool(self.logit_bias)
+
+    @property
+    def truncates(self) -> bool:
+        return bool(self.top_k) or self.top_p < 1 or self.min_p > 0
+
+    @property
+    def held_back_ids(self) -> tuple[int, ...]:
+        """Tokens min_tokens holds back: the stop tokens and, unless ignored, EOS."""
+        eos = () if self.ignore_eos else self.eos_token_ids
+        return tuple(sorted({*self.stop_token_ids, *eos}))
 
 
 def _is_int(x) -> bool:
@@ -63,40 +130,203 @@ def _is_real(x) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """logits: [num_rows, vocab] fp32, one SamplingParams per row -> probs [num_rows, vocab]."""
-    device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)  # [num_rows]
-    is_greedy = temperature < GREEDY_BELOW
-    probs = torch.zeros_like(logits)
-    if bool(is_greedy.any()):
-        greedy_rows = is_greedy.nonzero().squeeze(-1)
-        probs[greedy_rows, logits[greedy_rows].argmax(-1)] = 1.0
+@dataclass(frozen=True)
+class History:
+    """The tokens before one logits row, for the processors that read them."""
+
+    token_ids: Sequence[int]  # prompt + committed output (shared by a sequence's rows)
+    prompt_len: int
+    drafted: tuple[int, ...] = ()  # then the round's draft tokens before this row
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len + len(self.drafted)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's log-probability under the processed distribution, and the
+    likeliest tokens' (as many as the request asked for)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+# -- logits processing --------------------------------------------------------------------------
+
+def processed_logits(logits: torch.Tensor, params: list[SamplingParams],
+                     histories: list[History] | None = None) -> torch.Tensor:
+    """logits: [num_rows, vocab] fp32, one SamplingParams (and History, for processors
+    that read it) per row -> the logits each row's token is chosen from: after the
+    processors, divided by the temperature (1 for greedy), and -inf outside min_p /
+    top-k / top-p for sampled rows. Returns `logits` itself when nothing changes it."""
+    is_copy = any(p.changes_logits for p in params)
+    if is_copy:
+        logits = _apply_processors(logits.clone(), params, histories)
+    sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    if not sampled:
+        return logits
+    rows = torch.tensor(sampled, device=logits.device)
+    temperature = torch.tensor([params[i].temperature for i in sampled], device=logits.device)
+    scaled = logits[rows] / temperature[:, None]
+    truncating = [params[i] for i in sampled]
+    if any(p.truncates for p in truncating):
+        scaled = _truncate(scaled, truncating)
+    if len(sampled) == len(params):
+        return scaled
+    logits = logits if is_copy else logits.clone()
+    logits[rows] = scaled
+    return logits
+
+
+def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams],
+                    histories: list[History] | None = None) -> torch.Tensor:
+    """[num_rows, vocab] fp32 -> the distribution each row's token is drawn from."""
+    return probs_of(processed_logits(logits, params, histories), params)
+
+
+def probs_of(processed: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Processed logits -> probs [num_rows, vocab]: the point mass on the argmax for
+    greedy rows (decided from the parameters, not from a rounded tensor), softmax else."""
+    is_greedy = torch.tensor([p.is_greedy for p in params], device=processed.device)
     if bool(is_greedy.all()):
-        return probs
-    rows = (~is_greedy).nonzero().squeeze(-1)
-    sampled = [params[i] for i in rows.tolist()]
-    scaled = logits[rows] / temperature[rows, None]
-    if any(p.top_k or p.top_p < 1 for p in sampled):
-        scaled = _truncate(scaled, sampled)
-    probs[rows] = torch.softmax(scaled, dim=-1)
+        return torch.zeros_like(processed).scatter_(-1, processed.argmax(-1, keepdim=True), 1.0)
+    probs = torch.softmax(processed, dim=-1)
+    if bool(is_greedy.any()):
+        rows = is_greedy.nonzero().squeeze(-1)
+        probs[rows] = 0.0
+        probs[rows, processed[rows].argmax(-1)] = 1.0
     return probs
 
 
+def _apply_processors(logits: torch.Tensor, params: list[SamplingParams],
+                      histories: list[History] | None) -> torch.Tensor:
+    """logit_bias, min_tokens, then the penalties, in place; logits: [num_rows, vocab]."""
+    vocab, device = logits.shape[-1], logits.device
+    bias = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias if t < vocab]
+    if bias:
+        rows, ids, values = zip(*bias)
+        logits.index_put_((torch.tensor(rows, device=device), torch.tensor(ids, device=device)),
+                          torch.tensor(values, dtype=logits.dtype, device=device),
+                          accumulate=True)
+    if not any(p.reads_history for p in params):
+        return logits
+    if histories is None:
+        raise ValueError("penalties and min_tokens need the history of each row")
+    held = [(row, t) for row, (p, h) in enumerate(zip(params, histories))
+            if h.num_output < p.min_tokens for t in p.held_back_ids if t < vocab]
+    if held:
+        rows, ids = zip(*held)
+        logits[torch.tensor(rows, device=device), torch.tensor(ids, device=device)] = -math.inf
+    rows = [i for i, p in enumerate(params)
+            if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty]
+    if rows:
+        _penalize(logits, rows, params, [histories[i] for i in rows])
+    return logits
+
+
+def _penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+              histories: list[History]) -> None:
+    """In place, on the tokens each row has seen (few, next to the vocabulary): the
+    repetition penalty divides the positive logits and multiplies the negative ones of
+    every token in the prompt or the output; frequency and presence then subtract for
+    the output's tokens. histories: one per entry of `rows`."""
+    entry_row, token_ids, counts = _seen_tokens(histories, logits.shape[-1])  # [seen] each
+    device, vocab = logits.device, logits.shape[-1]
+    flat = logits.view(-1)  # one flat index per entry: the entries are sorted, row by row
+    at = (torch.tensor(rows)[entry_row] * vocab + token_ids).to(device)
+
+    def per_entry(name: str) -> torch.Tensor:  # [seen]
+        values = [getattr(params[r], name) for r in rows]
+        return torch.tensor(values, dtype=logits.dtype)[entry_row].to(device)
+
+    counts = counts.to(device=device, dtype=logits.dtype)
+    values = flat.take(at)
+    repetition = per_entry("repetition_penalty")
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    values = (values - per_entry("frequency_penalty") * counts
+              - per_entry("presence_penalty") * (counts > 0))
+    flat.index_copy_(0, at, values)
+
+
+def _seen_tokens(histories: list[History],
+                 vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every (row, token) pair where the token is in the row's prompt or output, with
+    its count in the output: entry_row, token_ids, counts, each [seen]. A sequence's
+    rows share their committed tokens (counted once); each row adds its draft tokens."""
+    bases: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+    rows, ids, counts = [], [], []
+    for r, h in enumerate(histories):
+        key = (id(h.token_ids), len(h.token_ids), h.prompt_len)
+        if key not in bases:
+            bases[key] = _committed_counts(h, vocab)
+        seen, count = bases[key]
+        if h.drafted:
+            seen, count = _with_drafts(seen, count, np.asarray(h.drafted, dtype=np.int64))
+        rows.append(np.full(len(seen), r, dtype=np.int64))
+        ids.append(seen)
+        counts.append(count)
+    return (torch.from_numpy(np.concatenate(rows)), torch.from_numpy(np.concatenate(ids)),
+            torch.from_numpy(np.concatenate(counts)))
+
+
+def _committed_counts(h: History, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted ids seen in prompt or output, their output counts) of a history."""
+    tokens = np.asarray(h.token_ids, dtype=np.int64)
+    tokens = np.where((tokens >= 0) & (tokens < vocab), tokens, vocab)
+    seen, inverse = np.unique(tokens, return_inverse=True)
+    count = np.bincount(inverse[h.prompt_len:], minlength=len(seen)).astype(np.float32)
+    return seen[seen < vocab], count[seen < vocab]
+
+
+def _with_drafts(seen: np.ndarray, count: np.ndarray,
+                 drafted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The committed (seen, count) plus a row's draft tokens (output, unseen ones appended)."""
+    at = np.minimum(np.searchsorted(seen, drafted), max(len(seen) - 1, 0))
+    is_known = (seen[at] == drafted) if len(seen) else np.zeros(len(drafted), dtype=bool)
+    count = count.copy()
+    np.add.at(count, at[is_known], 1.0)
+    new, new_count = np.unique(drafted[~is_known], return_counts=True)
+    return (np.concatenate([seen, new]),
+            np.concatenate([count, new_count.astype(np.float32)]))
+
+
 def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Top-k then top-p (nucleus) masking; logits: [num_rows, vocab]."""
-    vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k or vocab for p in params], device=logits.device).clamp(max=vocab)
-    top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=logits.dtype)
+    """min_p, then top-k, then top-p (nucleus) masking; logits: [num_rows, vocab] after
+    temperature. Rows that do not ask for a truncation are left whole."""
+    vocab, device = logits.shape[-1], logits.device
+    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(-1)
+        is_below = probs < min_p[:, None] * probs.max(-1, keepdim=True).values
+        logits = logits.masked_fill(is_below, -math.inf)
+    top_k = torch.tensor([p.top_k or vocab for p in params], device=device).clamp(max=vocab)
+    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [num_rows, vocab]
     kth = sorted_logits.gather(-1, (top_k - 1)[:, None])  # [num_rows, 1]
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, -math.inf)
     sorted_probs = sorted_logits.softmax(-1)
     mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly better tokens
-    is_outside = mass_before >= top_p[:, None]
+    # a row with top_p = 1 keeps its tail even where the fp32 sum rounds up to 1
+    is_outside = (mass_before >= top_p[:, None]) & (top_p < 1)[:, None]
     is_outside[:, 0] = False  # always keep the most likely token
     sorted_logits = sorted_logits.masked_fill(is_outside, -math.inf)
     return torch.full_like(logits, -math.inf).scatter(-1, order, sorted_logits)
+
+
+def token_logprobs(processed: torch.Tensor, token_ids: torch.Tensor,
+                   num_top: list[int]) -> list[TokenLogprob]:
+    """Log-probabilities of the chosen tokens under the processed distributions.
+    processed: [num_rows, vocab]; token_ids: [num_rows]; num_top[i]: alternatives row i
+    reports (the likeliest first)."""
+    logprobs = torch.log_softmax(processed.float(), dim=-1)  # [num_rows, vocab]
+    chosen = logprobs.gather(-1, token_ids[:, None].long()).squeeze(-1).tolist()
+    k = max(num_top, default=0)
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
+    top_lp, top_ids = top_lp.tolist(), top_ids.long().tolist()
+    return [TokenLogprob(int(t), lp, tuple(zip(ids[:n], lps[:n])))
+            for t, lp, ids, lps, n in zip(token_ids.tolist(), chosen, top_ids, top_lp, num_top)]
 
 
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

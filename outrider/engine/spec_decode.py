@@ -22,10 +22,11 @@ seeded output must not depend on the load.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -37,9 +38,13 @@ from outrider.engine.sampling import (
     MAX_SEED,
     STREAM_ACCEPT,
     STREAM_SAMPLE,
+    History,
     SamplingParams,
-    logits_to_probs,
+    TokenLogprob,
     position_uniforms,
+    probs_of,
+    processed_logits,
+    token_logprobs,
 )
 
 
@@ -130,6 +135,7 @@ class Sequence:
     last_round: tuple[int, int] = (0, 0)  # (γ, accepted) of the latest round
     ahead: DraftAhead | None = None  # next round's draft tokens, drafted during this one
     traceparent: str = ""  # W3C trace context of its request, for the draft replica's span
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
 
     @property
     def output_ids(self) -> list[int]:
@@ -158,10 +164,10 @@ class SpeculativeDecoder:
         self.num_ahead_rounds = 0  # rounds whose drafts were drafted during the previous one
         self.eos_token_ids = frozenset(target.model_config.eos_token_ids)
         self.last_timing: StepTiming | None = None
-        # a sequence must fit the target's KV cache on its own, or it could never run
+        # a sequence must fit the target's KV cache on its own, or it could never run;
+        # past the draft's context it goes on without speculating
         kv_capacity = target.blocks.num_blocks * target.blocks.block_size
-        self.max_model_len = min(target.max_model_len, kv_capacity,
-                                 drafter.max_model_len if drafter else target.max_model_len)
+        self.max_model_len = min(target.max_model_len, kv_capacity)
         self._next_id = 0
 
     # -- requests --------------------------------------------------------------------------
@@ -185,6 +191,7 @@ class SpeculativeDecoder:
             raise RequestError(f"prompt has {len(prompt_ids)} tokens{resumed}; the model's "
                                f"context is {self.max_model_len}")
         seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
+        params = replace(params, eos_token_ids=tuple(sorted(self.eos_token_ids)))
         self._next_id += 1
         return Sequence(self._next_id, [*prompt_ids, *resume_ids], len(prompt_ids), params, seed)
 
@@ -259,26 +266,48 @@ class SpeculativeDecoder:
                                       sum(gammas), draft_s)
         if not ready:
             return committed
-        result = self._accept(seqs, ready, gammas, num_draft, logits, draft_ids, draft_probs)
-        for i, k, row in zip(ready, result.num_accepted.tolist(), result.token_ids.tolist()):
+        result, logprobs = self._accept(seqs, ready, gammas, num_draft, logits, draft_ids,
+                                        draft_probs)
+        for i, k, row, lps in zip(ready, result.num_accepted.tolist(), result.token_ids.tolist(),
+                                  logprobs):
             committed[i] = self._commit(seqs[i], gammas[i], k, row, next_ahead.get(i))
+            if lps is not None:
+                seqs[i].logprobs += lps[:len(committed[i])]
         return committed
 
     def _accept(self, seqs, ready: list[int], gammas: list[int], num_draft: list[int],
                 logits: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor):
         """Exact verification of the ready sequences; logits: [sum(γ_i + 1), vocab].
-        num_draft[i] is γ_i, or γ_i + 1 with a bonus-position candidate (overlap)."""
+        num_draft[i] is γ_i, or γ_i + 1 with a bonus-position candidate (overlap).
+        Returns the rejection result and, per ready sequence, the logprobs of its
+        emitted tokens (None where the request did not ask for them)."""
         device, width = draft_ids.device, draft_ids.shape[1] + 1
         rows = torch.tensor(ready, device=device)
         num_rows = [gammas[i] + 1 for i in ready]
         num_verified = torch.tensor([num_draft[i] for i in ready], device=device)
+        params = [seqs[i].params for i in ready for _ in range(gammas[i] + 1)]
+        histories = None
+        if any(seqs[i].params.reads_history for i in ready):
+            drafts = draft_ids.tolist()
+            histories = [History(seqs[i].token_ids, seqs[i].prompt_len, tuple(drafts[i][:j]))
+                         for i in ready for j in range(gammas[i] + 1)]
+        processed = processed_logits(logits, params, histories)  # [sum(γ_i + 1), vocab]
         if all(seqs[i].params.is_greedy for i in ready):
-            argmax = _pad_rows(logits.argmax(-1), num_rows, width)  # [n, width]
-            return greedy_verify(argmax, draft_ids[rows], num_verified)
+            argmax = _pad_rows(processed.argmax(-1), num_rows, width)  # [n, width]
+            result = greedy_verify(argmax, draft_ids[rows], num_verified)
+        else:
+            result = self._rejection_sample(seqs, ready, num_rows, num_verified, processed,
+                                            params, draft_ids, draft_probs)
+        return result, self._logprobs(seqs, ready, num_rows, processed, result)
+
+    def _rejection_sample(self, seqs, ready: list[int], num_rows: list[int],
+                          num_verified: torch.Tensor, processed: torch.Tensor, params,
+                          draft_ids: torch.Tensor, draft_probs: torch.Tensor | None):
+        width = draft_ids.shape[1] + 1
+        rows = torch.tensor(ready, device=draft_ids.device)
         if draft_probs is None:  # every draft row is a point mass
             draft_probs = dense_draft_probs(draft_ids, self.target.vocab_size)
-        params = [seqs[i].params for i in ready for _ in range(gammas[i] + 1)]
-        target_probs = _pad_rows(logits_to_probs(logits, params), num_rows, width)
+        target_probs = _pad_rows(probs_of(processed, params), num_rows, width)
         positions = [[len(seqs[i].token_ids) + j for j in range(width)] for i in ready]
         seeds = [seqs[i].seed for i in ready]
         return rejection_sample(
@@ -286,13 +315,34 @@ class SpeculativeDecoder:
             position_uniforms(seeds, [p[:-1] for p in positions], STREAM_ACCEPT),
             position_uniforms(seeds, positions, STREAM_SAMPLE))
 
+    @staticmethod
+    def _logprobs(seqs, ready: list[int], num_rows: list[int], processed: torch.Tensor,
+                  result) -> list[list[TokenLogprob] | None]:
+        """Each emitted token's logprob from the target's verification rows."""
+        wanted = [k for k, i in enumerate(ready) if seqs[i].params.logprobs is not None]
+        out: list[list[TokenLogprob] | None] = [None] * len(ready)
+        if not wanted:
+            return out
+        offsets = [0, *itertools.accumulate(num_rows)]
+        # a verified bonus-position candidate (overlap) is the bonus token: one per row
+        emitted = [min(e, n) for e, n in zip(result.num_emitted.tolist(), num_rows)]
+        flat_rows = [offsets[k] + j for k in wanted for j in range(emitted[k])]
+        tokens = torch.cat([result.token_ids[k, :emitted[k]] for k in wanted])
+        num_top = [seqs[ready[k]].params.logprobs for k in wanted for _ in range(emitted[k])]
+        logprobs = iter(token_logprobs(processed[flat_rows], tokens, num_top))
+        for k in wanted:
+            out[k] = [next(logprobs) for _ in range(emitted[k])]
+        return out
+
     def clip_gamma(self, seq: Sequence, gamma: int) -> int:
-        """γ limited by what the request may still emit and the context (not by load)."""
+        """γ limited by what the request may still emit and by the contexts of the target
+        and the draft (not by load): past the draft's context γ is 0."""
         if self.drafter is None:
             return 0
         room = min(seq.params.max_tokens - seq.num_output,
                    self.max_model_len - len(seq.token_ids))
-        return max(0, min(gamma, room - 1))
+        draft_room = self.drafter.max_model_len - len(seq.token_ids)
+        return max(0, min(gamma, room - 1, draft_room))
 
     def _propose(self, seqs: list[Sequence], gammas: list[int]):
         """Draft γ_i tokens per sequence (from the previous round's drafting ahead where
@@ -338,7 +388,8 @@ class SpeculativeDecoder:
         start = min(seq.draft_len, num_committed + len(drafts) - 1)
         new = seq.token_ids[start:] + list(drafts[max(0, start - num_committed):])
         return DraftItem(seq.seq_id, start, new if gamma else [], gamma, seq.params, seq.seed,
-                         traceparent=seq.traceparent if start == 0 else "")
+                         traceparent=seq.traceparent if start == 0 else "",
+                         prompt_len=seq.prompt_len)
 
     def _draft_background(self, seqs: list[Sequence], draft_ids: torch.Tensor,
                           ahead_gammas: list[int], warm: list[bool]) -> DraftCall | None:
@@ -355,7 +406,8 @@ class SpeculativeDecoder:
             if warm[i]:
                 items[i] = DraftItem(
                     s.seq_id, s.draft_len, s.token_ids[s.draft_len:], 0, s.params, s.seed,
-                    traceparent=s.traceparent if s.draft_len == 0 else "", prefill_only=True)
+                    traceparent=s.traceparent if s.draft_len == 0 else "", prefill_only=True,
+                    prompt_len=s.prompt_len)
         return self.drafter.submit(items, self.target.device, beside_target=True)
 
     @staticmethod

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class TokenizerError(ValueError):
@@ -34,6 +38,39 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, even part of a UTF-8 character (what OpenAI's
+        logprob `bytes` carry): byte-level BPE pieces mapped back to their bytes,
+        `<0xHH>` byte-fallback pieces, sentencepiece's ▁ as a space."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        table = _byte_of_char() if self._is_byte_level else {}
+        if table and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        if match := _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(match.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    @functools.cached_property
+    def _is_byte_level(self) -> bool:
+        return "ByteLevel" in repr(self._tok.decoder)
+
+
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's alphabet: each byte is a printable character (GPT-2's table)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
 
 
 class IncrementalDetokenizer:

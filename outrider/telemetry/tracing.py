@@ -83,6 +83,8 @@ def request_attributes(model: str, params, request_id: str) -> dict:
             "gen_ai.request.temperature": params.temperature,
             "gen_ai.request.top_p": params.top_p, "gen_ai.request.top_k": params.top_k,
             "gen_ai.request.seed": params.seed if params.seed is not None else -1,
+            "gen_ai.request.frequency_penalty": params.frequency_penalty,
+            "gen_ai.request.presence_penalty": params.presence_penalty,
             "gen_ai.response.id": request_id}
 
 

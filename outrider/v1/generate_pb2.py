@@ -24,39 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aoutrider/v1/generate.proto\x12\x0boutrider.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf5\x01\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seed\"S\n\x12SpeculationOptions\x12*\n\x04mode\x18\x01 \x01(\x0e\x32\x1c.outrider.v1.SpeculationMode\x12\x11\n\tgamma_max\x18\x02 \x01(\r\"\xf6\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.outrider.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.outrider.v1.SamplingOptions\x12\x34\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1f.outrider.v1.SpeculationOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x0b\n\x03tag\x18\x06 \x01(\t\x12\x16\n\x0einclude_rounds\x18\x07 \x01(\x08\x42\x08\n\x06prompt\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xc2\x01\n\x10SpeculationStats\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x03 \x01(\x02\x12\x19\n\x11mean_accepted_len\x18\x04 \x01(\x02\x12\x0e\n\x06rounds\x18\x05 \x01(\r\x12\x1c\n\x14\x64rafted_per_position\x18\x06 \x03(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x07 \x03(\r\":\n\x05Round\x12\r\n\x05gamma\x18\x01 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x0c\n\x04heat\x18\x03 \x01(\x02\"\xea\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.outrider.v1.Usage\x12\x32\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1d.outrider.v1.SpeculationStats\x12\"\n\x06rounds\x18\x07 \x03(\x0b\x32\x12.outrider.v1.Round\x12\x0f\n\x07replica\x18\x08 \x01(\t\"\x1c\n\rStatusRequest\x12\x0b\n\x03tag\x18\x01 \x01(\t\"\xbc\x01\n\x07Replica\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nmodel_pair\x18\x02 \x01(\t\x12\x0c\n\x04heat\x18\x03 \x01(\x02\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x16\n\x0ekv_used_blocks\x18\x06 \x01(\r\x12\x17\n\x0fkv_total_blocks\x18\x07 \x01(\r\x12\x14\n\x0ctokens_per_s\x18\x08 \x01(\x02\x12\r\n\x05\x61ge_s\x18\t \x01(\x01\"n\n\x0f\x41\x63\x63\x65ptanceStats\x12\x12\n\nmodel_pair\x18\x01 \x01(\t\x12\x0b\n\x03tag\x18\x02 \x01(\t\x12\x1b\n\x13tested_per_position\x18\x03 \x03(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x04\"\x84\x01\n\x0cRouterStatus\x12&\n\x08replicas\x18\x01 \x03(\x0b\x32\x14.outrider.v1.Replica\x12\x30\n\nacceptance\x18\x02 \x03(\x0b\x32\x1c.outrider.v1.AcceptanceStats\x12\x1a\n\x12is_store_reachable\x18\x03 \x01(\x08*b\n\x0fSpeculationMode\x12\x19\n\x15SPECULATION_MODE_AUTO\x10\x00\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x01\x12\x1a\n\x16SPECULATION_MODE_FIXED\x10\x02\x32\xe7\x01\n\nGeneration\x12G\n\x08Generate\x12\x1c.outrider.v1.GenerateRequest\x1a\x1d.outrider.v1.GenerateResponse\x12O\n\x0eGenerateStream\x12\x1c.outrider.v1.GenerateRequest\x1a\x1d.outrider.v1.GenerateResponse0\x01\x12?\n\x06Status\x12\x1a.outrider.v1.StatusRequest\x1a\x19.outrider.v1.RouterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aoutrider/v1/generate.proto\x12\x0boutrider.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe0\x04\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\x05min_p\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12?\n\nlogit_bias\x18\r \x03(\x0b\x32+.outrider.v1.SamplingOptions.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x0b\n\t_logprobs\"S\n\x12SpeculationOptions\x12*\n\x04mode\x18\x01 \x01(\x0e\x32\x1c.outrider.v1.SpeculationMode\x12\x11\n\tgamma_max\x18\x02 \x01(\r\"\xf6\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.outrider.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.outrider.v1.SamplingOptions\x12\x34\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1f.outrider.v1.SpeculationOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x0b\n\x03tag\x18\x06 \x01(\t\x12\x16\n\x0einclude_rounds\x18\x07 \x01(\x08\x42\x08\n\x06prompt\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xc2\x01\n\x10SpeculationStats\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x03 \x01(\x02\x12\x19\n\x11mean_accepted_len\x18\x04 \x01(\x02\x12\x0e\n\x06rounds\x18\x05 \x01(\r\x12\x1c\n\x14\x64rafted_per_position\x18\x06 \x03(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x07 \x03(\r\":\n\x05Round\x12\r\n\x05gamma\x18\x01 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x0c\n\x04heat\x18\x03 \x01(\x02\"\x97\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.outrider.v1.Usage\x12\x32\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1d.outrider.v1.SpeculationStats\x12\"\n\x06rounds\x18\x07 \x03(\x0b\x32\x12.outrider.v1.Round\x12\x0f\n\x07replica\x18\x08 \x01(\t\x12+\n\x08logprobs\x18\t \x03(\x0b\x32\x19.outrider.v1.TokenLogprob\"\x1c\n\rStatusRequest\x12\x0b\n\x03tag\x18\x01 \x01(\t\"\xbc\x01\n\x07Replica\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nmodel_pair\x18\x02 \x01(\t\x12\x0c\n\x04heat\x18\x03 \x01(\x02\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x16\n\x0ekv_used_blocks\x18\x06 \x01(\r\x12\x17\n\x0fkv_total_blocks\x18\x07 \x01(\r\x12\x14\n\x0ctokens_per_s\x18\x08 \x01(\x02\x12\r\n\x05\x61ge_s\x18\t \x01(\x01\"n\n\x0f\x41\x63\x63\x65ptanceStats\x12\x12\n\nmodel_pair\x18\x01 \x01(\t\x12\x0b\n\x03tag\x18\x02 \x01(\t\x12\x1b\n\x13tested_per_position\x18\x03 \x03(\x04\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x04\"\x84\x01\n\x0cRouterStatus\x12&\n\x08replicas\x18\x01 \x03(\x0b\x32\x14.outrider.v1.Replica\x12\x30\n\nacceptance\x18\x02 \x03(\x0b\x32\x1c.outrider.v1.AcceptanceStats\x12\x1a\n\x12is_store_reachable\x18\x03 \x01(\x08*b\n\x0fSpeculationMode\x12\x19\n\x15SPECULATION_MODE_AUTO\x10\x00\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x01\x12\x1a\n\x16SPECULATION_MODE_FIXED\x10\x02\x32\xe7\x01\n\nGeneration\x12G\n\x08Generate\x12\x1c.outrider.v1.GenerateRequest\x1a\x1d.outrider.v1.GenerateResponse\x12O\n\x0eGenerateStream\x12\x1c.outrider.v1.GenerateRequest\x1a\x1d.outrider.v1.GenerateResponse0\x01\x12?\n\x06Status\x12\x1a.outrider.v1.StatusRequest\x1a\x19.outrider.v1.RouterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'outrider.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPECULATIONMODE']._serialized_start=1671
-  _globals['_SPECULATIONMODE']._serialized_end=1769
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_SPECULATIONMODE']._serialized_start=2169
+  _globals['_SPECULATIONMODE']._serialized_end=2267
   _globals['_TOKENIDS']._serialized_start=43
   _globals['_TOKENIDS']._serialized_end=66
   _globals['_SAMPLINGOPTIONS']._serialized_start=69
-  _globals['_SAMPLINGOPTIONS']._serialized_end=314
-  _globals['_SPECULATIONOPTIONS']._serialized_start=316
-  _globals['_SPECULATIONOPTIONS']._serialized_end=399
-  _globals['_GENERATEREQUEST']._serialized_start=402
-  _globals['_GENERATEREQUEST']._serialized_end=648
-  _globals['_USAGE']._serialized_start=650
-  _globals['_USAGE']._serialized_end=707
-  _globals['_SPECULATIONSTATS']._serialized_start=710
-  _globals['_SPECULATIONSTATS']._serialized_end=904
-  _globals['_ROUND']._serialized_start=906
-  _globals['_ROUND']._serialized_end=964
-  _globals['_GENERATERESPONSE']._serialized_start=967
-  _globals['_GENERATERESPONSE']._serialized_end=1201
-  _globals['_STATUSREQUEST']._serialized_start=1203
-  _globals['_STATUSREQUEST']._serialized_end=1231
-  _globals['_REPLICA']._serialized_start=1234
-  _globals['_REPLICA']._serialized_end=1422
-  _globals['_ACCEPTANCESTATS']._serialized_start=1424
-  _globals['_ACCEPTANCESTATS']._serialized_end=1534
-  _globals['_ROUTERSTATUS']._serialized_start=1537
-  _globals['_ROUTERSTATUS']._serialized_end=1669
-  _globals['_GENERATION']._serialized_start=1772
-  _globals['_GENERATION']._serialized_end=2003
+  _globals['_SAMPLINGOPTIONS']._serialized_end=677
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=480
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=528
+  _globals['_SPECULATIONOPTIONS']._serialized_start=679
+  _globals['_SPECULATIONOPTIONS']._serialized_end=762
+  _globals['_GENERATEREQUEST']._serialized_start=765
+  _globals['_GENERATEREQUEST']._serialized_end=1011
+  _globals['_TOKENLOGPROB']._serialized_start=1013
+  _globals['_TOKENLOGPROB']._serialized_end=1101
+  _globals['_USAGE']._serialized_start=1103
+  _globals['_USAGE']._serialized_end=1160
+  _globals['_SPECULATIONSTATS']._serialized_start=1163
+  _globals['_SPECULATIONSTATS']._serialized_end=1357
+  _globals['_ROUND']._serialized_start=1359
+  _globals['_ROUND']._serialized_end=1417
+  _globals['_GENERATERESPONSE']._serialized_start=1420
+  _globals['_GENERATERESPONSE']._serialized_end=1699
+  _globals['_STATUSREQUEST']._serialized_start=1701
+  _globals['_STATUSREQUEST']._serialized_end=1729
+  _globals['_REPLICA']._serialized_start=1732
+  _globals['_REPLICA']._serialized_end=1920
+  _globals['_ACCEPTANCESTATS']._serialized_start=1922
+  _globals['_ACCEPTANCESTATS']._serialized_end=2032
+  _globals['_ROUTERSTATUS']._serialized_start=2035
+  _globals['_ROUTERSTATUS']._serialized_end=2167
+  _globals['_GENERATION']._serialized_start=2270
+  _globals['_GENERATION']._serialized_end=2501
 # @@protoc_insertion_point(module_scope)
