@@ -17,7 +17,7 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 # installed package, whose outrider.router etc. live in other source folders) ---
 FROM ${PYTHON_IMAGE} AS wheel
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY outrider/ outrider/
 COPY draft_worker/ draft_worker/
 COPY target_worker/ target_worker/
@@ -29,6 +29,10 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 FROM ${PYTHON_IMAGE}
 
 ARG VARIANT=cpu
+# Which role the image runs: all (every role; the Ray cluster image), router (torch-free,
+# no Ray: the router Deployment), worker (target and draft replicas), client (the SDK and
+# `outrider generate`). Each installs the wheel with that extra of pyproject.toml.
+ARG ROLE=all
 # Must equal pyproject.toml's torch pin (tests/deploy checks it).
 ARG TORCH_VERSION=2.13.0
 # Must equal pyproject.toml's ray pin; [default] adds the dashboard and job server that
@@ -46,17 +50,20 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends wget \
  && rm -rf /var/lib/apt/lists/*
 
-# torch first, alone and pinned, so nothing later can pull another build.
+# torch first, alone and pinned, so nothing later can pull another build (roles that
+# need it only).
 RUN case "$VARIANT" in \
       cpu)  index="--index-url https://download.pytorch.org/whl/cpu" ;; \
       cuda) index="" ;; \
       *)    echo "VARIANT must be cpu or cuda, not '$VARIANT'" >&2; exit 1 ;; \
     esac \
- && pip install $index "torch==${TORCH_VERSION}"
+ && case "${ROLE:-all}" in router|client) echo "no torch in a ${ROLE} image" ;; \
+      *) pip install $index "torch==${TORCH_VERSION}" ;; esac
 
 # The project with its pinned dependencies (pyproject.toml), torch already satisfied.
 COPY --from=wheel /wheels /tmp/wheels
-RUN pip install /tmp/wheels/*.whl "ray[default]==${RAY_VERSION}" \
+RUN case "$ROLE" in all|cluster) ray="ray[default]==${RAY_VERSION}" ;; *) ray="" ;; esac \
+ && pip install "$(ls /tmp/wheels/*.whl)[${ROLE}]" $ray \
  && rm -rf /tmp/wheels
 
 # The demo pair: /app/models/demo-target and /app/models/demo-draft.

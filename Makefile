@@ -7,17 +7,17 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTO_SRC := $(shell find protos -name '*.proto' 2>/dev/null)
 
-.PHONY: demo test test-fast lint protos setup system-deps clean
+.PHONY: demo test test-fast lint protos setup system-deps clean wheel-check
 
 setup: $(STAMP)
 
 # torch is installed on its own, pinned, before anything else can ask for a newer
 # (CUDA) build; the project's own pins then find it already satisfied.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,dev]'
+	$(PY) -m pip install -q -e '.[all,test,dev]'
 	touch $(STAMP)
 
 # Debian packages the system tests start for real (each binary is named as its package).
@@ -35,6 +35,11 @@ demo: setup
 
 test: setup system-deps
 	$(PY) -m pytest -q
+
+# The wheel outside the checkout: built, installed in a fresh venv (torch's CPU wheel
+# first), `outrider serve` + `outrider generate` on the demo pair. Needs no .venv.
+wheel-check:
+	PYTHON=$(PYTHON) .ci/wheel-check
 
 test-fast: setup
 	$(PY) -m pytest -q -m 'not slow'

@@ -1,1 +1,2 @@
-"""Ray control plane: placement, supervision, scaling (issue 6)."""
+"""The Ray control plane: placement of routers, target and draft replicas, supervision
+and scaling."""

@@ -12,8 +12,9 @@ import threading
 
 import ray
 
-from outrider.engine.distributed import free_port, run_tp_rank
+from outrider.engine.distributed import run_tp_rank
 from outrider.engine.runner import RunnerConfig
+from outrider.launch import free_port
 
 
 def where() -> dict:
@@ -53,12 +54,14 @@ class _Replica:
 class DraftReplica(_Replica):
     def __init__(self, runner: RunnerConfig, host: str, port: int, token: str,
                  metrics_port: int | None = None) -> None:
-        from outrider.draft_worker.main import start
+        from outrider.draft_worker.main import DraftWorkerConfig, start
 
         self.host = host
-        self.running = start(runner.model_dir, host, port, token, device=runner.device,
-                             dtype=runner.dtype, kv_cache_mb=runner.kv_cache_mb,
-                             threads=runner.threads, metrics_port=metrics_port)
+        self.running = start(DraftWorkerConfig(runner.model_dir, host, port,
+                                               device=runner.device, dtype=runner.dtype,
+                                               kv_cache_mb=runner.kv_cache_mb,
+                                               threads=runner.threads,
+                                               metrics_port=metrics_port), token)
         self.service = self.running.service
 
     def busy_seconds(self) -> float:

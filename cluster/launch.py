@@ -91,7 +91,7 @@ def start_local_head(num_cpus: float) -> None:
     the spec even on a small machine (the OS shares the cores)."""
     ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
     cpus = max(os.cpu_count() or 1, math.ceil(num_cpus))
-    from outrider.engine.distributed import free_port
+    from outrider.launch import free_port
 
     # not Ray's default GCS port 6379: that is Redis's, and the spec's Redis may be here
     done = subprocess.run([ray_bin, "start", "--head", f"--port={free_port()}",

@@ -8,7 +8,12 @@ from pathlib import Path
 from typing import Annotated
 
 import yaml
+from outrider.router.service import ServiceLimits
+from outrider.target_worker.main import TargetWorkerConfig
+from outrider.target_worker.scheduler import SchedulerConfig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from outrider.core.policy import MAX_GAMMA, PolicyConfig
 
 Port = Annotated[int, Field(ge=0, le=65535)]
 
@@ -69,13 +74,14 @@ class ModelPair(_Strict):
     target_replicas: Annotated[int, Field(ge=1)] = 1
     tp: Annotated[int, Field(ge=1, le=64)] = 1
     drafts_per_target: Annotated[int, Field(ge=0)] = 1
-    gamma: Annotated[int, Field(ge=0, le=16)] = 4        # FIXED requests' γ
-    auto_gamma_max: Annotated[int, Field(ge=0, le=16)] = 8  # AUTO requests' γ cap
+    gamma: Annotated[int, Field(ge=0, le=MAX_GAMMA)] = TargetWorkerConfig.gamma  # FIXED γ
+    auto_gamma_max: Annotated[int, Field(ge=0, le=MAX_GAMMA)] = (  # AUTO requests' γ cap
+        TargetWorkerConfig.auto_gamma_max)
     device: str = "cpu"                               # "cuda" on GPU clusters
     dtype: str = "auto"
     kv_cache_mb: Annotated[float, Field(gt=0)] = 256.0
-    max_batch_tokens: Annotated[int, Field(ge=1)] = 512
-    max_num_seqs: Annotated[int, Field(ge=1)] = 64
+    max_batch_tokens: Annotated[int, Field(ge=1)] = SchedulerConfig.max_batch_tokens
+    max_num_seqs: Annotated[int, Field(ge=1)] = SchedulerConfig.max_num_seqs
     threads: Annotated[int, Field(ge=0)] = 0          # CPU threads per process (0: auto)
     target_metrics_port: Port | None = None           # /metrics of each target (rank 0)
     draft_metrics_port: Port | None = None            # drafts on one node: this, +1, ...
@@ -93,9 +99,9 @@ class ModelPair(_Strict):
 
 
 class Policy(_Strict):
-    hot_heat: Annotated[float, Field(gt=0)] = 0.9
-    cool_heat: Annotated[float, Field(gt=0)] = 0.7
-    overlap_max_seqs: Annotated[int, Field(ge=0)] = 2
+    hot_heat: Annotated[float, Field(gt=0)] = PolicyConfig.hot_heat
+    cool_heat: Annotated[float, Field(gt=0)] = PolicyConfig.cool_heat
+    overlap_max_seqs: Annotated[int, Field(ge=0)] = TargetWorkerConfig.overlap_max_seqs
 
     @model_validator(mode="after")
     def _hysteresis(self) -> Policy:
@@ -112,7 +118,8 @@ class RouterSpec(_Strict):
     metrics_port: Port | None = None
     replica_wait_s: Annotated[float, Field(gt=0)] = 60.0  # a request waits this long for
     resources: Resources = Resources(cpus=1)              # a replica (e.g. one restarting)
-    max_running_requests: Annotated[int, Field(gt=0)] = 256  # more: RESOURCE_EXHAUSTED
+    max_running_requests: Annotated[int, Field(gt=0)] = (  # more: RESOURCE_EXHAUSTED
+        ServiceLimits.max_running)
 
 
 class ClusterSpec(_Strict):

@@ -1,1 +1,2 @@
-"""Draft replica: proposes tokens for many sequences at once (issue 4)."""
+"""A draft replica: drafts tokens for many sequences at once, keeping each sequence's
+KV cache between rounds."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+from dataclasses import dataclass
+
 from outrider.draft_worker.service import DraftService
 
 from outrider import cluster_tls
@@ -10,6 +13,7 @@ from outrider.dense_channel import DRAFT_RANK, DenseChannel
 from outrider.engine.distributed import set_cpu_threads
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
+from outrider.flags import add_cpus_arg, add_metrics_arg
 from outrider.grpc_server import Running, build_server, serve_until_signalled
 from outrider.telemetry.metrics import DraftMetrics, serve_metrics
 from outrider.telemetry.tracing import setup_tracing
@@ -19,35 +23,78 @@ from outrider.v1.worker_pb2 import DESCRIPTOR
 SERVICE_NAME = DESCRIPTOR.services_by_name["Draft"].full_name
 
 
-def serve(*args, **kwargs) -> None:
+@dataclass(frozen=True)
+class DraftWorkerConfig:
+    model_dir: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    device: str = RunnerConfig.device
+    dtype: str = RunnerConfig.dtype
+    kv_cache_mb: float = RunnerConfig.kv_cache_mb
+    idle_ttl_s: float = 300.0          # idle sequences are freed (they MISS later)
+    dist_address: str | None = None    # the co-located target's dense q channel
+    threads: int = RunnerConfig.threads
+    metrics_port: int | None = None    # Prometheus exposition; None: off, 0: a free port
+    target_cpus: str | None = None     # a co-located target's cores (overlap)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> DraftWorkerConfig:
+        """From `outrider draft-worker`'s flags (add_arguments)."""
+        return cls(args.model, args.host, args.port, device=args.device, dtype=args.dtype,
+                   kv_cache_mb=args.kv_cache_mb, idle_ttl_s=args.idle_ttl_s,
+                   dist_address=args.dist_address, threads=args.threads,
+                   metrics_port=args.metrics_port, target_cpus=args.target_cpus)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`outrider draft-worker`'s flags (DraftWorkerConfig.from_args reads them)."""
+    p.add_argument("--model", required=True, help="draft checkpoint dir")
+    p.add_argument("--host", default=DraftWorkerConfig.host)
+    p.add_argument("--port", type=int, default=DraftWorkerConfig.port,
+                   help="0 picks a free port")
+    p.add_argument("--device", default=DraftWorkerConfig.device)
+    p.add_argument("--dtype", default=DraftWorkerConfig.dtype)
+    p.add_argument("--kv-cache-mb", type=float, default=DraftWorkerConfig.kv_cache_mb)
+    p.add_argument("--threads", type=int, default=DraftWorkerConfig.threads,
+                   help="CPU threads (0: one per core it may use)")
+    add_cpus_arg(p)
+    p.add_argument("--target-cpus",
+                   help="cores of a target replica on this machine: the draft drafts "
+                        "on them while the target waits for it, and on the other cores "
+                        "while the target verifies (overlap)")
+    p.add_argument("--idle-ttl-s", type=float, default=DraftWorkerConfig.idle_ttl_s,
+                   help="free sequences idle this long (they MISS later)")
+    p.add_argument("--dist-address", help="host:port of the co-located target's dense "
+                                          "q channel (torch.distributed, gloo on CPU)")
+    add_metrics_arg(p)
+
+
+def serve(cfg: DraftWorkerConfig, token: str | None) -> None:
     """`outrider draft-worker`: start, then run until signalled."""
-    serve_until_signalled(start(*args, **kwargs), "draft worker")
+    serve_until_signalled(start(cfg, token), "draft worker")
 
 
-def start(model_dir: str, host: str, port: int, token: str | None, device: str = "cpu",
-          dtype: str = "auto", kv_cache_mb: float = 256.0, idle_ttl_s: float = 300.0,
-          dist_address: str | None = None, threads: int = 0,
-          metrics_port: int | None = None, target_cpus: str | None = None) -> None:
+def start(cfg: DraftWorkerConfig, token: str | None) -> Running:
     setup_tracing("outrider-draft")
     credentials = cluster_tls.server_credentials()  # before loading: a bad setup fails fast
-    cfg = RunnerConfig(model_dir, device=device, dtype=dtype, kv_cache_mb=kv_cache_mb,
-                       threads=threads)
-    set_cpu_threads(cfg)
-    runner = ModelRunner(cfg)
-    channel = DenseChannel(dist_address, DRAFT_RANK) if dist_address else None
+    runner_cfg = RunnerConfig(cfg.model_dir, device=cfg.device, dtype=cfg.dtype,
+                              kv_cache_mb=cfg.kv_cache_mb, threads=cfg.threads)
+    set_cpu_threads(runner_cfg)
+    runner = ModelRunner(runner_cfg)
+    channel = DenseChannel(cfg.dist_address, DRAFT_RANK) if cfg.dist_address else None
     metrics = DraftMetrics(runner.model_name)
     metrics.watch_cache(lambda: runner.blocks.num_sequences)
-    if metrics_port is not None:
-        serve_metrics(host, metrics_port, "draft worker", tries=16)
+    if cfg.metrics_port is not None:
+        serve_metrics(cfg.host, cfg.metrics_port, "draft worker", tries=16)
     cores = None
-    if target_cpus:  # (while the target waits, while it verifies)
-        shared = parse_cpus(target_cpus)
+    if cfg.target_cpus:  # (while the target waits, while it verifies)
+        shared = parse_cpus(cfg.target_cpus)
         cores = (shared, [c for c in available_cpus() if c not in shared] or shared)
-    service = DraftService(Drafter(runner, evict_lru=True), idle_ttl_s=idle_ttl_s,
+    service = DraftService(Drafter(runner, evict_lru=True), idle_ttl_s=cfg.idle_ttl_s,
                            dense_channel=channel, metrics=metrics, cores=cores)
     server, bound = build_server(
         lambda s: worker_pb2_grpc.add_DraftServicer_to_server(service, s),
-        [SERVICE_NAME], f"{host}:{port}", token,
+        [SERVICE_NAME], f"{cfg.host}:{cfg.port}", token,
         credentials=credentials)
     server.start()
-    return Running(server, f"{host}:{bound}", service=service)
+    return Running(server, f"{cfg.host}:{bound}", service=service)

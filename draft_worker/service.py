@@ -11,14 +11,14 @@ import grpc
 import torch
 from opentelemetry import trace
 
+from outrider.core.sampling import SamplingError, sampling_from_proto
 from outrider.dense_channel import DenseChannel
 from outrider.engine.drafter import Drafter, DraftItem
-from outrider.engine.sampling import SamplingError
 from outrider.telemetry.metrics import DraftMetrics
 from outrider.telemetry.tracing import context_from_traceparent, tracer
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from outrider.wire import Q_FORMAT_NAMES, WireError, encode_proposal, sampling_from_proto
+from outrider.wire import Q_FORMAT_NAMES, WireError, encode_proposal
 
 MAX_GAMMA = 32
 SEND_TIMEOUT = timedelta(seconds=5)

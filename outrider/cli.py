@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from outrider import paths
-from outrider.bench import serving as bench_serving
-from outrider.bench import versus as bench_versus
 
 EXAMPLES = """examples:
   outrider serve &                      # router + target + draft on this machine
@@ -30,15 +30,35 @@ CLUSTER_EXAMPLES = """examples:
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `outrider` parser. With `command`, only that subcommand gets its flags: the
+    roles' come from their modules (outrider.router.main, ...), and `outrider router` need
+    not import the target's (torch)."""
     parser = argparse.ArgumentParser(
         prog="outrider", description="Distributed speculative-decoding LLM serving.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
+    for name, (add_flags, func, options) in SUBCOMMANDS.items():
+        subparser = sub.add_parser(name, **options)
+        if command is None or command == name:
+            add_flags(subparser)
+        subparser.set_defaults(func=func)
+    return parser
 
-    gen = sub.add_parser("generate", help="generate text (streams it)", epilog=EXAMPLES,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def _subcommand(argv: list[str]) -> str:
+    """The subcommand argv names ('' for none): `outrider`'s own options take no value, so
+    it is the first word that is not an option."""
+    return next((arg for arg in argv if not arg.startswith("-")), "")
+
+
+def _role_flags(module: str) -> Callable[[argparse.ArgumentParser], None]:
+    """A role's flags: its module's add_arguments (imported when they are wanted)."""
+    return lambda p: importlib.import_module(module).add_arguments(p)
+
+
+def _generate_flags(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("prompt", help="prompt text ('-' reads standard input)")
     gen.add_argument("--local", action="store_true",
                      help="run the models in this process instead of calling a router")
@@ -59,112 +79,46 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (token_ids, text, stats) instead of streaming")
     gen.add_argument("--stats", action="store_true", help="print acceptance figures to stderr")
-    gen.set_defaults(func=cmd_generate)
 
-    draft = sub.add_parser("draft-worker", help="run one draft replica (gRPC server)")
-    draft.add_argument("--model", required=True, help="draft checkpoint dir")
-    draft.add_argument("--host", default="127.0.0.1")
-    draft.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    draft.add_argument("--device", default="cpu")
-    draft.add_argument("--dtype", default="auto")
-    draft.add_argument("--kv-cache-mb", type=float, default=256.0)
-    draft.add_argument("--threads", type=int, default=0,
-                       help="CPU threads (0: one per core it may use)")
-    _add_cpus_arg(draft)
-    draft.add_argument("--target-cpus",
-                       help="cores of a target replica on this machine: the draft drafts "
-                            "on them while the target waits for it, and on the other cores "
-                            "while the target verifies (overlap)")
-    draft.add_argument("--idle-ttl-s", type=float, default=300.0,
-                       help="free sequences idle this long (they MISS later)")
-    draft.add_argument("--dist-address", help="host:port of the co-located target's dense "
-                                              "q channel (torch.distributed, gloo on CPU)")
-    _add_metrics_arg(draft)
-    draft.set_defaults(func=cmd_draft_worker)
 
-    target = sub.add_parser("target-worker", help="run one target replica (gRPC server)")
-    target.add_argument("--model", required=True, help="target checkpoint dir")
-    target.add_argument("--draft-address", action="append", default=[],
-                        help="host:port of a draft replica (repeat for several)")
-    target.add_argument("--draft-dist-address",
-                        help="host:port to host a dense q channel (torch.distributed) with "
-                             "the first draft replica, when it runs on this machine")
-    target.add_argument("--gamma", type=int, default=4,
-                        help="γ of FIXED requests that set none")
-    target.add_argument("--auto-gamma-max", type=int, default=8,
-                        help="the most γ the policy may choose for AUTO requests that set "
-                             "no gamma_max")
-    target.add_argument("--hot-heat", type=float, default=0.9,
-                        help="batch heat at which AUTO speculation turns off")
-    target.add_argument("--cool-heat", type=float, default=0.7,
-                        help="batch heat at which it turns back on (hysteresis)")
-    target.add_argument("--overlap-max-seqs", type=int, default=2,
-                        help="draft round r+1 while round r verifies when at most this many "
-                             "sequences speculate (0: never; it pays in small batches)")
-    target.add_argument("--tp", type=int, default=1)
-    target.add_argument("--host", default="127.0.0.1")
-    target.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    target.add_argument("--device", default="cpu")
-    target.add_argument("--dtype", default="auto")
-    target.add_argument("--kv-cache-mb", type=float, default=256.0)
-    target.add_argument("--threads", type=int, default=0,
-                        help="CPU threads per rank (0: the cores it may use, shared out over "
-                             "--tp)")
-    _add_cpus_arg(target)
-    target.add_argument("--max-batch-tokens", type=int, default=512)
-    target.add_argument("--max-num-seqs", type=int, default=64)
-    _add_metrics_arg(target)
-    target.set_defaults(func=cmd_target_worker)
+def _serve_flags(serve: argparse.ArgumentParser) -> None:
+    from outrider.local_system import LocalSystemConfig
+    from outrider.router.main import add_public_arguments
+    from outrider.target_worker.main import add_batch_arguments
 
-    router = sub.add_parser("router", help="run the public gRPC router")
-    router.add_argument("--model", required=True,
-                        help="target checkpoint dir (its tokenizer.json and config.json)")
-    router.add_argument("--target-address", action="append", default=[],
-                        help="host:port of a target replica (repeatable; more are found in "
-                             "the shared registry)")
-    _add_router_args(router)
-    router.add_argument("--port", type=int, default=50051, help="0 picks a free port")
-    _add_metrics_arg(router)
-    _add_cpus_arg(router)
-    router.set_defaults(func=cmd_router)
-
-    serve = sub.add_parser("serve", help="router + target + draft worker(s) on this machine")
     _add_model_args(serve)
-    serve.add_argument("--draft-replicas", type=int, default=1)
-    serve.add_argument("--grpc-port", type=int, default=50051, help="the router's port")
-    serve.add_argument("--max-batch-tokens", type=int, default=512)
-    serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument("--draft-replicas", type=int, default=LocalSystemConfig.draft_replicas)
+    serve.add_argument("--grpc-port", type=int, default=LocalSystemConfig.grpc_port,
+                       help="the router's port")
+    add_batch_arguments(serve)
     serve.add_argument("--no-cpu-pinning", action="store_true",
                        help="let the processes share every core (default on a CPU: the "
                             "target gets cores of its own; drafts and router the rest)")
-    _add_router_args(serve)
-    serve.set_defaults(func=cmd_serve)
+    add_public_arguments(serve)
 
-    keys = sub.add_parser("keys", help="create an API key in the shared store (Redis)")
+
+def _keys_flags(keys: argparse.ArgumentParser) -> None:
     keys.add_argument("action", choices=["create"])
     keys.add_argument("--redis", required=True, help="redis://host:port/db")
     keys.add_argument("--name", required=True)
     keys.add_argument("--rpm", type=int, default=0, help="requests per minute (0: no limit)")
     keys.add_argument("--burst", type=int, default=10)
     keys.add_argument("--tag", action="append", default=[], help="allowed tag (repeatable)")
-    keys.set_defaults(func=cmd_keys)
 
-    up = sub.add_parser("up", help="bring a Ray cluster up from a spec (starts a local Ray "
-                                   "when none is running)", epilog=CLUSTER_EXAMPLES,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def _up_flags(up: argparse.ArgumentParser) -> None:
     up.add_argument("-f", "--file", required=True, help="cluster spec (YAML)")
     up.add_argument("--address", help="Ray cluster address (default: the local one, "
                                       "started if missing; 'auto' inside a Ray job)")
     up.add_argument("--wait", action="store_true",
                     help="stay in the foreground; SIGTERM/Ctrl-C brings it down (RayJob)")
-    up.set_defaults(func=cmd_up)
 
-    down = sub.add_parser("down", help="drain and remove everything `up` started")
+
+def _down_flags(down: argparse.ArgumentParser) -> None:
     down.add_argument("--address", help="Ray cluster address (default: the local one)")
-    down.set_defaults(func=cmd_down)
 
-    status = sub.add_parser("status", help="the cluster's replicas (node, device, heat, "
-                                           "tokens/s) or a router's, with acceptance")
+
+def _status_flags(status: argparse.ArgumentParser) -> None:
     status.add_argument("--address", default=None,
                         help="router host:port (default: the Ray cluster's controller if one "
                              "runs here, else 127.0.0.1:50051)")
@@ -172,22 +126,23 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--tls-ca", help="CA certificate (PEM) when the router uses TLS")
     status.add_argument("--tag", default="", help="only this workload tag's statistics")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
-    status.set_defaults(func=cmd_status)
 
-    bench = sub.add_parser("bench", help="serving benchmark: speculation off / fixed γ / "
-                                         "auto over 1-32 streams (JSON + plots)")
-    bench_serving.add_arguments(bench)
+
+def _bench_flags(bench: argparse.ArgumentParser) -> None:
+    from outrider.bench import serving, versus
+
+    serving.add_arguments(bench)
     bench.add_argument("--vllm", help="instead: served Outrider vs its in-process engine vs "
                                       "vLLM with vLLM's load client (outrider.bench.versus); "
                                       "a vLLM venv, or the command that runs vLLM's CLI")
-    bench_versus.add_arguments(bench, standalone=False)
-    bench.set_defaults(func=cmd_bench)
+    versus.add_arguments(bench, standalone=False)
 
-    demo = sub.add_parser("demo", help="stream a generation from the shipped demo pair")
+
+def _demo_flags(demo: argparse.ArgumentParser) -> None:
+    from outrider.target_worker.main import TargetWorkerConfig
+
     demo.add_argument("--max-tokens", type=int, default=160)
-    demo.add_argument("--gamma", type=int, default=4)
-    demo.set_defaults(func=cmd_demo)
-    return parser
+    demo.add_argument("--gamma", type=int, default=TargetWorkerConfig.gamma)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -200,39 +155,6 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV budget per rank")
-
-
-def _add_cpus_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cpus", help="run on these CPU cores only, e.g. 0-2,5 (Linux; default: "
-                                   "any)")
-
-
-def _add_metrics_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free "
-                        "port; default: off). Traces go to $OTEL_EXPORTER_OTLP_ENDPOINT")
-
-
-def _add_router_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="the router's interface")
-    p.add_argument("--redis", help="redis://host:port/db shared by routers (default: "
-                                   "state in the router process)")
-    p.add_argument("--require-api-key", action="store_true",
-                   help="refuse calls without a key (implied by OUTRIDER_API_KEYS)")
-    p.add_argument("--rate-limit-rpm", type=int, default=0,
-                   help="requests per minute per OUTRIDER_API_KEYS key (0: no limit)")
-    p.add_argument("--tls-cert", help="PEM certificate for TLS on the public ports")
-    p.add_argument("--tls-key", help="PEM private key for --tls-cert")
-    p.add_argument("--tls-client-ca", help="mTLS: CA (PEM) whose client certificates the "
-                                           "public ports require")
-    p.add_argument("--http-port", type=int, default=8000,
-                   help="port of the OpenAI-compatible HTTP API (0 picks a free port)")
-    p.add_argument("--no-http", action="store_true", help="no HTTP API, gRPC only")
-    p.add_argument("--served-model-name",
-                   help="model id of the HTTP API (default: the target dir's name)")
-    p.add_argument("--max-running-requests", type=int, default=256,
-                   help="requests the router runs at once (gRPC and HTTP together); more "
-                        "are refused with RESOURCE_EXHAUSTED / 429 and a retry hint")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -294,21 +216,23 @@ def _engine(args):
 
 def _model_dirs(args) -> tuple[Path, str | None]:
     """(target, draft): the shipped demo pair unless told otherwise."""
-    target = Path(args.target) if args.target else paths.demo_target_dir()
+    target = Path(args.target) if args.target else paths.demo_target_dir(must_exist=True)
     draft = args.draft
     if draft is None and target.resolve() == paths.demo_target_dir().resolve():
-        draft = str(paths.demo_draft_dir())
+        draft = str(paths.demo_draft_dir(must_exist=True))
     if not (target / "config.json").is_file():
         raise UsageError(f"no model at {target} (pass --target DIR)")
     if args.gamma is None:
-        args.gamma = DEFAULT_GAMMA
+        from outrider.target_worker.main import TargetWorkerConfig
+
+        args.gamma = TargetWorkerConfig.gamma
     if args.gamma < 0:
         raise UsageError(f"--gamma must be >= 0, got {args.gamma}")
     return target, draft
 
 
 def _sampling(args):
-    from outrider.engine.sampling import SamplingParams
+    from outrider.core.sampling import SamplingParams
 
     options = _sampling_options(args)
     options.update(logit_bias=tuple(sorted(options["logit_bias"].items())),
@@ -318,9 +242,6 @@ def _sampling(args):
 
 class UsageError(ValueError):
     pass
-
-
-DEFAULT_GAMMA = 4
 
 
 def cmd_generate(args) -> int:
@@ -335,9 +256,9 @@ def cmd_generate(args) -> int:
 
 def _generate_local(args, prompt: str):
     from outrider.client.results import Collector
+    from outrider.core.sampling import logprobs_to_proto
     from outrider.router.text_stream import TextStream
     from outrider.v1 import generate_pb2 as gp
-    from outrider.wire import logprobs_to_proto
 
     params = _sampling(args)
     with _engine(args) as engine:
@@ -367,15 +288,10 @@ def _final_message(seq, num_sent: int):
     """What a router's last message would say of a sequence generated in this process."""
     from outrider.v1 import generate_pb2 as gp
 
-    s = seq.stats
     return gp.GenerateResponse(
         finish_reason=seq.finish_reason, replica="local",
         usage=gp.Usage(prompt_tokens=seq.prompt_len, completion_tokens=num_sent),
-        speculation=gp.SpeculationStats(
-            draft_tokens=s.num_draft_tokens, accepted_tokens=s.num_accepted_tokens,
-            acceptance_rate=s.acceptance_rate, mean_accepted_len=s.mean_accepted_len,
-            rounds=s.num_rounds, drafted_per_position=s.drafted_per_position,
-            accepted_per_position=s.accepted_per_position))
+        speculation=seq.stats.to_proto())
 
 
 def _generate_remote(args, prompt: str):
@@ -416,44 +332,23 @@ def _stats_line(result) -> str:
 
 
 def cmd_draft_worker(args) -> int:
-    from outrider.draft_worker.main import serve
+    from outrider.draft_worker.main import DraftWorkerConfig, serve
 
-    serve(args.model, args.host, args.port, cluster_token(), device=args.device,
-          dtype=args.dtype, kv_cache_mb=args.kv_cache_mb, idle_ttl_s=args.idle_ttl_s,
-          dist_address=args.dist_address, threads=args.threads,
-          metrics_port=args.metrics_port, target_cpus=args.target_cpus)
+    serve(DraftWorkerConfig.from_args(args), cluster_token())
     return 0
 
 
 def cmd_target_worker(args) -> int:
-    from outrider.engine.runner import RunnerConfig
     from outrider.target_worker.main import TargetWorkerConfig, serve
-    from outrider.target_worker.scheduler import SchedulerConfig
 
-    runner = RunnerConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
-                          tp=args.tp, kv_cache_mb=args.kv_cache_mb, threads=args.threads)
-    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                            max_batch_tokens=args.max_batch_tokens)
-    serve(TargetWorkerConfig(runner, sched, tuple(args.draft_address), args.gamma, args.host,
-                             args.port, args.draft_dist_address, args.overlap_max_seqs,
-                             args.hot_heat, args.cool_heat, args.metrics_port,
-                             args.auto_gamma_max), cluster_token())
+    serve(TargetWorkerConfig.from_args(args), cluster_token())
     return 0
 
 
 def cmd_router(args) -> int:
     from outrider.router.main import RouterConfig, serve
-    from outrider.router.service import ServiceLimits
 
-    serve(RouterConfig(args.model, tuple(args.target_address), args.host, args.port,
-                       args.redis, args.require_api_key, args.rate_limit_rpm,
-                       tls_cert=args.tls_cert, tls_key=args.tls_key,
-                       tls_client_ca=args.tls_client_ca,
-                       http_port=None if args.no_http else args.http_port,
-                       metrics_port=args.metrics_port,
-                       served_model_name=args.served_model_name,
-                       limits=ServiceLimits(max_running=args.max_running_requests)),
-          cluster_token())
+    serve(RouterConfig.from_args(args), cluster_token())
     return 0
 
 
@@ -493,11 +388,13 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    from outrider.bench import serving, versus
+
     if not args.vllm:
-        return bench_serving.run(args)
-    if args.out == bench_serving.DEFAULT_OUT:
-        args.out = bench_versus.DEFAULT_OUT
-    return bench_versus.run(args)
+        return serving.run(args)
+    if args.out == serving.DEFAULT_OUT:
+        args.out = versus.DEFAULT_OUT
+    return versus.run(args)
 
 
 def cmd_keys(args) -> int:
@@ -646,8 +543,8 @@ def cmd_demo(args) -> int:
     from outrider.local_system import LocalSystemConfig, local_system
 
     prompt = _demo_prompt()
-    cfg = LocalSystemConfig(str(paths.demo_target_dir()), str(paths.demo_draft_dir()),
-                            grpc_port=0)
+    target, draft = paths.demo_pair()
+    cfg = LocalSystemConfig(str(target), str(draft), grpc_port=0)
     print("== starting router, target replica and draft replica (processes, gRPC) ==",
           flush=True)
     with local_system(cfg) as system, Client(system.router, timeout_s=600) as client:
@@ -681,8 +578,39 @@ def _demo_prompt() -> str:
     return "\n".join(lines[:first_def + 1]) + "\n"
 
 
+SUBCOMMANDS = {  # name: (its flags, what runs it, add_parser's options)
+    "generate": (_generate_flags, cmd_generate,
+                 dict(help="generate text (streams it)", epilog=EXAMPLES,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)),
+    "draft-worker": (_role_flags("outrider.draft_worker.main"), cmd_draft_worker,
+                     dict(help="run one draft replica (gRPC server)")),
+    "target-worker": (_role_flags("outrider.target_worker.main"), cmd_target_worker,
+                      dict(help="run one target replica (gRPC server)")),
+    "router": (_role_flags("outrider.router.main"), cmd_router,
+               dict(help="run the public gRPC router")),
+    "serve": (_serve_flags, cmd_serve,
+              dict(help="router + target + draft worker(s) on this machine")),
+    "keys": (_keys_flags, cmd_keys,
+             dict(help="create an API key in the shared store (Redis)")),
+    "up": (_up_flags, cmd_up,
+           dict(help="bring a Ray cluster up from a spec (starts a local Ray when none is "
+                     "running)", epilog=CLUSTER_EXAMPLES,
+                formatter_class=argparse.RawDescriptionHelpFormatter)),
+    "down": (_down_flags, cmd_down, dict(help="drain and remove everything `up` started")),
+    "status": (_status_flags, cmd_status,
+               dict(help="the cluster's replicas (node, device, heat, tokens/s) or a "
+                         "router's, with acceptance")),
+    "bench": (_bench_flags, cmd_bench,
+              dict(help="serving benchmark: speculation off / fixed γ / auto over 1-32 "
+                        "streams (JSON + plots)")),
+    "demo": (_demo_flags, cmd_demo,
+             dict(help="stream a generation from the shipped demo pair")),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(_subcommand(argv)).parse_args(argv)
     try:
         if getattr(args, "cpus", None):
             from outrider.cpus import pin_cpus

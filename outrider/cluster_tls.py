@@ -1,5 +1,5 @@
 """Mutual TLS between Outrider's own processes: router → target, target → draft,
-controller → target (DESIGN §6: workers require the cluster token, or mTLS; with this on,
+controller → target (docs/DESIGN.md §6: workers require the cluster token, or mTLS; with this on,
 both).
 
 Off unless $OUTRIDER_CLUSTER_TLS_DIR names a directory holding `ca.pem`, `cert.pem` and

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -12,6 +13,12 @@ import time
 from contextlib import ExitStack, contextmanager
 
 LISTENING = re.compile(r"listening on (\S+:\d+)")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 @contextmanager

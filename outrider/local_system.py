@@ -8,8 +8,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from outrider.cpus import plan_cpus
-from outrider.engine.distributed import free_port
-from outrider.launch import process_group
+from outrider.launch import free_port, process_group
+from outrider.target_worker.main import TargetWorkerConfig
+from outrider.target_worker.scheduler import SchedulerConfig
 
 
 @dataclass(frozen=True)
@@ -18,14 +19,14 @@ class LocalSystemConfig:
     draft: str | None
     draft_replicas: int = 1
     tp: int = 1
-    gamma: int = 4
+    gamma: int = TargetWorkerConfig.gamma
     host: str = "127.0.0.1"
     grpc_port: int = 50051
     redis_url: str | None = None
     device: str = "cpu"
     kv_cache_mb: float = 256.0
-    max_batch_tokens: int = 512
-    max_num_seqs: int = 64
+    max_batch_tokens: int = SchedulerConfig.max_batch_tokens
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     extra_target_args: tuple[str, ...] = ()
     extra_router_args: tuple[str, ...] = ()
     http_port: int | None = None    # the router's OpenAI-compatible API (0: a free port)

@@ -1,7 +1,7 @@
 """Conversions between engine objects and the wire messages of protos/outrider/v1.
 
 The q payload codec lives here once, for the draft replica that encodes and the target
-replica that decodes (DESIGN §3: ids only, point mass, sparse support, dense fp16).
+replica that decodes (docs/DESIGN.md §3: ids only, point mass, sparse support, dense fp16).
 """
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from outrider.engine.sampling import SamplingParams, TokenLogprob
-from outrider.v1 import generate_pb2 as gp
+from outrider.core.sampling import SamplingParams
 from outrider.v1 import worker_pb2 as pb
 
 Q_FORMAT_NAMES = {pb.Q_FORMAT_IDS: "ids", pb.Q_FORMAT_POINT_MASS: "point_mass",
@@ -23,39 +22,8 @@ class WireError(ValueError):
     """A message that cannot be what its sender meant; the text names the field."""
 
 
-def sampling_to_proto(params: SamplingParams, seed: int | None) -> pb.Sampling:
-    return pb.Sampling(
-        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed,
-        min_p=params.min_p, repetition_penalty=params.repetition_penalty,
-        frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
-        logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens,
-        held_back_ids=params.held_back_ids if params.min_tokens else ())
-
-
-def sampling_from_proto(msg: pb.Sampling, **fields) -> tuple[SamplingParams, int | None]:
-    """SamplingParams (validated: raises SamplingError naming the field) and the seed
-    (None when the sender left it unset). Without stop_token_ids in `fields` (a draft
-    replica), the held-back ids stand in for them: min_tokens is all they are for."""
-    seed = msg.seed if msg.HasField("seed") else None
-    if "stop_token_ids" not in fields:  # a draft replica: it never stops a sequence
-        fields.update(stop_token_ids=tuple(msg.held_back_ids),
-                      max_tokens=max(SamplingParams.max_tokens, msg.min_tokens))
-    params = SamplingParams(
-        temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0, seed=seed,
-        min_p=msg.min_p, repetition_penalty=msg.repetition_penalty or 1.0,
-        frequency_penalty=msg.frequency_penalty, presence_penalty=msg.presence_penalty,
-        logit_bias=tuple(sorted(msg.logit_bias.items())), min_tokens=msg.min_tokens, **fields)
-    return params, seed
-
-
-def logprobs_to_proto(logprobs: list[TokenLogprob]) -> list[gp.TokenLogprob]:
-    return [gp.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                            top_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top])
-            for lp in logprobs]
-
-
 def q_format_for(params: SamplingParams, has_dense_channel: bool = False) -> str:
-    """The cheapest exact q format for a request (DESIGN §3)."""
+    """The cheapest exact q format for a request (docs/DESIGN.md §3)."""
     if params.is_greedy:
         return "ids"
     if params.top_k or params.top_p < 1:

@@ -14,7 +14,7 @@ import ssl
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +35,7 @@ from outrider.router.service import GenerationService, Refused
 from outrider.router.validate import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from outrider.core.stats import SpecStats
 from outrider.telemetry.metrics import exposition
 from outrider.v1 import generate_pb2 as gp
 
@@ -385,29 +386,18 @@ def usage(finals: list[gp.GenerateResponse]) -> dict:
     """OpenAI usage, plus `speculation`: the statistics of all choices together."""
     prompt = sum(f.usage.prompt_tokens for f in finals)
     completion = sum(f.usage.completion_tokens for f in finals)
-    drafted = _sum_positions(f.speculation.drafted_per_position for f in finals)
-    accepted = _sum_positions(f.speculation.accepted_per_position for f in finals)
-    draft_tokens = sum(f.speculation.draft_tokens for f in finals)
-    accepted_tokens = sum(f.speculation.accepted_tokens for f in finals)
-    rounds = sum(f.speculation.rounds for f in finals)
+    total = SpecStats()
+    for f in finals:
+        total.merge(SpecStats.from_proto(f.speculation))
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "speculation": {
-                "draft_tokens": draft_tokens, "accepted_tokens": accepted_tokens,
-                "rounds": rounds,
-                "acceptance_rate": accepted_tokens / draft_tokens if draft_tokens else 0.0,
-                "mean_accepted_len": (accepted_tokens + rounds) / rounds if rounds else 0.0,
-                "drafted_per_position": drafted, "accepted_per_position": accepted}}
-
-
-def _sum_positions(rows: Iterator) -> list[int]:
-    total: list[int] = []
-    for row in rows:
-        for k, value in enumerate(row):
-            if k == len(total):
-                total.append(0)
-            total[k] += value
-    return total
+                "draft_tokens": total.num_draft_tokens,
+                "accepted_tokens": total.num_accepted_tokens, "rounds": total.num_rounds,
+                "acceptance_rate": total.acceptance_rate,
+                "mean_accepted_len": total.mean_accepted_len,
+                "drafted_per_position": total.drafted_per_position,
+                "accepted_per_position": total.accepted_per_position}}
 
 
 # -- errors ------------------------------------------------------------------------------------

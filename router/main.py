@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from dataclasses import dataclass
@@ -17,8 +18,9 @@ from outrider.router.service import GenerationService, ServiceLimits
 from outrider.router.state import open_store
 from outrider.router.telemetry import RouterTelemetry
 
-from outrider.engine.model_config import ModelConfig
+from outrider.core.hf_config import context_length, read_config
 from outrider.engine.tokenizer import Tokenizer
+from outrider.flags import add_cpus_arg, add_metrics_arg
 from outrider.grpc_server import Running, build_server, serve_until_signalled
 from outrider.telemetry.metrics import serve_metrics
 from outrider.telemetry.tracing import setup_tracing
@@ -60,6 +62,53 @@ class RouterConfig:
         if not (Path(self.model_dir) / "tokenizer.json").is_file():
             raise ValueError(f"no tokenizer.json in {self.model_dir}")
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RouterConfig:
+        """From `outrider router`'s flags (add_arguments)."""
+        return cls(args.model, tuple(args.target_address), args.host, args.port, args.redis,
+                   args.require_api_key, args.rate_limit_rpm, tls_cert=args.tls_cert,
+                   tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+                   http_port=None if args.no_http else args.http_port,
+                   metrics_port=args.metrics_port, served_model_name=args.served_model_name,
+                   limits=ServiceLimits(max_running=args.max_running_requests))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`outrider router`'s flags (RouterConfig.from_args reads them)."""
+    p.add_argument("--model", required=True,
+                   help="target checkpoint dir (its tokenizer.json and config.json)")
+    p.add_argument("--target-address", action="append", default=[],
+                   help="host:port of a target replica (repeatable; more are found in "
+                        "the shared registry)")
+    add_public_arguments(p)
+    p.add_argument("--port", type=int, default=RouterConfig.port, help="0 picks a free port")
+    add_metrics_arg(p)
+    add_cpus_arg(p)
+
+
+def add_public_arguments(p: argparse.ArgumentParser) -> None:
+    """The public side's flags: keys, rate limit, TLS, the HTTP API, admission (`outrider
+    serve` takes them too, for its router)."""
+    p.add_argument("--host", default=RouterConfig.host, help="the router's interface")
+    p.add_argument("--redis", help="redis://host:port/db shared by routers (default: "
+                                   "state in the router process)")
+    p.add_argument("--require-api-key", action="store_true",
+                   help="refuse calls without a key (implied by OUTRIDER_API_KEYS)")
+    p.add_argument("--rate-limit-rpm", type=int, default=RouterConfig.rate_limit_rpm,
+                   help="requests per minute per OUTRIDER_API_KEYS key (0: no limit)")
+    p.add_argument("--tls-cert", help="PEM certificate for TLS on the public ports")
+    p.add_argument("--tls-key", help="PEM private key for --tls-cert")
+    p.add_argument("--tls-client-ca", help="mTLS: CA (PEM) whose client certificates the "
+                                           "public ports require")
+    p.add_argument("--http-port", type=int, default=RouterConfig.http_port,
+                   help="port of the OpenAI-compatible HTTP API (0 picks a free port)")
+    p.add_argument("--no-http", action="store_true", help="no HTTP API, gRPC only")
+    p.add_argument("--served-model-name",
+                   help="model id of the HTTP API (default: the target dir's name)")
+    p.add_argument("--max-running-requests", type=int, default=ServiceLimits.max_running,
+                   help="requests the router runs at once (gRPC and HTTP together); more "
+                        "are refused with RESOURCE_EXHAUSTED / 429 and a retry hint")
+
 
 def serve(cfg: RouterConfig, cluster_token: str | None) -> None:
     """`outrider router`: start, then run until signalled."""
@@ -69,7 +118,7 @@ def serve(cfg: RouterConfig, cluster_token: str | None) -> None:
 def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
     setup_tracing("outrider-router")
     tokenizer = Tokenizer(cfg.model_dir)
-    max_model_len = ModelConfig.from_dir(cfg.model_dir).max_position_embeddings
+    max_model_len = context_length(read_config(cfg.model_dir))
     store = open_store(cfg.redis_url)
     env_keys = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
     auth = Authenticator(store, is_required=cfg.require_api_key or bool(env_keys))

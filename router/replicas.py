@@ -13,11 +13,17 @@ import time
 from collections.abc import Callable
 
 import grpc
-from outrider.router.policy import Acceptance, CostModel, GammaPolicy, PolicyConfig
 from outrider.router.state import StoreUnavailable
 from outrider.router.target_link import TargetLink
 
 from outrider.cluster_tls import internal_channel
+from outrider.core.policy import (
+    MAX_QUEUED_PER_REPLICA,
+    Acceptance,
+    CostModel,
+    GammaPolicy,
+    PolicyConfig,
+)
 from outrider.grpc_server import token_metadata
 from outrider.v1 import state_pb2 as st
 from outrider.v1 import worker_pb2 as pb
@@ -126,7 +132,7 @@ class ReplicaSet:
 
     # -- choice ------------------------------------------------------------------------------
     def pick(self, acceptance: Acceptance, avoid: set[str] = frozenset(),
-             max_waiting: int = 256) -> st.ReplicaRecord | None:
+             max_waiting: int = MAX_QUEUED_PER_REPLICA) -> st.ReplicaRecord | None:
         """The replica where this request should get the most tokens per second by the
         γ policy's estimate, preferring those not in `avoid` (a replica that failed this
         request may serve it again once it answers heartbeats); None when none is live

@@ -5,7 +5,7 @@ the γ policy expects it to get the most tokens per second. Its tokens stream ba
 through incremental detokenisation and stop strings; the journal keeps every committed
 token, so when a replica fails mid-stream the request continues on another one from
 prompt + committed tokens, and the client's stream goes on with nothing lost or
-repeated (DESIGN §6).
+repeated (docs/DESIGN.md §6).
 """
 
 from __future__ import annotations
@@ -20,21 +20,21 @@ from typing import Protocol
 import grpc
 from outrider.router.auth import Authenticator, AuthError
 from outrider.router.claims import ClaimKeeper
-from outrider.router.policy import Acceptance, SpecMode
 from outrider.router.replicas import ReplicaSet
-from outrider.router.state import MAX_ACCEPTANCE_ENTRIES, AcceptanceCounts, StoreUnavailable
+from outrider.router.state import MAX_ACCEPTANCE_ENTRIES, StoreUnavailable
 from outrider.router.telemetry import RequestTelemetry, RouterTelemetry
 from outrider.router.text_stream import TextStream
 from outrider.router.validate import Job, ValidationError, validate
 
-from outrider.engine.spec_decode import SpecStats
+from outrider.core.policy import MAX_QUEUED_PER_REPLICA, Acceptance, SpecMode
+from outrider.core.sampling import sampling_to_proto
+from outrider.core.stats import SpecStats
 from outrider.engine.tokenizer import Tokenizer
 from outrider.grpc_server import remaining_timeout
 from outrider.v1 import generate_pb2 as gp
 from outrider.v1 import generate_pb2_grpc
 from outrider.v1 import state_pb2 as st
 from outrider.v1 import worker_pb2 as pb
-from outrider.wire import sampling_to_proto
 
 TARGET_MODES = {SpecMode.AUTO: pb.SPEC_MODE_AUTO, SpecMode.OFF: pb.SPEC_MODE_OFF,
                 SpecMode.FIXED: pb.SPEC_MODE_FIXED}
@@ -48,7 +48,7 @@ class ServiceLimits:
     journal_ttl_s: float = 600.0
     journal_lease_s: float = 5.0    # a crashed router's request ids free up after this
     max_running: int = 256          # requests generating at once; more: RESOURCE_EXHAUSTED
-    max_waiting: int = 256          # a replica with this many queued takes no more
+    max_waiting: int = MAX_QUEUED_PER_REPLICA  # a replica with this many queued takes no more
     replica_wait_s: float = 10.0    # how long a request waits for a replica to appear
     prior_cache_s: float = 5.0      # shared acceptance statistics are re-read this often
 
@@ -68,7 +68,6 @@ class Progress:
     num_sent: int = 0                                      # token ids given to the client
     sent_text: str = ""
     stats: SpecStats = field(default_factory=SpecStats)
-    counts: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts([], []))
     model_pair: str = ""
     replica: str = ""
     finish_reason: str = ""
@@ -272,7 +271,6 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 progress.logprobs.extend(chunk.logprobs)
                 for r in chunk.rounds:
                     progress.stats.record(r.gamma, r.num_accepted)
-                    progress.counts.add_round(r.gamma, r.num_accepted)
                 delta = progress.text.push(list(chunk.token_ids))
                 if progress.text.is_stopped:
                     feed.cancel()
@@ -323,17 +321,12 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
     def _finish(self, progress: Progress) -> gp.GenerateResponse:
         """The last message: finish reason, usage, speculation statistics."""
-        job, s = progress.job, progress.stats
+        job = progress.job
         final = gp.GenerateResponse(
             request_id=job.request_id, finish_reason=progress.finish_reason,
             usage=gp.Usage(prompt_tokens=len(job.prompt_ids),
                            completion_tokens=progress.num_sent),
-            speculation=gp.SpeculationStats(
-                draft_tokens=s.num_draft_tokens, accepted_tokens=s.num_accepted_tokens,
-                acceptance_rate=s.acceptance_rate, mean_accepted_len=s.mean_accepted_len,
-                rounds=s.num_rounds, drafted_per_position=s.drafted_per_position,
-                accepted_per_position=s.accepted_per_position),
-            replica=progress.replica)
+            speculation=progress.stats.to_proto(), replica=progress.replica)
         self._record(progress, final)
         return final
 
@@ -356,8 +349,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                                   is_finished=True, response=whole.SerializeToString())
         try:
             self.store.journal_finish(job.request_id, record, self.limits.journal_ttl_s)
-            if progress.counts.tested and progress.model_pair:
-                self.store.add_acceptance(progress.model_pair, job.tag, progress.counts)
+            counts = progress.stats.counts
+            if counts.tested and progress.model_pair:
+                self.store.add_acceptance(progress.model_pair, job.tag, counts)
         except StoreUnavailable:
             pass
 

@@ -1,4 +1,4 @@
-"""The state routers share (DESIGN §2): replica registry with heartbeats, acceptance
+"""The state routers share (docs/DESIGN.md §2): replica registry with heartbeats, acceptance
 statistics per model pair and workload tag, API keys (hashed) with rate limits applied
 atomically, and a journal of each request's committed tokens.
 
@@ -15,10 +15,10 @@ import math
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
 import numpy as np
 
+from outrider.core.stats import AcceptanceCounts
 from outrider.v1 import state_pb2 as st
 
 PREFIX = "outrider:"
@@ -29,29 +29,6 @@ MAX_ACCEPTANCE_ENTRIES = 1024
 
 class StoreUnavailable(RuntimeError):
     """The shared store cannot be reached right now."""
-
-
-@dataclass
-class AcceptanceCounts:
-    """Per draft position j, summed over requests: how often a draft token at j was
-    tested (every earlier one accepted) and how often it was accepted."""
-
-    tested: list[int]
-    accepted: list[int]
-
-    def alphas(self, prior: float = 0.7, prior_weight: float = 4.0) -> list[float]:
-        """P(position j accepted | positions < j accepted), shrunk towards `prior` where
-        data is thin."""
-        return [(a + prior * prior_weight) / (t + prior_weight)
-                for t, a in zip(self.tested, self.accepted)]
-
-    def add_round(self, gamma: int, num_accepted: int) -> None:
-        for j in range(min(gamma, num_accepted + 1)):
-            if j == len(self.tested):
-                self.tested.append(0)
-                self.accepted.append(0)
-            self.tested[j] += 1
-            self.accepted[j] += j < num_accepted
 
 
 def rate_limit_interval_ms(record: st.ApiKeyRecord) -> tuple[float, float]:
@@ -91,18 +68,17 @@ class MemoryStore:
                     and len(self._acceptance) >= MAX_ACCEPTANCE_ENTRIES):
                 tag = ""
             total = self._acceptance.setdefault((pair, tag), AcceptanceCounts([], []))
-            _add_into(total, counts)
+            total.merge(counts)
         return tag
 
     def acceptance(self, pair: str, tag: str) -> AcceptanceCounts:
         with self._lock:
             counts = self._acceptance.get((pair, tag), AcceptanceCounts([], []))
-            return AcceptanceCounts(list(counts.tested), list(counts.accepted))
+            return counts.copy()
 
     def acceptance_all(self) -> dict[tuple[str, str], AcceptanceCounts]:
         with self._lock:
-            return {k: AcceptanceCounts(list(v.tested), list(v.accepted))
-                    for k, v in self._acceptance.items()}
+            return {k: v.copy() for k, v in self._acceptance.items()}
 
     # -- API keys and rate limits ----------------------------------------------------------
     def put_api_key(self, key_hash: str, record: st.ApiKeyRecord) -> None:
@@ -178,16 +154,6 @@ class MemoryStore:
         if entry is None or entry[0] <= time.monotonic():
             return None
         return st.JournalRecord.FromString(entry[1]), list(entry[2])
-
-
-def _add_into(total: AcceptanceCounts, counts: AcceptanceCounts) -> None:
-    missing = len(counts.tested) - len(total.tested)
-    if missing > 0:
-        total.tested += [0] * missing
-        total.accepted += [0] * missing
-    for j, (t, a) in enumerate(zip(counts.tested, counts.accepted)):
-        total.tested[j] += t
-        total.accepted[j] += a
 
 
 # GCRA in one atomic step, on Redis's clock so that every router agrees.

@@ -8,9 +8,8 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
-from outrider.router.policy import MAX_GAMMA, SpecMode
-
-from outrider.engine.sampling import MAX_SEED, SamplingError, SamplingParams
+from outrider.core.policy import MAX_GAMMA, SpecMode
+from outrider.core.sampling import MAX_SEED, SamplingError, SamplingParams
 from outrider.engine.tokenizer import Tokenizer
 from outrider.v1 import generate_pb2 as gp
 

@@ -2,7 +2,7 @@
 """Train Outrider's shipped demo model pair (target + speculative draft) on CPU.
 
 Stages (all seeded, fixed data order; the two training stages stop by wall-clock budget):
-  1. corpus     : Python standard-library sources (held-out modules listed in data/heldout_modules.txt)
+  1. corpus     : Python standard-library sources (held-out modules listed in outrider/bench/data/heldout_modules.txt)
   2. tokenizer  : byte-level BPE, vocab 4096, trained with `tokenizers`
   3. target     : LlamaForCausalLM (~10M params, 8 layers, GQA), next-token CE
   4. greedy data: target's own greedy continuations of training prompts
@@ -286,7 +286,7 @@ def main():
     ap.add_argument(
         "--out", default=str(REPO / "models"), help="output directory (default: models/)"
     )
-    ap.add_argument("--heldout", default=str(REPO / "data" / "heldout_modules.txt"))
+    ap.add_argument("--heldout", default=str(REPO / "outrider" / "bench" / "data" / "heldout_modules.txt"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--vocab", type=int, default=4096)
@@ -634,7 +634,7 @@ def write_summary(out: Path, s: dict, args):
         f"- Corpus: Python {c['python']} standard library `*.py` ({c['train_files']} files, "
         f"{c['train_bytes'] / 1e6:.1f} MB) excluding test/, idlelib/, tkinter/, lib2to3/, site-packages/, "
         "pydoc_data/, generated codec tables and files > 300 kB.",
-        f"- Held-out (never trained on): {c['heldout_files']} modules listed in `data/heldout_modules.txt` "
+        f"- Held-out (never trained on): {c['heldout_files']} modules listed in `outrider/bench/data/heldout_modules.txt` "
         f"({tk['heldout_tokens']} tokens).",
         "",
         "## Stages (wall-clock on this machine)",

@@ -1,4 +1,4 @@
-"""The γ policy's cost model, measured on this replica at start-up (DESIGN §4): target
+"""The γ policy's cost model, measured on this replica at start-up (docs/DESIGN.md §4): target
 forward time against batch tokens (a flat base up to a knee, then a slope), and the
 draft's time per drafted position and round trip, through whatever drafter the replica
 uses (in process, or draft replicas over gRPC)."""
@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import time
 
-from outrider.router.policy import CostModel
-
+from outrider.core.policy import CostModel
+from outrider.core.sampling import SamplingParams
 from outrider.engine.drafter import DraftItem
 from outrider.engine.runner import ForwardRequest, ModelRunner
-from outrider.engine.sampling import SamplingParams
 
 SCRATCH = "cost-calibration"
 MIN_DRAFT_SHARE = 0.25  # of a γ = 4 Propose's time per position, at the least

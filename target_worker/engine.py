@@ -3,7 +3,7 @@ handlers submit requests, and each request's chunks go to its sink — a queue o
 (a Generate stream), or the Serve stream of the router that sent it, which takes a
 whole step's chunks as one message: sinks are flushed once per step.
 
-Every step the γ policy (router/policy.py) chooses γ for each sequence from the batch
+Every step the γ policy (outrider/core/policy.py) chooses γ for each sequence from the batch
 heat, the sequence's acceptance estimate and the replica's measured cost model; the
 scheduler then plans the step with those γ. Tensor-parallel ranks follow rank 0's
 forwards, so the decision reaches them with the tokens."""
@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from outrider.router.policy import Acceptance, GammaPolicy, OnlineCost, RequestState, SpecMode
 from outrider.target_worker.scheduler import Scheduler, SchedulerConfig
 
-from outrider.engine.sampling import TokenLogprob
+from outrider.core.policy import Acceptance, GammaPolicy, OnlineCost, RequestState, SpecMode
+from outrider.core.sampling import TokenLogprob
 from outrider.engine.spec_decode import Sequence, SpeculativeDecoder
 from outrider.telemetry.metrics import TargetMetrics
 

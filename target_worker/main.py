@@ -2,31 +2,26 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 import threading
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from outrider.router.policy import MAX_GAMMA, GammaPolicy, PolicyConfig
-from outrider.target_worker.cost import measure_cost_model
-from outrider.target_worker.engine import TargetEngine
-from outrider.target_worker.remote_drafter import RemoteDrafter
 from outrider.target_worker.scheduler import SchedulerConfig
-from outrider.target_worker.service import TargetService
 
-from outrider import cluster_tls
-from outrider.dense_channel import TARGET_RANK, DenseChannel
-from outrider.engine.distributed import TPRunnerGroup
-from outrider.engine.runner import RunnerConfig
-from outrider.engine.spec_decode import SpeculativeDecoder
-from outrider.grpc_server import Running, build_server, serve_until_signalled
-from outrider.telemetry.metrics import TargetMetrics, serve_metrics
-from outrider.telemetry.tracing import setup_tracing
-from outrider.v1 import worker_pb2_grpc
+from outrider.core.policy import MAX_GAMMA, MAX_QUEUED_PER_REPLICA, GammaPolicy, PolicyConfig
+from outrider.flags import add_cpus_arg, add_metrics_arg
 from outrider.v1.worker_pb2 import DESCRIPTOR
 
+# the engine (torch) is imported in start(): `outrider serve`, outrider.local_system and the
+# cluster spec read this module's config and flags
+if TYPE_CHECKING:
+    from outrider.engine.runner import RunnerConfig
+    from outrider.grpc_server import Running
+
 SERVICE_NAME = DESCRIPTOR.services_by_name["Target"].full_name
-ROUTER_QUEUE_ROOM = 256  # = router ServiceLimits.max_waiting
 
 
 @dataclass(frozen=True)
@@ -39,10 +34,10 @@ class TargetWorkerConfig:
     port: int = 0
     dist_address: str | None = None
     overlap_max_seqs: int = 2
-    hot_heat: float = 0.9
-    cool_heat: float = 0.7
+    hot_heat: float = PolicyConfig.hot_heat
+    cool_heat: float = PolicyConfig.cool_heat
     metrics_port: int | None = None  # Prometheus exposition; None: off, 0: a free port
-    auto_gamma_max: int = 8          # AUTO requests' γ cap when they set none
+    auto_gamma_max: int = PolicyConfig.gamma_max  # AUTO requests' γ cap when they set none
 
     def __post_init__(self) -> None:
         for name in ("gamma", "auto_gamma_max"):
@@ -53,9 +48,67 @@ class TargetWorkerConfig:
             raise ValueError("overlap_max_seqs must be >= 0")
         PolicyConfig(MAX_GAMMA, self.hot_heat, self.cool_heat)  # validates the heats
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TargetWorkerConfig:
+        """From `outrider target-worker`'s flags (add_arguments)."""
+        from outrider.engine.runner import RunnerConfig
+
+        runner = RunnerConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
+                              tp=args.tp, kv_cache_mb=args.kv_cache_mb, threads=args.threads)
+        sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                max_batch_tokens=args.max_batch_tokens)
+        return cls(runner, sched, tuple(args.draft_address), args.gamma, args.host, args.port,
+                   args.draft_dist_address, args.overlap_max_seqs, args.hot_heat,
+                   args.cool_heat, args.metrics_port, args.auto_gamma_max)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`outrider target-worker`'s flags (TargetWorkerConfig.from_args reads them)."""
+    from outrider.engine.runner import RunnerConfig
+
+    p.add_argument("--model", required=True, help="target checkpoint dir")
+    p.add_argument("--draft-address", action="append", default=[],
+                   help="host:port of a draft replica (repeat for several)")
+    p.add_argument("--draft-dist-address",
+                   help="host:port to host a dense q channel (torch.distributed) with "
+                        "the first draft replica, when it runs on this machine")
+    p.add_argument("--gamma", type=int, default=TargetWorkerConfig.gamma,
+                   help="γ of FIXED requests that set none")
+    p.add_argument("--auto-gamma-max", type=int, default=TargetWorkerConfig.auto_gamma_max,
+                   help="the most γ the policy may choose for AUTO requests that set "
+                        "no gamma_max")
+    p.add_argument("--hot-heat", type=float, default=TargetWorkerConfig.hot_heat,
+                   help="batch heat at which AUTO speculation turns off")
+    p.add_argument("--cool-heat", type=float, default=TargetWorkerConfig.cool_heat,
+                   help="batch heat at which it turns back on (hysteresis)")
+    p.add_argument("--overlap-max-seqs", type=int, default=TargetWorkerConfig.overlap_max_seqs,
+                   help="draft round r+1 while round r verifies when at most this many "
+                        "sequences speculate (0: never; it pays in small batches)")
+    p.add_argument("--tp", type=int, default=RunnerConfig.tp)
+    p.add_argument("--host", default=TargetWorkerConfig.host)
+    p.add_argument("--port", type=int, default=TargetWorkerConfig.port,
+                   help="0 picks a free port")
+    p.add_argument("--device", default=RunnerConfig.device)
+    p.add_argument("--dtype", default=RunnerConfig.dtype)
+    p.add_argument("--kv-cache-mb", type=float, default=RunnerConfig.kv_cache_mb)
+    p.add_argument("--threads", type=int, default=RunnerConfig.threads,
+                   help="CPU threads per rank (0: the cores it may use, shared out over "
+                        "--tp)")
+    add_cpus_arg(p)
+    add_batch_arguments(p)
+    add_metrics_arg(p)
+
+
+def add_batch_arguments(p: argparse.ArgumentParser) -> None:
+    """The scheduler's budget (`outrider serve` takes them too, for its target)."""
+    p.add_argument("--max-batch-tokens", type=int, default=SchedulerConfig.max_batch_tokens)
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+
 
 def serve(cfg: TargetWorkerConfig, token: str | None) -> None:
     """`outrider target-worker`: start, then run until signalled."""
+    from outrider.grpc_server import serve_until_signalled
+
     serve_until_signalled(start(cfg, token), "target worker")
 
 
@@ -63,6 +116,20 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
           spawn_ranks: bool = True) -> Running:
     """Start the replica; with spawn_ranks=False its TP ranks 1.. are started elsewhere
     (Ray actors) and join at `tp_init_method`."""
+    from outrider.target_worker.cost import measure_cost_model
+    from outrider.target_worker.engine import TargetEngine
+    from outrider.target_worker.remote_drafter import RemoteDrafter
+    from outrider.target_worker.service import TargetService
+
+    from outrider import cluster_tls
+    from outrider.dense_channel import TARGET_RANK, DenseChannel
+    from outrider.engine.distributed import TPRunnerGroup
+    from outrider.engine.spec_decode import SpeculativeDecoder
+    from outrider.grpc_server import Running, build_server
+    from outrider.telemetry.metrics import TargetMetrics, serve_metrics
+    from outrider.telemetry.tracing import setup_tracing
+    from outrider.v1 import worker_pb2_grpc
+
     setup_tracing("outrider-target")
     credentials = cluster_tls.server_credentials()  # before loading: a bad setup fails fast
     group = TPRunnerGroup(cfg.runner, tp_init_method, spawn_ranks)
@@ -90,7 +157,7 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
     server, bound = build_server(
         lambda s: worker_pb2_grpc.add_TargetServicer_to_server(service, s),
         [SERVICE_NAME], f"{cfg.host}:{cfg.port}", token,
-        max_workers=cfg.sched.max_num_seqs + ROUTER_QUEUE_ROOM + 16,
+        max_workers=cfg.sched.max_num_seqs + MAX_QUEUED_PER_REPLICA + 16,
         credentials=credentials)
     stop = threading.Event()
     loop = threading.Thread(target=engine.run, args=(stop,), name="target-engine", daemon=True)

@@ -16,21 +16,14 @@ import grpc
 import torch
 
 from outrider.cluster_tls import internal_channel
+from outrider.core.sampling import sampling_to_proto
 from outrider.dense_channel import DenseChannel
 from outrider.engine.drafter import DraftCall, DraftItem, DraftOutput
 from outrider.engine.rejection import dense_draft_probs
 from outrider.grpc_server import token_metadata
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from outrider.wire import (
-    Q_FORMAT_CODES,
-    WireError,
-    checked_ids,
-    checked_q,
-    decode_q,
-    q_format_for,
-    sampling_to_proto,
-)
+from outrider.wire import Q_FORMAT_CODES, WireError, checked_ids, checked_q, decode_q, q_format_for
 
 PREFILL_ALLOWANCE_S = 0.002  # per context token resent in a Propose
 MAX_BACKOFF_S = 5.0           # longest wait before trying a slow or failing replica again

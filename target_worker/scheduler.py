@@ -12,9 +12,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from outrider.engine.block_manager import BlockManager
-from outrider.engine.spec_decode import Sequence
+
+if TYPE_CHECKING:  # annotations only: SchedulerConfig stays importable without torch
+    from outrider.engine.spec_decode import Sequence
 
 
 @dataclass(frozen=True)

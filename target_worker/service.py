@@ -10,12 +10,13 @@ from collections.abc import Iterator
 
 import grpc
 from opentelemetry import trace
-from outrider.router.policy import MAX_GAMMA, Acceptance, RequestState, SpecMode
 from outrider.target_worker.engine import Chunk, ChunkQueue, Handle, TargetEngine
 from outrider.target_worker.remote_drafter import DraftReplicaError
 
-from outrider.engine.sampling import SamplingError
-from outrider.engine.spec_decode import RequestError, SpecStats
+from outrider.core.policy import MAX_GAMMA, Acceptance, RequestState, SpecMode
+from outrider.core.sampling import SamplingError, logprobs_to_proto, sampling_from_proto
+from outrider.core.stats import SpecStats
+from outrider.engine.spec_decode import RequestError
 from outrider.telemetry.tracing import (
     context_from_metadata,
     context_from_traceparent,
@@ -27,7 +28,6 @@ from outrider.telemetry.tracing import (
 )
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from outrider.wire import logprobs_to_proto, sampling_from_proto
 
 SPEC_MODES = {pb.SPEC_MODE_AUTO: SpecMode.AUTO, pb.SPEC_MODE_OFF: SpecMode.OFF,
               pb.SPEC_MODE_FIXED: SpecMode.FIXED}

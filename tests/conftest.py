@@ -48,7 +48,7 @@ def redis_url(tmp_path_factory):
 
     import redis
 
-    from outrider.engine.distributed import free_port
+    from outrider.launch import free_port
 
     binary = shutil.which("redis-server")
     assert binary, "redis-server is not installed (make test installs it)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from outrider.engine.distributed import free_port
+from outrider.launch import free_port
 from tests.cli_utils import generate_json, run_cli
 
 PROMPT = "import os\n"

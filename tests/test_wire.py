@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from outrider.engine.sampling import SamplingParams
+from outrider.core.sampling import SamplingParams, sampling_from_proto
 from outrider.v1 import worker_pb2 as pb
-from outrider.wire import WireError, decode_q, encode_proposal, sampling_from_proto
+from outrider.wire import WireError, decode_q, encode_proposal
 
 VOCAB = 6
 

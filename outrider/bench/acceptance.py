@@ -3,7 +3,8 @@ ratio c = draft forward time / target forward time for one decode token.
 
     python -m outrider.bench.acceptance [--gamma 4] [--prompts 10] [--max-tokens 128]
 
-Defaults to the shipped demo pair and the held-out modules in data/heldout_modules.txt.
+Defaults to the shipped demo pair and the held-out modules listed in
+outrider/bench/data/heldout_modules.txt.
 Writes results/acceptance.json and prints a summary.
 """
 
@@ -21,10 +22,11 @@ from pathlib import Path
 import torch
 
 from outrider import paths
+from outrider.core.sampling import SamplingParams
+from outrider.core.stats import SpecStats
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
-from outrider.engine.sampling import SamplingParams
-from outrider.engine.spec_decode import SpecStats, SpeculativeDecoder
+from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.engine.tokenizer import Tokenizer
 
 SETTINGS = {"greedy": dict(temperature=0.0),

@@ -25,17 +25,15 @@ import torch
 from outrider import paths
 from outrider.bench.acceptance import heldout_prompts
 from outrider.cluster_tls import internal_channel
-from outrider.engine.distributed import free_port
+from outrider.core.sampling import SamplingParams, sampling_to_proto
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.engine.sampling import SamplingParams
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.engine.tokenizer import Tokenizer
 from outrider.grpc_server import token_metadata
-from outrider.launch import outrider_process
+from outrider.launch import free_port, outrider_process
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from outrider.wire import sampling_to_proto
 
 TOKEN = "bench-token"
 GREEDY = SamplingParams()

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from outrider.core.sampling import SamplingParams
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.engine.sampling import SamplingParams
 from outrider.engine.spec_decode import SpeculativeDecoder
 
 PROMPT_LEN = 32

@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from outrider import paths
-from outrider.bench import serving
+from outrider.bench import common
 from outrider.engine.tokenizer import Tokenizer
 from outrider.v1 import generate_pb2_grpc
 
@@ -69,7 +69,7 @@ def hf_runner(model, assistant=None, num_assistant_tokens: int | None = None) ->
 
 def engine_runner(decoder, gamma: int) -> Runner:
     """Outrider's single-process speculative loop (γ = 0: the target alone)."""
-    from outrider.engine.sampling import SamplingParams
+    from outrider.core.sampling import SamplingParams
 
     def run(prompt: list[int], max_tokens: int) -> list[int]:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -81,9 +81,9 @@ def engine_runner(decoder, gamma: int) -> Runner:
 def deployment_runner(stub, mode: str, tag: str, metadata=()) -> Runner:
     """One greedy request through the router's public API (GenerateStream)."""
     def run(prompt: list[int], max_tokens: int) -> list[int]:
-        request = serving.build_request(prompt, "greedy", serving.Mode.parse(mode), max_tokens,
-                                        seed=0, tag=tag)
-        return serving.stream_request(stub, request, metadata).token_ids
+        request = common.build_request(prompt, "greedy", common.Mode.parse(mode), max_tokens,
+                                       seed=0, tag=tag)
+        return common.stream_request(stub, request, metadata).token_ids
 
     return run
 
@@ -91,7 +91,7 @@ def deployment_runner(stub, mode: str, tag: str, metadata=()) -> Runner:
 def deployment_runners(stub, gamma: int, workload: str, metadata=()) -> dict[str, Runner]:
     """Off, fixed γ and auto through the router; the workload's tag keeps AUTO's
     acceptance prior per workload (as in outrider.bench.serving)."""
-    tag = serving.tag_for(workload, "greedy")
+    tag = common.tag_for(workload, "greedy")
     return {f"deployment_{mode}": deployment_runner(stub, mode, tag, metadata)
             for mode in ("off", f"fixed{gamma}", "auto")}
 
@@ -178,6 +178,8 @@ def compare(target_dir: str, draft_dir: str, prompts: dict[str, list[list[int]]]
 
 # -- command line --------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from outrider.local_system import LocalSystemConfig
+
     parser.add_argument("--address", help="router host:port (default: start a local one)")
     parser.add_argument("--no-deployment", action="store_true",
                         help="only transformers and the in-process engine")
@@ -187,10 +189,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--gamma", type=int, default=4,
+    parser.add_argument("--gamma", type=int, default=LocalSystemConfig.gamma,
                         help="γ of the fixed runners (and the local deployment's default)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in this process")
-    parser.add_argument("--max-batch-tokens", type=int, default=512)
+    parser.add_argument("--max-batch-tokens", type=int, default=LocalSystemConfig.max_batch_tokens)
     parser.add_argument("--api-key", default=os.environ.get("OUTRIDER_API_KEY"))
     parser.add_argument("--out", default="results/serving_peer.json")
     parser.add_argument("--quiet", action="store_true")
@@ -199,19 +201,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     torch.set_num_threads(args.threads)
     tokenizer = Tokenizer(args.target)
-    prompts = {w: serving.workload_prompts(tokenizer, w, args.prompts, args.prompt_tokens)
-               for w in serving.parse_list(args.workloads)}
+    prompts = {w: common.workload_prompts(tokenizer, w, args.prompts, args.prompt_tokens)
+               for w in common.parse_list(args.workloads)}
     args.replica_gamma = args.gamma
-    metadata = serving.call_metadata(args.api_key)
+    metadata = common.call_metadata(args.api_key)
     if args.no_deployment:
         report = compare(args.target, args.draft, prompts, args.max_tokens, args.gamma,
                          progress=not args.quiet)
     else:
-        with serving.deployment(args) as live, grpc.insecure_channel(live.router) as channel:
+        with common.deployment(args) as live, grpc.insecure_channel(live.router) as channel:
             report = compare(args.target, args.draft, prompts, args.max_tokens, args.gamma,
                              generate_pb2_grpc.GenerationStub(channel), metadata,
                              progress=not args.quiet)
-    report = {"machine": serving.machine(), "command": serving.command_line(), **report}
+    report = {"machine": common.machine(), "command": common.command_line(), **report}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps({w: r["ratios"] for w, r in report["workloads"].items()}, indent=2))

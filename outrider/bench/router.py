@@ -27,13 +27,12 @@ import numpy as np
 from outrider import paths
 from outrider.bench.acceptance import heldout_prompts
 from outrider.client import Client
-from outrider.engine.sampling import SamplingParams
+from outrider.core.sampling import SamplingParams, sampling_to_proto
 from outrider.engine.tokenizer import Tokenizer
 from outrider.grpc_server import token_metadata
 from outrider.local_system import LocalSystemConfig, local_system
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from outrider.wire import sampling_to_proto
 
 TOKEN = "bench-token"
 

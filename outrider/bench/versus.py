@@ -49,7 +49,7 @@ from pathlib import Path
 
 from outrider import paths
 from outrider.bench import serving
-from outrider.engine.distributed import free_port
+from outrider.launch import free_port
 
 SERVED_NAME = "demo-target"
 DEFAULT_OUT = "results/versus.json"
@@ -219,7 +219,7 @@ def _wait_ready(proc: subprocess.Popen, url: str, timeout_s: float, log) -> None
 def engine_tokens_per_s(decoder, prompts: list[list[int]], concurrency: int, gamma: int,
                         max_tokens: int) -> float:
     """Greedy, the prompts in batches of `concurrency` (each batch runs to the end)."""
-    from outrider.engine.sampling import SamplingParams
+    from outrider.core.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     tokens, start = 0, time.perf_counter()

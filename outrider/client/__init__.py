@@ -16,13 +16,21 @@ from outrider.client.errors import (
     UnavailableError,
 )
 from outrider.client.request import build_request
-from outrider.client.results import Delta, Generation, Round, SpeculationStats, Timings, Usage
+from outrider.client.results import (
+    Delta,
+    Generation,
+    Logprob,
+    Round,
+    SpeculationStats,
+    Timings,
+    Usage,
+)
 from outrider.client.sync import Client, GenerationStream
 
 __all__ = [
     "AsyncClient", "AsyncGenerationStream", "AuthenticationError", "CancelledError", "Client",
     "ConflictError", "DeadlineExceededError", "Delta", "Generation", "GenerationStream",
-    "InternalError", "InvalidRequestError", "OutriderError", "PermissionDeniedError",
+    "InternalError", "InvalidRequestError", "Logprob", "OutriderError", "PermissionDeniedError",
     "RateLimitError", "Retry", "Round", "SpeculationStats", "Timings", "Tls",
     "UnavailableError", "Usage", "build_request",
 ]

@@ -7,7 +7,6 @@ for the driver's forward descriptions.
 
 from __future__ import annotations
 
-import socket
 from dataclasses import replace
 from datetime import timedelta
 
@@ -19,12 +18,7 @@ from outrider.cpus import available_cpus, format_cpus, pin_cpus
 from outrider.engine.model_config import ModelConfig
 from outrider.engine.parallel import TPGroup
 from outrider.engine.runner import ModelRunner, RunnerConfig
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from outrider.launch import free_port
 
 
 def init_tp_group(rank: int, size: int, init_method: str, device: str) -> TPGroup:

@@ -17,18 +17,17 @@ from dataclasses import dataclass
 
 import torch
 
+from outrider.core.sampling import History, SamplingParams
 from outrider.engine.runner import ForwardRequest, ModelRunner
 from outrider.engine.sampling import (
     STREAM_DRAFT,
-    History,
-    SamplingParams,
     logits_to_probs,
     position_uniforms,
     processed_logits,
     sample_from_probs,
 )
 
-# How q leaves the drafter (DESIGN §3). "dense" stays in-process and "dense_dist" goes
+# How q leaves the drafter (docs/DESIGN.md §3). "dense" stays in-process and "dense_dist" goes
 # over a torch.distributed channel, both at full precision; "dense_fp16" rounds q to fp16
 # BEFORE sampling, so the draft samples from exactly the distribution it sends;
 # "point_mass" proposes the argmax with q = one-hot.

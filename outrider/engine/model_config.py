@@ -6,11 +6,12 @@ in QKV bias, sliding-window attention and RoPE scaling, which are fields here.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from outrider.core.hf_config import ModelConfigError, context_length, read_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SUPPORTED_TP = (1, 2, 4, 8)
@@ -22,10 +23,6 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-
-
-class ModelConfigError(ValueError):
-    """A checkpoint directory or its config.json cannot be used."""
 
 
 @dataclass(frozen=True)
@@ -96,16 +93,9 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ModelConfigError(
-                f"{model_dir}: no config.json (not a Hugging Face checkpoint dir)")
-        try:
-            raw = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ModelConfigError(f"{path}: not valid JSON ({exc})") from exc
-        generation = _read_generation_config(Path(model_dir))
-        return cls.from_hf_dict(raw, generation, source=str(path))
+        raw = read_config(model_dir)
+        generation = read_config(model_dir, "generation_config.json", required=False)
+        return cls.from_hf_dict(raw, generation, source=str(Path(model_dir) / "config.json"))
 
     @classmethod
     def from_hf_dict(cls, raw: dict, generation: dict | None = None,
@@ -133,7 +123,7 @@ class ModelConfig:
                 head_dim=int(raw.get("head_dim") or hidden // heads),
                 rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                max_position_embeddings=context_length(raw),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 dtype=_parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32", source),
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
@@ -150,16 +140,6 @@ class ModelConfig:
             if isinstance(exc, ModelConfigError):
                 raise
             raise ModelConfigError(f"{source}: bad value ({exc})") from exc
-
-
-def _read_generation_config(model_dir: Path) -> dict | None:
-    path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelConfigError(f"{path}: not valid JSON ({exc})") from exc
 
 
 def _rope_parameters(raw: dict) -> dict:

@@ -6,7 +6,7 @@ is accepted the *bonus* token is drawn from p at the extra position. Greedy requ
 arrive as point masses (p = one-hot argmax, q = one-hot draft), which makes the same
 arithmetic accept exactly the draft tokens equal to the target argmax.
 
-q formats (DESIGN §3) only differ on the wire; `dense_draft_probs` turns each into the
+q formats (docs/DESIGN.md §3) only differ on the wire; `dense_draft_probs` turns each into the
 dense q rows used here.
 """
 

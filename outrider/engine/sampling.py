@@ -21,137 +21,11 @@ ran the round, so a request can be resumed elsewhere and reproduce the same toke
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-MAX_SEED = 2**63 - 1
-GREEDY_BELOW = 1e-5  # temperatures this small are greedy: logits / T would overflow
-MAX_LOGPROBS = 20    # alternatives per token (OpenAI's top_logprobs limit)
-MAX_LOGIT_BIAS = 100.0
-MAX_PENALTY = 2.0    # |frequency_penalty|, |presence_penalty| (OpenAI's range)
-
-
-class SamplingError(ValueError):
-    """Invalid sampling parameters; the message names the field."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 64
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0            # 0 = no top-k truncation
-    top_p: float = 1.0        # 1 = no nucleus truncation
-    seed: int | None = None   # None: the engine draws one per request
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    min_p: float = 0.0        # drop tokens less likely than min_p x the likeliest
-    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output
-    frequency_penalty: float = 0.0   # subtracted x each earlier occurrence in the output
-    presence_penalty: float = 0.0    # subtracted once if the token is in the output
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
-    min_tokens: int = 0       # EOS and stop_token_ids are held back until this many
-    logprobs: int | None = None  # None: none; k: the chosen token's and the k likeliest
-    eos_token_ids: tuple[int, ...] = ()  # the model's, set by the engine (min_tokens)
-
-    def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise SamplingError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_real(self.temperature) or self.temperature < 0:
-            raise SamplingError(f"temperature must be a finite number >= 0, "
-                                f"got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise SamplingError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
-            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not _is_int(self.seed)
-                                      or not 0 <= self.seed <= MAX_SEED):
-            raise SamplingError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
-        self._check_processors()
-
-    def _check_processors(self) -> None:
-        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
-            raise SamplingError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise SamplingError(f"repetition_penalty must be a finite number > 0 "
-                                f"(1 disables), got {self.repetition_penalty!r}")
-        for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            if not _is_real(value) or abs(value) > MAX_PENALTY:
-                raise SamplingError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
-                                    f"got {value!r}")
-        for token, bias in self.logit_bias:
-            if not _is_int(token) or token < 0:
-                raise SamplingError(f"logit_bias: token id {token!r} is not an id")
-            if not _is_real(bias) or abs(bias) > MAX_LOGIT_BIAS:
-                raise SamplingError(f"logit_bias[{token}] must be in [-{MAX_LOGIT_BIAS:g}, "
-                                    f"{MAX_LOGIT_BIAS:g}], got {bias!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise SamplingError(f"min_tokens must be an integer in [0, max_tokens="
-                                f"{self.max_tokens}], got {self.min_tokens!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise SamplingError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], "
-                                f"got {self.logprobs!r}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
-
-    @property
-    def reads_history(self) -> bool:
-        """Whether the processed logits depend on the tokens before the row."""
-        return (self.repetition_penalty != 1 or self.frequency_penalty != 0
-                or self.presence_penalty != 0 or self.min_tokens > 0)
-
-    @property
-    def changes_logits(self) -> bool:
-        """Whether any processor runs before temperature (greedy argmax included)."""
-        return self.reads_history or bool(self.logit_bias)
-
-    @property
-    def truncates(self) -> bool:
-        return bool(self.top_k) or self.top_p < 1 or self.min_p > 0
-
-    @property
-    def held_back_ids(self) -> tuple[int, ...]:
-        """Tokens min_tokens holds back: the stop tokens and, unless ignored, EOS."""
-        eos = () if self.ignore_eos else self.eos_token_ids
-        return tuple(sorted({*self.stop_token_ids, *eos}))
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-
-@dataclass(frozen=True)
-class History:
-    """The tokens before one logits row, for the processors that read them."""
-
-    token_ids: Sequence[int]  # prompt + committed output (shared by a sequence's rows)
-    prompt_len: int
-    drafted: tuple[int, ...] = ()  # then the round's draft tokens before this row
-
-    @property
-    def num_output(self) -> int:
-        return len(self.token_ids) - self.prompt_len + len(self.drafted)
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A chosen token's log-probability under the processed distribution, and the
-    likeliest tokens' (as many as the request asked for)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
+from outrider.core.sampling import History, SamplingParams, TokenLogprob
 
 # -- logits processing --------------------------------------------------------------------------
 
@@ -234,7 +108,7 @@ def _penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams
     the output's tokens. histories: one per entry of `rows`."""
     entry_row, token_ids, counts = _seen_tokens(histories, logits.shape[-1])  # [seen] each
     device, vocab = logits.device, logits.shape[-1]
-    flat = logits.view(-1)  # one flat index per entry: the entries are sorted, row by row
+    flat = logits.view(-1)  # one flat index per entry (mostly in order: few cache misses)
     at = (torch.tensor(rows)[entry_row] * vocab + token_ids).to(device)
 
     def per_entry(name: str) -> torch.Tensor:  # [seen]
@@ -254,21 +128,28 @@ def _seen_tokens(histories: list[History],
                  vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every (row, token) pair where the token is in the row's prompt or output, with
     its count in the output: entry_row, token_ids, counts, each [seen]. A sequence's
-    rows share their committed tokens (counted once); each row adds its draft tokens."""
+    rows share their committed tokens (counted once per sequence); each row adds its own
+    draft tokens."""
     bases: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
-    rows, ids, counts = [], [], []
+    keys, counts, drafted = [], [], []
     for r, h in enumerate(histories):
         key = (id(h.token_ids), len(h.token_ids), h.prompt_len)
         if key not in bases:
             bases[key] = _committed_counts(h, vocab)
         seen, count = bases[key]
-        if h.drafted:
-            seen, count = _with_drafts(seen, count, np.asarray(h.drafted, dtype=np.int64))
-        rows.append(np.full(len(seen), r, dtype=np.int64))
-        ids.append(seen)
+        keys.append(r * vocab + seen)
         counts.append(count)
-    return (torch.from_numpy(np.concatenate(rows)), torch.from_numpy(np.concatenate(ids)),
-            torch.from_numpy(np.concatenate(counts)))
+        drafted += [r * vocab + t for t in h.drafted if 0 <= t < vocab]
+    keys, counts = np.concatenate(keys), np.concatenate(counts)  # sorted, unique
+    if drafted:  # a row's draft tokens: counted where seen already, new entries else
+        extra, extra_count = np.unique(np.asarray(drafted, dtype=np.int64), return_counts=True)
+        at = np.minimum(np.searchsorted(keys, extra), len(keys) - 1)
+        is_seen = keys[at] == extra
+        np.add.at(counts, at[is_seen], extra_count[is_seen])
+        keys = np.concatenate([keys, extra[~is_seen]])
+        counts = np.concatenate([counts, extra_count[~is_seen].astype(np.float32)])
+    return (torch.from_numpy(keys // vocab), torch.from_numpy(keys % vocab),
+            torch.from_numpy(counts))
 
 
 def _committed_counts(h: History, vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -278,18 +159,6 @@ def _committed_counts(h: History, vocab: int) -> tuple[np.ndarray, np.ndarray]:
     seen, inverse = np.unique(tokens, return_inverse=True)
     count = np.bincount(inverse[h.prompt_len:], minlength=len(seen)).astype(np.float32)
     return seen[seen < vocab], count[seen < vocab]
-
-
-def _with_drafts(seen: np.ndarray, count: np.ndarray,
-                 drafted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The committed (seen, count) plus a row's draft tokens (output, unseen ones appended)."""
-    at = np.minimum(np.searchsorted(seen, drafted), max(len(seen) - 1, 0))
-    is_known = (seen[at] == drafted) if len(seen) else np.zeros(len(drafted), dtype=bool)
-    count = count.copy()
-    np.add.at(count, at[is_known], 1.0)
-    new, new_count = np.unique(drafted[~is_known], return_counts=True)
-    return (np.concatenate([seen, new]),
-            np.concatenate([count, new_count.astype(np.float32)]))
 
 
 def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The single-process speculative loop: a draft runner proposes, the target verifies.
 
-One round for a batch of sequences (DESIGN §2, steps 2–4):
+One round for a batch of sequences (docs/DESIGN.md §2, steps 2–4):
   1. the draft catches up on committed tokens it has not seen and drafts γ_i tokens,
      batched across sequences;
   2. ONE target forward over every sequence's pending tokens + its γ_i draft tokens;
@@ -30,17 +30,15 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from outrider.core.sampling import MAX_SEED, History, SamplingParams, TokenLogprob
+from outrider.core.stats import SpecStats
 from outrider.engine.block_manager import OutOfBlocksError
 from outrider.engine.drafter import DraftCall, Drafter, DraftItem, DraftOutput
 from outrider.engine.rejection import dense_draft_probs, greedy_verify, rejection_sample
 from outrider.engine.runner import ForwardRequest, ModelRunner
 from outrider.engine.sampling import (
-    MAX_SEED,
     STREAM_ACCEPT,
     STREAM_SAMPLE,
-    History,
-    SamplingParams,
-    TokenLogprob,
     position_uniforms,
     probs_of,
     processed_logits,
@@ -50,55 +48,6 @@ from outrider.engine.sampling import (
 
 class RequestError(ValueError):
     """A prompt the engine cannot run; the message says why."""
-
-
-@dataclass
-class SpecStats:
-    num_rounds: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    drafted_per_position: list[int] = field(default_factory=list)
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def record(self, num_draft: int, num_accepted: int) -> None:
-        self.num_rounds += 1
-        self.num_draft_tokens += num_draft
-        self.num_accepted_tokens += num_accepted
-        self._grow(num_draft)
-        for j in range(num_draft):
-            self.drafted_per_position[j] += 1
-            self.accepted_per_position[j] += j < num_accepted
-
-    def merge(self, other: SpecStats) -> None:
-        self.num_rounds += other.num_rounds
-        self.num_draft_tokens += other.num_draft_tokens
-        self.num_accepted_tokens += other.num_accepted_tokens
-        self._grow(len(other.drafted_per_position))
-        for j, (d, a) in enumerate(zip(other.drafted_per_position, other.accepted_per_position)):
-            self.drafted_per_position[j] += d
-            self.accepted_per_position[j] += a
-
-    def _grow(self, num_positions: int) -> None:
-        missing = num_positions - len(self.drafted_per_position)
-        if missing > 0:
-            self.drafted_per_position += [0] * missing
-            self.accepted_per_position += [0] * missing
-
-    @property
-    def acceptance_per_position(self) -> list[float]:
-        return [a / d if d else 0.0
-                for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_len(self) -> float:
-        """Tokens emitted per round: accepted draft tokens + the recovered/bonus token."""
-        if not self.num_rounds:
-            return 0.0
-        return (self.num_accepted_tokens + self.num_rounds) / self.num_rounds
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,8 @@ import pytest
 
 from outrider import paths
 from outrider.bench import report as report_md
+from outrider.bench.common import Mode, RequestRecord, text_prompts
 from outrider.bench.serving import (
-    Mode,
-    RequestRecord,
     add_comparisons,
     batch1_targets,
     batches,
@@ -23,7 +22,6 @@ from outrider.bench.serving import (
     rotated,
     speedup_bound,
     summarize,
-    text_prompts,
 )
 from outrider.engine.tokenizer import Tokenizer
 from outrider.v1 import generate_pb2 as gp

@@ -17,9 +17,9 @@ from outrider.cluster import launch
 from outrider.cluster.controller import NAME, NAMESPACE
 
 from outrider.client import Client
+from outrider.core.sampling import SamplingParams
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.engine.sampling import SamplingParams
 from outrider.engine.spec_decode import SpeculativeDecoder
 
 pytestmark = pytest.mark.slow
@@ -47,7 +47,7 @@ def expected(llama_dir, draft_dir, prompt) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, llama_dir, draft_dir, redis_url):
-    from outrider.engine.distributed import free_port
+    from outrider.launch import free_port
 
     redis.Redis.from_url(redis_url).flushdb()
     ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, namespace=NAMESPACE,

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from outrider.client import Client
-from outrider.engine.distributed import free_port
+from outrider.launch import free_port
 from tests.cli_utils import run_cli
 from tests.cluster.test_ray_cluster import write_spec
 

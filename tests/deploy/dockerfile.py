@@ -73,7 +73,10 @@ def pyproject() -> dict:
 
 
 def pin(name: str) -> str | None:
-    for dep in pyproject()["project"]["dependencies"]:
+    """The version pyproject pins `name` at, in the base dependencies or an extra."""
+    project = pyproject()["project"]
+    extras = project.get("optional-dependencies", {}).values()
+    for dep in [*project["dependencies"], *(d for deps in extras for d in deps)]:
         m = re.fullmatch(rf"{re.escape(name)}(\[[\w,]+\])?==(\S+)", dep.replace(" ", ""))
         if m:
             return m.group(2)

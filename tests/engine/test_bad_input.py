@@ -1,4 +1,4 @@
-"""Must show 7: each kind of bad input gets one clear error that names the problem."""
+"""Each kind of bad input gets one clear error that names the problem."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import shutil
 
 import pytest
 
+from outrider.core.sampling import SamplingParams
 from outrider.engine.checkpoint import CheckpointError
 from outrider.engine.drafter import Drafter
 from outrider.engine.local import check_pair_compatible
 from outrider.engine.model_config import ModelConfigError
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.engine.sampling import SamplingParams
 from outrider.engine.spec_decode import RequestError, SpeculativeDecoder
 from tests.checkpoints import save_random_checkpoint
 from tests.cli_utils import run_cli

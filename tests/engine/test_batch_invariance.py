@@ -16,9 +16,9 @@ import textwrap
 import pytest
 
 from outrider import paths
+from outrider.core.sampling import SamplingParams
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.engine.sampling import SamplingParams
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.engine.tokenizer import Tokenizer
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from outrider.core.sampling import SamplingParams
 from outrider.engine.drafter import Drafter, DraftItem
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams()
 CONTEXT = [5, 17, 33, 2, 41, 99, 150, 7]

@@ -1,4 +1,4 @@
-"""Must show 6: random append / rollback / free keep block accounting exact, and the
+"""Random append / rollback / free keep block accounting exact, and the
 cached keys/values equal a fresh recomputation."""
 
 from __future__ import annotations

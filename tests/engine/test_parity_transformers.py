@@ -1,12 +1,12 @@
-"""Must show 1: greedy output is token-identical to transformers' generate."""
+"""Greedy output is token-identical to transformers' generate."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from outrider.core.sampling import SamplingParams
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.engine.sampling import SamplingParams
 from outrider.engine.spec_decode import SpeculativeDecoder
 from tests.checkpoints import LLAMA3_ROPE, VOCAB, save_random_checkpoint
 

@@ -10,16 +10,10 @@ import math
 import pytest
 import torch
 
+from outrider.core.sampling import GREEDY_BELOW, History, SamplingParams
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.engine.sampling import (
-    GREEDY_BELOW,
-    History,
-    SamplingParams,
-    logits_to_probs,
-    probs_of,
-    processed_logits,
-)
+from outrider.engine.sampling import logits_to_probs, probs_of, processed_logits
 from outrider.engine.spec_decode import SpeculativeDecoder
 from tests.checkpoints import VOCAB
 

@@ -1,4 +1,5 @@
-"""Exact speculative verification (DESIGN §3): constructed cases, determinism, statistics."""
+"""Exact speculative verification (docs/DESIGN.md §3): constructed cases, determinism,
+statistics."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import pytest
 import torch
 from scipy import stats
 
+from outrider.core.sampling import SamplingParams
 from outrider.engine.rejection import RejectionResult, dense_draft_probs, rejection_sample
 from outrider.engine.sampling import (
     STREAM_ACCEPT,
     STREAM_SAMPLE,
-    SamplingParams,
     logits_to_probs,
     position_uniforms,
     sample_from_probs,

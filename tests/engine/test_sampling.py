@@ -12,13 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
+from outrider.core.sampling import MAX_SEED, SamplingError, SamplingParams
 from outrider.engine.sampling import (
-    MAX_SEED,
     STREAM_ACCEPT,
     STREAM_DRAFT,
     STREAM_SAMPLE,
-    SamplingError,
-    SamplingParams,
     logits_to_probs,
     position_uniforms,
     sample_from_probs,

@@ -1,13 +1,13 @@
-"""Must show 2: speculative greedy output equals target-only greedy output."""
+"""Speculative greedy output equals target-only greedy output."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from outrider.core.sampling import SamplingParams
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.engine.sampling import SamplingParams
 from outrider.engine.spec_decode import SpeculativeDecoder
 from tests.checkpoints import VOCAB
 

@@ -1,4 +1,4 @@
-"""Must show 3: tp=2 and tp=4 (gloo, separate processes) give tp=1's greedy output."""
+"""Tp=2 and tp=4 (gloo, separate processes) give tp=1's greedy output."""
 
 from __future__ import annotations
 

@@ -131,8 +131,8 @@ class RedisServer:
 def reference_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """The target model's own greedy tokens, in this process (no speculation): what
     every greedy request must produce whatever happens to the serving processes."""
+    from outrider.core.sampling import SamplingParams
     from outrider.engine.runner import ModelRunner, RunnerConfig
-    from outrider.engine.sampling import SamplingParams
     from outrider.engine.spec_decode import SpeculativeDecoder
 
     decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(str(model_dir))))

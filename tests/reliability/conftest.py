@@ -1,4 +1,4 @@
-"""Fixtures of the reliability suite (issue 11): checkpoints with a long context, so a
+"""Fixtures of the reliability suite: checkpoints with a long context, so a
 request outlives a worker restart."""
 
 from __future__ import annotations

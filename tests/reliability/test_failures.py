@@ -1,4 +1,4 @@
-"""DESIGN §6 failures, injected into live processes on loopback (issue 11):
+"""docs/DESIGN.md §6 failures, injected into live processes on loopback:
 
 - a draft replica SIGKILLed mid-generation: its sequences go on with γ = 0, and the
   same requests speculate again once a draft is restarted on the same port;
@@ -23,8 +23,7 @@ import pytest
 import redis
 
 from outrider.client import Client
-from outrider.engine.distributed import free_port
-from outrider.launch import outrider_process, process_group
+from outrider.launch import free_port, outrider_process, process_group
 from tests.processes import two_targets_behind_a_router
 from tests.reliability._support import (
     RedisServer,

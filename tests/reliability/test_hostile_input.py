@@ -1,4 +1,4 @@
-"""Hostile input (issue 11, DESIGN §6 "bad input never crashes a process"): property
+"""Hostile input (docs/DESIGN.md §6 "bad input never crashes a process"): property
 tests of the router's gRPC and HTTP APIs against one live router + target + draft,
 about 2,100 cases in all, while a greedy stream runs beside them and must produce
 exactly its expected tokens; then clients that stop reading mid-stream.
@@ -29,8 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from outrider.client import Client
-from outrider.engine.distributed import free_port
-from outrider.launch import process_group
+from outrider.launch import free_port, process_group
 from outrider.v1 import generate_pb2 as gp
 from outrider.v1 import generate_pb2_grpc
 from tests.reliability._support import Workers, record, reference_greedy, wait_until
@@ -383,7 +382,8 @@ def test_grpc_hostile_bytes(live, expected_background):
 KNOWN_KEYS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream",
               "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty",
               "logit_bias", "user", "top_k", "ignore_eos", "stop_token_ids", "speculation",
-              "gamma", "tag", "request_id", "echo", "logprobs", "best_of", "suffix"}
+              "gamma", "tag", "request_id", "echo", "logprobs", "best_of", "suffix",
+              "min_p", "repetition_penalty", "min_tokens"}
 
 
 @st.composite
@@ -462,10 +462,17 @@ HTTP_BAD = st.one_of(
     st.tuples(st.just("speculation"), st.text(max_size=10).filter(
         lambda x: x not in ("auto", "off", "fixed"))),
     st.tuples(st.just("gamma"), st.integers(MAX_GAMMA + 1, 2**32 - 1)),
-    st.tuples(st.just("logprobs"), st.integers(1, 5)),
-    st.tuples(st.just("presence_penalty"), st.floats(0.01, 2)),
-    st.tuples(st.just("logit_bias"), st.dictionaries(st.text(max_size=4), st.floats(1, 5),
-                                                     min_size=1, max_size=2)),
+    st.tuples(st.just("logprobs"), st.integers(21, 2**40) | st.integers(-2**40, -1)),
+    st.tuples(st.just("presence_penalty"), st.floats(2.001, 1e300) | st.floats(-1e300, -2.001)),
+    st.tuples(st.just("frequency_penalty"), st.floats(2.001, 1e300) | st.floats(-1e300, -2.001)),
+    st.tuples(st.just("repetition_penalty"), st.floats(-1e300, 0.0)),
+    st.tuples(st.just("min_p"), st.floats(1.001, 1e300) | st.floats(-1e300, -1e-9)),
+    st.tuples(st.just("logit_bias"),  # keys that are not token ids, or biases past ±100
+              st.dictionaries(st.text(max_size=4).filter(lambda k: not (k.isascii()
+                                                                         and k.isdigit())),
+                              st.floats(1, 5), min_size=1, max_size=2)
+              | st.dictionaries(st.sampled_from(["1", "7"]), st.floats(100.001, 1e300),
+                                min_size=1, max_size=1)),
     st.tuples(st.just("best_of"), st.integers(2, 5)),
     st.tuples(st.just("tag"), st.text(min_size=65, max_size=80)),
     st.tuples(st.just("request_id"), st.text(min_size=129, max_size=140)),

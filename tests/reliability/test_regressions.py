@@ -1,4 +1,4 @@
-"""Regression tests for bugs the reliability work found (issue 11) and that were fixed
+"""Regression tests for bugs the reliability work found and that were fixed
 while it went on (docs/RELIABILITY.md, "Findings"). Each failed on the code before its
 fix; the docstring says what was wrong. Findings 9 and 10 were open (strict expected
 failures) until the router got journal claims with leases and a running-request limit.
@@ -21,8 +21,7 @@ import requests
 from outrider.router.state import MemoryStore
 
 from outrider.client import Client, ConflictError
-from outrider.engine.distributed import free_port
-from outrider.launch import process_group
+from outrider.launch import free_port, process_group
 from outrider.v1 import generate_pb2 as gp
 from outrider.v1 import generate_pb2_grpc
 from outrider.v1 import state_pb2 as st

@@ -1,4 +1,4 @@
-"""Security checks (issue 11, DESIGN §6 "internal services are not open to the world"):
+"""Security checks (docs/DESIGN.md §6 "internal services are not open to the world"):
 
 - every method of the target and draft services refuses a caller without the cluster
   token (or with a wrong one) with UNAUTHENTICATED; health stays open for probes;
@@ -29,9 +29,8 @@ import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from outrider.client import AuthenticationError, Client, InvalidRequestError
-from outrider.engine.distributed import free_port
 from outrider.grpc_server import TOKEN_METADATA_KEY
-from outrider.launch import LISTENING, stop_process
+from outrider.launch import LISTENING, free_port, stop_process
 from outrider.v1 import worker_pb2
 
 API_KEY = "or-reliability-secret-key-7f3a9c"

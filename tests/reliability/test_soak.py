@@ -1,4 +1,4 @@
-"""Load and soak (issue 11): many concurrent streams through router + target + draft for
+"""Load and soak: many concurrent streams through router + target + draft for
 a bounded time, then the processes must hold nothing and must not have grown.
 
     OUTRIDER_SOAK_S=45 OUTRIDER_SOAK_STREAMS=32 .venv/bin/python -m pytest -s \
@@ -26,9 +26,8 @@ import pytest
 import requests
 
 from outrider.client import Client, InvalidRequestError
-from outrider.engine.distributed import free_port
 from outrider.engine.tokenizer import Tokenizer
-from outrider.launch import process_group
+from outrider.launch import free_port, process_group
 from tests.reliability._support import RedisServer, Workers, record, reference_greedy, rss_kb
 
 pytestmark = pytest.mark.slow

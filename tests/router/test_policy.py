@@ -1,4 +1,4 @@
-"""The γ policy (DESIGN §4), on its own: no torch, no processes."""
+"""The γ policy (docs/DESIGN.md §4), on its own: no torch, no processes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import itertools
 import random
 
 import pytest
-from outrider.router.policy import (
+
+from outrider.core.policy import (
     Acceptance,
     CostModel,
     GammaPolicy,
@@ -121,7 +122,7 @@ def test_config_is_validated():
 
 
 def test_online_cost_follows_the_replicas_own_steps():
-    from outrider.router.policy import OnlineCost
+    from outrider.core.policy import OnlineCost
 
     online = OnlineCost(CHEAP_DRAFT, weight=0.2)
     for step in range(60):  # the forward is 6 ms + 0.2 ms per token here, whatever start-up said

@@ -1,4 +1,4 @@
-"""Must show 5: a client that knows nothing of Outrider but the router's address builds
+"""A client that knows nothing of Outrider but the router's address builds
 its messages from server reflection and streams a generation. Only the fixture that
 starts the servers uses the project; `reflection_stream` uses grpc and protobuf alone."""
 

@@ -1,4 +1,4 @@
-"""DESIGN §6: a target replica killed mid-stream; the router resumes the request on the
+"""docs/DESIGN.md §6: a target replica killed mid-stream; the router resumes the request on the
 other replica from prompt + committed tokens, and the client's stream goes on with
 nothing lost or repeated."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from outrider.client import Client
+from outrider.core.sampling import SamplingParams
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.engine.sampling import SamplingParams
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.launch import process_group
 from tests.processes import two_targets_behind_a_router

@@ -1,5 +1,4 @@
-"""Router + target + draft processes on loopback, two routers sharing one real Redis
-(issue 5, must show 2, 3 and 4)."""
+"""Router + target + draft processes on loopback, two routers sharing one real Redis."""
 
 from __future__ import annotations
 
@@ -24,9 +23,9 @@ from outrider.client import (
     RateLimitError,
     build_request,
 )
+from outrider.core.sampling import SamplingParams
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.engine.sampling import SamplingParams
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.launch import process_group
 from outrider.v1 import generate_pb2 as gp

@@ -20,8 +20,7 @@ from outrider.client import (
     Retry,
     UnavailableError,
 )
-from outrider.engine.distributed import free_port
-from outrider.launch import outrider_process, process_group
+from outrider.launch import free_port, outrider_process, process_group
 from outrider.v1 import generate_pb2 as gp
 from outrider.v1 import generate_pb2_grpc
 

@@ -122,7 +122,7 @@ def test_api_keys_are_records_under_their_hash(store):
 
 
 def test_an_unreachable_redis_is_reported_as_such():
-    from outrider.engine.distributed import free_port
+    from outrider.launch import free_port
 
     dead = RedisStore(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2)
     with pytest.raises(StoreUnavailable):

@@ -12,8 +12,7 @@ import grpc
 import pytest
 
 from outrider.client import Client, Tls, UnavailableError
-from outrider.engine.distributed import free_port
-from outrider.launch import outrider_process
+from outrider.launch import free_port, outrider_process
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from outrider import paths
 from outrider.client import Client, InvalidRequestError
-from outrider.engine.distributed import free_port
+from outrider.launch import free_port
 from outrider.local_system import LocalSystemConfig, local_system
 
 pytestmark = pytest.mark.slow

@@ -7,15 +7,15 @@ import grpc
 import pytest
 import torch
 
+from outrider.core.sampling import SamplingParams, sampling_to_proto
 from outrider.engine.drafter import Drafter, DraftItem
 from outrider.engine.rejection import dense_draft_probs
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.engine.sampling import SamplingParams
 from outrider.grpc_server import token_metadata
 from outrider.launch import outrider_process
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from outrider.wire import Q_FORMAT_CODES, decode_q, sampling_to_proto
+from outrider.wire import Q_FORMAT_CODES, decode_q
 
 TOKEN = "s3cret-test-token"
 CONTEXT = [5, 17, 33, 2, 41, 99, 150, 7]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from outrider.target_worker.scheduler import Scheduler, SchedulerConfig
 
+from outrider.core.sampling import SamplingParams
 from outrider.engine.block_manager import BlockManager
-from outrider.engine.sampling import SamplingParams
 from outrider.engine.spec_decode import Sequence
 
 

@@ -1,4 +1,4 @@
-"""Target + draft replicas as separate processes on loopback (issue 4, must show 1, 2, 4, 5)."""
+"""Target + draft replicas as separate processes on loopback."""
 
 from __future__ import annotations
 
@@ -10,15 +10,14 @@ import grpc
 import pytest
 import torch
 
+from outrider.core.sampling import SamplingParams, sampling_to_proto
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.engine.sampling import SamplingParams
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.grpc_server import token_metadata
 from outrider.launch import outrider_process
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from outrider.wire import sampling_to_proto
 from tests.checkpoints import VOCAB
 
 TOKEN = "cluster-token-for-tests"
@@ -176,7 +175,7 @@ def test_wrong_token_and_bad_request(cluster):
 def test_draft_killed_and_restarted_mid_generation(tmp_path, tokenizer_dir):
     """γ = 0 while the draft is gone, MISS and a full resend after it returns: the
     output does not change and speculation resumes in the same sequence."""
-    from outrider.engine.distributed import free_port
+    from outrider.launch import free_port
     from tests.checkpoints import perturbed_copy, save_random_checkpoint
 
     # a long context, so the sequence is still running when the draft is back
@@ -218,7 +217,7 @@ def test_draft_killed_and_restarted_mid_generation(tmp_path, tokenizer_dir):
 def test_dense_q_over_torch_distributed(llama_dir, draft_dir):
     """Full-vocabulary sampling with the co-located draft's q sent as fp32 over a gloo
     pair channel: the same tokens as the single-process loop."""
-    from outrider.engine.distributed import free_port
+    from outrider.launch import free_port
 
     dist_address = f"127.0.0.1:{free_port()}"
     reqs = [request_for(20 + i, p, gamma=4, max_tokens=24, sampled=False)

@@ -1,4 +1,4 @@
-"""The γ policy (DESIGN §4): how many tokens to speculate, per request and per round.
+"""The γ policy (docs/DESIGN.md §4): how many tokens to speculate, per request and per round.
 
 Pure Python, no torch: the router uses it to admit and route, and the target's scheduler
 calls the same code every round. It maximises the expected goodput of the whole batch —
@@ -21,6 +21,8 @@ from enum import Enum
 import numpy as np
 
 MAX_GAMMA = 16  # the most draft tokens a request may ask for per round
+# requests a router queues on one replica; the replica keeps a handler thread for each
+MAX_QUEUED_PER_REPLICA = 256
 
 
 class SpecMode(Enum):

@@ -1,0 +1,192 @@
+"""What outrider.bench.serving and outrider.bench.hf_peer share: the workloads and their
+prompts, requests through the router's public API, the deployment they measure and the
+record of the machine they ran on."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from outrider import paths
+from outrider.engine.tokenizer import Tokenizer
+from outrider.v1 import generate_pb2 as gp
+
+TOKEN = "bench-token"  # cluster token of a deployment the harness starts itself
+WORKLOADS = ("code", "text")
+# the settings of outrider.bench.acceptance (not imported here: it pulls in torch, and
+# `outrider bench --help` should not wait for torch)
+SETTINGS = {"greedy": dict(temperature=0.0),
+            "t0.7-p0.95": dict(temperature=0.7, top_p=0.95)}
+
+
+# -- what to run ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Mode:
+    """A speculation setting of the public API: OFF, FIXED with γ, or AUTO (γ_max 0 =
+    the replica's default)."""
+
+    name: str
+    kind: int    # gp.SPECULATION_MODE_*
+    gamma: int   # FIXED: γ; AUTO: γ_max; OFF: 0
+
+    @classmethod
+    def parse(cls, text: str) -> Mode:
+        """'off', 'auto', 'auto8' (γ_max 8) or 'fixedN'."""
+        if text == "off":
+            return cls(text, gp.SPECULATION_MODE_OFF, 0)
+        for prefix, kind in (("fixed", gp.SPECULATION_MODE_FIXED),
+                             ("auto", gp.SPECULATION_MODE_AUTO)):
+            rest = text.removeprefix(prefix)
+            if text.startswith(prefix) and (rest.isdigit() or (rest == "" and prefix == "auto")):
+                return cls(text, kind, int(rest or 0))
+        raise ValueError(f"unknown mode {text!r}: use off, fixedN or auto[N]")
+
+
+def parse_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def text_prompts(tokenizer: Tokenizer, num_prompts: int) -> list[list[int]]:
+    """Prose prompts from outrider/bench/data/bench_text_prompts.txt (paragraphs; '#'
+    lines are comments)."""
+    lines = [line for line in text_prompts_file().read_text().splitlines()
+             if not line.startswith("#")]
+    paragraphs = [" ".join(p.split()) for p in "\n".join(lines).split("\n\n") if p.strip()]
+    return [tokenizer.encode(p) for p in paragraphs[:num_prompts]]
+
+
+def text_prompts_file() -> Path:
+    return paths.BENCH_DATA / "bench_text_prompts.txt"
+
+
+def workload_prompts(tokenizer: Tokenizer, workload: str, num_prompts: int,
+                     prompt_tokens: int) -> list[list[int]]:
+    if workload == "code":
+        from outrider.bench.acceptance import heldout_prompts
+
+        return heldout_prompts(tokenizer, num_prompts, prompt_tokens)
+    if workload == "text":
+        return text_prompts(tokenizer, num_prompts)
+    raise ValueError(f"unknown workload {workload!r}: use {', '.join(WORKLOADS)}")
+
+
+def build_request(prompt: list[int], sampling: str, mode: Mode, max_tokens: int, seed: int,
+                  tag: str) -> gp.GenerateRequest:
+    options = SETTINGS[sampling]
+    sampling_pb = gp.SamplingOptions(temperature=options["temperature"],
+                                     max_tokens=max_tokens, ignore_eos=True, seed=seed)
+    if "top_p" in options:
+        sampling_pb.top_p = options["top_p"]
+    return gp.GenerateRequest(token_ids=gp.TokenIds(ids=prompt), sampling=sampling_pb,
+                              speculation=gp.SpeculationOptions(mode=mode.kind,
+                                                                gamma_max=mode.gamma),
+                              tag=tag, include_rounds=True)
+
+
+def tag_for(workload: str, sampling: str) -> str:
+    """Acceptance statistics (AUTO's prior) are kept per tag: one per workload and
+    sampling, so greedy code does not inherit sampled prose's acceptance."""
+    return f"bench-{workload}-{sampling}"
+
+
+# -- one request ---------------------------------------------------------------------------
+@dataclass
+class RequestRecord:
+    """What the client saw of one streamed request."""
+
+    start: float
+    end: float = 0.0
+    deltas: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens)
+    rounds: list[tuple[int, int]] = field(default_factory=list)    # (γ, accepted)
+    token_ids: list[int] = field(default_factory=list)
+    completion_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    num_rounds: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.deltas)
+
+    @property
+    def ttft(self) -> float:
+        return self.deltas[0][0] - self.start
+
+
+def stream_request(stub, request: gp.GenerateRequest, metadata=(),
+                   timeout_s: float = 600) -> RequestRecord:
+    record = RequestRecord(start=time.perf_counter())
+    for msg in stub.GenerateStream(request, metadata=metadata, timeout=timeout_s):
+        now = time.perf_counter()
+        if msg.token_ids:
+            record.deltas.append((now, len(msg.token_ids)))
+            record.token_ids += msg.token_ids
+        record.rounds += [(r.gamma, r.num_accepted) for r in msg.rounds]
+        if msg.finish_reason:
+            spec = msg.speculation
+            record.completion_tokens = msg.usage.completion_tokens
+            record.draft_tokens, record.accepted_tokens = spec.draft_tokens, spec.accepted_tokens
+            record.num_rounds = spec.rounds
+    record.end = time.perf_counter()
+    return record
+
+
+# -- the deployment, the machine -----------------------------------------------------------
+@dataclass(frozen=True)
+class Deployment:
+    router: str
+    target: str | None = None   # known only when the harness started the replica
+    token: str | None = None
+
+
+@contextmanager
+def deployment(args) -> Iterator[Deployment]:
+    """The router at --address, or a local one (router + target + draft processes on
+    --target/--draft) started here and stopped on exit."""
+    if args.address:
+        yield Deployment(args.address)
+        return
+    from outrider.local_system import LocalSystemConfig, local_system
+
+    cfg = LocalSystemConfig(args.target, args.draft, gamma=args.replica_gamma, grpc_port=0,
+                            max_batch_tokens=args.max_batch_tokens)
+    with local_system(cfg, TOKEN) as system:
+        yield Deployment(system.router, system.target, TOKEN)
+
+
+def call_metadata(api_key: str | None) -> tuple:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+def machine() -> dict:
+    import torch
+
+    return {"platform": platform.platform(), "processor": platform.processor() or
+            platform.machine(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "load_average_at_start": os.getloadavg(), "cpu_pressure_at_start": cpu_pressure()}
+
+
+def cpu_pressure() -> str | None:
+    """Linux PSI: the share of time some task waited for a CPU (10 s / 60 s / 300 s
+    averages): how busy the machine was with other work."""
+    try:
+        return Path("/proc/pressure/cpu").read_text().splitlines()[0]
+    except OSError:
+        return None
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command as typed: `python -m outrider.bench.<module> ...` or `outrider ...`."""
+    argv = sys.argv if argv is None else argv
+    program = Path(argv[0]).name
+    if program.endswith(".py") and program != "cli.py":
+        return f"python -m outrider.bench.{program[:-3]} {shlex.join(argv[1:])}".strip()
+    return f"outrider {shlex.join(argv[1:])}".strip()

@@ -1,0 +1,31 @@
+"""A Hugging Face checkpoint's config.json, read without torch: what the router needs of
+the model (its context) and what the engine's ModelConfig is parsed from."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DEFAULT_CONTEXT = 2048  # a config.json without max_position_embeddings
+
+
+class ModelConfigError(ValueError):
+    """A checkpoint directory or its config.json cannot be used."""
+
+
+def read_config(model_dir: str | Path, name: str = "config.json",
+                required: bool = True) -> dict | None:
+    """The JSON file `name` of a checkpoint dir (None when optional and absent)."""
+    path = Path(model_dir) / name
+    if not path.is_file():
+        if not required:
+            return None
+        raise ModelConfigError(f"{model_dir}: no {name} (not a Hugging Face checkpoint dir)")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelConfigError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def context_length(raw: dict) -> int:
+    return int(raw.get("max_position_embeddings", DEFAULT_CONTEXT))

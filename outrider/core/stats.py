@@ -1,0 +1,99 @@
+"""Acceptance statistics, one type from a single round to a whole fleet.
+
+`AcceptanceCounts` are the per-position counts routers share (per model pair and
+workload tag) and the γ policy learns from: for each draft position j, how often a draft
+token there was *tested* (every earlier one of its round accepted) and how often it was
+accepted. `SpecStats` is a request's or a replica's speculation: those counts, how many
+tokens were drafted at each position, and the totals; it records rounds, merges, and
+becomes the public `SpeculationStats` message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from outrider.v1 import generate_pb2 as gp
+
+
+def _add(total: list[int], values: list[int]) -> None:
+    total += [0] * (len(values) - len(total))
+    for j, v in enumerate(values):
+        total[j] += v
+
+
+@dataclass
+class AcceptanceCounts:
+    tested: list[int]
+    accepted: list[int]
+
+    def add_round(self, gamma: int, num_accepted: int) -> None:
+        reached = min(gamma, num_accepted + 1)  # positions tested: up to the first rejection
+        self.merge(AcceptanceCounts([1] * reached, [int(j < num_accepted) for j in range(reached)]))
+
+    def merge(self, other: AcceptanceCounts) -> None:
+        _add(self.tested, other.tested)
+        _add(self.accepted, other.accepted)
+
+    def alphas(self, prior: float = 0.7, prior_weight: float = 4.0) -> list[float]:
+        """P(position j accepted | positions < j accepted), shrunk towards `prior` where
+        data is thin."""
+        return [(a + prior * prior_weight) / (t + prior_weight)
+                for t, a in zip(self.tested, self.accepted)]
+
+    def copy(self) -> AcceptanceCounts:
+        return AcceptanceCounts(list(self.tested), list(self.accepted))
+
+
+@dataclass
+class SpecStats:
+    num_rounds: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    counts: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts([], []))
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        """One round: `num_draft` tokens drafted (γ), the first `num_accepted` accepted."""
+        self.num_rounds += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        _add(self.drafted_per_position, [1] * num_draft)
+        _add(self.accepted_per_position, [int(j < num_accepted) for j in range(num_draft)])
+        self.counts.add_round(num_draft, num_accepted)
+
+    def merge(self, other: SpecStats) -> None:
+        self.num_rounds += other.num_rounds
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        _add(self.drafted_per_position, other.drafted_per_position)
+        _add(self.accepted_per_position, other.accepted_per_position)
+        self.counts.merge(other.counts)
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / d if d else 0.0
+                for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Tokens emitted per round: accepted draft tokens + the recovered/bonus token."""
+        if not self.num_rounds:
+            return 0.0
+        return (self.num_accepted_tokens + self.num_rounds) / self.num_rounds
+
+    def to_proto(self) -> gp.SpeculationStats:
+        return gp.SpeculationStats(
+            draft_tokens=self.num_draft_tokens, accepted_tokens=self.num_accepted_tokens,
+            acceptance_rate=self.acceptance_rate, mean_accepted_len=self.mean_accepted_len,
+            rounds=self.num_rounds, drafted_per_position=self.drafted_per_position,
+            accepted_per_position=self.accepted_per_position)
+
+    @classmethod
+    def from_proto(cls, msg: gp.SpeculationStats) -> SpecStats:
+        """The totals and per-position figures of a message (it carries no tested counts)."""
+        return cls(msg.rounds, msg.draft_tokens, msg.accepted_tokens,
+                   list(msg.drafted_per_position), list(msg.accepted_per_position))

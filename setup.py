@@ -1,0 +1,41 @@
+"""The package list, computed, so that no package can be left out of the wheel.
+
+pyproject.toml holds the metadata, the layout ([tool.setuptools] package-dir: outrider/ and
+the top-level router/, target_worker/, draft_worker/ and cluster/, installed as
+outrider.router etc.) and the package data. This file only lists the packages: every folder
+under a package-dir root that holds Python files (an __init__.py, or modules of a namespace
+package), by its installed name. tests/test_packaging.py checks the result.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def package_dir(root: Path = HERE) -> dict[str, str]:
+    """Installed package name -> source folder (relative to root), from pyproject.toml."""
+    with open(root / "pyproject.toml", "rb") as f:
+        return dict(tomllib.load(f)["tool"]["setuptools"]["package-dir"])
+
+
+def find_packages(root: Path = HERE) -> list[str]:
+    """Every folder holding Python files under each package-dir root, by installed name."""
+    found: set[str] = set()
+    for name, folder in package_dir(root).items():
+        base = root / folder
+        for directory in [base, *sorted(p for p in base.rglob("*") if p.is_dir())]:
+            parts = directory.relative_to(base).parts
+            if any(part == "__pycache__" or not part.isidentifier() for part in parts):
+                continue
+            if next(directory.glob("*.py"), None) is not None:
+                found.add(".".join((name, *parts)))
+    return sorted(found)
+
+
+if __name__ == "__main__":
+    from setuptools import setup
+
+    setup(packages=find_packages())
