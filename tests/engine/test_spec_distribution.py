@@ -1,33 +1,81 @@
 """Must show 5: with a real draft and target, sampling with speculation gives the
-target-only distribution of the generated tokens (two-sample tests). The 1st token comes
-from the prefill step, which never speculates; the 2nd and 3rd from the first
-speculative round (a verified draft token and the bonus, or a recovered token)."""
+target-only distribution of the generated tokens (two-sample tests), with the request's
+logits processors (repetition, frequency and presence penalties, logit_bias, min_p,
+top-k, top-p) applied to p and q over the same history, drafts included.
+
+Every request generates MAX_TOKENS tokens. The 1st comes from the prefill step, which never
+speculates; rounds speculate from the 2nd on. MAX_TOKENS = 10 lets a γ = 8 round run whole
+(clip_gamma keeps γ < the tokens still to come): token 1 from the prefill, tokens 2-9 the
+round's drafts (accepted or recovered), token 10 its bonus. With overlap the draft drafts
+round r+1 during round r and the bonus position verifies a drafted candidate.
+
+γ = 2 drafts with the session's draft, which the target mostly rejects (the recovered
+token, from the residual, carries the most mass); γ = 4 and 8 with a closer draft, whose
+rounds often accept deep, so that rows late in a round, with several drafts in their
+history, emit tokens (with the far draft 1-2% of rounds accept a 4th draft token and
+none a 6th; with the close one 7-21% of γ = 8 rounds accept all 8).
+
+For each sampling config × γ ∈ {2, 4, 8} × overlap off/on, the speculative samples are
+compared with target-only samples (γ = 0, drawn once per config and shared) by
+  - a chi-square test of the token at each of the 10 positions,
+  - a chi-square test of each adjacent pair of positions (the joint distribution),
+  - a chi-square test of the repeat profile: how many tokens repeat a prompt token and
+    how many repeat an earlier output token (what the penalties act on).
+The other tests show that these tests have power: the penalties change the target-only
+distribution (else the penalty configs would test nothing), and a wrong temperature, a
+wrong repetition penalty, or a target that leaves the round's drafts out of a row's
+history are all detected at the same threshold.
+"""
 
 from __future__ import annotations
 
+import zlib
 from collections import Counter
 
 import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
 
+import outrider.engine.spec_decode as spec_decode_module
+from outrider.core.sampling import History, SamplingParams
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.engine.sampling import SamplingParams
-from outrider.engine.spec_decode import SpeculativeDecoder
+from outrider.engine.spec_decode import SpecStats, SpeculativeDecoder
+from tests.checkpoints import perturbed_copy
 
-NUM_SAMPLES = 6000
-PROMPT = [7, 41, 99, 12, 250, 3]
+NUM_SAMPLES = 2000  # per run; all of a run's requests are one generate() batch
+MAX_TOKENS = 10
+# repeated tokens, so that the repetition penalty acts from the first output token
+PROMPT = [7, 41, 99, 7, 41, 12, 250, 3, 99, 7]
+GAMMAS = (2, 4, 8)
+DRAFT_OF_GAMMA = {2: "far", 4: "close", 8: "close"}  # see the module's docstring
+CONFIGS = {
+    "full-vocab-penalties": dict(temperature=1.0, repetition_penalty=1.3,
+                                 frequency_penalty=0.5, presence_penalty=0.3),
+    # 68 pushed up so that outputs repeat it unless the penalties hold it back, a prompt
+    # token up, the model's favourite first token down; with these top_k, top_p and
+    # min_p each cut the vocabulary in most rows
+    "truncated-penalties-bias": dict(temperature=0.8, top_k=12, top_p=0.9, min_p=0.05,
+                                     repetition_penalty=1.3, frequency_penalty=0.5,
+                                     presence_penalty=0.3,
+                                     logit_bias=((68, 5.0), (99, 2.0), (95, -3.0))),
+}
+
+# Multiple comparisons (Bonferroni): a grid test makes NUM_COMPARISONS chi-square tests
+# (10 positions, 9 adjacent pairs, the repeat profile) and fails if any p-value is below
+# THRESHOLD, so a correct engine fails one with probability <= FAMILY_ALPHA (as far as
+# the chi-square approximation holds) over a draw of the seeds. The seeds are fixed, so
+# a run is deterministic: this is the chance that the seeds chosen here would have been
+# unlucky. The power tests must reach the same THRESHOLD: what they detect, the grid
+# would detect.
+FAMILY_ALPHA = 1e-3
+NUM_COMPARISONS = MAX_TOKENS + (MAX_TOKENS - 1) + 1
+THRESHOLD = FAMILY_ALPHA / NUM_COMPARISONS  # 5e-5
 
 ALL = 1 << 30  # draft ahead however big the batch
+PAIR_CLASSES = 16  # the pair tests tell apart each position's 16 likeliest tokens
 
-
-def sample_tokens(decoder: SpeculativeDecoder, gamma: int, seed_base: int,
-                  **sampling) -> list[tuple[int, int]]:
-    params = [SamplingParams(max_tokens=3, seed=seed_base + i, ignore_eos=True, **sampling)
-              for i in range(NUM_SAMPLES)]
-    seqs = decoder.generate([PROMPT] * NUM_SAMPLES, params, gamma=gamma)
-    return [tuple(s.output_ids) for s in seqs]
+Sample = list[tuple[int, ...]]  # one tuple of MAX_TOKENS output ids per request
 
 
 def two_sample_pvalue(a: list, b: list, min_count: int = 10) -> float:
@@ -38,38 +86,198 @@ def two_sample_pvalue(a: list, b: list, min_count: int = 10) -> float:
     table = np.array([[ca[k] for k in keys] + [sum(ca[k] for k in rare)],
                       [cb[k] for k in keys] + [sum(cb[k] for k in rare)]])
     table = table[:, table.sum(0) > 0]
+    if table.shape[1] < 2:
+        return 1.0
     return chi2_contingency(table).pvalue
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
-def decoder(request, llama_dir, draft_dir):
-    """overlap: the 3rd token comes from verifying a bonus-position candidate whenever
-    the round's draft token is accepted."""
-    big = RunnerConfig(str(llama_dir), kv_cache_mb=64)
-    return SpeculativeDecoder(ModelRunner(big),
+def pair_classes(a: Sample, b: Sample, k: int) -> tuple[list, list]:
+    """The tokens at positions k and k+1 of each request, where a token outside its
+    position's PAIR_CLASSES most common (in a and b together) becomes -1: over a full
+    vocabulary nearly every exact pair is rarer than `min_count`, and pooling them all
+    would leave nothing to compare."""
+    kept = [{t for t, _ in Counter(s[j] for s in a + b).most_common(PAIR_CLASSES)}
+            for j in (k, k + 1)]
+
+    def classes(s: tuple[int, ...]) -> tuple[int, int]:
+        return (s[k] if s[k] in kept[0] else -1, s[k + 1] if s[k + 1] in kept[1] else -1)
+
+    return [classes(s) for s in a], [classes(s) for s in b]
+
+
+def repeat_profile(tokens: tuple[int, ...]) -> tuple[int, int]:
+    """(tokens that are in the prompt, tokens that repeat an earlier output token)."""
+    return (sum(t in PROMPT for t in tokens),
+            sum(t in tokens[:k] for k, t in enumerate(tokens)))
+
+
+def comparisons(a: Sample, b: Sample) -> dict[str, float]:
+    """The NUM_COMPARISONS p-values, by name (positions count from 1)."""
+    pvalues = {f"position {k + 1}": two_sample_pvalue([t[k] for t in a], [t[k] for t in b])
+               for k in range(MAX_TOKENS)}
+    for k in range(MAX_TOKENS - 1):
+        pvalues[f"positions {k + 1}-{k + 2}"] = two_sample_pvalue(*pair_classes(a, b, k))
+    pvalues["repeat profile"] = two_sample_pvalue([repeat_profile(t) for t in a],
+                                                  [repeat_profile(t) for t in b])
+    assert len(pvalues) == NUM_COMPARISONS
+    return pvalues
+
+
+# -- samples --------------------------------------------------------------------------------
+
+def make_decoder(target: ModelRunner, draft_dir, overlap: bool) -> SpeculativeDecoder:
+    """overlap: every sampled sequence drafts the next round during this one."""
+    return SpeculativeDecoder(target,
                               Drafter(ModelRunner(RunnerConfig(str(draft_dir), kv_cache_mb=64))),
-                              overlap_max_seqs=ALL if request.param else 0,
-                              overlap_sampled=request.param)
+                              overlap_max_seqs=ALL if overlap else 0, overlap_sampled=overlap)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0),
-                                      dict(temperature=0.8, top_k=12, top_p=0.9)],
-                         ids=["full-vocab", "top-k-top-p"])
-def test_speculative_sampling_matches_target_distribution(decoder, sampling):
-    spec = sample_tokens(decoder, gamma=3, seed_base=0, **sampling)
-    plain = sample_tokens(decoder, gamma=0, seed_base=10**6, **sampling)
-    for position in range(3):
-        assert two_sample_pvalue([t[position] for t in spec],
-                                 [t[position] for t in plain]) > 0.001
-    assert two_sample_pvalue([t[1:] for t in spec], [t[1:] for t in plain]) > 0.001  # joint
+def seed_base(*run) -> int:
+    """Each run its own block of 2^20 (> NUM_SAMPLES) seeds, fixed by what the run is, so
+    a run draws the same seeds whichever tests run and in which order."""
+    return zlib.crc32(repr(run).encode()) << 20
+
+
+def generate(decoder: SpeculativeDecoder, gamma: int, first_seed: int, **sampling) -> Sample:
+    params = [SamplingParams(max_tokens=MAX_TOKENS, seed=first_seed + i, ignore_eos=True,
+                             **sampling) for i in range(NUM_SAMPLES)]
+    seqs = decoder.generate([PROMPT] * NUM_SAMPLES, params, gamma=gamma)
+    assert all(len(s.output_ids) == MAX_TOKENS for s in seqs)
+    # every finished sequence gave its KV blocks back, on the target and on the draft
     assert decoder.target.blocks.num_used_blocks == 0
-    assert (decoder.num_candidates > NUM_SAMPLES // 10) == bool(decoder.overlap_max_seqs)
+    assert decoder.drafter.runner.blocks.num_used_blocks == 0
+    if gamma:  # the first speculative round of every request drafted γ tokens, and rounds
+        # accepted drafts at every depth (the rows deep in a round emitted tokens) and
+        # rejected some (the recovered tokens)
+        stats = SpecStats()
+        for s in seqs:
+            stats.merge(s.stats)
+        assert stats.drafted_per_position[gamma - 1] >= NUM_SAMPLES
+        assert min(stats.accepted_per_position[:gamma]) >= NUM_SAMPLES // 100, stats
+        assert stats.num_accepted_tokens < stats.num_draft_tokens
+    return [tuple(s.output_ids) for s in seqs]
+
+
+class Samples:
+    """Runs, cached for the module: the target-only reference of a config is drawn once
+    and shared by every γ and overlap; a speculative run is drawn once and shared by the
+    grid and the power tests."""
+
+    def __init__(self, llama_dir, draft_dirs: dict) -> None:
+        # one target, its KV cache empty between runs, under every decoder
+        target = ModelRunner(RunnerConfig(str(llama_dir), kv_cache_mb=64))
+        self.decoders = {(draft, overlap): make_decoder(target, draft_dir, overlap)
+                         for draft, draft_dir in draft_dirs.items() for overlap in (False, True)}
+        self._runs: dict[tuple, Sample] = {}
+
+    def decoder(self, gamma: int, overlap: bool) -> SpeculativeDecoder:
+        return self.decoders[DRAFT_OF_GAMMA[gamma], overlap]
+
+    def target_only(self, config: str, **changes) -> Sample:
+        key = ("target-only", config, tuple(sorted(changes.items())))
+        if key not in self._runs:
+            self._runs[key] = generate(self.decoders["far", False], 0, seed_base(*key),
+                                       **{**CONFIGS[config], **changes})
+        return self._runs[key]
+
+    def speculative(self, config: str, gamma: int, overlap: bool) -> Sample:
+        key = ("speculative", config, gamma, overlap)
+        if key not in self._runs:
+            decoder = self.decoder(gamma, overlap)
+            candidates, ahead = decoder.num_candidates, decoder.num_ahead_rounds
+            self._runs[key] = generate(decoder, gamma, seed_base(*key), **CONFIGS[config])
+            # with overlap the bonus positions verified drafted candidates and, where
+            # accepting one left tokens to generate, the next round used the drafts made
+            # during this one (a γ = 8 round that accepts all ends its request); without
+            # overlap, neither happened
+            new_candidates = decoder.num_candidates - candidates
+            assert (new_candidates > NUM_SAMPLES) == overlap, new_candidates
+            assert (decoder.num_ahead_rounds > ahead) == (overlap and gamma < 8)
+        return self._runs[key]
+
+
+@pytest.fixture(scope="module")
+def close_draft_dir(tmp_path_factory, llama_dir):
+    """A draft nearer the target than the session's: rounds often accept 4-8 drafts."""
+    return perturbed_copy(llama_dir, tmp_path_factory.mktemp("close_draft"), noise=0.03)
+
+
+@pytest.fixture(scope="module")
+def samples(llama_dir, draft_dir, close_draft_dir) -> Samples:
+    return Samples(llama_dir, {"far": draft_dir, "close": close_draft_dir})
+
+
+def failures(pvalues: dict[str, float]) -> dict[str, float]:
+    return {name: p for name, p in pvalues.items() if p < THRESHOLD}
+
+
+# -- the grid -------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("gamma", GAMMAS, ids=[f"gamma{g}" for g in GAMMAS])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_speculative_sampling_matches_target_distribution(samples, config, gamma, overlap):
+    pvalues = comparisons(samples.speculative(config, gamma, overlap),
+                          samples.target_only(config))
+    assert not failures(pvalues), failures(pvalues)
+
+
+# -- power ----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_penalties_change_the_target_distribution(samples, config):
+    """Without this the penalty configs could pass the grid by having no effect: the
+    target-only samples with and without the penalties differ, in the repeat profile."""
+    without = samples.target_only(config, repetition_penalty=1.0, frequency_penalty=0.0,
+                                  presence_penalty=0.0)
+    pvalues = comparisons(samples.target_only(config), without)
+    assert pvalues["repeat profile"] < THRESHOLD, pvalues
+    if config == "truncated-penalties-bias":  # here they move every later token too
+        assert all(pvalues[f"position {k}"] < THRESHOLD for k in range(4, MAX_TOKENS + 1)), \
+            pvalues
 
 
 @pytest.mark.slow
-def test_two_sample_test_detects_a_wrong_distribution(decoder):
-    """The test above has power: a different temperature is detected."""
-    hot = sample_tokens(decoder, gamma=3, seed_base=0, temperature=1.0)
-    cold = sample_tokens(decoder, gamma=0, seed_base=10**6, temperature=0.8)
-    assert two_sample_pvalue([t[1] for t in hot], [t[1] for t in cold]) < 0.001
+def test_detects_a_wrong_temperature(samples):
+    """Speculative samples against target-only ones at another temperature: the first
+    speculative token (position 2) tells them apart."""
+    config = "full-vocab-penalties"
+    pvalues = comparisons(samples.speculative(config, 4, overlap=True),
+                          samples.target_only(config, temperature=0.8))
+    assert pvalues["position 2"] < THRESHOLD, pvalues
+    assert pvalues["positions 2-3"] < THRESHOLD, pvalues
+
+
+@pytest.mark.slow
+def test_detects_a_wrong_repetition_penalty(samples):
+    """Speculative samples against target-only ones without the repetition penalty:
+    detected late, at each of positions 7-9 and 7-10 pairwise, and in the repeats."""
+    config = "truncated-penalties-bias"
+    pvalues = comparisons(samples.speculative(config, 4, overlap=True),
+                          samples.target_only(config, repetition_penalty=1.0))
+    late = ["position 7", "position 8", "position 9",
+            "positions 7-8", "positions 8-9", "positions 9-10", "repeat profile"]
+    assert all(pvalues[name] < THRESHOLD for name in late), pvalues
+
+
+@pytest.mark.slow
+def test_detects_a_target_that_forgets_the_rounds_drafts(samples, monkeypatch):
+    """The bug the shared history guards against: the target penalising row j over the
+    committed tokens only, without the round's drafts 0..j-1 (the draft still includes
+    them). Then a draft token may repeat the one before it more often than the target
+    allows; the grid's tests must see that."""
+    rows_with_drafts = 0
+
+    def without_drafts(token_ids, prompt_len, drafted=()):
+        nonlocal rows_with_drafts
+        rows_with_drafts += bool(drafted)
+        return History(token_ids, prompt_len)
+
+    monkeypatch.setattr(spec_decode_module, "History", without_drafts)
+    config = "truncated-penalties-bias"
+    buggy = generate(samples.decoder(4, overlap=False), 4, seed_base("forgets drafts", config),
+                     **CONFIGS[config])
+    assert rows_with_drafts > NUM_SAMPLES  # the patch reached the verification rows
+    assert failures(comparisons(buggy, samples.target_only(config)))
