@@ -18,7 +18,7 @@ from outrider.router.service import Refused
 
 from outrider import paths
 from outrider.client import Client
-from outrider.local_system import LocalSystemConfig, local_system
+from tests.router.demo_system import demo_system, openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -30,16 +30,13 @@ GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def system():
-    cfg = LocalSystemConfig(str(paths.demo_target_dir()), str(paths.demo_draft_dir()),
-                            grpc_port=0, http_port=0)
-    with local_system(cfg, env={"OUTRIDER_API_KEYS": KEY}) as running:
+    with demo_system(KEY) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
 def oai(system):
-    return openai.OpenAI(base_url=f"http://{system.http}/v1", api_key=KEY, max_retries=0,
-                         timeout=120)
+    return openai_client(system, KEY)
 
 
 def test_models_lists_the_served_model(oai):

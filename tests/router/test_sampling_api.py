@@ -17,9 +17,9 @@ from outrider import paths
 from outrider.client import Client, InvalidRequestError
 from outrider.client.request import build_request
 from outrider.client.results import Logprob
-from outrider.local_system import LocalSystemConfig, local_system
 from outrider.v1 import generate_pb2_grpc
 from tests.cli_utils import run_cli
+from tests.router.demo_system import demo_system, openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -41,16 +41,13 @@ EVERYTHING = dict(
 
 @pytest.fixture(scope="module")
 def system():
-    cfg = LocalSystemConfig(str(paths.demo_target_dir()), str(paths.demo_draft_dir()),
-                            grpc_port=0, http_port=0)
-    with local_system(cfg, env={"OUTRIDER_API_KEYS": KEY}) as running:
+    with demo_system(KEY) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
 def oai(system):
-    return openai.OpenAI(base_url=f"http://{system.http}/v1", api_key=KEY, max_retries=0,
-                         timeout=120)
+    return openai_client(system, KEY)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,24 @@
+"""The shipped demo pair served by router + target + draft processes with one API key,
+and the official openai client pointed at its HTTP API (for the HTTP API test modules)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import openai
+
+from outrider import paths
+from outrider.local_system import LocalSystemConfig, local_system
+
+
+@contextmanager
+def demo_system(api_key: str):
+    cfg = LocalSystemConfig(str(paths.demo_target_dir()), str(paths.demo_draft_dir()),
+                            grpc_port=0, http_port=0)
+    with local_system(cfg, env={"OUTRIDER_API_KEYS": api_key}) as running:
+        yield running
+
+
+def openai_client(system, api_key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{system.http}/v1", api_key=api_key,
+                         max_retries=0, timeout=120)
