@@ -172,8 +172,13 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
         logits = logits.masked_fill(is_below, -math.inf)
     top_k = torch.tensor([p.top_k or vocab for p in params], device=device).clamp(max=vocab)
     top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [num_rows, vocab]
+    # when every row has a top-k, only the widest one need be sorted ...
+    width = int(top_k.max())
+    sorted_logits, order = logits.topk(width, dim=-1)  # [num_rows, width], descending
     kth = sorted_logits.gather(-1, (top_k - 1)[:, None])  # [num_rows, 1]
+    if width < vocab and bool(((logits >= kth).sum(-1) > width).any()):
+        # ... unless a tie at a row's k-th value keeps tokens past it
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, -math.inf)
     sorted_probs = sorted_logits.softmax(-1)
     mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly better tokens

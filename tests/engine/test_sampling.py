@@ -145,6 +145,18 @@ def test_top_p_keeps_smallest_prefix_reaching_top_p(top_p, kept_ids):
     torch.testing.assert_close(probs, expected)
 
 
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    """As transformers' TopKLogitsWarper does: a tie at the k-th value keeps all of it,
+    also beside a row whose top-k is wider (the sort then covers the ties)."""
+    tied = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0, -1.0]])
+    wide = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0]])
+    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_k=3)]
+    for batch, rows in ((tied, params[:1]), (torch.cat([tied, wide]), params)):
+        probs = logits_to_probs(batch, rows)
+        assert (probs[0] > 0).tolist() == [True, True, True, True, False, False]
+    assert (probs[1] > 0).tolist() == [True, True, True, False, False, False]
+
+
 def test_top_k_is_applied_before_top_p():
     # without top-k, 0.82 needs 3 tokens (mass before the 3rd is 0.8); after top-k=3 the
     # renormalised mass before the 3rd is 0.8 / 0.95 = 0.842 >= 0.82, so only 2 remain
