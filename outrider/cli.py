@@ -608,9 +608,21 @@ SUBCOMMANDS = {  # name: (its flags, what runs it, add_parser's options)
 }
 
 
+# the extra of pyproject.toml that installs what each subcommand imports
+EXTRA_OF = {"draft-worker": "worker", "target-worker": "worker", "router": "router",
+            "keys": "router", "up": "cluster", "down": "cluster", "bench": "bench"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(_subcommand(argv)).parse_args(argv)
+    command = _subcommand(argv)
+    try:
+        args = build_parser(command).parse_args(argv)
+    except ModuleNotFoundError as exc:
+        if not _is_third_party(exc):
+            raise
+        print(f"outrider: error: {_missing_package(exc, command)}", file=sys.stderr)
+        return 1
     try:
         if getattr(args, "cpus", None):
             from outrider.cpus import pin_cpus
@@ -622,8 +634,23 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if args.debug:
             raise
-        print(f"outrider: error: {_one_line(exc)}", file=sys.stderr)
+        message = (_missing_package(exc, command) if _is_third_party(exc)
+                   else _one_line(exc))
+        print(f"outrider: error: {message}", file=sys.stderr)
         return 1
+
+
+def _is_third_party(exc: Exception) -> bool:
+    """A package an extra installs is missing (not a module of Outrider's own)."""
+    return isinstance(exc, ModuleNotFoundError) and not (exc.name or "outrider").startswith(
+        "outrider")
+
+
+def _missing_package(exc: ModuleNotFoundError, command: str) -> str:
+    extra = EXTRA_OF.get(command, "all")
+    return (f"`outrider {command}` needs the {exc.name!r} package, which this install "
+            f"lacks: pip install 'outrider[{extra}]' (on a CPU machine, torch's CPU build "
+            "first)")
 
 
 def _one_line(exc: Exception) -> str:

@@ -13,10 +13,11 @@ from outrider import paths
 # Python run with a finder that refuses the heavy packages, then the given code
 BLOCKED = """
 import sys
+REFUSED = {"torch", "ray", "safetensors"}
 class Refuse:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "ray", "safetensors"):
-            raise ImportError(f"{name} is made unimportable by this test")
+        if name.split(".")[0] in REFUSED:  # as if it were not installed
+            raise ModuleNotFoundError(f"{name} is made unimportable by this test", name=name)
 sys.meta_path.insert(0, Refuse())
 """
 
@@ -39,6 +40,15 @@ def test_the_blocker_really_blocks_torch():
 def test_imports_without_torch(module):
     done = run_blocked(f"import {module}")
     assert done.returncode == 0, done.stderr
+
+
+def test_a_command_whose_extra_is_missing_says_which_to_install():
+    done = run_blocked("REFUSED.add('numpy')\nfrom outrider.cli import main\n"
+                       "raise SystemExit(main(['serve']))")
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "outrider: error: `outrider serve` needs the 'numpy' package, which this install "
+        "lacks: pip install 'outrider[all]' (on a CPU machine, torch's CPU build first)"]
 
 
 @pytest.mark.slow
