@@ -13,7 +13,7 @@ from outrider.dense_channel import DRAFT_RANK, DenseChannel
 from outrider.engine.distributed import set_cpu_threads
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.flags import add_cpus_arg, add_metrics_arg
+from outrider.flags import add_cpus_arg, add_metrics_arg, add_model_server_args
 from outrider.grpc_server import Running, build_server, serve_until_signalled
 from outrider.telemetry.metrics import DraftMetrics, serve_metrics
 from outrider.telemetry.tracing import setup_tracing
@@ -49,14 +49,10 @@ class DraftWorkerConfig:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`outrider draft-worker`'s flags (DraftWorkerConfig.from_args reads them)."""
     p.add_argument("--model", required=True, help="draft checkpoint dir")
-    p.add_argument("--host", default=DraftWorkerConfig.host)
-    p.add_argument("--port", type=int, default=DraftWorkerConfig.port,
-                   help="0 picks a free port")
-    p.add_argument("--device", default=DraftWorkerConfig.device)
-    p.add_argument("--dtype", default=DraftWorkerConfig.dtype)
-    p.add_argument("--kv-cache-mb", type=float, default=DraftWorkerConfig.kv_cache_mb)
-    p.add_argument("--threads", type=int, default=DraftWorkerConfig.threads,
-                   help="CPU threads (0: one per core it may use)")
+    cfg = DraftWorkerConfig
+    add_model_server_args(p, host=cfg.host, port=cfg.port, device=cfg.device, dtype=cfg.dtype,
+                          kv_cache_mb=cfg.kv_cache_mb, threads=cfg.threads,
+                          threads_help="CPU threads (0: one per core it may use)")
     add_cpus_arg(p)
     p.add_argument("--target-cpus",
                    help="cores of a target replica on this machine: the draft drafts "

@@ -6,6 +6,18 @@ from __future__ import annotations
 import argparse
 
 
+def add_model_server_args(p: argparse.ArgumentParser, *, host: str, port: int, device: str,
+                          dtype: str, kv_cache_mb: float, threads: int,
+                          threads_help: str) -> None:
+    """Where a replica listens and how it runs its model (the role's defaults)."""
+    p.add_argument("--host", default=host)
+    p.add_argument("--port", type=int, default=port, help="0 picks a free port")
+    p.add_argument("--device", default=device)
+    p.add_argument("--dtype", default=dtype)
+    p.add_argument("--kv-cache-mb", type=float, default=kv_cache_mb)
+    p.add_argument("--threads", type=int, default=threads, help=threads_help)
+
+
 def add_cpus_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus", help="run on these CPU cores only, e.g. 0-2,5 (Linux; default: "
                                    "any)")

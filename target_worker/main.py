@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from outrider.target_worker.scheduler import SchedulerConfig
 
 from outrider.core.policy import MAX_GAMMA, MAX_QUEUED_PER_REPLICA, GammaPolicy, PolicyConfig
-from outrider.flags import add_cpus_arg, add_metrics_arg
+from outrider.flags import add_cpus_arg, add_metrics_arg, add_model_server_args
 from outrider.v1.worker_pb2 import DESCRIPTOR
 
 # the engine (torch) is imported in start(): `outrider serve`, outrider.local_system and the
@@ -85,15 +85,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft round r+1 while round r verifies when at most this many "
                         "sequences speculate (0: never; it pays in small batches)")
     p.add_argument("--tp", type=int, default=RunnerConfig.tp)
-    p.add_argument("--host", default=TargetWorkerConfig.host)
-    p.add_argument("--port", type=int, default=TargetWorkerConfig.port,
-                   help="0 picks a free port")
-    p.add_argument("--device", default=RunnerConfig.device)
-    p.add_argument("--dtype", default=RunnerConfig.dtype)
-    p.add_argument("--kv-cache-mb", type=float, default=RunnerConfig.kv_cache_mb)
-    p.add_argument("--threads", type=int, default=RunnerConfig.threads,
-                   help="CPU threads per rank (0: the cores it may use, shared out over "
-                        "--tp)")
+    add_model_server_args(p, host=TargetWorkerConfig.host, port=TargetWorkerConfig.port,
+                          device=RunnerConfig.device, dtype=RunnerConfig.dtype,
+                          kv_cache_mb=RunnerConfig.kv_cache_mb, threads=RunnerConfig.threads,
+                          threads_help="CPU threads per rank (0: the cores it may use, "
+                                       "shared out over --tp)")
     add_cpus_arg(p)
     add_batch_arguments(p)
     add_metrics_arg(p)

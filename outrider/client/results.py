@@ -6,6 +6,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+from outrider.core.sampling import TokenLogprob as Logprob  # the SDK's name for it
 from outrider.v1 import generate_pb2 as gp
 
 
@@ -14,20 +15,6 @@ class Round:
     gamma: int            # draft tokens proposed
     num_accepted: int
     heat: float           # the replica's batch heat when γ was chosen
-
-
-@dataclass(frozen=True)
-class Logprob:
-    """A generated token's log-probability under the distribution it was chosen from,
-    and the likeliest tokens of that distribution (token id, logprob), likeliest first."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-    @classmethod
-    def from_proto(cls, lp: gp.TokenLogprob) -> Logprob:
-        return cls(lp.token_id, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs)))
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,10 @@ class TokenLogprob:
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
 
+    @classmethod
+    def from_proto(cls, msg: gp.TokenLogprob) -> TokenLogprob:
+        return cls(msg.token_id, msg.logprob, tuple(zip(msg.top_ids, msg.top_logprobs)))
+
 
 def sampling_to_proto(params: SamplingParams, seed: int | None) -> pb.Sampling:
     return pb.Sampling(

@@ -212,9 +212,8 @@ class Drafter:
                 new = it.new_token_ids if j == 0 else drafted[i][-1:]
                 requests.append(ForwardRequest(new, cached, blocks.block_table(it.seq_id), 1))
             logits = self.runner.forward(requests + (prefills if j == 0 else []))  # [len(rows), V]
-            histories = [History(self.token_ids[items[i].seq_id], items[i].prompt_len,
-                                 tuple(drafted[i])) for i in rows]
-            tokens, probs = self._pick(logits, [items[i] for i in rows], histories, j)
+            tokens, probs = self._pick(logits, [items[i] for i in rows],
+                                       self._histories(items, rows, drafted), j)
             for i, token in zip(rows, tokens.tolist()):
                 drafted[i].append(token)
             if probs_out is None:
@@ -230,8 +229,17 @@ class Drafter:
                                  dtype=torch.long, device=device).view(len(items), max_gamma)
         return token_ids, probs_out
 
+    def _histories(self, items: list[DraftItem], rows: list[int],
+                   drafted: list[list[int]]) -> list[History] | None:
+        """Each row's tokens for the processors that read them (None: no row's do)."""
+        if not any(items[i].params.reads_history for i in rows):
+            return None
+        return [History(self.token_ids[items[i].seq_id], items[i].prompt_len,
+                        tuple(drafted[i])) for i in rows]
+
     @staticmethod
-    def _pick(logits: torch.Tensor, items: list[DraftItem], histories: list[History], j: int):
+    def _pick(logits: torch.Tensor, items: list[DraftItem], histories: list[History] | None,
+              j: int):
         """Draft tokens [num_rows] and the q rows they were sampled from (None: all greedy,
         q = one-hot, no need to build it). The request's processors shape q as they
         shape the target's p, over the same history, drafts included."""

@@ -215,21 +215,18 @@ class SpeculativeDecoder:
                                       sum(gammas), draft_s)
         if not ready:
             return committed
-        result, logprobs = self._accept(seqs, ready, gammas, num_draft, logits, draft_ids,
-                                        draft_probs)
-        for i, k, row, lps in zip(ready, result.num_accepted.tolist(), result.token_ids.tolist(),
-                                  logprobs):
+        result, processed = self._accept(seqs, ready, gammas, num_draft, logits, draft_ids,
+                                         draft_probs)
+        for i, k, row in zip(ready, result.num_accepted.tolist(), result.token_ids.tolist()):
             committed[i] = self._commit(seqs[i], gammas[i], k, row, next_ahead.get(i))
-            if lps is not None:
-                seqs[i].logprobs += lps[:len(committed[i])]
+        self._note_logprobs(seqs, ready, gammas, processed, committed)
         return committed
 
     def _accept(self, seqs, ready: list[int], gammas: list[int], num_draft: list[int],
                 logits: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor):
         """Exact verification of the ready sequences; logits: [sum(γ_i + 1), vocab].
         num_draft[i] is γ_i, or γ_i + 1 with a bonus-position candidate (overlap).
-        Returns the rejection result and, per ready sequence, the logprobs of its
-        emitted tokens (None where the request did not ask for them)."""
+        Returns the rejection result and the processed logits it verified with."""
         device, width = draft_ids.device, draft_ids.shape[1] + 1
         rows = torch.tensor(ready, device=device)
         num_rows = [gammas[i] + 1 for i in ready]
@@ -247,7 +244,7 @@ class SpeculativeDecoder:
         else:
             result = self._rejection_sample(seqs, ready, num_rows, num_verified, processed,
                                             params, draft_ids, draft_probs)
-        return result, self._logprobs(seqs, ready, num_rows, processed, result)
+        return result, processed
 
     def _rejection_sample(self, seqs, ready: list[int], num_rows: list[int],
                           num_verified: torch.Tensor, processed: torch.Tensor, params,
@@ -265,23 +262,20 @@ class SpeculativeDecoder:
             position_uniforms(seeds, positions, STREAM_SAMPLE))
 
     @staticmethod
-    def _logprobs(seqs, ready: list[int], num_rows: list[int], processed: torch.Tensor,
-                  result) -> list[list[TokenLogprob] | None]:
-        """Each emitted token's logprob from the target's verification rows."""
-        wanted = [k for k, i in enumerate(ready) if seqs[i].params.logprobs is not None]
-        out: list[list[TokenLogprob] | None] = [None] * len(ready)
+    def _note_logprobs(seqs, ready: list[int], gammas: list[int], processed: torch.Tensor,
+                       committed: list[list[int]]) -> None:
+        """The committed tokens' logprobs, from the target's verification rows (row j of a
+        sequence is its j-th committed token); processed: [sum(γ_i + 1), vocab]."""
+        wanted = [(k, i) for k, i in enumerate(ready) if seqs[i].params.logprobs is not None]
         if not wanted:
-            return out
-        offsets = [0, *itertools.accumulate(num_rows)]
-        # a verified bonus-position candidate (overlap) is the bonus token: one per row
-        emitted = [min(e, n) for e, n in zip(result.num_emitted.tolist(), num_rows)]
-        flat_rows = [offsets[k] + j for k in wanted for j in range(emitted[k])]
-        tokens = torch.cat([result.token_ids[k, :emitted[k]] for k in wanted])
-        num_top = [seqs[ready[k]].params.logprobs for k in wanted for _ in range(emitted[k])]
+            return
+        offsets = [0, *itertools.accumulate(gammas[i] + 1 for i in ready)]
+        flat_rows = [offsets[k] + j for k, i in wanted for j in range(len(committed[i]))]
+        tokens = torch.tensor([t for _, i in wanted for t in committed[i]], device=processed.device)
+        num_top = [seqs[i].params.logprobs for _, i in wanted for _ in committed[i]]
         logprobs = iter(token_logprobs(processed[flat_rows], tokens, num_top))
-        for k in wanted:
-            out[k] = [next(logprobs) for _ in range(emitted[k])]
-        return out
+        for _, i in wanted:
+            seqs[i].logprobs += [next(logprobs) for _ in committed[i]]
 
     def clip_gamma(self, seq: Sequence, gamma: int) -> int:
         """γ limited by what the request may still emit and by the contexts of the target
