@@ -72,7 +72,7 @@ class TargetEngine:
                  policy: GammaPolicy, metrics: TargetMetrics | None = None) -> None:
         self.decoder = decoder
         self.metrics = metrics
-        self.scheduler = Scheduler(sched_cfg, decoder.target.blocks, self._preempt)
+        self.scheduler = Scheduler(sched_cfg, decoder.target.blocks, decoder.admit, self._preempt)
         self.policy = policy
         self.cost = OnlineCost(policy.cost)  # the policy's model, kept true by every step
         # what the replica has seen, for requests that bring no acceptance estimate

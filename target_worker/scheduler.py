@@ -2,7 +2,7 @@
 
 Each step gets a token budget. Running sequences go first (oldest first), each feeding
 its pending tokens plus γ draft tokens; then waiting sequences are admitted in arrival
-order, a prefill chunk at a time. When the KV cache cannot hold a running sequence's
+order, a prefill chunk at a time, starting after the prefix the KV cache already holds. When the KV cache cannot hold a running sequence's
 step, the youngest running sequence is preempted: its KV is freed and it goes back to
 the front of the queue, to be recomputed from its tokens later — nothing is dropped.
 """
@@ -39,9 +39,10 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager,
-                 preempt: Callable[[Sequence], None]) -> None:
+                 admit: Callable[[Sequence], None], preempt: Callable[[Sequence], None]) -> None:
         self.cfg = cfg
         self.blocks = blocks
+        self._admit_kv = admit      # starts the sequence's target KV on its cached prefix
         self._preempt_kv = preempt  # frees the sequence's target KV
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -80,14 +81,14 @@ class Scheduler:
             budget -= sum(chunk)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
+            self._admit_kv(seq)
             chunk = self._chunk(seq, gamma_for(seq), budget)
-            if chunk is None:
-                break
             pending = len(seq.token_ids) - seq.target_len
             # room for this step and for the whole prompt plus a token, so an admitted
             # sequence is not preempted at once
-            need = self.blocks.blocks_needed(seq.seq_id, max(pending + 1, sum(chunk)))
-            if need > self.blocks.num_free_blocks - reserved:
+            if chunk is None or self.blocks.blocks_needed(seq.seq_id, max(
+                    pending + 1, sum(chunk))) > self.blocks.num_free_blocks - reserved:
+                self._preempt_kv(seq)  # gives its cached prefix back until it fits
                 break  # admit in arrival order: the head waits for room
             reserved += self.blocks.blocks_needed(seq.seq_id, sum(chunk))
             self.running.append(self.waiting.popleft())

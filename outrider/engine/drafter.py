@@ -135,20 +135,32 @@ class Drafter:
 
     # -- cache bookkeeping -----------------------------------------------------------------
     def _sync(self, item: DraftItem) -> bool:
-        """Roll the cache back to the caller's committed prefix; False: a MISS."""
-        blocks = self.runner.blocks
+        """Roll the cache back to the caller's committed prefix; False: a MISS. A sequence
+        sent whole (committed_len 0) starts on the longest prefix the cache holds."""
+        blocks, seq_id = self.runner.blocks, item.seq_id
         if not item.new_token_ids:
             return False  # drafting needs the logits of the last committed token: resend it
         if item.committed_len == 0:
-            blocks.free(item.seq_id)
-            blocks.append(item.seq_id, 0)
-        elif not blocks.has(item.seq_id) or blocks.seq_len(item.seq_id) < item.committed_len:
+            self._start(item)
+        elif not blocks.has(seq_id) or blocks.seq_len(seq_id) < item.committed_len:
             return False
-        blocks.rollback(item.seq_id, item.committed_len)
-        del self.token_ids.setdefault(item.seq_id, [])[item.committed_len:]
-        self.last_used[item.seq_id] = time.monotonic()
-        self.last_used.move_to_end(item.seq_id)
+        elif item.committed_len < blocks.sealed_len(seq_id):
+            self.release(seq_id)  # sealed blocks may be shared: never roll back into them
+            return False
+        blocks.rollback(seq_id, item.committed_len)
+        del self.token_ids[seq_id][item.committed_len:]
+        blocks.seal(seq_id, self.token_ids[seq_id], item.committed_len)
+        self.last_used[seq_id] = time.monotonic()
+        self.last_used.move_to_end(seq_id)
         return True
+
+    def _start(self, item: DraftItem) -> None:
+        """Take the cached prefix of a whole context: the item then sends only the rest."""
+        self.runner.blocks.free(item.seq_id)
+        context = item.new_token_ids
+        cached = self.runner.blocks.match_prefix(item.seq_id, context)
+        self.token_ids[item.seq_id] = context[:cached]
+        item.committed_len, item.new_token_ids = cached, context[cached:]
 
     def _reserve(self, item: DraftItem, protected: set) -> bool:
         """KV room for the new tokens and γ-1 draft positions (the last draft token is
@@ -169,7 +181,7 @@ class Drafter:
         """Evict least-recently-used unprotected sequences, but only when that would be
         enough: a sequence that cannot fit anyway evicts no one."""
         blocks = self.runner.blocks
-        evictable = (sum(len(blocks.block_table(s)) for s in self.last_used
+        evictable = (sum(blocks.num_exclusive_blocks(s) for s in self.last_used
                          if s not in protected) if self.evict_lru else 0)
         if blocks.blocks_needed(seq_id, needed) > blocks.num_free_blocks + evictable:
             return False

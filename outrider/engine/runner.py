@@ -32,6 +32,7 @@ class RunnerConfig:
     kv_cache_mb: float = 256.0  # KV budget per rank
     max_model_len: int = 8192   # capped by the model's max_position_embeddings
     threads: int = 0            # CPU threads per rank; 0: the cores shared out over tp
+    prefix_caching: bool = True  # share the KV of common prefixes (block_manager.py)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.kv_cache_mb <= 0 or self.max_model_len < 1:
@@ -63,7 +64,7 @@ class ModelRunner:
         self.max_model_len = min(cfg.max_model_len, self.model_config.max_position_embeddings)
         self.model = self._load_model()
         self.kv_caches, num_blocks = self._allocate_kv()
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_caching)
 
     @property
     def vocab_size(self) -> int:

@@ -85,6 +85,7 @@ class Sequence:
     ahead: DraftAhead | None = None  # next round's draft tokens, drafted during this one
     traceparent: str = ""  # W3C trace context of its request, for the draft replica's span
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
+    num_cached_tokens: int | None = None  # prompt positions the prefix cache gave it, once known
 
     @property
     def output_ids(self) -> list[int]:
@@ -161,6 +162,12 @@ class SpeculativeDecoder:
         while not seq.is_finished:
             yield seq, self.step([seq], [gamma])[0]
 
+    def admit(self, seq: Sequence) -> None:
+        """Start a sequence without target KV (new or preempted) on the longest prefix
+        of its tokens the cache holds."""
+        if not self.target.blocks.has(seq.seq_id):
+            seq.target_len = self.target.blocks.match_prefix(seq.seq_id, seq.token_ids)
+
     def release(self, seq: Sequence) -> None:
         self.target.blocks.free(seq.seq_id)
         if self.drafter is not None:
@@ -178,6 +185,10 @@ class SpeculativeDecoder:
         draft takes the context in the background: the next round drafts at once. A
         resumed or recomputed sequence speculates at once, as the run it continues did
         at that position: a seeded sample must not depend on where a run broke."""
+        for s in seqs:
+            self.admit(s)
+            if s.num_cached_tokens is None:
+                s.num_cached_tokens = s.target_len
         pending = [len(s.token_ids) - s.target_len for s in seqs]
         feed = pending if chunk_lens is None else [min(p, c) for p, c in zip(pending, chunk_lens)]
         is_ready = [f == p for f, p in zip(feed, pending)]
@@ -200,6 +211,9 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         logits = self._verify_forward(seqs, draft_ids, gammas, feed, is_ready)
         verify_s = time.perf_counter() - start
+        for s, ready in zip(seqs, is_ready):
+            if not ready:  # a prefill chunk: its full blocks are final
+                self.target.blocks.seal(s.seq_id, s.token_ids, s.target_len)
         ready = [i for i, r in enumerate(is_ready) if r]
         committed: list[list[int]] = [[] for _ in seqs]
         num_draft, next_ahead = list(gammas), {}
@@ -422,13 +436,16 @@ class SpeculativeDecoder:
             seq.finish_reason = self._finish_reason(seq, token)
             if seq.is_finished:
                 break
+        # the KV of the tokens before the emitted one is final (the emitted token is
+        # fed next round); the draft rolls back to `draft_len` itself when it drafts next
+        blocks = self.target.blocks
         if seq.is_finished:
+            blocks.seal(seq.seq_id, seq.token_ids, base + num_accepted)
             self.release(seq)
             return committed
-        # KV keeps the committed prefix; the last emitted token is fed next round. The
-        # draft rolls back to `draft_len` itself when it drafts next.
         seq.target_len = base + num_accepted
-        self.target.blocks.rollback(seq.seq_id, seq.target_len)
+        blocks.rollback(seq.seq_id, seq.target_len)
+        blocks.seal(seq.seq_id, seq.token_ids, seq.target_len)
         if is_ahead_kept:
             seq.ahead = ahead
         else:  # the draft's chain and the committed tokens part at the emitted token

@@ -12,12 +12,16 @@ from outrider.engine.spec_decode import Sequence
 def make(num_blocks=8, block_size=4, budget=32, max_seqs=8):
     blocks = BlockManager(num_blocks, block_size)
 
+    def admit(seq):
+        if not blocks.has(seq.seq_id):
+            seq.target_len = blocks.match_prefix(seq.seq_id, seq.token_ids)
+
     def preempt(seq):
         blocks.free(seq.seq_id)
         seq.target_len = 0
 
     return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_batch_tokens=budget),
-                     blocks, preempt), blocks
+                     blocks, admit, preempt), blocks
 
 
 def seq(i, prompt_len, output_len=0):
