@@ -61,7 +61,8 @@ class DraftReplica(_Replica):
                                                device=runner.device, dtype=runner.dtype,
                                                kv_cache_mb=runner.kv_cache_mb,
                                                threads=runner.threads,
-                                               metrics_port=metrics_port), token)
+                                               metrics_port=metrics_port,
+                                               prefix_caching=runner.prefix_caching), token)
         self.service = self.running.service
 
     def busy_seconds(self) -> float:

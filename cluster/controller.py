@@ -134,7 +134,8 @@ class Controller:
                            http_port=r.http_port, metrics_port=r.metrics_port,
                            served_model_name=self.spec.pair.name,
                            limits=ServiceLimits(replica_wait_s=r.replica_wait_s,
-                                                max_running=r.max_running_requests))
+                                                max_running=r.max_running_requests),
+                           routing=r.routing)
         self.router = ray.remote(RouterReplica).options(
             **r.resources.ray_options(), max_concurrency=4).remote(cfg, self.token)
         self.router_address = ray.get(self.router.address.remote(), timeout=START_TIMEOUT_S)
@@ -144,7 +145,8 @@ class Controller:
 
         pair = self.spec.pair
         return RunnerConfig(model_dir=model_dir, device=pair.device, dtype=pair.dtype, tp=tp,
-                            kv_cache_mb=pair.kv_cache_mb, threads=pair.threads)
+                            kv_cache_mb=pair.kv_cache_mb, threads=pair.threads,
+                            prefix_caching=pair.prefix_caching)
 
     def _target_config(self, runner, draft_addresses: list[str]):
         from outrider.target_worker.main import TargetWorkerConfig

@@ -5,9 +5,10 @@ or equal to 1`."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import yaml
+from outrider.router.replicas import ROUTING
 from outrider.router.service import ServiceLimits
 from outrider.target_worker.main import TargetWorkerConfig
 from outrider.target_worker.scheduler import SchedulerConfig
@@ -80,6 +81,7 @@ class ModelPair(_Strict):
     device: str = "cpu"                               # "cuda" on GPU clusters
     dtype: str = "auto"
     kv_cache_mb: Annotated[float, Field(gt=0)] = 256.0
+    prefix_caching: bool = True                       # share cached prefixes' KV
     max_batch_tokens: Annotated[int, Field(ge=1)] = SchedulerConfig.max_batch_tokens
     max_num_seqs: Annotated[int, Field(ge=1)] = SchedulerConfig.max_num_seqs
     threads: Annotated[int, Field(ge=0)] = 0          # CPU threads per process (0: auto)
@@ -120,6 +122,7 @@ class RouterSpec(_Strict):
     resources: Resources = Resources(cpus=1)              # a replica (e.g. one restarting)
     max_running_requests: Annotated[int, Field(gt=0)] = (  # more: RESOURCE_EXHAUSTED
         ServiceLimits.max_running)
+    routing: Literal[ROUTING] = "cache-aware"          # or "round-robin"
 
 
 class ClusterSpec(_Strict):

@@ -36,6 +36,7 @@ class DraftWorkerConfig:
     threads: int = RunnerConfig.threads
     metrics_port: int | None = None    # Prometheus exposition; None: off, 0: a free port
     target_cpus: str | None = None     # a co-located target's cores (overlap)
+    prefix_caching: bool = RunnerConfig.prefix_caching
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DraftWorkerConfig:
@@ -43,7 +44,8 @@ class DraftWorkerConfig:
         return cls(args.model, args.host, args.port, device=args.device, dtype=args.dtype,
                    kv_cache_mb=args.kv_cache_mb, idle_ttl_s=args.idle_ttl_s,
                    dist_address=args.dist_address, threads=args.threads,
-                   metrics_port=args.metrics_port, target_cpus=args.target_cpus)
+                   metrics_port=args.metrics_port, target_cpus=args.target_cpus,
+                   prefix_caching=args.enable_prefix_caching)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,12 +76,13 @@ def start(cfg: DraftWorkerConfig, token: str | None) -> Running:
     setup_tracing("outrider-draft")
     credentials = cluster_tls.server_credentials()  # before loading: a bad setup fails fast
     runner_cfg = RunnerConfig(cfg.model_dir, device=cfg.device, dtype=cfg.dtype,
-                              kv_cache_mb=cfg.kv_cache_mb, threads=cfg.threads)
+                              kv_cache_mb=cfg.kv_cache_mb, threads=cfg.threads,
+                              prefix_caching=cfg.prefix_caching)
     set_cpu_threads(runner_cfg)
     runner = ModelRunner(runner_cfg)
     channel = DenseChannel(cfg.dist_address, DRAFT_RANK) if cfg.dist_address else None
     metrics = DraftMetrics(runner.model_name)
-    metrics.watch_cache(lambda: runner.blocks.num_sequences)
+    metrics.watch_cache(lambda: runner.blocks.num_sequences, runner.blocks)
     if cfg.metrics_port is not None:
         serve_metrics(cfg.host, cfg.metrics_port, "draft worker", tries=16)
     cores = None

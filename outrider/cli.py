@@ -88,6 +88,11 @@ def _serve_flags(serve: argparse.ArgumentParser) -> None:
 
     _add_model_args(serve)
     serve.add_argument("--draft-replicas", type=int, default=LocalSystemConfig.draft_replicas)
+    serve.add_argument("--target-replicas", type=int, default=LocalSystemConfig.target_replicas,
+                       help="target replicas behind the router (they share the drafts)")
+    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=LocalSystemConfig.prefix_caching,
+                       help="share the KV of prompts' common prefixes (default: on)")
     serve.add_argument("--grpc-port", type=int, default=LocalSystemConfig.grpc_port,
                        help="the router's port")
     add_batch_arguments(serve)
@@ -290,7 +295,8 @@ def _final_message(seq, num_sent: int):
 
     return gp.GenerateResponse(
         finish_reason=seq.finish_reason, replica="local",
-        usage=gp.Usage(prompt_tokens=seq.prompt_len, completion_tokens=num_sent),
+        usage=gp.Usage(prompt_tokens=seq.prompt_len, completion_tokens=num_sent,
+                       cached_prompt_tokens=min(seq.num_cached_tokens or 0, seq.prompt_len)),
         speculation=seq.stats.to_proto())
 
 
@@ -366,13 +372,16 @@ def cmd_serve(args) -> int:
                    *(["--tls-client-ca", args.tls_client_ca] if args.tls_client_ca else []),
                    *(["--served-model-name", args.served_model_name]
                      if args.served_model_name else []),
-                   "--max-running-requests", str(args.max_running_requests)]
+                   "--max-running-requests", str(args.max_running_requests),
+                   "--routing", args.routing]
     cfg = LocalSystemConfig(str(target), draft if args.gamma else None, args.draft_replicas,
                             args.tp, args.gamma, args.host, args.grpc_port, args.redis,
                             args.device, args.kv_cache_mb, args.max_batch_tokens,
                             args.max_num_seqs, extra_router_args=tuple(router_args),
                             http_port=None if args.no_http else args.http_port,
-                            metrics=True, pin_cpus=not args.no_cpu_pinning)
+                            metrics=True, pin_cpus=not args.no_cpu_pinning,
+                            target_replicas=args.target_replicas,
+                            prefix_caching=args.enable_prefix_caching)
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())

@@ -16,6 +16,8 @@ def add_model_server_args(p: argparse.ArgumentParser, *, host: str, port: int, d
     p.add_argument("--dtype", default=dtype)
     p.add_argument("--kv-cache-mb", type=float, default=kv_cache_mb)
     p.add_argument("--threads", type=int, default=threads, help=threads_help)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="share the KV of prompts' common prefixes (default: on)")
 
 
 def add_cpus_arg(p: argparse.ArgumentParser) -> None:

@@ -32,19 +32,28 @@ class LocalSystemConfig:
     http_port: int | None = None    # the router's OpenAI-compatible API (0: a free port)
     metrics: bool = False           # every process serves /metrics on a free port
     pin_cpus: bool = True           # on a CPU: cores per role (outrider.cpus)
+    target_replicas: int = 1        # behind the one router; they share the draft replicas
+    prefix_caching: bool = True     # in every replica's KV cache
 
     def __post_init__(self) -> None:
         if self.draft and self.draft_replicas < 1:
             raise ValueError("--draft-replicas must be >= 1 with a draft model")
+        if self.target_replicas < 1:
+            raise ValueError("--target-replicas must be >= 1")
 
 
 @dataclass(frozen=True)
 class LocalSystem:
     router: str                 # host:port of the public API
-    target: str                 # host:port of the target replica (cluster token required)
+    targets: tuple[str, ...]    # host:port of the target replicas (cluster token required)
     drafts: tuple[str, ...]
     http: str | None = None     # host:port of the OpenAI-compatible API
     metrics: dict[str, str] = field(default_factory=dict)  # process name -> host:port
+
+    @property
+    def target(self) -> str:
+        """The first target replica."""
+        return self.targets[0]
 
 
 @contextmanager
@@ -64,22 +73,26 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                 args = (*args, "--metrics-port", metrics[name].rsplit(":", 1)[1])
             return start(*args, echo=f"[{name}] " if echo else None)[1]
 
+        caching = () if cfg.prefix_caching else ("--no-enable-prefix-caching",)
         drafts = tuple(run(f"draft-{i}", "draft-worker", "--model", cfg.draft,
-                           "--device", cfg.device,
+                           "--device", cfg.device, *caching,
                            *(("--target-cpus", cpus.target, "--threads", "1") if cpus else ()))
                        for i in range(cfg.draft_replicas if cfg.draft else 0))
-        target = run("target", "target-worker", "--model", cfg.target, "--tp", str(cfg.tp),
-                     "--gamma", str(cfg.gamma), "--device", cfg.device,
-                     "--kv-cache-mb", str(cfg.kv_cache_mb),
-                     "--max-batch-tokens", str(cfg.max_batch_tokens),
-                     "--max-num-seqs", str(cfg.max_num_seqs),
-                     *[a for d in drafts for a in ("--draft-address", d)],
-                     *pinned("target"), *cfg.extra_target_args)
+        targets = tuple(run("target" if i == 0 else f"target-{i}", "target-worker",
+                            "--model", cfg.target, "--tp", str(cfg.tp),
+                            "--gamma", str(cfg.gamma), "--device", cfg.device,
+                            "--kv-cache-mb", str(cfg.kv_cache_mb),
+                            "--max-batch-tokens", str(cfg.max_batch_tokens),
+                            "--max-num-seqs", str(cfg.max_num_seqs), *caching,
+                            *[a for d in drafts for a in ("--draft-address", d)],
+                            *pinned("target"), *cfg.extra_target_args)
+                        for i in range(cfg.target_replicas))
         http_port = None if cfg.http_port is None else cfg.http_port or free_port()
-        router = run("router", "router", "--model", cfg.target, "--target-address", target,
+        router = run("router", "router", "--model", cfg.target,
+                     *[a for t in targets for a in ("--target-address", t)],
                      "--host", cfg.host, "--port", str(cfg.grpc_port),
                      *(["--redis", cfg.redis_url] if cfg.redis_url else []),
                      *(["--no-http"] if http_port is None else ["--http-port", str(http_port)]),
                      *pinned("router"), *cfg.extra_router_args)
         http = None if http_port is None else f"{cfg.host}:{http_port}"
-        yield LocalSystem(router, target, drafts, http, metrics)
+        yield LocalSystem(router, targets, drafts, http, metrics)

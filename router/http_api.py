@@ -385,12 +385,14 @@ async def _merged(service: GenerationService, pool: ThreadPoolExecutor,
 def usage(finals: list[gp.GenerateResponse]) -> dict:
     """OpenAI usage, plus `speculation`: the statistics of all choices together."""
     prompt = sum(f.usage.prompt_tokens for f in finals)
+    cached = sum(f.usage.cached_prompt_tokens for f in finals)
     completion = sum(f.usage.completion_tokens for f in finals)
     total = SpecStats()
     for f in finals:
         total.merge(SpecStats.from_proto(f.speculation))
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
             "speculation": {
                 "draft_tokens": total.num_draft_tokens,
                 "accepted_tokens": total.num_accepted_tokens, "rounds": total.num_rounds,

@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2
 from outrider.router.auth import Authenticator
 from outrider.router.chat_template import ChatTemplate
 from outrider.router.http_api import HttpSettings, build_app, start_http
-from outrider.router.replicas import ReplicaSet
+from outrider.router.replicas import ROUTING, ReplicaSet
 from outrider.router.service import GenerationService, ServiceLimits
 from outrider.router.state import open_store
 from outrider.router.telemetry import RouterTelemetry
@@ -53,6 +53,7 @@ class RouterConfig:
     http_port: int | None = 8000            # the OpenAI-compatible API; None: off
     metrics_port: int | None = None         # Prometheus (also at the HTTP API's /metrics)
     served_model_name: str | None = None    # its model id (default: the model dir's name)
+    routing: str = "cache-aware"            # how a replica is chosen (router/replicas.py)
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -70,7 +71,8 @@ class RouterConfig:
                    tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                    http_port=None if args.no_http else args.http_port,
                    metrics_port=args.metrics_port, served_model_name=args.served_model_name,
-                   limits=ServiceLimits(max_running=args.max_running_requests))
+                   limits=ServiceLimits(max_running=args.max_running_requests),
+                   routing=args.routing)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,6 +107,10 @@ def add_public_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-http", action="store_true", help="no HTTP API, gRPC only")
     p.add_argument("--served-model-name",
                    help="model id of the HTTP API (default: the target dir's name)")
+    p.add_argument("--routing", choices=ROUTING, default=RouterConfig.routing,
+                   help="cache-aware: the replica expected to serve a request soonest, "
+                        "counting its cached prefix, its load and speculation (default); "
+                        "round-robin: in turn")
     p.add_argument("--max-running-requests", type=int, default=ServiceLimits.max_running,
                    help="requests the router runs at once (gRPC and HTTP together); more "
                         "are refused with RESOURCE_EXHAUSTED / 429 and a retry hint")
@@ -127,7 +133,8 @@ def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
                                           requests_per_minute=cfg.rate_limit_rpm))
     if not auth.is_required:
         print("router: no API keys configured; the public port is open", file=sys.stderr)
-    replicas = ReplicaSet(store, list(cfg.target_addresses), cluster_token, cfg.heartbeat_s)
+    replicas = ReplicaSet(store, list(cfg.target_addresses), cluster_token, cfg.heartbeat_s,
+                          routing=cfg.routing)
     replicas.start()
     telemetry = RouterTelemetry(_model_name(cfg))
     service = GenerationService(tokenizer, max_model_len, store, replicas, auth,

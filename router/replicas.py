@@ -8,11 +8,14 @@ replicas it last knew (the snapshot) and the router keeps serving."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import grpc
+from outrider.router.prefix_index import PrefixIndex, block_chain
 from outrider.router.state import StoreUnavailable
 from outrider.router.target_link import TargetLink
 
@@ -29,11 +32,20 @@ from outrider.v1 import state_pb2 as st
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 
+ROUTING = ("cache-aware", "round-robin")
+
 
 class ReplicaSet:
     def __init__(self, store, addresses: list[str], token: str | None,
-                 heartbeat_s: float = 0.5, ttl_s: float = 3.0) -> None:
+                 heartbeat_s: float = 0.5, ttl_s: float = 3.0,
+                 routing: str = "cache-aware") -> None:
+        if routing not in ROUTING:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING)}, got {routing!r}")
         self.store = store
+        self.routing = routing
+        self.prefixes = PrefixIndex()
+        self._sent = Counter()  # requests sent to each replica since its last heartbeat
+        self._turn = itertools.count()  # round-robin
         self.static_addresses = list(addresses)
         self.heartbeat_s, self.ttl_s = heartbeat_s, ttl_s
         self.metadata = token_metadata(token)
@@ -108,7 +120,10 @@ class ReplicaSet:
         if self.on_live is not None:
             self.on_live(bool(live))
         with self._lock:
+            for address in set(self._live) - set(live):
+                self.prefixes.forget(address)  # down or restarted: assume its cache is gone
             self._live = live
+            self._sent.clear()
             # addresses that stopped answering are forgotten once the registry drops them
             self._known = set(self.static_addresses) | set(live) | self._registered
         self._publish(live.values())
@@ -132,23 +147,65 @@ class ReplicaSet:
 
     # -- choice ------------------------------------------------------------------------------
     def pick(self, acceptance: Acceptance, avoid: set[str] = frozenset(),
-             max_waiting: int = MAX_QUEUED_PER_REPLICA) -> st.ReplicaRecord | None:
-        """The replica where this request should get the most tokens per second by the
-        γ policy's estimate, preferring those not in `avoid` (a replica that failed this
-        request may serve it again once it answers heartbeats); None when none is live
-        or every queue is full."""
+             max_waiting: int = MAX_QUEUED_PER_REPLICA, prompt_ids: list[int] = (),
+             max_tokens: int = 1) -> st.ReplicaRecord | None:
+        """The replica expected to serve this request soonest (`expected_seconds`), or
+        the next in turn under round-robin; those not in `avoid` first (a replica that
+        failed this request may serve it again once it answers heartbeats). None when
+        none is live or every queue is full. The choice is remembered: the request's
+        prompt is in that replica's cache from now on."""
         candidates = [r for r in self.live() if r.load.num_waiting < max_waiting]
-        fresh = [r for r in candidates if r.address not in avoid]
-        if not (fresh or candidates):
+        candidates = [r for r in candidates if r.address not in avoid] or candidates
+        if not candidates:
             return None
-        return max(fresh or candidates, key=lambda r: expected_rate(r.load, acceptance))
+        if self.routing == "round-robin":
+            candidates.sort(key=lambda r: r.address)
+            choice = candidates[next(self._turn) % len(candidates)]
+        else:
+            choice = min(candidates, key=lambda r: expected_seconds(
+                r.load, acceptance, len(prompt_ids), self._cached_tokens(r, prompt_ids),
+                max_tokens, self._sent[r.address]))
+        with self._lock:
+            self._sent[choice.address] += 1
+        self._note_prefix(choice, prompt_ids)
+        return choice
+
+    def note_prefix(self, address: str, token_ids: list[int]) -> None:
+        """The replica has computed (and, with prefix caching, keeps) these tokens' KV."""
+        with self._lock:
+            replica = self._live.get(address)
+        if replica is not None:
+            self._note_prefix(replica, token_ids)
+
+    def _note_prefix(self, replica: st.ReplicaRecord, token_ids: list[int]) -> None:
+        if replica.load.prefix_caching and replica.load.block_size:
+            self.prefixes.add(replica.address, block_chain(token_ids, replica.load.block_size),
+                              replica.load.kv_total_blocks)
+
+    def _cached_tokens(self, replica: st.ReplicaRecord, prompt_ids: list[int]) -> int:
+        size = replica.load.block_size
+        if not (replica.load.prefix_caching and size):
+            return 0
+        return size * self.prefixes.num_cached_blocks(replica.address,
+                                                      block_chain(prompt_ids[:-1], size))
 
 
-def expected_rate(load: pb.Load, acceptance: Acceptance) -> float:
+def expected_seconds(load: pb.Load, acceptance: Acceptance, num_prompt: int, num_cached: int,
+                     max_tokens: int, num_just_sent: int = 0) -> float:
+    """Seconds one more request like this would take on a replica (docs/DESIGN.md §4.5):
+
+        (num_prompt − num_cached) · s_prefill + max_tokens / rate
+
+    s_prefill is the replica's measured cost of one more position in a forward, rate the
+    γ policy's expected tokens/s for the request in the replica's batch (its reported
+    running and waiting requests plus those this router sent since). A replica that
+    reports no cost model counts its heat as the time instead."""
     c = load.cost
-    if not c.verify_base_s:  # no cost model reported: prefer the coolest replica
-        return -load.heat
+    if not c.verify_base_s:
+        return load.heat + (num_prompt - num_cached) * 1e-6
     cost = CostModel(c.verify_base_s, c.verify_per_token_s, c.draft_per_position_s,
                      c.draft_rtt_s, c.knee_tokens, c.draft_per_token_s)
     policy = GammaPolicy(PolicyConfig(gamma_max=load.gamma_max), cost)
-    return policy.request_rate(load.heat, load.num_running + load.num_waiting, acceptance)
+    rate = policy.request_rate(load.heat, load.num_running + load.num_waiting + num_just_sent,
+                               acceptance)
+    return (num_prompt - num_cached) * c.verify_per_token_s + max_tokens / rate

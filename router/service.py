@@ -71,6 +71,7 @@ class Progress:
     model_pair: str = ""
     replica: str = ""
     finish_reason: str = ""
+    num_cached_tokens: int | None = None  # prompt positions the first replica had cached
 
 
 class Refused(Exception):
@@ -239,15 +240,19 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                               "ended the stream without finishing the request")
             attempts += 1
         final = self._finish(progress)
+        # the replica keeps the whole sequence's KV but for the last token: a next turn's
+        # prompt that repeats it finds it there
+        self.replicas.note_prefix(progress.replica, [*job.prompt_ids, *progress.output_ids[:-1]])
         observed.finished(progress.finish_reason, progress.num_sent, progress.stats,
-                          progress.replica)
+                          progress.replica, progress.num_cached_tokens or 0)
         yield final
 
     def _pick(self, job: Job, tried: set[str]):
         deadline = time.monotonic() + self.limits.replica_wait_s
         while True:
             acceptance = Acceptance(self._prior(self._pair_hint(), job.tag))
-            replica = self.replicas.pick(acceptance, tried, self.limits.max_waiting)
+            replica = self.replicas.pick(acceptance, tried, self.limits.max_waiting,
+                                         job.prompt_ids, job.params.max_tokens)
             if replica is not None:
                 return replica
             if time.monotonic() >= deadline:
@@ -269,6 +274,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 self._journal(job.request_id, list(chunk.token_ids))
                 progress.output_ids.extend(chunk.token_ids)
                 progress.logprobs.extend(chunk.logprobs)
+                if progress.num_cached_tokens is None and chunk.token_ids:
+                    progress.num_cached_tokens = min(chunk.num_cached_tokens, len(job.prompt_ids))
                 for r in chunk.rounds:
                     progress.stats.record(r.gamma, r.num_accepted)
                 delta = progress.text.push(list(chunk.token_ids))
@@ -325,7 +332,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         final = gp.GenerateResponse(
             request_id=job.request_id, finish_reason=progress.finish_reason,
             usage=gp.Usage(prompt_tokens=len(job.prompt_ids),
-                           completion_tokens=progress.num_sent),
+                           completion_tokens=progress.num_sent,
+                           cached_prompt_tokens=progress.num_cached_tokens or 0),
             speculation=progress.stats.to_proto(), replica=progress.replica)
         self._record(progress, final)
         return final

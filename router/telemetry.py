@@ -85,7 +85,8 @@ class RequestTelemetry:
         self.span.add_event("outrider.migrate", {"outrider.replica": replica,
                                                  "outrider.reason": reason})
 
-    def finished(self, finish_reason: str, num_tokens: int, stats, replica: str) -> None:
+    def finished(self, finish_reason: str, num_tokens: int, stats, replica: str,
+                 num_cached_tokens: int) -> None:
         self.outcome = "OK"
         self.metrics.e2e.observe(time.perf_counter() - self.started)
         self.metrics.finished(finish_reason)
@@ -93,6 +94,7 @@ class RequestTelemetry:
         self.span.set_attributes({**spec_attributes(stats),
                                   "gen_ai.response.finish_reasons": [finish_reason],
                                   "gen_ai.usage.output_tokens": num_tokens,
+                                  "gen_ai.usage.cache_read.input_tokens": num_cached_tokens,
                                   "outrider.replica": replica})
 
     def refused(self, code, message: str) -> None:

@@ -33,6 +33,7 @@ class Chunk:
     rounds: list[tuple[int, int, float]] = field(default_factory=list)  # (γ, accepted, heat)
     finish_reason: str = ""  # "", "stop", "length", "cancelled", "error: ..."
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when asked for
+    num_cached_tokens: int = 0  # context positions the prefix cache held at admission
 
 
 class ChunkSink(Protocol):
@@ -174,7 +175,8 @@ class TargetEngine:
                 gamma, accepted = seq.last_round
                 self._learn(handle, gamma, accepted)
                 logprobs = seq.logprobs[len(seq.logprobs) - len(tokens):] if seq.logprobs else []
-                self._deliver(handle, Chunk(tokens, [(gamma, accepted, heat)], logprobs=logprobs))
+                self._deliver(handle, Chunk(tokens, [(gamma, accepted, heat)], logprobs=logprobs,
+                                            num_cached_tokens=seq.num_cached_tokens or 0))
                 if self.metrics:
                     self.metrics.record_round(gamma, accepted, heat, handle.spec.mode.value,
                                               len(tokens))
@@ -233,7 +235,8 @@ class TargetEngine:
                 "heat": self.heat, "kv_used_blocks": blocks.num_used_blocks,
                 "kv_total_blocks": blocks.num_blocks, "tokens_per_s": self.tokens_per_s,
                 "model_pair": self.model_pair,
-                "max_batch_tokens": self.scheduler.cfg.max_batch_tokens}
+                "max_batch_tokens": self.scheduler.cfg.max_batch_tokens,
+                "block_size": blocks.block_size, "prefix_caching": blocks.prefix_caching}
 
 
 def _is_group_failure(exc: Exception) -> bool:

@@ -54,7 +54,8 @@ class TargetWorkerConfig:
         from outrider.engine.runner import RunnerConfig
 
         runner = RunnerConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
-                              tp=args.tp, kv_cache_mb=args.kv_cache_mb, threads=args.threads)
+                              tp=args.tp, kv_cache_mb=args.kv_cache_mb, threads=args.threads,
+                              prefix_caching=args.enable_prefix_caching)
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                 max_batch_tokens=args.max_batch_tokens)
         return cls(runner, sched, tuple(args.draft_address), args.gamma, args.host, args.port,
@@ -142,6 +143,7 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
     metrics = TargetMetrics(group.runner.model_name)
     engine = TargetEngine(decoder, cfg.sched, policy, metrics)
     metrics.watch_load(engine.load)
+    metrics.watch_prefix_cache(group.runner.blocks)
     if cfg.metrics_port is not None:
         serve_metrics(cfg.host, cfg.metrics_port, "target worker", tries=16)
     service = TargetService(engine, default_gamma=cfg.gamma if drafter else 0,

@@ -2,9 +2,10 @@
 
 Each step gets a token budget. Running sequences go first (oldest first), each feeding
 its pending tokens plus γ draft tokens; then waiting sequences are admitted in arrival
-order, a prefill chunk at a time, starting after the prefix the KV cache already holds. When the KV cache cannot hold a running sequence's
-step, the youngest running sequence is preempted: its KV is freed and it goes back to
-the front of the queue, to be recomputed from its tokens later — nothing is dropped.
+order, a prefill chunk at a time, after the prefix the KV cache already holds. When the
+KV cache cannot hold a running sequence's step, the youngest running sequence is
+preempted: its KV is freed and it goes back to the front of the queue, to be recomputed
+from its tokens later (from its cached prefix, if still there) — nothing is dropped.
 """
 
 from __future__ import annotations
@@ -88,8 +89,7 @@ class Scheduler:
             # sequence is not preempted at once
             if chunk is None or self.blocks.blocks_needed(seq.seq_id, max(
                     pending + 1, sum(chunk))) > self.blocks.num_free_blocks - reserved:
-                self._preempt_kv(seq)  # gives its cached prefix back until it fits
-                break  # admit in arrival order: the head waits for room
+                break  # admit in arrival order: the head waits for room, holding its prefix
             reserved += self.blocks.blocks_needed(seq.seq_id, sum(chunk))
             self.running.append(self.waiting.popleft())
             self._plan(step, seq, *chunk)

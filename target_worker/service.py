@@ -61,6 +61,9 @@ class RequestSpan:
             "outrider.model_pair": engine.model_pair})
 
     def record(self, handle: Handle, chunk: Chunk) -> None:
+        if chunk.token_ids and handle.seq.num_output == len(chunk.token_ids):  # the first
+            self.span.set_attribute("gen_ai.usage.cache_read.input_tokens",
+                                    chunk.num_cached_tokens)
         for gamma, accepted, heat in chunk.rounds:
             self.stats.record(gamma, accepted)
             round_event(self.span, gamma, accepted, heat)
@@ -82,7 +85,8 @@ def chunk_message(chunk: Chunk) -> pb.TargetChunk:
     return pb.TargetChunk(token_ids=chunk.token_ids, finish_reason=chunk.finish_reason,
                           rounds=[pb.RoundStats(gamma=g, num_accepted=a, heat=h)
                                   for g, a, h in chunk.rounds],
-                          logprobs=logprobs_to_proto(chunk.logprobs))
+                          logprobs=logprobs_to_proto(chunk.logprobs),
+                          num_cached_tokens=chunk.num_cached_tokens)
 
 
 class ServeSession:

@@ -32,6 +32,7 @@ class Delta:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_prompt_tokens: int = 0  # prompt tokens the replica's prefix cache held
 
     @property
     def total_tokens(self) -> int:
@@ -117,7 +118,8 @@ class Collector:
         return Generation(
             request_id=last.request_id, text="".join(self.parts),
             token_ids=tuple(self.token_ids), finish_reason=last.finish_reason,
-            usage=Usage(last.usage.prompt_tokens, last.usage.completion_tokens),
+            usage=Usage(last.usage.prompt_tokens, last.usage.completion_tokens,
+                        last.usage.cached_prompt_tokens),
             speculation=SpeculationStats.from_proto(last.speculation),
             timings=Timings(first - self.started, end - self.started,
                             (end - first) / (n - 1) if n > 1 else 0.0,

@@ -37,7 +37,8 @@ class BlockManager:
         self._key_of: list[BlockKey | None] = [None] * num_blocks  # registered blocks only
         self._content_id = [ROOT] * num_blocks
         self._registered: dict[BlockKey, int] = {}
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # registered, unreferenced; LRU first
+        # registered blocks nobody references, least recently used first
+        self._evictable: OrderedDict[int, None] = OrderedDict()
         self._next_content_id = ROOT + 1
         self._tables: dict[object, list[int]] = {}
         self._lens: dict[object, int] = {}

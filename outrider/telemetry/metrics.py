@@ -11,7 +11,15 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    REGISTRY,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 disable_created_metrics()  # no *_created series: as vLLM, and half the scrape size
@@ -79,6 +87,33 @@ DRAFT_CACHED = Gauge("outrider_draft_cached_sequences", "Sequences whose KV the 
                      MODEL)
 
 
+class PrefixCacheCounters:
+    """Queried and hit token counts of a BlockManager, read at scrape time (the block
+    manager counts; Prometheus sees counters). Names end in _total in the exposition."""
+
+    def __init__(self, prefix: str, labels: dict[str, str], blocks) -> None:
+        self.prefix, self.labels, self.blocks = prefix, labels, blocks
+
+    def collect(self):
+        for name, doc, value in (
+                ("queries", "Prefix cache queries, in tokens looked up",
+                 self.blocks.num_queried_tokens),
+                ("hits", "Prefix cache hits, in tokens found cached", self.blocks.num_hit_tokens)):
+            family = CounterMetricFamily(f"{self.prefix}prefix_cache_{name}", doc,
+                                         labels=list(self.labels))
+            family.add_metric(list(self.labels.values()), value)
+            yield family
+
+    def describe(self):
+        return []  # registered unchecked: a replica registers its own once
+
+
+def watch_prefix_cache(prefix: str, labels: dict[str, str], blocks) -> PrefixCacheCounters:
+    collector = PrefixCacheCounters(prefix, labels, blocks)
+    REGISTRY.register(collector)
+    return collector
+
+
 class TargetMetrics:
     """Per round of every sequence: the speculation counters; per scrape: load gauges."""
 
@@ -125,6 +160,10 @@ class TargetMetrics:
         for key, read in readers.items():
             LOAD_GAUGES[key].labels(**self.labels).set_function(read)
 
+    def watch_prefix_cache(self, blocks) -> None:
+        """vLLM's `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits` (tokens)."""
+        watch_prefix_cache("vllm:", self.labels, blocks)
+
 
 class RouterMetrics:
     """What clients experience."""
@@ -150,8 +189,9 @@ class DraftMetrics:
         self.misses = DRAFT_MISSES.labels(model_name)
         self.seconds = DRAFT_SECONDS.labels(model_name)
 
-    def watch_cache(self, num_sequences: Callable[[], int]) -> None:
+    def watch_cache(self, num_sequences: Callable[[], int], blocks) -> None:
         DRAFT_CACHED.labels(self.model).set_function(num_sequences)
+        watch_prefix_cache("outrider_draft_", {"model_name": self.model}, blocks)
 
 
 def exposition() -> tuple[bytes, str]:
