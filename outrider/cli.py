@@ -98,7 +98,8 @@ def _serve_flags(serve: argparse.ArgumentParser) -> None:
     add_batch_arguments(serve)
     serve.add_argument("--no-cpu-pinning", action="store_true",
                        help="let the processes share every core (default on a CPU: the "
-                            "target gets cores of its own; drafts and router the rest)")
+                            "target gets cores of its own, drafts and router the rest; "
+                            "several target replicas always share every core)")
     add_public_arguments(serve)
 
 

@@ -64,7 +64,9 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
     one by default)."""
     with process_group(token or secrets.token_urlsafe(24), env=env) as start:
         metrics: dict[str, str] = {}
-        cpus = plan_cpus() if cfg.pin_cpus and cfg.device == "cpu" else None
+        # the plan gives one target replica cores of its own; several would share them
+        is_pinned = cfg.pin_cpus and cfg.device == "cpu" and cfg.target_replicas == 1
+        cpus = plan_cpus() if is_pinned else None
         pinned = lambda role: ("--cpus", getattr(cpus, role)) if cpus else ()  # noqa: E731
 
         def run(name: str, *args: str) -> str:

@@ -44,7 +44,7 @@ class ReplicaSet:
         self.store = store
         self.routing = routing
         self.prefixes = PrefixIndex()
-        self._sent = Counter()  # requests sent to each replica since its last heartbeat
+        self._sent_tokens = Counter()  # uncached prompt tokens sent since its last heartbeat
         self._turn = itertools.count()  # round-robin
         self.static_addresses = list(addresses)
         self.heartbeat_s, self.ttl_s = heartbeat_s, ttl_s
@@ -123,7 +123,7 @@ class ReplicaSet:
             for address in set(self._live) - set(live):
                 self.prefixes.forget(address)  # down or restarted: assume its cache is gone
             self._live = live
-            self._sent.clear()
+            self._sent_tokens.clear()
             # addresses that stopped answering are forgotten once the registry drops them
             self._known = set(self.static_addresses) | set(live) | self._registered
         self._publish(live.values())
@@ -162,11 +162,13 @@ class ReplicaSet:
             candidates.sort(key=lambda r: r.address)
             choice = candidates[next(self._turn) % len(candidates)]
         else:
+            uncached = {r.address: len(prompt_ids) - self._cached_tokens(r, prompt_ids)
+                        for r in candidates}
             choice = min(candidates, key=lambda r: expected_seconds(
-                r.load, acceptance, len(prompt_ids), self._cached_tokens(r, prompt_ids),
-                max_tokens, self._sent[r.address]))
-        with self._lock:
-            self._sent[choice.address] += 1
+                r.load, acceptance, uncached[r.address], max_tokens, self._num_running(r),
+                self._sent_tokens[r.address]))
+            with self._lock:
+                self._sent_tokens[choice.address] += uncached[choice.address]
         self._note_prefix(choice, prompt_ids)
         return choice
 
@@ -182,6 +184,14 @@ class ReplicaSet:
             self.prefixes.add(replica.address, block_chain(token_ids, replica.load.block_size),
                               replica.load.kv_total_blocks)
 
+    def _num_running(self, replica: st.ReplicaRecord) -> int:
+        """Its requests: as it last reported, or as many as this router runs there now
+        (the report is up to a heartbeat old)."""
+        with self._lock:
+            link = self._links.get(replica.address)
+        reported = replica.load.num_running + replica.load.num_waiting
+        return max(reported, link.num_running if link else 0)
+
     def _cached_tokens(self, replica: st.ReplicaRecord, prompt_ids: list[int]) -> int:
         size = replica.load.block_size
         if not (replica.load.prefix_caching and size):
@@ -190,22 +200,28 @@ class ReplicaSet:
                                                       block_chain(prompt_ids[:-1], size))
 
 
-def expected_seconds(load: pb.Load, acceptance: Acceptance, num_prompt: int, num_cached: int,
-                     max_tokens: int, num_just_sent: int = 0) -> float:
-    """Seconds one more request like this would take on a replica (docs/DESIGN.md §4.5):
+def expected_seconds(load: pb.Load, acceptance: Acceptance, num_uncached: int,
+                     max_tokens: int, num_running: int, num_sent_tokens: int = 0) -> float:
+    """What one more request like this costs on a replica, in seconds (docs/DESIGN.md §4.5):
 
-        (num_prompt − num_cached) · s_prefill + max_tokens / rate
+        (queued + uncached · (running + 1)) · s_token  +  max_tokens / rate(running)
 
-    s_prefill is the replica's measured cost of one more position in a forward, rate the
-    γ policy's expected tokens/s for the request in the replica's batch (its reported
-    running and waiting requests plus those this router sent since). A replica that
-    reports no cost model counts its heat as the time instead."""
+    - queued · s_token: waiting for the tokens already queued there (its heat × its step
+      budget, plus the uncached prompt tokens this router sent it since that report);
+    - uncached · (running + 1) · s_token: its own uncached prompt tokens, whose steps it
+      and every one of the `running` requests beside it wait on — so a cached prefix is
+      worth more on a busy replica;
+    - max_tokens / rate: its decoding, at the γ policy's expected tokens/s for it beside
+      `running` requests (the request's acceptance, the replica's cost model and γ_max).
+    s_token is the replica's measured cost of one more position in a forward. A replica
+    that reports no cost model counts its heat instead (uncached tokens break ties)."""
     c = load.cost
     if not c.verify_base_s:
-        return load.heat + (num_prompt - num_cached) * 1e-6
+        return load.heat + num_uncached * 1e-9
     cost = CostModel(c.verify_base_s, c.verify_per_token_s, c.draft_per_position_s,
                      c.draft_rtt_s, c.knee_tokens, c.draft_per_token_s)
     policy = GammaPolicy(PolicyConfig(gamma_max=load.gamma_max), cost)
-    rate = policy.request_rate(load.heat, load.num_running + load.num_waiting + num_just_sent,
-                               acceptance)
-    return (num_prompt - num_cached) * c.verify_per_token_s + max_tokens / rate
+    rate = policy.request_rate(load.heat, num_running, acceptance)
+    queued = load.heat * load.max_batch_tokens + num_sent_tokens
+    return ((queued + num_uncached * (num_running + 1)) * c.verify_per_token_s
+            + max_tokens / rate)

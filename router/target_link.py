@@ -106,6 +106,10 @@ class _Stream:
         self.send(pb.ServeRequest(start=request))
         return feed
 
+    @property
+    def num_running(self) -> int:
+        return len(self._feeds)
+
     def send(self, message: pb.ServeRequest) -> None:
         self._outbox.put(message)
 
@@ -160,6 +164,12 @@ class TargetLink:
                 self._stream = _Stream(self._stub, self._metadata)
             stream = self._stream
         return stream.start(request)
+
+    @property
+    def num_running(self) -> int:
+        """Requests this router runs on the replica now."""
+        stream = self._stream
+        return 0 if stream is None or stream.is_broken else stream.num_running
 
     def close(self) -> None:
         with self._lock:

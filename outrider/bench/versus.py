@@ -160,22 +160,23 @@ def cell(data: dict) -> dict:
 
 # -- servers -------------------------------------------------------------------------------
 @contextmanager
-def outrider_server(args) -> Iterator[str]:
-    """`outrider serve` on the demo pair (as a user starts it); yields its HTTP base URL."""
+def outrider_server(args, extra: tuple[str, ...] = ()) -> Iterator[str]:
+    """`outrider serve` on the demo pair (as a user starts it), with `extra` flags;
+    yields its HTTP base URL."""
     port = free_port()
     command = [sys.executable, "-m", "outrider.cli", "serve", "--target", args.target,
                "--draft", args.draft, "--gamma", str(args.gamma), "--grpc-port", "0",
-               "--http-port", str(port), "--served-model-name", SERVED_NAME]
+               "--http-port", str(port), "--served-model-name", SERVED_NAME, *extra]
     with _server(command, f"http://127.0.0.1:{port}", os.environ) as url:
         yield url
 
 
 @contextmanager
-def vllm_server(args, with_draft: bool) -> Iterator[str]:
+def vllm_server(args, with_draft: bool, extra: tuple[str, ...] = ()) -> Iterator[str]:
     port = free_port()
     command = [*vllm_command(args.vllm), "serve", args.target, "--served-model-name",
                SERVED_NAME, "--dtype", "float32", "--max-model-len", "1024", "--port",
-               str(port)]
+               str(port), *extra]
     if with_draft:
         command += ["--speculative-config", json.dumps(
             {"model": args.draft, "method": "draft_model", "num_speculative_tokens": args.gamma})]
