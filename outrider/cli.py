@@ -135,13 +135,18 @@ def _status_flags(status: argparse.ArgumentParser) -> None:
 
 
 def _bench_flags(bench: argparse.ArgumentParser) -> None:
-    from outrider.bench import serving, versus
+    from outrider.bench import prefix, serving, versus
 
     serving.add_arguments(bench)
     bench.add_argument("--vllm", help="instead: served Outrider vs its in-process engine vs "
                                       "vLLM with vLLM's load client (outrider.bench.versus); "
                                       "a vLLM venv, or the command that runs vLLM's CLI")
     versus.add_arguments(bench, standalone=False)
+    bench.add_argument("--shared-prefix", action="store_true",
+                       help="instead: multi-turn conversations over one system prompt, "
+                            "prefix caching on and off, cache-aware and round-robin routing "
+                            "(with --vllm: vLLM's prefix caching too; outrider.bench.prefix)")
+    prefix.add_arguments(bench, standalone=False)
 
 
 def _demo_flags(demo: argparse.ArgumentParser) -> None:
@@ -398,8 +403,12 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from outrider.bench import serving, versus
+    from outrider.bench import prefix, serving, versus
 
+    if args.shared_prefix:
+        if args.out == serving.DEFAULT_OUT:
+            args.out = prefix.DEFAULT_OUT
+        return prefix.run(args)
     if not args.vllm:
         return serving.run(args)
     if args.out == serving.DEFAULT_OUT:

@@ -1,15 +1,16 @@
 """The shared-prefix chat workload: prefix caching and cache-aware routing, side by side.
 
     outrider bench --shared-prefix [--vllm VLLM] [--conversations 16] [--turns 4]
-        [--system-tokens 500] [--user-tokens 40] [--max-tokens 48] [--concurrency 16]
-        [--target-replicas 2] [--systems ...] [--out results/prefix_cache.json]
+        [--system-tokens 500] [--user-tokens 40] [--answer-tokens 48]
+        [--parallel-conversations 16] [--target-replicas 2] [--outrider-args ARGS]
+        [--systems ...] [--out results/prefix_cache.json] [--plots-dir docs/figures]
     (or: python -m outrider.bench.prefix ...)
 
 Every conversation opens with the same system prompt (the first --system-tokens tokens
 of a third-party package's source file), then runs --turns turns one after another: a
 user message (the opening of another package file, different per conversation and
 turn) and the model's answer, each turn's prompt holding the whole conversation so far.
---concurrency conversations run at once. Greedy, --max-tokens tokens per answer
+--parallel-conversations run at once. Greedy, --answer-tokens tokens per answer
 (ignore_eos), /v1/completions with streaming, the same client for every system.
 
 Systems:
@@ -80,7 +81,7 @@ def build_workload(tokenizer, args) -> Workload:
     clip = lambda text: tokenizer.decode(tokenizer.encode(text)[:args.user_tokens])  # noqa: E731
     users = [[f"\n\n# --- user {c}.{t} ---\n" + clip(texts[1 + c * args.turns + t])
               for t in range(args.turns)] for c in range(args.conversations)]
-    return Workload(system, users, args.max_tokens)
+    return Workload(system, users, args.answer_tokens)
 
 
 # -- the client ------------------------------------------------------------------------------
@@ -157,7 +158,7 @@ def measure(args, system: str, work: Workload, log) -> dict:
         server = vllm_server(args, with_draft, ("--enable-prefix-caching",
                                                 "--enable-prompt-tokens-details"))
     with server as url:
-        result = run_workload(url, work, args.concurrency)
+        result = run_workload(url, work, args.parallel_conversations)
     log(f"{system}: TTFT p50 {result['ttft_ms_p50']:.0f} ms, {result['tokens_per_s']:.1f} "
         f"tok/s, hit rate {result['hit_rate']}")
     return result
@@ -227,14 +228,18 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
         parser.add_argument("--draft", default=str(paths.demo_draft_dir()))
         parser.add_argument("--gamma", type=int, default=4)
         parser.add_argument("--systems", default=None)
-        parser.add_argument("--max-tokens", type=int, default=48)
-        parser.add_argument("--concurrency", default="16")
         parser.add_argument("--out", default=DEFAULT_OUT)
         parser.add_argument("--plots-dir", default=None)
-    parser.add_argument("--conversations", type=int, default=16)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--system-tokens", type=int, default=500)
-    parser.add_argument("--user-tokens", type=int, default=40)
+    parser.add_argument("--conversations", type=int, default=16, help="(shared-prefix)")
+    parser.add_argument("--parallel-conversations", type=int, default=16,
+                        help="conversations at once (shared-prefix)")
+    parser.add_argument("--turns", type=int, default=4, help="(shared-prefix)")
+    parser.add_argument("--system-tokens", type=int, default=500,
+                        help="shared system prompt (shared-prefix)")
+    parser.add_argument("--user-tokens", type=int, default=40,
+                        help="per user message (shared-prefix)")
+    parser.add_argument("--answer-tokens", type=int, default=48,
+                        help="per answer (shared-prefix)")
     parser.add_argument("--target-replicas", type=int, default=2,
                         help="target replicas behind Outrider's router (shared-prefix)")
     parser.add_argument("--outrider-args", default="",
@@ -244,7 +249,6 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
 def run(args) -> int:
     from outrider.engine.tokenizer import Tokenizer
 
-    args.concurrency = int(str(args.concurrency).split(",")[0])
     systems = common.parse_list(args.systems or ",".join(
         [*OUTRIDER_SYSTEMS, *([f"vllm-draft{args.gamma}", "vllm"] if args.vllm else [])]))
     unknown = [s for s in systems if s not in OUTRIDER_SYSTEMS and not s.startswith("vllm")]
@@ -256,8 +260,8 @@ def run(args) -> int:
     results = {s: measure(args, s, work, log) for s in systems}
     report = {"machine": common.machine(), "command": common.command_line(),
               "config": {k: getattr(args, k) for k in (
-                  "conversations", "turns", "system_tokens", "user_tokens", "max_tokens",
-                  "concurrency", "target_replicas", "gamma", "outrider_args")},
+                  "conversations", "turns", "system_tokens", "user_tokens", "answer_tokens",
+                  "parallel_conversations", "target_replicas", "gamma", "outrider_args")},
               "results": results, "same_output_as_no_cache": same_outputs(
                   results, "outrider-no-cache"), "targets": targets(results)}
     if args.plots_dir:
