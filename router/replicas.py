@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Callable
 
 import grpc
@@ -33,6 +33,9 @@ from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 
 ROUTING = ("cache-aware", "round-robin")
+# a replica holding more of a prompt keeps it unless another is expected to be this much
+# cheaper: the estimates come from cost models and reports that are noisy and stale
+STICKINESS = 0.1
 
 
 class ReplicaSet:
@@ -44,8 +47,12 @@ class ReplicaSet:
         self.store = store
         self.routing = routing
         self.prefixes = PrefixIndex()
-        self._sent_tokens = Counter()  # uncached prompt tokens sent since its last heartbeat
+        # per replica, the uncached prompt tokens of requests this router sent it that
+        # have no token yet (request id -> tokens)
+        self._prefilling: defaultdict[str, dict[str, int]] = defaultdict(dict)
         self._turn = itertools.count()  # round-robin
+        # this router's (requests, prefilling tokens) there when it last reported
+        self._own_at_report: dict[str, tuple[int, int]] = {}
         self.static_addresses = list(addresses)
         self.heartbeat_s, self.ttl_s = heartbeat_s, ttl_s
         self.metadata = token_metadata(token)
@@ -93,9 +100,11 @@ class ReplicaSet:
             return list(self._live.values())
 
     def mark_down(self, address: str) -> None:
-        """A call to it failed: not a candidate until it answers a heartbeat again."""
+        """A call to it failed: not a candidate until it answers a heartbeat again, and
+        its cache is taken for lost (it may have restarted)."""
         with self._lock:
             self._live.pop(address, None)
+        self.prefixes.forget(address)
 
     # -- heartbeats --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -106,6 +115,8 @@ class ReplicaSet:
         self._discover()
         with self._lock:
             addresses = sorted(self._known)
+            own = {a: (self._links[a].num_running if a in self._links else 0,
+                       sum(self._prefilling[a].values())) for a in addresses}
         calls = {a: self.stub(a).GetLoad.future(pb.LoadRequest(), metadata=self.metadata,
                                                 timeout=max(1.0, 2 * self.heartbeat_s))
                  for a in addresses}
@@ -120,10 +131,8 @@ class ReplicaSet:
         if self.on_live is not None:
             self.on_live(bool(live))
         with self._lock:
-            for address in set(self._live) - set(live):
-                self.prefixes.forget(address)  # down or restarted: assume its cache is gone
             self._live = live
-            self._sent_tokens.clear()
+            self._own_at_report = own
             # addresses that stopped answering are forgotten once the registry drops them
             self._known = set(self.static_addresses) | set(live) | self._registered
         self._publish(live.values())
@@ -148,12 +157,13 @@ class ReplicaSet:
     # -- choice ------------------------------------------------------------------------------
     def pick(self, acceptance: Acceptance, avoid: set[str] = frozenset(),
              max_waiting: int = MAX_QUEUED_PER_REPLICA, prompt_ids: list[int] = (),
-             max_tokens: int = 1) -> st.ReplicaRecord | None:
+             max_tokens: int = 1, request_id: str = "") -> st.ReplicaRecord | None:
         """The replica expected to serve this request soonest (`expected_seconds`), or
         the next in turn under round-robin; those not in `avoid` first (a replica that
         failed this request may serve it again once it answers heartbeats). None when
         none is live or every queue is full. The choice is remembered: the request's
-        prompt is in that replica's cache from now on."""
+        prompt is in that replica's cache from now on, and its prefill is queued there
+        until `prefilled(address, request_id)`."""
         candidates = [r for r in self.live() if r.load.num_waiting < max_waiting]
         candidates = [r for r in candidates if r.address not in avoid] or candidates
         if not candidates:
@@ -164,13 +174,22 @@ class ReplicaSet:
         else:
             uncached = {r.address: len(prompt_ids) - self._cached_tokens(r, prompt_ids)
                         for r in candidates}
-            choice = min(candidates, key=lambda r: expected_seconds(
-                r.load, acceptance, uncached[r.address], max_tokens, self._num_running(r),
-                self._sent_tokens[r.address]))
+            cost = mean_cost([r.load for r in candidates])
+            seconds = {r.address: expected_seconds(r.load, acceptance, uncached[r.address],
+                                                   max_tokens, *self._now(r), cost)
+                       for r in candidates}
+            cheapest = min(seconds.values())
+            near = [r for r in candidates if seconds[r.address] <= cheapest * (1 + STICKINESS)]
+            choice = min(near, key=lambda r: (uncached[r.address], seconds[r.address]))
             with self._lock:
-                self._sent_tokens[choice.address] += uncached[choice.address]
+                self._prefilling[choice.address][request_id] = uncached[choice.address]
         self._note_prefix(choice, prompt_ids)
         return choice
+
+    def prefilled(self, address: str, request_id: str) -> None:
+        """The request's first token came (or it ended): its prefill is no longer queued."""
+        with self._lock:
+            self._prefilling[address].pop(request_id, None)
 
     def note_prefix(self, address: str, token_ids: list[int]) -> None:
         """The replica has computed (and, with prefix caching, keeps) these tokens' KV."""
@@ -184,13 +203,17 @@ class ReplicaSet:
             self.prefixes.add(replica.address, block_chain(token_ids, replica.load.block_size),
                               replica.load.kv_total_blocks)
 
-    def _num_running(self, replica: st.ReplicaRecord) -> int:
-        """Its requests: as it last reported, or as many as this router runs there now
-        (the report is up to a heartbeat old)."""
+    def _now(self, replica: st.ReplicaRecord) -> tuple[int, float]:
+        """Its requests and queued tokens now: other routers' as it last reported (up to a
+        heartbeat old), this router's own as they are now."""
+        address, load = replica.address, replica.load
         with self._lock:
-            link = self._links.get(replica.address)
-        reported = replica.load.num_running + replica.load.num_waiting
-        return max(reported, link.num_running if link else 0)
+            link = self._links.get(address)
+            running_then, prefilling_then = self._own_at_report.get(address, (0, 0))
+            prefilling = sum(self._prefilling[address].values())
+        running = max(0, load.num_running + load.num_waiting - running_then)
+        queued = max(0.0, load.heat * load.max_batch_tokens - prefilling_then)
+        return running + (link.num_running if link else 0), queued + prefilling
 
     def _cached_tokens(self, replica: st.ReplicaRecord, prompt_ids: list[int]) -> int:
         size = replica.load.block_size
@@ -200,28 +223,44 @@ class ReplicaSet:
                                                       block_chain(prompt_ids[:-1], size))
 
 
+def mean_cost(loads: list[pb.Load]) -> CostModel | None:
+    """The replicas' cost models averaged: the router compares replicas of one model pair
+    by their load and cache, not by the noise between their models (a replica refits its
+    model only while it runs, so an idle one's looks cheaper). None: none reports one."""
+    costs = [x.cost for x in loads if x.cost.verify_base_s]
+    if not costs:
+        return None
+    mean = lambda name: sum(getattr(c, name) for c in costs) / len(costs)  # noqa: E731
+    return CostModel(mean("verify_base_s"), mean("verify_per_token_s"),
+                     mean("draft_per_position_s"), mean("draft_rtt_s"),
+                     round(mean("knee_tokens")), mean("draft_per_token_s"))
+
+
 def expected_seconds(load: pb.Load, acceptance: Acceptance, num_uncached: int,
-                     max_tokens: int, num_running: int, num_sent_tokens: int = 0) -> float:
+                     max_tokens: int, num_running: int, num_queued: float,
+                     cost: CostModel | None = None) -> float:
     """What one more request like this costs on a replica, in seconds (docs/DESIGN.md §4.5):
 
         (queued + uncached · (running + 1)) · s_token  +  max_tokens / rate(running)
 
-    - queued · s_token: waiting for the tokens already queued there (its heat × its step
-      budget, plus the uncached prompt tokens this router sent it since that report);
+    - queued · s_token: waiting for the tokens already queued there (ReplicaSet._now:
+      other routers' share of its reported heat × step budget, and the uncached prompt
+      tokens of this router's requests there that have no token yet);
     - uncached · (running + 1) · s_token: its own uncached prompt tokens, whose steps it
       and every one of the `running` requests beside it wait on — so a cached prefix is
       worth more on a busy replica;
     - max_tokens / rate: its decoding, at the γ policy's expected tokens/s for it beside
       `running` requests (the request's acceptance, the replica's cost model and γ_max).
-    s_token is the replica's measured cost of one more position in a forward. A replica
-    that reports no cost model counts its heat instead (uncached tokens break ties)."""
+    s_token is the cost of one more position in a forward, from `cost` (by default the
+    replica's own measured model). Without a cost model the replica's heat counts instead
+    (uncached tokens break ties)."""
     c = load.cost
-    if not c.verify_base_s:
+    if cost is None and c.verify_base_s:
+        cost = CostModel(c.verify_base_s, c.verify_per_token_s, c.draft_per_position_s,
+                         c.draft_rtt_s, c.knee_tokens, c.draft_per_token_s)
+    if cost is None:
         return load.heat + num_uncached * 1e-9
-    cost = CostModel(c.verify_base_s, c.verify_per_token_s, c.draft_per_position_s,
-                     c.draft_rtt_s, c.knee_tokens, c.draft_per_token_s)
     policy = GammaPolicy(PolicyConfig(gamma_max=load.gamma_max), cost)
     rate = policy.request_rate(load.heat, num_running, acceptance)
-    queued = load.heat * load.max_batch_tokens + num_sent_tokens
-    return ((queued + num_uncached * (num_running + 1)) * c.verify_per_token_s
+    return ((num_queued + num_uncached * (num_running + 1)) * cost.verify_per_token_s
             + max_tokens / rate)

@@ -252,7 +252,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         while True:
             acceptance = Acceptance(self._prior(self._pair_hint(), job.tag))
             replica = self.replicas.pick(acceptance, tried, self.limits.max_waiting,
-                                         job.prompt_ids, job.params.max_tokens)
+                                         job.prompt_ids, job.params.max_tokens, job.request_id)
             if replica is not None:
                 return replica
             if time.monotonic() >= deadline:
@@ -265,31 +265,41 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
     def _stream_from(self, address: str, progress: Progress, context,
                      observed: RequestTelemetry):
-        job = progress.job
         request = self._target_request(progress)
         request.traceparent = observed.traceparent()
-        with self.replicas.link(address).start(request) as feed:
-            context.add_callback(feed.cancel)  # a client that leaves frees the replica's work
-            for chunk in feed.chunks(remaining_timeout(context)):
-                self._journal(job.request_id, list(chunk.token_ids))
-                progress.output_ids.extend(chunk.token_ids)
-                progress.logprobs.extend(chunk.logprobs)
-                if progress.num_cached_tokens is None and chunk.token_ids:
-                    progress.num_cached_tokens = min(chunk.num_cached_tokens, len(job.prompt_ids))
-                for r in chunk.rounds:
-                    progress.stats.record(r.gamma, r.num_accepted)
-                delta = progress.text.push(list(chunk.token_ids))
-                if progress.text.is_stopped:
-                    feed.cancel()
-                    progress.finish_reason = "stop"
-                elif chunk.finish_reason:
-                    progress.finish_reason = chunk.finish_reason
-                    delta += progress.text.finish()
-                message = self._delta(progress, delta, chunk.rounds)
-                observed.streamed(len(message.token_ids), chunk.rounds)
-                yield message
-                if progress.finish_reason:
-                    return
+        try:
+            with self.replicas.link(address).start(request) as feed:
+                context.add_callback(feed.cancel)  # a client that leaves frees the replica's work
+                for chunk in feed.chunks(remaining_timeout(context)):
+                    if chunk.token_ids:  # its prefill is done: no longer queued there
+                        self.replicas.prefilled(address, request.request_id)
+                    message = self._take_chunk(progress, chunk, feed)
+                    observed.streamed(len(message.token_ids), chunk.rounds)
+                    yield message
+                    if progress.finish_reason:
+                        return
+        finally:
+            self.replicas.prefilled(address, request.request_id)
+
+    def _take_chunk(self, progress: Progress, chunk: pb.TargetChunk,
+                    feed) -> gp.GenerateResponse:
+        """Journal a replica's chunk, detokenise it, apply stop strings: the client's delta."""
+        job = progress.job
+        self._journal(job.request_id, list(chunk.token_ids))
+        progress.output_ids.extend(chunk.token_ids)
+        progress.logprobs.extend(chunk.logprobs)
+        if progress.num_cached_tokens is None and chunk.token_ids:
+            progress.num_cached_tokens = min(chunk.num_cached_tokens, len(job.prompt_ids))
+        for r in chunk.rounds:
+            progress.stats.record(r.gamma, r.num_accepted)
+        delta = progress.text.push(list(chunk.token_ids))
+        if progress.text.is_stopped:
+            feed.cancel()
+            progress.finish_reason = "stop"
+        elif chunk.finish_reason:
+            progress.finish_reason = chunk.finish_reason
+            delta += progress.text.finish()
+        return self._delta(progress, delta, chunk.rounds)
 
     def _after_failure(self, exc: grpc.RpcError, progress: Progress, attempts: int) -> None:
         code = exc.code()

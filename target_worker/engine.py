@@ -81,6 +81,7 @@ class TargetEngine:
         self._inbox: queue.Queue[Handle] = queue.Queue()
         self._handles: dict[str, Handle] = {}
         self._by_seq: dict[int, Handle] = {}
+        self._cached_at_arrival: dict[int, int] = {}  # prompt positions cached when it came
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._touched: set = set()  # sinks delivered to since the last flush
@@ -139,6 +140,8 @@ class TargetEngine:
         while not self._inbox.empty():
             handle = self._inbox.get_nowait()
             self._by_seq[handle.seq.seq_id] = handle
+            blocks = self.decoder.target.blocks
+            self._cached_at_arrival[handle.seq.seq_id] = blocks.cached_len(handle.seq.token_ids)
             if self.metrics:
                 self.metrics.prompt_tokens.inc(handle.seq.prompt_len)
             self.scheduler.add(handle.seq)
@@ -185,9 +188,11 @@ class TargetEngine:
         return True
 
     def _demand_heat(self) -> float:
-        """Tokens the queued work asks of this step without speculation / the budget."""
-        seqs = [*self.scheduler.running, *self.scheduler.waiting]
-        demand = sum(len(s.token_ids) - s.target_len for s in seqs)
+        """Tokens the queued work asks of this step without speculation / the budget. A
+        waiting prompt counts without the prefix the cache held when it came."""
+        demand = sum(len(s.token_ids) - s.target_len for s in self.scheduler.running)
+        demand += sum(len(s.token_ids) - max(s.target_len, self._cached_at_arrival[s.seq_id])
+                      for s in self.scheduler.waiting)
         return demand / self.scheduler.cfg.max_batch_tokens
 
     def _choose_gammas(self, heat: float) -> dict[int, int]:
@@ -219,6 +224,7 @@ class TargetEngine:
         self.scheduler.remove(handle.seq)
         self.decoder.release(handle.seq)
         self._by_seq.pop(handle.seq.seq_id, None)
+        self._cached_at_arrival.pop(handle.seq.seq_id, None)
         with self._lock:
             self._handles.pop(handle.request_id, None)
         self._deliver(handle, Chunk([], finish_reason=reason))

@@ -89,7 +89,11 @@ class Scheduler:
             # sequence is not preempted at once
             if chunk is None or self.blocks.blocks_needed(seq.seq_id, max(
                     pending + 1, sum(chunk))) > self.blocks.num_free_blocks - reserved:
-                break  # admit in arrival order: the head waits for room, holding its prefix
+                # admit in arrival order: the head waits for room, holding its cached prefix
+                # unless those blocks are room the running sequences reserved this step
+                if self.blocks.num_free_blocks < reserved:
+                    self._preempt_kv(seq)
+                break
             reserved += self.blocks.blocks_needed(seq.seq_id, sum(chunk))
             self.running.append(self.waiting.popleft())
             self._plan(step, seq, *chunk)
@@ -121,6 +125,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._preempt_kv(seq)
+        if self.waiting:  # only the head may hold a cached prefix while it waits
+            self._preempt_kv(self.waiting[0])
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

@@ -2,7 +2,7 @@
 
     outrider bench --shared-prefix [--vllm VLLM] [--conversations 16] [--turns 4]
         [--system-tokens 500] [--user-tokens 40] [--answer-tokens 48]
-        [--parallel-conversations 16] [--target-replicas 2] [--outrider-args ARGS]
+        [--parallel-conversations 8] [--target-replicas 2] [--outrider-args ARGS]
         [--systems ...] [--out results/prefix_cache.json] [--plots-dir docs/figures]
     (or: python -m outrider.bench.prefix ...)
 
@@ -231,7 +231,7 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
         parser.add_argument("--out", default=DEFAULT_OUT)
         parser.add_argument("--plots-dir", default=None)
     parser.add_argument("--conversations", type=int, default=16, help="(shared-prefix)")
-    parser.add_argument("--parallel-conversations", type=int, default=16,
+    parser.add_argument("--parallel-conversations", type=int, default=8,
                         help="conversations at once (shared-prefix)")
     parser.add_argument("--turns", type=int, default=4, help="(shared-prefix)")
     parser.add_argument("--system-tokens", type=int, default=500,

@@ -244,7 +244,10 @@ class GammaPolicy:
         if heat < self.cfg.hot_heat:
             self._maximise_goodput(batch, gammas, list(range(len(batch))))
         step = self.cost.step_seconds(sum(1 + g for g in gammas), max(gammas), sum(gammas))
-        return acceptance.expected_tokens(gammas[-1]) / float(step)
+        # the requests are alike, so any of them is the new one: their mean, not the last
+        # one's share of the positions the optimum gave out
+        tokens = sum(acceptance.expected_tokens(g) for g in gammas) / len(gammas)
+        return tokens / float(step)
 
 
 def _all_gains(requests, auto: list[int], gamma_max: int):

@@ -92,28 +92,42 @@ class BlockManager:
 
     # -- updates ---------------------------------------------------------------------------
     def match_prefix(self, seq_id, token_ids: list[int]) -> int:
-        """Register a new sequence on the longest cached prefix of `token_ids`; returns
-        the positions it found cached. The last token is never taken from the cache: its
-        forward gives the logits the sequence goes on from."""
-        if seq_id in self._tables:
-            raise ValueError(f"sequence {seq_id!r} already holds KV blocks")
-        table, sealed = [], []
-        parent, size = ROOT, self.block_size
-        for start in range(0, (len(token_ids) - 1) // size * size if self.prefix_caching else 0,
-                           size):
-            block = self._registered.get((parent, tuple(token_ids[start:start + size])))
-            if block is None:
-                break
+        """Start a sequence on the longest cached prefix of `token_ids`; returns the
+        positions it holds. A sequence that holds only cached blocks so far (one waiting
+        for room) may ask again: blocks sealed meanwhile extend its match. The last token
+        is never taken from the cache: its forward gives the logits the sequence goes on
+        from."""
+        is_new = seq_id not in self._tables
+        if not is_new and self._lens[seq_id] != self.sealed_len(seq_id):
+            raise ValueError(f"sequence {seq_id!r} already holds KV of its own")
+        table = self._tables.setdefault(seq_id, [])
+        sealed = self._sealed.setdefault(seq_id, [])
+        size, already = self.block_size, len(table) * self.block_size
+        for block in self._matching(token_ids, sealed[-1] if sealed else ROOT, len(table)):
             self._evictable.pop(block, None)
             self._refs[block] += 1
-            parent = self._content_id[block]
             table.append(block)
-            sealed.append(parent)
-        self._tables[seq_id], self._sealed[seq_id] = table, sealed
+            sealed.append(self._content_id[block])
         self._lens[seq_id] = len(table) * size
-        self.num_queried_tokens += len(token_ids)
-        self.num_hit_tokens += len(table) * size
+        self.num_queried_tokens += len(token_ids) if is_new else 0
+        self.num_hit_tokens += len(table) * size - already
         return len(table) * size
+
+    def cached_len(self, token_ids: list[int]) -> int:
+        """Positions match_prefix would find cached now (a lookup: nothing is held)."""
+        return sum(1 for _ in self._matching(token_ids, ROOT, 0)) * self.block_size
+
+    def _matching(self, token_ids: list[int], parent: int, first: int):
+        """The registered blocks that hold `token_ids` from block `first` on, after the
+        content `parent`, up to (not including) the block of the last token."""
+        size = self.block_size
+        end = (len(token_ids) - 1) // size * size if self.prefix_caching else 0
+        for start in range(first * size, end, size):
+            block = self._registered.get((parent, tuple(token_ids[start:start + size])))
+            if block is None:
+                return
+            yield block
+            parent = self._content_id[block]
 
     def seal(self, seq_id, token_ids: list[int], num_final: int) -> None:
         """The first `num_final` positions of `seq_id` hold the final KV of `token_ids`:

@@ -164,9 +164,12 @@ class SpeculativeDecoder:
 
     def admit(self, seq: Sequence) -> None:
         """Start a sequence without target KV (new or preempted) on the longest prefix
-        of its tokens the cache holds."""
-        if not self.target.blocks.has(seq.seq_id):
-            seq.target_len = self.target.blocks.match_prefix(seq.seq_id, seq.token_ids)
+        of its tokens the cache holds; one still waiting to run extends its match with
+        blocks sealed since."""
+        blocks, seq_id = self.target.blocks, seq.seq_id
+        if not blocks.has(seq_id) or (seq.num_cached_tokens is None
+                                      and blocks.seq_len(seq_id) == blocks.sealed_len(seq_id)):
+            seq.target_len = blocks.match_prefix(seq_id, seq.token_ids)
 
     def release(self, seq: Sequence) -> None:
         self.target.blocks.free(seq.seq_id)

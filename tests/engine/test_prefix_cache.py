@@ -104,6 +104,21 @@ def test_a_prefix_is_shared_and_outlives_its_sequence():
     assert blocks.num_hit_tokens == 16 and blocks.num_queried_tokens == 31
 
 
+def test_a_waiting_sequence_extends_its_match_with_blocks_sealed_since():
+    blocks = BlockManager(16, BLOCK)
+    tokens = list(range(13))
+    blocks.append("a", 4)
+    blocks.seal("a", tokens, 4)
+    assert blocks.match_prefix("b", tokens) == 4
+    blocks.append("a", 8)
+    blocks.seal("a", tokens, 12)
+    assert blocks.match_prefix("b", tokens) == 12
+    assert blocks.num_queried_tokens == 13 and blocks.num_hit_tokens == 12
+    blocks.append("b", 1)  # its own position: it runs now
+    with pytest.raises(ValueError, match="of its own"):
+        blocks.match_prefix("b", tokens)
+
+
 def test_the_last_token_is_never_taken_from_the_cache():
     blocks = BlockManager(16, BLOCK)
     tokens = list(range(8))

@@ -104,3 +104,23 @@ def test_max_num_seqs():
     for i in range(4):
         sched.add(seq(i, 2))
     assert len(sched.schedule(lambda _: 0).seqs) == 2 and len(sched.waiting) == 2
+
+
+def test_a_waiting_head_starts_after_its_cached_prefix_and_only_the_head_holds_one():
+    sched, blocks = make(num_blocks=8, block_size=4, budget=64)
+    blocks.append("earlier", 12)
+    blocks.seal("earlier", list(range(12)), 12)
+    blocks.free("earlier")  # 3 cached blocks of tokens 0..11
+    blocks.append("other", 20)  # 5 of 8 blocks taken: no room for more than the cache
+    head = seq(1, 14)
+    sched.add(head)
+    assert sched.schedule(lambda _: 0).seqs == []  # 2 more blocks needed, none free
+    assert head.target_len == 12 and blocks.has(head.seq_id)  # waits holding its prefix
+    running = seq(2, 2)
+    sched.running.append(running)
+    sched._preempt(running)  # a preempted sequence goes before it ...
+    assert list(sched.waiting) == [running, head]
+    assert head.target_len == 0 and not blocks.has(head.seq_id)  # ... which lets go
+    blocks.free("other")
+    plan = sched.schedule(lambda _: 0)
+    assert plan.seqs == [running, head] and plan.chunk_lens == [2, 2]  # 12 of 14 cached

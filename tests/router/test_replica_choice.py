@@ -1,0 +1,102 @@
+"""How the router chooses a target replica: the cost formula (expected_seconds), the
+router's prefix index, and round-robin. Plain Python: replicas are Load records."""
+
+from __future__ import annotations
+
+import pytest
+from outrider.router.prefix_index import PrefixIndex, block_chain
+from outrider.router.replicas import ReplicaSet, expected_seconds
+from outrider.router.state import MemoryStore
+
+from outrider.core.policy import Acceptance
+from outrider.v1 import state_pb2 as st
+from outrider.v1 import worker_pb2 as pb
+
+SYSTEM = list(range(1000, 1512))  # a 512-token shared prefix
+
+
+def load(num_running: int = 0, heat: float = 0.0, caching: bool = True) -> pb.Load:
+    cost = pb.CostModel(verify_base_s=0.007, verify_per_token_s=0.00015, knee_tokens=15,
+                        draft_per_position_s=0.0007, draft_rtt_s=0.0004,
+                        draft_per_token_s=0.0001)
+    return pb.Load(num_running=num_running, heat=heat, cost=cost, gamma_max=8,
+                   max_batch_tokens=512, kv_total_blocks=4096, block_size=16,
+                   prefix_caching=caching)
+
+
+def replica_set(loads: dict[str, pb.Load], routing: str = "cache-aware") -> ReplicaSet:
+    replicas = ReplicaSet(MemoryStore(), list(loads), None, routing=routing)
+    replicas._live = {a: st.ReplicaRecord(address=a, load=x) for a, x in loads.items()}
+    return replicas
+
+
+def pick(replicas: ReplicaSet, prompt: list[int], request_id: str = "r") -> str:
+    return replicas.pick(Acceptance([0.7] * 8), prompt_ids=prompt, max_tokens=48,
+                         request_id=request_id).address
+
+
+def test_cached_tokens_count_more_on_a_busy_replica():
+    a = Acceptance([0.7] * 8)
+    idle_saving = (expected_seconds(load(0), a, 500, 48, 0, 0)
+                   - expected_seconds(load(0), a, 0, 48, 0, 0))
+    busy_saving = (expected_seconds(load(8), a, 500, 48, 8, 0)
+                   - expected_seconds(load(8), a, 0, 48, 8, 0))
+    assert busy_saving == pytest.approx(9 * idle_saving)
+
+
+def test_a_conversation_follows_its_cache():
+    replicas = replica_set({"a": load(2), "b": load(2)})
+    first = pick(replicas, SYSTEM + [7] * 40)
+    history = SYSTEM + [7] * 40 + [8] * 48
+    replicas.prefilled(first, "r")  # as the service does at the first token ...
+    replicas.note_prefix(first, history[:-1])  # ... and when the turn ends
+    for turn in range(3):
+        history += [9 + turn] * 40
+        assert pick(replicas, history) == first
+        history += [20 + turn] * 48
+        replicas.prefilled(first, "r")
+        replicas.note_prefix(first, history[:-1])
+
+
+def test_a_cold_replica_wins_over_a_crowded_warm_one():
+    replicas = replica_set({"warm": load(40, heat=1.5), "cold": load(0)})
+    replicas.prefixes.add("warm", block_chain(SYSTEM, 16), 4096)
+    assert pick(replicas, SYSTEM + [5] * 40) == "cold"
+
+
+def test_prefills_still_queued_spread_a_burst():
+    replicas = replica_set({"a": load(), "b": load()})
+    chosen = [pick(replicas, [i] * 520, f"r{i}") for i in range(8)]  # eight cold prompts
+    assert chosen.count("a") == 4 and chosen.count("b") == 4
+    for i, address in enumerate(chosen):  # all prefilled: the queue is empty again
+        replicas.prefilled(address, f"r{i}")
+    assert pick(replicas, [99] * 520, "next") == "a"
+
+
+def test_a_replica_without_prefix_caching_is_never_credited_with_a_cache():
+    replicas = replica_set({"a": load(caching=False), "b": load(1)})
+    replicas.prefixes.add("a", block_chain(SYSTEM, 16), 4096)
+    assert replicas._cached_tokens(replicas._live["a"], SYSTEM) == 0
+
+
+def test_round_robin_takes_turns_whatever_the_cache():
+    replicas = replica_set({"a": load(), "b": load()}, routing="round-robin")
+    assert [pick(replicas, SYSTEM) for _ in range(4)] == ["a", "b", "a", "b"]
+
+
+def test_unknown_routing_is_refused():
+    with pytest.raises(ValueError, match="routing must be one of"):
+        ReplicaSet(MemoryStore(), [], None, routing="random")
+
+
+def test_the_index_matches_leading_blocks_and_forgets_the_least_recent():
+    index = PrefixIndex()
+    one, two = block_chain(list(range(64)), 16), block_chain(list(range(100, 164)), 16)
+    index.add("r", one, capacity=6)
+    assert index.num_cached_blocks("r", one) == 4
+    assert index.num_cached_blocks("r", block_chain(list(range(32)) + [0] * 32, 16)) == 2
+    index.add("r", two, capacity=6)  # 8 blocks > 6: the oldest (deepest of `one`) go
+    assert index.num_cached_blocks("r", two) == 4
+    assert index.num_cached_blocks("r", one) == 2
+    index.forget("r")
+    assert index.num_cached_blocks("r", two) == 0
