@@ -33,9 +33,6 @@ from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 
 ROUTING = ("cache-aware", "round-robin")
-# a replica holding more of a prompt keeps it unless another is expected to be this much
-# cheaper: the estimates come from cost models and reports that are noisy and stale
-STICKINESS = 0.1
 
 
 class ReplicaSet:
@@ -178,9 +175,7 @@ class ReplicaSet:
             seconds = {r.address: expected_seconds(r.load, acceptance, uncached[r.address],
                                                    max_tokens, *self._now(r), cost)
                        for r in candidates}
-            cheapest = min(seconds.values())
-            near = [r for r in candidates if seconds[r.address] <= cheapest * (1 + STICKINESS)]
-            choice = min(near, key=lambda r: (uncached[r.address], seconds[r.address]))
+            choice = min(candidates, key=lambda r: (seconds[r.address], uncached[r.address]))
             with self._lock:
                 self._prefilling[choice.address][request_id] = uncached[choice.address]
         self._note_prefix(choice, prompt_ids)
@@ -212,7 +207,7 @@ class ReplicaSet:
             running_then, prefilling_then = self._own_at_report.get(address, (0, 0))
             prefilling = sum(self._prefilling[address].values())
         running = max(0, load.num_running + load.num_waiting - running_then)
-        queued = max(0.0, load.heat * load.max_batch_tokens - prefilling_then)
+        queued = max(0, load.queued_tokens - prefilling_then)
         return running + (link.num_running if link else 0), queued + prefilling
 
     def _cached_tokens(self, replica: st.ReplicaRecord, prompt_ids: list[int]) -> int:
@@ -243,9 +238,9 @@ def expected_seconds(load: pb.Load, acceptance: Acceptance, num_uncached: int,
 
         (queued + uncached · (running + 1)) · s_token  +  max_tokens / rate(running)
 
-    - queued · s_token: waiting for the tokens already queued there (ReplicaSet._now:
-      other routers' share of its reported heat × step budget, and the uncached prompt
-      tokens of this router's requests there that have no token yet);
+    - queued · s_token: waiting for the prompt tokens already queued there
+      (ReplicaSet._now: other routers' share of its reported queued_tokens, and the
+      uncached prompt tokens of this router's requests there that have no token yet);
     - uncached · (running + 1) · s_token: its own uncached prompt tokens, whose steps it
       and every one of the `running` requests beside it wait on — so a cached prefix is
       worth more on a busy replica;

@@ -189,11 +189,19 @@ class TargetEngine:
 
     def _demand_heat(self) -> float:
         """Tokens the queued work asks of this step without speculation / the budget. A
-        waiting prompt counts without the prefix the cache held when it came."""
-        demand = sum(len(s.token_ids) - s.target_len for s in self.scheduler.running)
-        demand += sum(len(s.token_ids) - max(s.target_len, self._cached_at_arrival[s.seq_id])
-                      for s in self.scheduler.waiting)
+        waiting prompt counts whole: measured on the shared-prefix benchmark, counting
+        only its uncached part kept speculation on through prefill-heavy steps and cost
+        ~35 % of TTFT and throughput (BENCHMARKS.md)."""
+        seqs = [*self.scheduler.running, *self.scheduler.waiting]
+        demand = sum(len(s.token_ids) - s.target_len for s in seqs)
         return demand / self.scheduler.cfg.max_batch_tokens
+
+    def _queued_tokens(self) -> int:
+        """Prompt tokens still to compute, a waiting prompt's cached prefix (as it was
+        when the request came) not counted: what the router weighs."""
+        seqs = [*self.scheduler.running, *self.scheduler.waiting]
+        return sum(len(s.token_ids) - max(s.target_len, self._cached_at_arrival.get(s.seq_id, 0))
+                   for s in seqs if len(s.token_ids) - s.target_len > 1)
 
     def _choose_gammas(self, heat: float) -> dict[int, int]:
         """γ for the running sequences and the waiting ones that could join them this
@@ -242,7 +250,8 @@ class TargetEngine:
                 "kv_total_blocks": blocks.num_blocks, "tokens_per_s": self.tokens_per_s,
                 "model_pair": self.model_pair,
                 "max_batch_tokens": self.scheduler.cfg.max_batch_tokens,
-                "block_size": blocks.block_size, "prefix_caching": blocks.prefix_caching}
+                "block_size": blocks.block_size, "prefix_caching": blocks.prefix_caching,
+                "queued_tokens": self._queued_tokens()}
 
 
 def _is_group_failure(exc: Exception) -> bool:

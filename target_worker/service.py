@@ -50,6 +50,7 @@ class RequestSpan:
         self.span = tracer().start_span(f"text_completion {model}", parent,
                                         kind=trace.SpanKind.SERVER)
         self.stats = SpecStats()
+        self.has_output = False
         handle.seq.traceparent = traceparent_of(self.span)
         seq = handle.seq
         self.span.set_attributes({
@@ -61,7 +62,8 @@ class RequestSpan:
             "outrider.model_pair": engine.model_pair})
 
     def record(self, handle: Handle, chunk: Chunk) -> None:
-        if chunk.token_ids and handle.seq.num_output == len(chunk.token_ids):  # the first
+        if chunk.token_ids and not self.has_output:
+            self.has_output = True
             self.span.set_attribute("gen_ai.usage.cache_read.input_tokens",
                                     chunk.num_cached_tokens)
         for gamma, accepted, heat in chunk.rounds:

@@ -18,6 +18,7 @@ from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.engine.tokenizer import Tokenizer
+from tests.checkpoints import VOCAB, save_random_checkpoint
 
 BLOCK = 4
 
@@ -221,9 +222,31 @@ def test_greedy_output_is_the_same_with_the_cache_on_and_off(pair_dirs, kv_mb):
     assert decoder.drafter.runner.blocks.num_hit_tokens > 0
     assert any(s.num_cached_tokens for s in cached)
     assert not any(s.num_cached_tokens for s in plain)
-    for on, off in zip(cached, plain):
-        first = next((i for i, (a, b) in enumerate(zip(on.output_ids, off.output_ids))
-                      if a != b), None)
+    assert_same_but_for_near_ties(cached, plain)
+
+
+def test_a_sliding_window_model_shares_prefixes_longer_than_its_window(tmp_path):
+    model_dir = tmp_path / "mistral"
+    save_random_checkpoint(model_dir, arch="mistral", sliding_window=24, head_dim=16)
+    stem = [random.Random(0).randrange(VOCAB) for _ in range(70)]  # > 2 windows
+    prompts = [stem + [i, i + 1] for i in range(3)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
+
+    def run(caching: bool):
+        runner = ModelRunner(RunnerConfig(str(model_dir), kv_cache_mb=8, prefix_caching=caching))
+        decoder = SpeculativeDecoder(runner)
+        return [decoder.generate([p], params, gamma=0)[0] for p in prompts]
+
+    cached, plain = run(True), run(False)
+    assert [s.num_cached_tokens for s in cached] == [0, 64, 64]
+    assert_same_but_for_near_ties(cached, plain)
+
+
+def assert_same_but_for_near_ties(on, off) -> None:
+    """Each pair of sequences is identical up to a first difference at a near-tie."""
+    for a, b in zip(on, off, strict=True):
+        first = next((i for i, (x, y) in enumerate(zip(a.output_ids, b.output_ids))
+                      if x != y), None)
         if first is not None:
-            (_, best), (_, second) = off.logprobs[first].top
+            (_, best), (_, second) = b.logprobs[first].top
             assert best - second < NEAR_TIE, (first, best, second)

@@ -129,6 +129,10 @@ def test_one_connected_trace_per_request_with_acceptance(system, receiver, clien
     assert per_pos == list(s.accepted_per_position)
     assert attrs["gen_ai.usage.output_tokens"].int_value == 40
     assert attrs["gen_ai.request.model"].string_value == "demo-target"
+    cached = result.usage.cached_prompt_tokens  # as the target and the router saw it
+    assert attrs["gen_ai.usage.cache_read.input_tokens"].int_value == cached
+    target_attrs = {a.key: a.value for a in target.attributes}
+    assert target_attrs["gen_ai.usage.cache_read.input_tokens"].int_value == cached
     rounds = [{a.key: a.value for a in e.attributes} for e in target.events
               if e.name == "outrider.spec.round"]
     assert len(rounds) == s.rounds  # every round an event on the target's span ...
