@@ -53,7 +53,7 @@ class _Replica:
 
 class DraftReplica(_Replica):
     def __init__(self, runner: RunnerConfig, host: str, port: int, token: str,
-                 metrics_port: int | None = None) -> None:
+                 metrics_port: int | None = None, adapt: bool = False) -> None:
         from outrider.draft_worker.main import DraftWorkerConfig, start
 
         self.host = host
@@ -62,7 +62,8 @@ class DraftReplica(_Replica):
                                                kv_cache_mb=runner.kv_cache_mb,
                                                threads=runner.threads,
                                                metrics_port=metrics_port,
-                                               prefix_caching=runner.prefix_caching), token)
+                                               prefix_caching=runner.prefix_caching,
+                                               adapt=adapt), token)
         self.service = self.running.service
 
     def busy_seconds(self) -> float:

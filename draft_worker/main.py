@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from outrider.draft_worker.adapt import Adapter
 from outrider.draft_worker.service import DraftService
 
 from outrider import cluster_tls
 from outrider.cpus import available_cpus, parse_cpus
 from outrider.dense_channel import DRAFT_RANK, DenseChannel
+from outrider.engine.distill import DistillConfig
 from outrider.engine.distributed import set_cpu_threads
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
@@ -37,6 +39,8 @@ class DraftWorkerConfig:
     metrics_port: int | None = None    # Prometheus exposition; None: off, 0: a free port
     target_cpus: str | None = None     # a co-located target's cores (overlap)
     prefix_caching: bool = RunnerConfig.prefix_caching
+    adapt: bool = False                # online distillation on the traffic it drafts for
+    distill: DistillConfig = DistillConfig()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DraftWorkerConfig:
@@ -45,7 +49,9 @@ class DraftWorkerConfig:
                    kv_cache_mb=args.kv_cache_mb, idle_ttl_s=args.idle_ttl_s,
                    dist_address=args.dist_address, threads=args.threads,
                    metrics_port=args.metrics_port, target_cpus=args.target_cpus,
-                   prefix_caching=args.enable_prefix_caching)
+                   prefix_caching=args.enable_prefix_caching, adapt=args.adapt,
+                   distill=DistillConfig(round_tokens=args.adapt_round_tokens,
+                                         max_duty=args.adapt_max_duty))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,6 +70,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="free sequences idle this long (they MISS later)")
     p.add_argument("--dist-address", help="host:port of the co-located target's dense "
                                           "q channel (torch.distributed, gloo on CPU)")
+    p.add_argument("--adapt", action="store_true",
+                   help="online distillation: train the draft on the target's tokens of "
+                        "the sequences it drafts for, and adopt the trained weights when "
+                        "they agree with the target more on held-out traffic (default: off)")
+    p.add_argument("--adapt-round-tokens", type=int, default=DistillConfig.round_tokens,
+                   help="new output tokens served between training rounds")
+    p.add_argument("--adapt-max-duty", type=float, default=DistillConfig.max_duty,
+                   help="at most this share of wall time spent training")
     add_metrics_arg(p)
 
 
@@ -89,8 +103,14 @@ def start(cfg: DraftWorkerConfig, token: str | None) -> Running:
     if cfg.target_cpus:  # (while the target waits, while it verifies)
         shared = parse_cpus(cfg.target_cpus)
         cores = (shared, [c for c in available_cpus() if c not in shared] or shared)
-    service = DraftService(Drafter(runner, evict_lru=True), idle_ttl_s=cfg.idle_ttl_s,
-                           dense_channel=channel, metrics=metrics, cores=cores)
+    drafter = Drafter(runner, evict_lru=True)
+    metrics.watch_version(lambda: drafter.version)
+    service = DraftService(drafter, idle_ttl_s=cfg.idle_ttl_s, dense_channel=channel,
+                           metrics=metrics, cores=cores)
+    if cfg.adapt:
+        service.adapter = Adapter(drafter, service.lock, cfg.distill, metrics.adapt_round)
+        metrics.watch_training(lambda: service.adapter.is_training)
+        service.adapter.start()
     server, bound = build_server(
         lambda s: worker_pb2_grpc.add_DraftServicer_to_server(service, s),
         [SERVICE_NAME], f"{cfg.host}:{cfg.port}", token,

@@ -75,7 +75,8 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         self._pending_send = None  # (work, buffer) of the last dense-channel send
         self.num_dense_sends = 0
         self.draft_seconds_total = 0.0  # time spent drafting: the autoscaler's load signal
-        self._lock = threading.Lock()  # one model, one forward at a time
+        self.lock = threading.Lock()  # one model, one forward (or weight swap) at a time
+        self.adapter = None  # online distillation (draft_worker/adapt.py), when on
 
     def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
         try:
@@ -87,7 +88,7 @@ class DraftService(worker_pb2_grpc.DraftServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "Q_FORMAT_DENSE_DIST needs a dense channel (--dist-address)")
         start = time.perf_counter()
-        with self._lock:
+        with self.lock:
             if self.cores is not None:  # this thread drafts: move it where it belongs
                 os.sched_setaffinity(0, self.cores[request.beside_target])
             if self.drafter.evict_idle(self.idle_ttl_s):
@@ -112,7 +113,7 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         return pb.ProposeResponse(proposals=proposals, draft_seconds=seconds)
 
     def _observe(self, items: list[DraftItem], out, seconds: float) -> None:
-        with self._lock:
+        with self.lock:
             self.draft_seconds_total += seconds
             for i, it in enumerate(items):
                 self.spans.proposed(it, out.gammas[i])
@@ -135,7 +136,7 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         self.num_dense_sends += 1
 
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
-        with self._lock:
+        with self.lock:
             released = sum(self.drafter.release(seq_id) for seq_id in request.seq_ids)
             self.spans.close(request.seq_ids)
         return pb.ReleaseResponse(num_released=released)

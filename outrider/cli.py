@@ -90,6 +90,9 @@ def _serve_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--draft-replicas", type=int, default=LocalSystemConfig.draft_replicas)
     serve.add_argument("--target-replicas", type=int, default=LocalSystemConfig.target_replicas,
                        help="target replicas behind the router (they share the drafts)")
+    serve.add_argument("--adapt", action="store_true",
+                       help="online distillation: the draft replicas learn from the "
+                            "target's tokens while they serve (default: off)")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=LocalSystemConfig.prefix_caching,
                        help="share the KV of prompts' common prefixes (default: on)")
@@ -387,7 +390,7 @@ def cmd_serve(args) -> int:
                             http_port=None if args.no_http else args.http_port,
                             metrics=True, pin_cpus=not args.no_cpu_pinning,
                             target_replicas=args.target_replicas,
-                            prefix_caching=args.enable_prefix_caching)
+                            prefix_caching=args.enable_prefix_caching, adapt=args.adapt)
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())

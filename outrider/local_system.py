@@ -34,6 +34,7 @@ class LocalSystemConfig:
     pin_cpus: bool = True           # on a CPU: cores per role (outrider.cpus)
     target_replicas: int = 1        # behind the one router; they share the draft replicas
     prefix_caching: bool = True     # in every replica's KV cache
+    adapt: bool = False             # online distillation on the draft replicas
 
     def __post_init__(self) -> None:
         if self.draft and self.draft_replicas < 1:
@@ -78,6 +79,7 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
         caching = () if cfg.prefix_caching else ("--no-enable-prefix-caching",)
         drafts = tuple(run(f"draft-{i}", "draft-worker", "--model", cfg.draft,
                            "--device", cfg.device, *caching,
+                           *(("--adapt",) if cfg.adapt else ()),
                            *(("--target-cpus", cpus.target, "--threads", "1") if cpus else ()))
                        for i in range(cfg.draft_replicas if cfg.draft else 0))
         targets = tuple(run("target" if i == 0 else f"target-{i}", "target-worker",

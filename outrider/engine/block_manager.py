@@ -183,6 +183,16 @@ class BlockManager:
                 self._release(block)
             del self._lens[seq_id], self._sealed[seq_id]
 
+    def forget_cached(self) -> None:
+        """Unregister every cached block (their KV was computed with weights that are
+        gone): held ones stay with their sequences, unreferenced ones become empty."""
+        for block in self._evictable:
+            self._empty.append(block)
+        self._evictable.clear()
+        for block in self._registered.values():
+            self._key_of[block] = None
+        self._registered.clear()
+
     def _take(self) -> int:
         if self._empty:
             block = self._empty.pop()

@@ -82,6 +82,9 @@ class Drafter:
         self.last_used: OrderedDict[object, float] = OrderedDict()  # LRU order, oldest first
         # each sequence's tokens in the KV cache, for the processors that read the history
         self.token_ids: dict[object, list[int]] = {}
+        self._committed: dict[object, tuple[int, int]] = {}  # (committed tokens, prompt_len)
+        self.on_served: Callable[[list[int], int], None] | None = None  # (tokens, prompt_len)
+        self.version = 0  # weights adopted since start-up (online distillation)
         self.num_evicted = 0
         self.num_misses = 0
 
@@ -98,11 +101,25 @@ class Drafter:
         return self.runner.model_name
 
     def release(self, seq_id) -> bool:
+        """Forget a sequence; its committed tokens (the target's) go to `on_served`."""
         self.last_used.pop(seq_id, None)
-        self.token_ids.pop(seq_id, None)
+        tokens = self.token_ids.pop(seq_id, None)
+        num_committed, prompt_len = self._committed.pop(seq_id, (0, 0))
+        if self.on_served is not None and tokens:
+            self.on_served(tokens[:num_committed], prompt_len)
         found = self.runner.blocks.has(seq_id)
         self.runner.blocks.free(seq_id)
         return found
+
+    def adopt(self, state: dict) -> None:
+        """Draft with new weights from now on. Every sequence's KV and every cached prefix
+        came from the old ones: they go, and sequences answer MISS and are sent whole.
+        The caller holds the forward lock."""
+        for seq_id in list(self.token_ids):
+            self.release(seq_id)
+        self.runner.blocks.forget_cached()
+        self.runner.swap_weights(state)
+        self.version += 1
 
     def evict_idle(self, max_idle_s: float) -> int:
         """Free sequences unused for `max_idle_s`; they answer MISS if they come back."""
@@ -175,6 +192,8 @@ class Drafter:
             return False
         blocks.append(item.seq_id, needed)
         self.token_ids[item.seq_id] += item.new_token_ids
+        self._committed[item.seq_id] = (item.committed_len + len(item.new_token_ids),
+                                        item.prompt_len)
         return True
 
     def _make_room(self, seq_id, needed: int, protected: set) -> bool:

@@ -62,7 +62,7 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.dtype = _resolve_dtype(cfg, self.model_config)
         self.max_model_len = min(cfg.max_model_len, self.model_config.max_position_embeddings)
-        self.model = self._load_model()
+        self.model = self._served(self.build_model())
         self.kv_caches, num_blocks = self._allocate_kv()
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_caching)
 
@@ -75,19 +75,33 @@ class ModelRunner:
         """The checkpoint folder's name (how replicas name their model pair)."""
         return Path(self.cfg.model_dir).name
 
-    def _load_model(self) -> CausalLM:
+    def build_model(self, state: dict[str, torch.Tensor] | None = None) -> CausalLM:
+        """This rank's model with the checkpoint's weights (or `state`'s), as plain
+        modules: what serving prepacks, and what training trains."""
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
                 model = CausalLM(self.model_config, self.tp, self.max_model_len)
         finally:
             torch.set_default_dtype(torch.float32)
-        model.load_weights(Path(self.cfg.model_dir))
+        if state is None:
+            model.load_weights(Path(self.cfg.model_dir))
+        else:
+            model.load_state_dict(state)
+        return model
+
+    def _served(self, model: CausalLM) -> CausalLM:
         if self.device.type == "cpu":
             for module in model.modules():
                 if isinstance(module, PackedForCPU):
                     module.pack_for_cpu()
         return model.eval()
+
+    def swap_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Serve new weights for the same model (an adopted draft version). The caller
+        makes sure no forward runs meanwhile and drops KV computed with the old ones."""
+        with torch.no_grad():
+            self.model = self._served(self.build_model(state))
 
     def _allocate_kv(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
         mc = self.model_config

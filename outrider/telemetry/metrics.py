@@ -85,6 +85,14 @@ DRAFT_SECONDS = Histogram("outrider_draft_propose_seconds", "Time to draft one P
                           MODEL, buckets=LATENCY_BUCKETS)
 DRAFT_CACHED = Gauge("outrider_draft_cached_sequences", "Sequences whose KV the draft holds",
                      MODEL)
+DRAFT_VERSION = Gauge("outrider:draft_version", "Draft weights version serving (0: as loaded; "
+                      "online distillation adopts 1, 2, ...)", MODEL)
+DRAFT_AGREEMENT = Gauge("outrider_draft_heldout_agreement", "Held-out top-1 agreement with "
+                        "the target's tokens at the last adaptation round", [*MODEL, "weights"])
+DRAFT_TRAINING = Gauge("outrider_draft_training", "1 while an online distillation round "
+                       "trains (0 otherwise)", MODEL)
+DRAFT_ADAPT_ROUNDS = Counter("outrider_draft_adapt_rounds", "Online distillation rounds, by "
+                             "whether the trained weights were adopted", [*MODEL, "adopted"])
 
 
 class PrefixCacheCounters:
@@ -188,6 +196,18 @@ class DraftMetrics:
         self.tokens = DRAFT_TOKENS.labels(model_name)
         self.misses = DRAFT_MISSES.labels(model_name)
         self.seconds = DRAFT_SECONDS.labels(model_name)
+
+    def watch_version(self, version: Callable[[], int]) -> None:
+        DRAFT_VERSION.labels(self.model).set_function(version)
+
+    def watch_training(self, is_training: Callable[[], bool]) -> None:
+        DRAFT_TRAINING.labels(self.model).set_function(lambda: float(is_training()))
+
+    def adapt_round(self, result) -> None:
+        """One online distillation round (draft_worker/adapt.py AdaptRound)."""
+        DRAFT_AGREEMENT.labels(self.model, "serving").set(result.serving_agreement)
+        DRAFT_AGREEMENT.labels(self.model, "trained").set(result.trained_agreement)
+        DRAFT_ADAPT_ROUNDS.labels(self.model, str(result.adopted).lower()).inc()
 
     def watch_cache(self, num_sequences: Callable[[], int], blocks) -> None:
         DRAFT_CACHED.labels(self.model).set_function(num_sequences)
