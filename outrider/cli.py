@@ -138,7 +138,7 @@ def _status_flags(status: argparse.ArgumentParser) -> None:
 
 
 def _bench_flags(bench: argparse.ArgumentParser) -> None:
-    from outrider.bench import prefix, serving, versus
+    from outrider.bench import adapt, prefix, serving, versus
 
     serving.add_arguments(bench)
     bench.add_argument("--vllm", help="instead: served Outrider vs its in-process engine vs "
@@ -150,6 +150,10 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
                             "prefix caching on and off, cache-aware and round-robin routing "
                             "(with --vllm: vLLM's prefix caching too; outrider.bench.prefix)")
     prefix.add_arguments(bench, standalone=False)
+    bench.add_argument("--adapt", action="store_true",
+                       help="instead: drafts learning while they serve, acceptance and "
+                            "batch-1 speed against tokens served (outrider.bench.adapt)")
+    adapt.add_arguments(bench, standalone=False)
 
 
 def _demo_flags(demo: argparse.ArgumentParser) -> None:
@@ -406,8 +410,12 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from outrider.bench import prefix, serving, versus
+    from outrider.bench import adapt, prefix, serving, versus
 
+    if args.adapt:
+        if args.out == serving.DEFAULT_OUT:
+            args.out = adapt.DEFAULT_OUT
+        return adapt.run(args)
     if args.shared_prefix:
         if args.out == serving.DEFAULT_OUT:
             args.out = prefix.DEFAULT_OUT

@@ -32,15 +32,16 @@ class DistillConfig:
     steps_per_round: int = 20
     batch: int = 8                 # windows per step
     window: int = 256              # positions per window
-    lr: float = 3e-4
+    lr: float = 1e-4
     holdout_every: int = 5         # every 5th sequence is held out, never trained on
-    max_duty: float = 0.5          # at most this share of wall time spent training
+    heldout_eval: int = 32         # the most recent held-out sequences a round checks on
+    max_duty: float = 0.3          # at most this share of wall time spent training
 
     def __post_init__(self) -> None:
         if not 0 < self.max_duty <= 1:
             raise ValueError(f"max_duty must be in (0, 1], got {self.max_duty}")
         if min(self.buffer_tokens, self.round_tokens, self.steps_per_round, self.batch,
-               self.window, self.holdout_every) < 1 or self.lr <= 0:
+               self.window, self.holdout_every, self.heldout_eval) < 1 or self.lr <= 0:
             raise ValueError("distillation sizes and lr must be positive")
 
 
@@ -174,7 +175,7 @@ class Distiller:
         buffer.new_output_tokens = 0
         for _ in range(self.cfg.steps_per_round):
             self._step(list(buffer.train))
-        heldout = list(buffer.heldout)
+        heldout = list(buffer.heldout)[-self.cfg.heldout_eval:]
         old, new = agreement(serving, heldout), agreement(self.student.eval(), heldout)
         self.student.train()
         better = {k: v.detach().clone() for k, v in self.student.state_dict().items()}

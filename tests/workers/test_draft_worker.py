@@ -3,6 +3,9 @@ format decodes to what the draft sampled from, MISS, release, auth, validation."
 
 from __future__ import annotations
 
+import time
+import urllib.request
+
 import grpc
 import pytest
 import torch
@@ -12,7 +15,7 @@ from outrider.engine.drafter import Drafter, DraftItem
 from outrider.engine.rejection import dense_draft_probs
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.grpc_server import token_metadata
-from outrider.launch import outrider_process
+from outrider.launch import free_port, outrider_process
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 from outrider.wire import Q_FORMAT_CODES, decode_q
@@ -123,3 +126,39 @@ def test_health_is_open_without_the_token(channel):
     health = health_pb2_grpc.HealthStub(channel).Check(
         health_pb2.HealthCheckRequest(service="outrider.v1.Draft"), timeout=10)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_adapt_trains_in_the_background_and_reports_its_rounds(draft_dir):
+    """`draft-worker --adapt`: released sequences feed the trainer; rounds show in the
+    metrics; Propose keeps answering meanwhile."""
+    port = free_port()
+    with outrider_process("draft-worker", "--model", str(draft_dir), "--adapt",
+                          "--adapt-round-tokens", "40", "--metrics-port", str(port),
+                          token=TOKEN) as (_, address), grpc.insecure_channel(address) as chan:
+        stub = worker_pb2_grpc.DraftStub(chan)
+        for i in range(10):  # ten sequences: an 8-token prompt, then 3 rounds of 4 tokens
+            prompt = [(i * 31 + j) % 200 + 1 for j in range(8)]
+            sid = f"adapt-{i}"
+            first = seq(sid, 0, prompt, 3, "ids")
+            first.prompt_len = 8
+            propose(stub, first)
+            done = prompt
+            for _ in range(3):
+                new = [(t * 7 + 3) % 200 for t in done[-4:]]
+                item = seq(sid, len(done), new, 3, "ids")
+                item.prompt_len = 8
+                assert not propose(stub, item).proposals[0].miss
+                done = done + new
+            stub.Release(pb.ReleaseRequest(seq_ids=[sid]), metadata=token_metadata(TOKEN),
+                         timeout=30)
+        deadline = time.monotonic() + 90
+        rounds = 0.0
+        while time.monotonic() < deadline and not rounds:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                          timeout=5).read().decode()
+            rounds = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                         if line.startswith("outrider_draft_adapt_rounds_total{"))
+            time.sleep(0.5)
+        assert rounds >= 1
+        assert "outrider:draft_version{" in text
+        assert not propose(stub, seq("after", 0, CONTEXT, 2, "ids")).proposals[0].miss
