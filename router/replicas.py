@@ -169,7 +169,8 @@ class ReplicaSet:
             candidates.sort(key=lambda r: r.address)
             choice = candidates[next(self._turn) % len(candidates)]
         else:
-            uncached = {r.address: len(prompt_ids) - self._cached_tokens(r, prompt_ids)
+            chains = _Chains(prompt_ids)  # each block size's chain, hashed once
+            uncached = {r.address: len(prompt_ids) - self._cached_tokens(r, chains)
                         for r in candidates}
             cost = mean_cost([r.load for r in candidates])
             seconds = {r.address: expected_seconds(r.load, acceptance, uncached[r.address],
@@ -178,7 +179,7 @@ class ReplicaSet:
             choice = min(candidates, key=lambda r: (seconds[r.address], uncached[r.address]))
             with self._lock:
                 self._prefilling[choice.address][request_id] = uncached[choice.address]
-        self._note_prefix(choice, prompt_ids)
+            self._note_prefix(choice, chains)
         return choice
 
     def prefilled(self, address: str, request_id: str) -> None:
@@ -191,11 +192,11 @@ class ReplicaSet:
         with self._lock:
             replica = self._live.get(address)
         if replica is not None:
-            self._note_prefix(replica, token_ids)
+            self._note_prefix(replica, _Chains(token_ids))
 
-    def _note_prefix(self, replica: st.ReplicaRecord, token_ids: list[int]) -> None:
+    def _note_prefix(self, replica: st.ReplicaRecord, chains: _Chains) -> None:
         if replica.load.prefix_caching and replica.load.block_size:
-            self.prefixes.add(replica.address, block_chain(token_ids, replica.load.block_size),
+            self.prefixes.add(replica.address, chains.of(replica.load.block_size),
                               replica.load.kv_total_blocks)
 
     def _now(self, replica: st.ReplicaRecord) -> tuple[int, float]:
@@ -210,12 +211,29 @@ class ReplicaSet:
         queued = max(0, load.queued_tokens - prefilling_then)
         return running + (link.num_running if link else 0), queued + prefilling
 
-    def _cached_tokens(self, replica: st.ReplicaRecord, prompt_ids: list[int]) -> int:
+    def _cached_tokens(self, replica: st.ReplicaRecord, chains: _Chains) -> int:
+        """Prompt tokens the replica is expected to hold; never the last block holding
+        the last token, which the replica always computes."""
         size = replica.load.block_size
         if not (replica.load.prefix_caching and size):
             return 0
-        return size * self.prefixes.num_cached_blocks(replica.address,
-                                                      block_chain(prompt_ids[:-1], size))
+        usable = (len(chains.token_ids) - 1) // size
+        return size * min(usable, self.prefixes.num_cached_blocks(replica.address,
+                                                                  chains.of(size)))
+
+
+class _Chains:
+    """A token list's block chains (router/prefix_index.py), one per block size, each
+    hashed once however many replicas are weighed."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = token_ids
+        self._by_size: dict[int, list[int]] = {}
+
+    def of(self, size: int) -> list[int]:
+        if size not in self._by_size:
+            self._by_size[size] = block_chain(self.token_ids, size)
+        return self._by_size[size]
 
 
 def mean_cost(loads: list[pb.Load]) -> CostModel | None:
@@ -249,10 +267,7 @@ def expected_seconds(load: pb.Load, acceptance: Acceptance, num_uncached: int,
     s_token is the cost of one more position in a forward, from `cost` (by default the
     replica's own measured model). Without a cost model the replica's heat counts instead
     (uncached tokens break ties)."""
-    c = load.cost
-    if cost is None and c.verify_base_s:
-        cost = CostModel(c.verify_base_s, c.verify_per_token_s, c.draft_per_position_s,
-                         c.draft_rtt_s, c.knee_tokens, c.draft_per_token_s)
+    cost = cost or mean_cost([load])
     if cost is None:
         return load.heat + num_uncached * 1e-9
     policy = GammaPolicy(PolicyConfig(gamma_max=load.gamma_max), cost)
