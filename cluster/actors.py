@@ -53,7 +53,8 @@ class _Replica:
 
 class DraftReplica(_Replica):
     def __init__(self, runner: RunnerConfig, host: str, port: int, token: str,
-                 metrics_port: int | None = None, adapt: bool = False) -> None:
+                 metrics_port: int | None = None, adapt: bool = False,
+                 adapt_redis: str | None = None, adapt_pair: str | None = None) -> None:
         from outrider.draft_worker.main import DraftWorkerConfig, start
 
         self.host = host
@@ -63,7 +64,8 @@ class DraftReplica(_Replica):
                                                threads=runner.threads,
                                                metrics_port=metrics_port,
                                                prefix_caching=runner.prefix_caching,
-                                               adapt=adapt), token)
+                                               adapt=adapt, adapt_redis=adapt_redis,
+                                               adapt_pair=adapt_pair), token)
         self.service = self.running.service
 
     def busy_seconds(self) -> float:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from outrider.draft_worker.adapt import Adapter
 from outrider.draft_worker.service import DraftService
+from outrider.draft_worker.versions import SharedVersions
+from outrider.router.state import RedisStore
 
 from outrider import cluster_tls
 from outrider.cpus import available_cpus, parse_cpus
@@ -41,6 +43,8 @@ class DraftWorkerConfig:
     prefix_caching: bool = RunnerConfig.prefix_caching
     adapt: bool = False                # online distillation on the traffic it drafts for
     distill: DistillConfig = DistillConfig()
+    adapt_redis: str | None = None     # share versions: one replica of the pair trains
+    adapt_pair: str | None = None      # the pair's name there (default: the draft's)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DraftWorkerConfig:
@@ -51,7 +55,8 @@ class DraftWorkerConfig:
                    metrics_port=args.metrics_port, target_cpus=args.target_cpus,
                    prefix_caching=args.enable_prefix_caching, adapt=args.adapt,
                    distill=DistillConfig(round_tokens=args.adapt_round_tokens,
-                                         max_duty=args.adapt_max_duty))
+                                         max_duty=args.adapt_max_duty),
+                   adapt_redis=args.adapt_redis, adapt_pair=args.adapt_pair)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,6 +83,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="new output tokens served between training rounds")
     p.add_argument("--adapt-max-duty", type=float, default=DistillConfig.max_duty,
                    help="at most this share of wall time spent training")
+    p.add_argument("--adapt-redis", metavar="URL",
+                   help="redis://host:port/db shared by the pair's draft replicas: one "
+                        "trains and publishes versions there, the others pull them")
+    p.add_argument("--adapt-pair", metavar="NAME",
+                   help="the model pair's name in --adapt-redis (default: the draft "
+                        "model's name)")
     add_metrics_arg(p)
 
 
@@ -108,8 +119,14 @@ def start(cfg: DraftWorkerConfig, token: str | None) -> Running:
     service = DraftService(drafter, idle_ttl_s=cfg.idle_ttl_s, dense_channel=channel,
                            metrics=metrics, cores=cores)
     if cfg.adapt:
-        service.adapter = Adapter(drafter, service.lock, cfg.distill, metrics.adapt_round)
+        shared = None
+        if cfg.adapt_redis:
+            shared = SharedVersions(RedisStore(cfg.adapt_redis, timeout_s=10.0),
+                                    cfg.adapt_pair or runner.model_name)
+        service.adapter = Adapter(drafter, service.lock, cfg.distill, metrics.adapt_round,
+                                  shared, metrics.rollbacks.inc)
         metrics.watch_training(lambda: service.adapter.is_training)
+        metrics.watch_trainer(lambda: service.adapter.is_trainer)
         service.adapter.start()
     server, bound = build_server(
         lambda s: worker_pb2_grpc.add_DraftServicer_to_server(service, s),

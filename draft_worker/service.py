@@ -101,6 +101,7 @@ class DraftService(worker_pb2_grpc.DraftServicer):
                     self.dense_channel.mark_broken()
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"dense q channel broken: {exc}")
+            version = self.drafter.version  # the weights that drafted (swaps hold the lock)
         proposals = []
         for i, it in enumerate(items):
             g = out.gammas[i]
@@ -110,7 +111,8 @@ class DraftService(worker_pb2_grpc.DraftServicer):
             proposals.append(msg)
         seconds = time.perf_counter() - start
         self._observe(items, out, seconds)
-        return pb.ProposeResponse(proposals=proposals, draft_seconds=seconds)
+        return pb.ProposeResponse(proposals=proposals, draft_seconds=seconds,
+                                  draft_version=version, target_topk=self.drafter.target_topk)
 
     def _observe(self, items: list[DraftItem], out, seconds: float) -> None:
         with self.lock:
@@ -169,4 +171,15 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         params, seed = sampling_from_proto(s.sampling)
         return DraftItem(s.seq_id, s.committed_len, list(s.new_token_ids), s.gamma, params,
                          seed, Q_FORMAT_NAMES[s.q_format], s.traceparent, s.prefill_only,
-                         s.prompt_len)
+                         s.prompt_len, self._teacher(s, where, vocab))
+
+    @staticmethod
+    def _teacher(s: pb.ProposeSequence, where: str, vocab: int) -> list:
+        rows = []
+        for row in s.teacher:
+            if len(row.token_ids) != len(row.logprobs) or any(
+                    not 0 <= t < vocab for t in row.token_ids):
+                raise WireError(f"{where}.teacher[position={row.position}]: token_ids must "
+                                f"be ids in [0, {vocab}), as many as logprobs")
+            rows.append((row.position, tuple(row.token_ids), tuple(row.logprobs)))
+        return rows

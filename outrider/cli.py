@@ -92,7 +92,8 @@ def _serve_flags(serve: argparse.ArgumentParser) -> None:
                        help="target replicas behind the router (they share the drafts)")
     serve.add_argument("--adapt", action="store_true",
                        help="online distillation: the draft replicas learn from the "
-                            "target's tokens while they serve (default: off)")
+                            "target's tokens while they serve (default: off); with --redis, "
+                            "one of them trains and the others pull its versions from there")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=LocalSystemConfig.prefix_caching,
                        help="share the KV of prompts' common prefixes (default: on)")

@@ -80,6 +80,8 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
         drafts = tuple(run(f"draft-{i}", "draft-worker", "--model", cfg.draft,
                            "--device", cfg.device, *caching,
                            *(("--adapt",) if cfg.adapt else ()),
+                           *(("--adapt-redis", cfg.redis_url) if cfg.adapt and cfg.redis_url
+                             else ()),
                            *(("--target-cpus", cpus.target, "--threads", "1") if cpus else ()))
                        for i in range(cfg.draft_replicas if cfg.draft else 0))
         targets = tuple(run("target" if i == 0 else f"target-{i}", "target-worker",

@@ -332,8 +332,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         msg = gp.GenerateResponse(request_id=progress.job.request_id, text=text, token_ids=ids,
                                   replica=progress.replica, logprobs=logprobs)
         if progress.job.include_rounds:
-            msg.rounds.extend(gp.Round(gamma=r.gamma, num_accepted=r.num_accepted, heat=r.heat)
-                              for r in rounds)
+            msg.rounds.extend(gp.Round(gamma=r.gamma, num_accepted=r.num_accepted, heat=r.heat,
+                                       draft_version=r.draft_version) for r in rounds)
         return msg
 
     def _finish(self, progress: Progress) -> gp.GenerateResponse:

@@ -229,7 +229,12 @@ class RedisStore:
         self._open_until = 0.0
         self._probe = threading.Lock()
 
-    def _call(self, fn):
+    def script(self, lua: str):
+        """A Lua script to run through `call` (as fn's `client=r`)."""
+        return self._redis.register_script(lua)
+
+    def call(self, fn):
+        """fn(redis client), behind the circuit breaker; raises StoreUnavailable."""
         if time.monotonic() < self._open_until:
             raise StoreUnavailable("redis: unavailable (retrying shortly)")
         is_probe = self._open_until > 0
@@ -254,7 +259,7 @@ class RedisStore:
                      px=math.ceil(ttl_s * 1000))
             pipe.sadd(f"{PREFIX}replicas", record.address)
             pipe.execute()
-        self._call(put)
+        self.call(put)
 
     def replicas(self) -> list[st.ReplicaRecord]:
         def read(r):
@@ -264,24 +269,24 @@ class RedisStore:
             if gone:
                 r.srem(f"{PREFIX}replicas", *gone)
             return [st.ReplicaRecord.FromString(v) for v in values if v is not None]
-        return self._call(read)
+        return self.call(read)
 
     # -- acceptance statistics -------------------------------------------------------------
     def add_acceptance(self, pair: str, tag: str, counts: AcceptanceCounts) -> str:
         """Add a request's rounds; returns the tag they were counted under."""
         per_position = [n for t, a in zip(counts.tested, counts.accepted) for n in (t, a)]
-        name = self._call(lambda r: self._add_acceptance(
+        name = self.call(lambda r: self._add_acceptance(
             keys=[f"{PREFIX}acceptance-keys"],
             args=[f"{PREFIX}acceptance:", pair, tag, MAX_ACCEPTANCE_ENTRIES, *per_position],
             client=r))
         return name.decode().rpartition(":")[2]
 
     def acceptance(self, pair: str, tag: str) -> AcceptanceCounts:
-        fields = self._call(lambda r: r.hgetall(f"{PREFIX}acceptance:{pair}:{tag}"))
+        fields = self.call(lambda r: r.hgetall(f"{PREFIX}acceptance:{pair}:{tag}"))
         return _counts_from_fields(fields)
 
     def acceptance_all(self) -> dict[tuple[str, str], AcceptanceCounts]:
-        names = self._call(lambda r: r.smembers(f"{PREFIX}acceptance-keys"))
+        names = self.call(lambda r: r.smembers(f"{PREFIX}acceptance-keys"))
         out = {}
         for name in sorted(n.decode() for n in names):
             pair, _, tag = name.rpartition(":")
@@ -290,17 +295,17 @@ class RedisStore:
 
     # -- API keys and rate limits ----------------------------------------------------------
     def put_api_key(self, key_hash: str, record: st.ApiKeyRecord) -> None:
-        self._call(lambda r: r.set(f"{PREFIX}key:{key_hash}", record.SerializeToString()))
+        self.call(lambda r: r.set(f"{PREFIX}key:{key_hash}", record.SerializeToString()))
 
     def api_key(self, key_hash: str) -> st.ApiKeyRecord | None:
-        raw = self._call(lambda r: r.get(f"{PREFIX}key:{key_hash}"))
+        raw = self.call(lambda r: r.get(f"{PREFIX}key:{key_hash}"))
         return None if raw is None else st.ApiKeyRecord.FromString(raw)
 
     def take_request(self, key_hash: str, record: st.ApiKeyRecord) -> float:
         if not record.requests_per_minute:
             return 0.0
         interval, tolerance = rate_limit_interval_ms(record)
-        wait_ms = self._call(lambda r: self._gcra(keys=[f"{PREFIX}rate:{key_hash}"],
+        wait_ms = self.call(lambda r: self._gcra(keys=[f"{PREFIX}rate:{key_hash}"],
                                                   args=[interval, tolerance], client=r))
         return float(wait_ms) / 1000
 
@@ -311,7 +316,7 @@ class RedisStore:
         this router runs it); if it is claimed already, leave it and return its record.
         A journal whose router stopped renewing is unclaimed, and starts over."""
         key = f"{PREFIX}journal:{request_id}"
-        raw = self._call(lambda r: self._claim(
+        raw = self.call(lambda r: self._claim(
             keys=[key, f"{key}:out", f"{key}:claim"],
             args=[record.SerializeToString(), math.ceil(ttl_s * 1000),
                   math.ceil(lease_s * 1000), self._owner], client=r))
@@ -320,7 +325,7 @@ class RedisStore:
     def journal_renew(self, request_ids: list[str], lease_s: float) -> None:
         """Extend this router's claims on the journals of the requests it runs."""
         if request_ids:
-            self._call(lambda r: self._renew(
+            self.call(lambda r: self._renew(
                 keys=[f"{PREFIX}journal:{i}:claim" for i in request_ids],
                 args=[self._owner, math.ceil(lease_s * 1000)], client=r))
 
@@ -333,7 +338,7 @@ class RedisStore:
             pipe.pexpire(f"{key}:out", ttl_ms)
             pipe.pexpire(key, ttl_ms)
             pipe.execute()
-        self._call(append)
+        self.call(append)
 
     def journal_finish(self, request_id: str, record: st.JournalRecord, ttl_s: float) -> None:
         key, ttl_ms = f"{PREFIX}journal:{request_id}", math.ceil(ttl_s * 1000)
@@ -344,15 +349,15 @@ class RedisStore:
             pipe.pexpire(f"{key}:out", ttl_ms)
             pipe.set(f"{key}:claim", FINISHED_CLAIM, px=ttl_ms)  # a retry gets the response
             pipe.execute()
-        self._call(finish)
+        self.call(finish)
 
     def journal_drop(self, request_id: str) -> None:
         key = f"{PREFIX}journal:{request_id}"
-        self._call(lambda r: r.delete(key, f"{key}:out", f"{key}:claim"))
+        self.call(lambda r: r.delete(key, f"{key}:out", f"{key}:claim"))
 
     def journal(self, request_id: str) -> tuple[st.JournalRecord, list[int]] | None:
         key = f"{PREFIX}journal:{request_id}"
-        raw, out = self._call(lambda r: r.mget([key, f"{key}:out"]))
+        raw, out = self.call(lambda r: r.mget([key, f"{key}:out"]))
         if raw is None:
             return None
         tokens = np.frombuffer(out or b"", dtype="<i4").tolist()

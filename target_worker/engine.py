@@ -30,7 +30,8 @@ class Chunk:
     """What one step committed for one request."""
 
     token_ids: list[int]
-    rounds: list[tuple[int, int, float]] = field(default_factory=list)  # (γ, accepted, heat)
+    rounds: list[tuple[int, int, float, int]] = field(default_factory=list)  # (γ, accepted,
+    #                                                  heat, draft version)
     finish_reason: str = ""  # "", "stop", "length", "cancelled", "error: ..."
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when asked for
     num_cached_tokens: int = 0  # context positions the prefix cache held at admission
@@ -92,7 +93,11 @@ class TargetEngine:
     @property
     def model_pair(self) -> str:
         target, drafter = self.decoder.target.model_name, self.decoder.drafter
-        return f"{target}+{drafter.model_name}" if drafter else target
+        if drafter is None:
+            return target
+        # a new draft version is a new pair to the routers' acceptance statistics
+        version = f"@v{drafter.version}" if drafter.version else ""
+        return f"{target}+{drafter.model_name}{version}"
 
     # -- called from gRPC threads ---------------------------------------------------------
     def submit(self, handle: Handle) -> None:
@@ -176,13 +181,15 @@ class TargetEngine:
             handle = self._by_seq[seq.seq_id]
             if tokens:
                 gamma, accepted = seq.last_round
+                version = self.decoder.draft_version(seq)
                 self._learn(handle, gamma, accepted)
                 logprobs = seq.logprobs[len(seq.logprobs) - len(tokens):] if seq.logprobs else []
-                self._deliver(handle, Chunk(tokens, [(gamma, accepted, heat)], logprobs=logprobs,
+                self._deliver(handle, Chunk(tokens, [(gamma, accepted, heat, version)],
+                                            logprobs=logprobs,
                                             num_cached_tokens=seq.num_cached_tokens or 0))
                 if self.metrics:
                     self.metrics.record_round(gamma, accepted, heat, handle.spec.mode.value,
-                                              len(tokens))
+                                              len(tokens), version)
             if seq.is_finished:
                 self._finish(handle, seq.finish_reason)
         return True

@@ -48,6 +48,8 @@ class RemoteDrafter:
         self._stubs = [worker_pb2_grpc.DraftStub(c) for c in self._channels]
         self._down_until = [0.0] * len(addresses)
         self._assigned: dict[object, int] = {}
+        self._versions: dict[str, int] = {}  # address -> draft weights' version it reported
+        self._topk: dict[str, int] = {}  # address -> k of the target's top-k it asked for
         self._next_addresses: list[str] | None = None  # set_addresses, applied by submit
         self._lock = threading.Lock()
         self._releases: list[grpc.Future] = []
@@ -97,11 +99,28 @@ class RemoteDrafter:
         self._backoff = [self.retry_after_s] * len(new)
         self._assigned = {seq: new.index(old[r]) for seq, r in self._assigned.items()
                           if old[r] in new}
+        self._versions = {a: v for a, v in self._versions.items() if a in new}
+        self._topk = {a: k for a, k in self._topk.items() if a in new}
         if self.dense_channel is not None and new[0] != old[0]:
             self.dense_channel = None  # it pairs with the first replica only: q goes by gRPC
         self.addresses = new
 
     # -- the Drafter contract ----------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """The newest draft weights' version a replica reported."""
+        return max(self._versions.values(), default=0)
+
+    @property
+    def target_topk(self) -> int:
+        """k of the target's top-k some replica asked for (it adapts), else 0."""
+        return max(self._topk.values(), default=0)
+
+    def version_of(self, seq_id) -> int:
+        """The version of the replica that drafts for `seq_id`."""
+        replica = self._assigned.get(seq_id)
+        return 0 if replica is None else self._versions.get(self.addresses[replica], 0)
+
     def release(self, seq_id) -> bool:
         """Fire-and-forget: the engine loop never waits on a Release; a dead replica holds
         nothing and a live one that misses it evicts the idle sequence later anyway."""
@@ -130,7 +149,9 @@ class RemoteDrafter:
         self._dist_tag += 1
         start = time.monotonic()
         calls = {r: self._stubs[r].Propose.future(
-                     self._request(items, formats, rows, beside_target), metadata=self._metadata,
+                     self._request(items, formats, rows, beside_target,
+                                   self._topk.get(self.addresses[r], 0) > 0),
+                     metadata=self._metadata,
                      timeout=self._deadline(sum(len(items[i].new_token_ids) for i in rows)))
                  for r, rows in groups.items() if r >= 0}
         return DraftCall(lambda: self._gather(items, formats, groups, calls, start, device))
@@ -147,6 +168,8 @@ class RemoteDrafter:
                 self._set_aside(replica, is_unreachable=exc.code() == grpc.StatusCode.UNAVAILABLE)
                 continue
             self._healthy(replica, time.monotonic() - start)
+            self._versions[self.addresses[replica]] = reply.draft_version
+            self._topk[self.addresses[replica]] = reply.target_topk
             for i, proposal in zip(groups[replica], reply.proposals):
                 self._read(items[i], proposal, formats[i], i, gammas, is_miss, token_rows, q_rows)
             self._receive_dense(groups[replica], reply, formats, gammas, token_rows, q_rows)
@@ -227,16 +250,19 @@ class RemoteDrafter:
         self._backoff[replica] = min(MAX_BACKOFF_S, 2 * self._backoff[replica])
 
     def _request(self, items: list[DraftItem], formats: list[str], rows: list[int],
-                 beside_target: bool) -> pb.ProposeRequest:
+                 beside_target: bool, teach: bool) -> pb.ProposeRequest:
+        """`teach`: the replica adapts, it gets the target's top-k rows."""
         seqs = []
         for i in rows:
             it = items[i]
+            teacher = [pb.TeacherRow(position=p, token_ids=ids, logprobs=lps)
+                       for p, ids, lps in it.teacher] if teach else []
             seqs.append(pb.ProposeSequence(
                 seq_id=self._wire_id(it.seq_id), committed_len=it.committed_len,
                 new_token_ids=it.new_token_ids, gamma=it.gamma,
                 sampling=sampling_to_proto(it.params, it.seed),
                 q_format=Q_FORMAT_CODES[formats[i]], traceparent=it.traceparent,
-                prefill_only=it.prefill_only, prompt_len=it.prompt_len))
+                prefill_only=it.prefill_only, prompt_len=it.prompt_len, teacher=teacher))
         return pb.ProposeRequest(sequences=seqs, dist_tag=self._dist_tag,
                                  beside_target=beside_target)
 

@@ -66,9 +66,9 @@ class RequestSpan:
             self.has_output = True
             self.span.set_attribute("gen_ai.usage.cache_read.input_tokens",
                                     chunk.num_cached_tokens)
-        for gamma, accepted, heat in chunk.rounds:
+        for gamma, accepted, heat, version in chunk.rounds:
             self.stats.record(gamma, accepted)
-            round_event(self.span, gamma, accepted, heat)
+            round_event(self.span, gamma, accepted, heat, version)
         if chunk.finish_reason.startswith("error"):
             self.span.set_status(trace.StatusCode.ERROR, chunk.finish_reason)
         elif chunk.finish_reason:
@@ -85,8 +85,9 @@ class RequestSpan:
 
 def chunk_message(chunk: Chunk) -> pb.TargetChunk:
     return pb.TargetChunk(token_ids=chunk.token_ids, finish_reason=chunk.finish_reason,
-                          rounds=[pb.RoundStats(gamma=g, num_accepted=a, heat=h)
-                                  for g, a, h in chunk.rounds],
+                          rounds=[pb.RoundStats(gamma=g, num_accepted=a, heat=h,
+                                                draft_version=v)
+                                  for g, a, h, v in chunk.rounds],
                           logprobs=logprobs_to_proto(chunk.logprobs),
                           num_cached_tokens=chunk.num_cached_tokens)
 

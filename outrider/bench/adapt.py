@@ -163,7 +163,9 @@ def summary(results: list[Served], points: list[dict], baseline: list[Served],
         "tokens_per_s_while_training": statistics.mean(training) if training else None,
         "tokens_per_s_between_rounds": statistics.mean(idle) if idle else None,
         "acceptance_while_training": train_acc, "acceptance_between_rounds": idle_acc,
-        "requests_while_training": len(training), "requests_between_rounds": len(idle)}
+        "requests_while_training": len(training), "requests_between_rounds": len(idle),
+        "acceptance_by_version": {str(v): _acceptance([r for r in results if r.version == v])
+                                  for v in sorted({r.version for r in results})}}
 
 
 def plot(points: list[dict], path: Path) -> str:

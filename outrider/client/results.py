@@ -15,6 +15,7 @@ class Round:
     gamma: int            # draft tokens proposed
     num_accepted: int
     heat: float           # the replica's batch heat when γ was chosen
+    draft_version: int = 0  # the draft weights' version that drafted (online distillation)
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,8 @@ class Collector:
     def add(self, msg: gp.GenerateResponse) -> Delta:
         if msg.token_ids and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
-        rounds = tuple(Round(r.gamma, r.num_accepted, r.heat) for r in msg.rounds)
+        rounds = tuple(Round(r.gamma, r.num_accepted, r.heat, r.draft_version)
+                       for r in msg.rounds)
         self.parts.append(msg.text)
         self.token_ids.extend(msg.token_ids)
         self.rounds.extend(rounds)

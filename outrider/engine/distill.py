@@ -1,8 +1,10 @@
 """Online distillation of a draft model on the traffic it drafts for (docs/DESIGN.md §8.6).
 
 Every sequence a draft replica serves ends with its committed tokens: the target's own
-output, verified. They are the training data: cross-entropy of the draft on the target's
-output tokens, given everything before them (the prompt conditions, it is not learned).
+output, verified, and, where the target sent them, its top-k probabilities at those
+positions. They are the training data: cross-entropy of the draft on the target's output
+tokens plus, where there are top-k rows, cross-entropy on the target's top-k distribution
+(renormalised), given everything before them (the prompt conditions, it is not learned).
 A `Distiller` trains a copy of the draft on a bounded buffer of recent sequences and
 offers the copy only when it predicts the target's tokens better than the serving
 weights on held-out recent sequences (teacher-forced top-1 agreement: the acceptance of
@@ -33,24 +35,46 @@ class DistillConfig:
     batch: int = 8                 # windows per step
     window: int = 256              # positions per window
     lr: float = 1e-4
+    target_topk: int = 16          # the target's top-k rows asked for (0: its tokens only)
     holdout_every: int = 5         # every 5th sequence is held out, never trained on
     heldout_eval: int = 32         # the most recent held-out sequences a round checks on
     max_duty: float = 0.3          # at most this share of wall time spent training
+    # the trained copy is adopted only when it beats the serving weights on held-out
+    # positions by this many standard errors (a paired sign test) ...
+    min_evidence: float = 1.0
+    # ... and agrees with the target on at least this share of them: traffic nothing can
+    # be learnt from (random tokens) never passes, however its few hits fall
+    min_agreement: float = 0.1
+    rollback_tokens: int = 2_000   # live draft tokens a new version is judged on ...
+    rollback_margin: float = 0.03  # ... rolled back if its acceptance is this much lower
 
     def __post_init__(self) -> None:
         if not 0 < self.max_duty <= 1:
             raise ValueError(f"max_duty must be in (0, 1], got {self.max_duty}")
         if min(self.buffer_tokens, self.round_tokens, self.steps_per_round, self.batch,
-               self.window, self.holdout_every, self.heldout_eval) < 1 or self.lr <= 0:
+               self.window, self.holdout_every, self.heldout_eval,
+               self.rollback_tokens) < 1 or self.lr <= 0:
             raise ValueError("distillation sizes and lr must be positive")
+        if self.min_evidence < 0 or self.target_topk < 0 or not (
+                0 <= self.rollback_margin <= 1 and 0 <= self.min_agreement <= 1):
+            raise ValueError("min_evidence and target_topk must be >= 0, rollback_margin "
+                             "and min_agreement in [0, 1]")
 
 
 @dataclass(frozen=True)
 class Served:
-    """One finished sequence: its tokens and where the prompt ends."""
+    """One finished sequence: its tokens, where the prompt ends, and the target's top-k
+    rows (position in token_ids, ids, logprobs) where it sent them."""
 
     token_ids: tuple[int, ...]
     prompt_len: int
+    teacher: tuple[tuple[int, tuple[int, ...], tuple[float, ...]], ...] = ()
+
+    def cropped(self, start: int, end: int) -> Served:
+        """token_ids[start:end], the prompt and the rows with them."""
+        return Served(self.token_ids[start:end], max(0, self.prompt_len - start),
+                      tuple((p - start, ids, lps) for p, ids, lps in self.teacher
+                            if start <= p < end))
 
     @property
     def num_output(self) -> int:
@@ -69,11 +93,14 @@ class TrafficBuffer:
         self.new_output_tokens = 0  # since the last round
         self._tokens = 0
 
-    def add(self, token_ids: list[int], prompt_len: int) -> None:
+    def add(self, token_ids: list[int], prompt_len: int, teacher: dict | None = None) -> None:
+        """A released sequence; `teacher`: position -> (top-k ids, logprobs)."""
         if len(token_ids) - prompt_len < 2:
             return  # nothing to learn from
-        served = Served(tuple(token_ids[-self.cfg.window * 4:]),
-                        max(0, prompt_len - max(0, len(token_ids) - self.cfg.window * 4)))
+        rows = tuple((p, ids, lps) for p, (ids, lps) in sorted((teacher or {}).items())
+                     if p < len(token_ids))
+        served = Served(tuple(token_ids), prompt_len, rows).cropped(
+            max(0, len(token_ids) - self.cfg.window * 4), len(token_ids))
         self.num_added += 1
         side = self.heldout if self.num_added % self.cfg.holdout_every == 0 else self.train
         side.append(served)
@@ -117,10 +144,10 @@ def _attention(attn, x: torch.Tensor, cos_sin, batch: int, length: int) -> torch
     return attn.o_proj(out.transpose(1, 2).reshape(batch * length, heads * dim))
 
 
-def trainable_copy(runner: ModelRunner) -> CausalLM:
-    """The runner's model as loaded from its checkpoint, in a form that trains: plain
-    (not prepacked) linears, gradients on every parameter."""
-    model = runner.build_model()
+def trainable_copy(runner: ModelRunner, state: dict | None = None) -> CausalLM:
+    """The runner's model with `state`'s weights (None: its checkpoint's), in a form that
+    trains: plain (not prepacked) linears, gradients on every parameter."""
+    model = runner.build_model(state)
     for p in model.parameters():
         p.requires_grad_(True)
     return model.train()
@@ -134,6 +161,23 @@ def output_mask(seqs: list[Served], length: int) -> torch.Tensor:
     return mask
 
 
+def teacher_targets(seqs: list[Served], length: int, k: int):
+    """The target's top-k rows as training targets at logit positions [batch, length - 1]:
+    ids [b, length - 1, k], renormalised probabilities [b, length - 1, k], and where there
+    are rows [b, length - 1] (the logits at t predict the token at t + 1)."""
+    ids = torch.zeros(len(seqs), length - 1, k, dtype=torch.long)
+    logprobs = torch.zeros(len(seqs), length - 1, k)
+    has = torch.zeros(len(seqs), length - 1, dtype=torch.bool)
+    rows = [(i, p - 1, top[:k], lps[:k]) for i, s in enumerate(seqs)
+            for p, top, lps in s.teacher if 1 <= p < length and len(top) >= k]
+    if rows:
+        at = (torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]))
+        ids[at] = torch.tensor([r[2] for r in rows])
+        logprobs[at] = torch.tensor([r[3] for r in rows])
+        has[at] = True
+    return ids, logprobs.softmax(-1), has
+
+
 def _padded(seqs: list[Served], length: int) -> torch.Tensor:
     ids = torch.zeros(len(seqs), length, dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -142,17 +186,40 @@ def _padded(seqs: list[Served], length: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def agreement(model: CausalLM, seqs: list[Served]) -> float:
-    """Teacher-forced top-1 agreement with the target's output tokens: how often greedy
-    drafting would propose exactly the token the target produced."""
-    hits = total = 0
+def agreed(model: CausalLM, seqs: list[Served]) -> torch.Tensor:
+    """Teacher-forced top-1 agreement with the target's output tokens, position by
+    position: bool [output positions of every sequence], True where greedy drafting
+    would propose exactly the token the target produced."""
+    rows = [torch.zeros(0, dtype=torch.bool)]
     for s in seqs:
         ids = _padded([s], len(s.token_ids))
         predicted = causal_logits(model, ids)[:, :-1].argmax(-1)  # [1, T - 1]
         mask = output_mask([s], len(s.token_ids))
-        hits += int((predicted[mask] == ids[:, 1:][mask]).sum())
-        total += int(mask.sum())
-    return hits / total if total else 0.0
+        rows.append(predicted[mask] == ids[:, 1:][mask])
+    return torch.cat(rows)
+
+
+def agreement(model: CausalLM, seqs: list[Served]) -> float:
+    """The share of output positions `agreed`."""
+    hits = agreed(model, seqs)
+    return float(hits.float().mean()) if len(hits) else 0.0
+
+
+def is_better(old: torch.Tensor, new: torch.Tensor, min_evidence: float) -> bool:
+    """Paired sign test on the positions where exactly one of two models agrees: `new`
+    wins by more than `min_evidence` standard errors."""
+    wins, losses = int((new & ~old).sum()), int((old & ~new).sum())
+    return wins > losses and wins - losses > min_evidence * (wins + losses) ** 0.5
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A round's outcome on the held-out traffic."""
+
+    weights: dict | None       # the student's, when they beat the serving weights
+    serving_agreement: float
+    trained_agreement: float
+    is_astray: bool            # the student does worse: restart it from the serving weights
 
 
 class Distiller:
@@ -160,26 +227,35 @@ class Distiller:
     beat `serving`'s on the held-out traffic, else None (the serving draft stays)."""
 
     def __init__(self, runner: ModelRunner, cfg: DistillConfig, seed: int = 0) -> None:
-        self.cfg = cfg
-        self.student = trainable_copy(runner)
-        self.optimizer = torch.optim.AdamW(self.student.parameters(), lr=cfg.lr,
-                                           weight_decay=0.0)
+        self.runner, self.cfg = runner, cfg
         self.rng = random.Random(seed)
         self.num_steps = 0
         self.busy_s = 0.0
+        self.restart(None)
 
-    def train_round(self, buffer: TrafficBuffer, serving: CausalLM) -> tuple[dict | None, float,
-                                                                             float]:
-        """Some steps on the buffer, then the held-out check. Returns (the student's
-        weights if better, the serving agreement, the student's agreement)."""
+    def restart(self, state: dict | None) -> None:
+        """Train on from `state` (the weights serving; None: the checkpoint's), with a
+        fresh optimizer: after a takeover, a rollback, or a student gone astray."""
+        self.student = trainable_copy(self.runner, state)
+        self.optimizer = torch.optim.AdamW(self.student.parameters(), lr=self.cfg.lr,
+                                           weight_decay=0.0)
+
+    def train_round(self, buffer: TrafficBuffer, serving: CausalLM,
+                    tick=lambda: None) -> Verdict:
+        """Some steps on the buffer (`tick()` after each), then the held-out check."""
         buffer.new_output_tokens = 0
         for _ in range(self.cfg.steps_per_round):
             self._step(list(buffer.train))
+            tick()
         heldout = list(buffer.heldout)[-self.cfg.heldout_eval:]
-        old, new = agreement(serving, heldout), agreement(self.student.eval(), heldout)
+        old, new = agreed(serving, heldout), agreed(self.student.eval(), heldout)
         self.student.train()
-        better = {k: v.detach().clone() for k, v in self.student.state_dict().items()}
-        return (better if new > old else None), old, new
+        old_share, new_share = (float(x.float().mean()) if len(x) else 0.0 for x in (old, new))
+        weights = None
+        if new_share >= self.cfg.min_agreement and is_better(old, new, self.cfg.min_evidence):
+            weights = {k: v.detach().clone() for k, v in self.student.state_dict().items()}
+        return Verdict(weights, old_share, new_share,
+                       is_astray=is_better(new, old, self.cfg.min_evidence))
 
     def _step(self, pool: list[Served]) -> None:
         if not pool:
@@ -191,6 +267,10 @@ class Distiller:
         logits = causal_logits(self.student, ids)[:, :-1]  # [b, T - 1, V]
         mask = output_mask(seqs, length)
         loss = F.cross_entropy(logits[mask], ids[:, 1:][mask])
+        top_ids, top_probs, has = teacher_targets(seqs, length, self.cfg.target_topk)
+        if self.cfg.target_topk and has.any():  # [n, k]: the draft's logprobs of the top-k
+            picked = logits[has].log_softmax(-1).gather(-1, top_ids[has])
+            loss = loss - (top_probs[has] * picked).sum(-1).mean()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.student.parameters(), 1.0)
@@ -205,5 +285,4 @@ class Distiller:
         if len(s.token_ids) <= self.cfg.window:
             return s
         end = self.rng.randrange(max(self.cfg.window, s.prompt_len + 2), len(s.token_ids) + 1)
-        start = end - self.cfg.window
-        return Served(s.token_ids[start:end], max(0, s.prompt_len - start))
+        return s.cropped(end - self.cfg.window, end)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,10 @@ from outrider.engine.sampling import (
 Q_FORMATS = ("dense", "ids", "point_mass", "sparse", "dense_fp16", "dense_dist")
 
 
+# (position, the target's k likeliest token ids there, their log-probabilities)
+TeacherRow = tuple[int, tuple[int, ...], tuple[float, ...]]
+
+
 @dataclass
 class DraftItem:
     seq_id: object
@@ -46,6 +50,8 @@ class DraftItem:
     traceparent: str = ""       # the request's trace context, when the sequence starts
     prefill_only: bool = False  # take the new tokens into the cache, draft nothing (gamma 0)
     prompt_len: int = 0         # the sequence's prompt: penalties count output after it
+    # the target's top-k at committed positions (an adapting draft learns from them)
+    teacher: list[TeacherRow] = field(default_factory=list)
 
     @property
     def is_active(self) -> bool:
@@ -83,8 +89,15 @@ class Drafter:
         # each sequence's tokens in the KV cache, for the processors that read the history
         self.token_ids: dict[object, list[int]] = {}
         self._committed: dict[object, tuple[int, int]] = {}  # (committed tokens, prompt_len)
-        self.on_served: Callable[[list[int], int], None] | None = None  # (tokens, prompt_len)
-        self.version = 0  # weights adopted since start-up (online distillation)
+        # a released sequence's (tokens, prompt_len, teacher rows by position)
+        self.on_served: Callable[[list[int], int, dict], None] | None = None
+        self.target_topk = 0  # k of the target's top-k to ask for (0: none)
+        self._teacher: dict[object, dict[int, tuple]] = {}  # position -> (ids, logprobs)
+        self.version = 0  # the weights' version (online distillation; 0: as loaded)
+        # what the target kept of each sequence's last proposal tells how the weights
+        # serving do: version -> [tokens drafted, tokens accepted]
+        self.live_acceptance: dict[int, list[int]] = {}
+        self._proposed: dict[object, tuple[int, list[int]]] = {}  # (position, draft tokens)
         self.num_evicted = 0
         self.num_misses = 0
 
@@ -105,21 +118,27 @@ class Drafter:
         self.last_used.pop(seq_id, None)
         tokens = self.token_ids.pop(seq_id, None)
         num_committed, prompt_len = self._committed.pop(seq_id, (0, 0))
+        self._proposed.pop(seq_id, None)
+        teacher = self._teacher.pop(seq_id, {})
         if self.on_served is not None and tokens:
-            self.on_served(tokens[:num_committed], prompt_len)
+            self.on_served(tokens[:num_committed], prompt_len, teacher)
         found = self.runner.blocks.has(seq_id)
         self.runner.blocks.free(seq_id)
         return found
 
-    def adopt(self, state: dict) -> None:
-        """Draft with new weights from now on. Every sequence's KV and every cached prefix
-        came from the old ones: they go, and sequences answer MISS and are sent whole.
-        The caller holds the forward lock."""
+    def adopt(self, state: dict, version: int | None = None) -> None:
+        """Draft with new weights (as `version`; default: the next) from now on. Every
+        sequence's KV and every cached prefix came from the old ones: they go, and
+        sequences answer MISS and are sent whole. The caller holds the forward lock."""
         for seq_id in list(self.token_ids):
             self.release(seq_id)
         self.runner.blocks.forget_cached()
         self.runner.swap_weights(state)
-        self.version += 1
+        self.version = self.version + 1 if version is None else version
+
+    def version_of(self, seq_id) -> int:
+        """The weights' version that drafts for `seq_id`."""
+        return self.version
 
     def evict_idle(self, max_idle_s: float) -> int:
         """Free sequences unused for `max_idle_s`; they answer MISS if they come back."""
@@ -133,6 +152,10 @@ class Drafter:
     def draft(self, items: list[DraftItem], device: torch.device | None = None) -> DraftOutput:
         is_miss = [it.is_active and not self._sync(it) for it in items]
         self.num_misses += sum(is_miss)
+        for it in items:
+            if it.teacher and self.target_topk and self.runner.blocks.has(it.seq_id):
+                self._teacher.setdefault(it.seq_id, {}).update(
+                    (p, (ids, lps)) for p, ids, lps in it.teacher)
         protected = {it.seq_id for it in items}
         is_held = [it.is_active and not miss and self._reserve(it, protected)
                    for it, miss in zip(items, is_miss)]
@@ -164,6 +187,8 @@ class Drafter:
         elif item.committed_len < blocks.sealed_len(seq_id):
             self.release(seq_id)  # sealed blocks may be shared: never roll back into them
             return False
+        else:
+            self._score(item)
         blocks.rollback(seq_id, item.committed_len)
         del self.token_ids[seq_id][item.committed_len:]
         blocks.seal(seq_id, self.token_ids[seq_id], item.committed_len)
@@ -171,9 +196,23 @@ class Drafter:
         self.last_used.move_to_end(seq_id)
         return True
 
+    def _score(self, item: DraftItem) -> None:
+        """Count how much of the sequence's last proposal the target kept."""
+        proposed = self._proposed.pop(item.seq_id, None)
+        if proposed is None:
+            return
+        position, drafted = proposed
+        context = self.token_ids[item.seq_id][:item.committed_len] + item.new_token_ids
+        kept = context[position:position + len(drafted)]
+        accepted = next((j for j, (k, d) in enumerate(zip(kept, drafted)) if k != d), len(kept))
+        counts = self.live_acceptance.setdefault(self.version, [0, 0])
+        counts[0] += len(drafted)
+        counts[1] += accepted
+
     def _start(self, item: DraftItem) -> None:
         """Take the cached prefix of a whole context: the item then sends only the rest."""
         self.runner.blocks.free(item.seq_id)
+        self._proposed.pop(item.seq_id, None)
         context = item.new_token_ids
         cached = self.runner.blocks.match_prefix(item.seq_id, context)
         self.token_ids[item.seq_id] = context[:cached]
@@ -255,6 +294,7 @@ class Drafter:
                 probs_out[rows, j] = probs.to(device)
         for it, d in zip(items, drafted):  # the KV holds all but the last draft token
             if d:
+                self._proposed[it.seq_id] = (len(self.token_ids[it.seq_id]), d)
                 self.token_ids[it.seq_id] += d[:-1]
         token_ids = torch.tensor([d + [0] * (max_gamma - len(d)) for d in drafted],
                                  dtype=torch.long, device=device).view(len(items), max_gamma)

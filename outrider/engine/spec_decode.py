@@ -33,7 +33,7 @@ import torch
 from outrider.core.sampling import MAX_SEED, History, SamplingParams, TokenLogprob
 from outrider.core.stats import SpecStats
 from outrider.engine.block_manager import OutOfBlocksError
-from outrider.engine.drafter import DraftCall, Drafter, DraftItem, DraftOutput
+from outrider.engine.drafter import DraftCall, Drafter, DraftItem, DraftOutput, TeacherRow
 from outrider.engine.rejection import dense_draft_probs, greedy_verify, rejection_sample
 from outrider.engine.runner import ForwardRequest, ModelRunner
 from outrider.engine.sampling import (
@@ -86,6 +86,7 @@ class Sequence:
     traceparent: str = ""  # W3C trace context of its request, for the draft replica's span
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
     num_cached_tokens: int | None = None  # prompt positions the prefix cache gave it, once known
+    teacher: list[TeacherRow] = field(default_factory=list)  # top-k rows not yet sent to the draft
 
     @property
     def output_ids(self) -> list[int]:
@@ -237,6 +238,7 @@ class SpeculativeDecoder:
         for i, k, row in zip(ready, result.num_accepted.tolist(), result.token_ids.tolist()):
             committed[i] = self._commit(seqs[i], gammas[i], k, row, next_ahead.get(i))
         self._note_logprobs(seqs, ready, gammas, processed, committed)
+        self._note_teacher(seqs, ready, gammas, logits, committed)
         return committed
 
     def _accept(self, seqs, ready: list[int], gammas: list[int], num_draft: list[int],
@@ -294,6 +296,29 @@ class SpeculativeDecoder:
         for _, i in wanted:
             seqs[i].logprobs += [next(logprobs) for _ in committed[i]]
 
+    def _note_teacher(self, seqs, ready: list[int], gammas: list[int], logits: torch.Tensor,
+                      committed: list[list[int]]) -> None:
+        """The target's top-k at each committed position, for a draft that distils from
+        them (it asked: `target_topk`); logits: [sum(γ_i + 1), vocab], the model's own
+        distribution, before the request's sampling processors."""
+        k = getattr(self.drafter, "target_topk", 0)
+        if not k:
+            return
+        offsets = [0, *itertools.accumulate(gammas[i] + 1 for i in ready)]
+        rows = [offsets[n] + j for n, i in enumerate(ready) for j in range(len(committed[i]))]
+        if not rows:
+            return
+        top = logits[rows].float().log_softmax(-1).topk(k, dim=-1)  # [rows, k]
+        ids, logprobs = iter(top.indices.tolist()), iter(top.values.tolist())
+        for i in ready:
+            seq, first = seqs[i], len(seqs[i].token_ids) - len(committed[i])
+            seq.teacher += [(first + j, tuple(next(ids)), tuple(next(logprobs)))
+                            for j in range(len(committed[i]))]
+
+    def draft_version(self, seq: Sequence) -> int:
+        """The draft weights' version that drafts for `seq` (0 without a draft)."""
+        return self.drafter.version_of(seq.seq_id) if self.drafter is not None else 0
+
     def clip_gamma(self, seq: Sequence, gamma: int) -> int:
         """γ limited by what the request may still emit and by the contexts of the target
         and the draft (not by load): past the draft's context γ is 0."""
@@ -326,14 +351,16 @@ class SpeculativeDecoder:
 
     def _draft(self, seqs: list[Sequence], gammas: list[int]) -> DraftOutput:
         """A fresh Propose; sequences the draft has lost resend their whole context once."""
-        out = self.drafter.draft([self._draft_item(s, g) for s, g in zip(seqs, gammas)],
-                                 self.target.device)
+        items = [self._draft_item(s, g) for s, g in zip(seqs, gammas)]
+        out = self.drafter.draft(items, self.target.device)
         missed = [i for i, miss in enumerate(out.is_miss) if miss]
         if missed:
             for i in missed:
                 seqs[i].draft_len = 0
-            retry = self.drafter.draft([self._draft_item(seqs[i], gammas[i]) for i in missed],
-                                       self.target.device)
+            retries = [self._draft_item(seqs[i], gammas[i]) for i in missed]
+            for i, retry in zip(missed, retries):
+                retry.teacher = items[i].teacher
+            retry = self.drafter.draft(retries, self.target.device)
             out = _merge_rows(out, missed, retry)
         for s, g in zip(seqs, out.gammas):
             if g:  # the draft now holds the context and its first γ-1 draft tokens
@@ -347,9 +374,12 @@ class SpeculativeDecoder:
         num_committed = len(seq.token_ids)
         start = min(seq.draft_len, num_committed + len(drafts) - 1)
         new = seq.token_ids[start:] + list(drafts[max(0, start - num_committed):])
+        teacher = []
+        if gamma:  # the target's top-k rows go with the sequence's next Propose
+            teacher, seq.teacher = seq.teacher, []
         return DraftItem(seq.seq_id, start, new if gamma else [], gamma, seq.params, seq.seed,
                          traceparent=seq.traceparent if start == 0 else "",
-                         prompt_len=seq.prompt_len)
+                         prompt_len=seq.prompt_len, teacher=teacher)
 
     def _draft_background(self, seqs: list[Sequence], draft_ids: torch.Tensor,
                           ahead_gammas: list[int], warm: list[bool]) -> DraftCall | None:

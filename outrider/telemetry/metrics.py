@@ -44,6 +44,13 @@ SPEC_ACCEPTED_PER_POS = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
 SPEC_DRAFTED_PER_POS = Counter("outrider_spec_drafted_tokens_per_pos",
                                "Draft tokens proposed, by position (the denominator of "
                                "per-position acceptance when γ varies)", [*ENGINE, "position"])
+# acceptance per draft weights' version (online distillation): accepted / drafted
+SPEC_DRAFT_TOKENS_BY_VERSION = Counter("outrider:spec_decode_draft_tokens_by_version",
+                                       "Draft tokens proposed, by the draft's weights version",
+                                       [*ENGINE, "draft_version"])
+SPEC_ACCEPTED_BY_VERSION = Counter("outrider:spec_decode_accepted_tokens_by_version",
+                                   "Draft tokens accepted, by the draft's weights version",
+                                   [*ENGINE, "draft_version"])
 GENERATION_TOKENS = Counter("vllm:generation_tokens", "Tokens generated", ENGINE)
 PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Prompt tokens admitted", ENGINE)
 SPEC_GAMMA = Histogram("outrider_spec_gamma", "γ chosen per sequence per round",
@@ -93,6 +100,10 @@ DRAFT_TRAINING = Gauge("outrider_draft_training", "1 while an online distillatio
                        "trains (0 otherwise)", MODEL)
 DRAFT_ADAPT_ROUNDS = Counter("outrider_draft_adapt_rounds", "Online distillation rounds, by "
                              "whether the trained weights were adopted", [*MODEL, "adopted"])
+DRAFT_ROLLBACKS = Counter("outrider_draft_rollbacks", "Adopted draft versions rolled back: "
+                          "their live acceptance fell short of the version before", MODEL)
+DRAFT_TRAINER = Gauge("outrider_draft_trainer", "1 while this replica trains its pair's "
+                      "draft (holds the trainer lease, or trains alone)", MODEL)
 
 
 class PrefixCacheCounters:
@@ -141,10 +152,12 @@ class TargetMetrics:
                        for m in ("auto", "off", "fixed")}
         self._heat = {b: ROUND_HEAT.labels(**self.labels, speculated=str(b).lower())
                       for b in (False, True)}
+        self._by_version: dict[int, tuple] = {}  # draft version -> (drafted, accepted)
 
     def record_round(self, gamma: int, accepted: int, heat: float, mode: str,
-                     num_tokens: int) -> None:
-        """One sequence's round: γ drafts, `accepted` of them, `num_tokens` committed."""
+                     num_tokens: int, draft_version: int = 0) -> None:
+        """One sequence's round: γ drafts (by weights `draft_version`), `accepted` of
+        them, `num_tokens` committed."""
         self.generation_tokens.inc(num_tokens)
         self._gamma[mode].observe(gamma)
         self._heat[gamma > 0].observe(heat)
@@ -157,6 +170,16 @@ class TargetMetrics:
             self.drafted_at[p].inc()
         for p in range(accepted):
             self.accepted_at[p].inc()
+        drafted, kept = self._by_version.get(draft_version) or self._bind_version(draft_version)
+        drafted.inc(gamma)
+        kept.inc(accepted)
+
+    def _bind_version(self, draft_version: int):
+        labels = {**self.labels, "draft_version": str(draft_version)}
+        pair = (SPEC_DRAFT_TOKENS_BY_VERSION.labels(**labels),
+                SPEC_ACCEPTED_BY_VERSION.labels(**labels))
+        self._by_version[draft_version] = pair
+        return pair
 
     def watch_load(self, load: Callable[[], dict]) -> None:
         """Gauges read at scrape time from the engine's load()."""
@@ -196,12 +219,16 @@ class DraftMetrics:
         self.tokens = DRAFT_TOKENS.labels(model_name)
         self.misses = DRAFT_MISSES.labels(model_name)
         self.seconds = DRAFT_SECONDS.labels(model_name)
+        self.rollbacks = DRAFT_ROLLBACKS.labels(model_name)
 
     def watch_version(self, version: Callable[[], int]) -> None:
         DRAFT_VERSION.labels(self.model).set_function(version)
 
     def watch_training(self, is_training: Callable[[], bool]) -> None:
         DRAFT_TRAINING.labels(self.model).set_function(lambda: float(is_training()))
+
+    def watch_trainer(self, is_trainer: Callable[[], bool]) -> None:
+        DRAFT_TRAINER.labels(self.model).set_function(lambda: float(is_trainer()))
 
     def adapt_round(self, result) -> None:
         """One online distillation round (draft_worker/adapt.py AdaptRound)."""

@@ -88,9 +88,11 @@ def request_attributes(model: str, params, request_id: str) -> dict:
             "gen_ai.response.id": request_id}
 
 
-def round_event(span: trace.Span, gamma: int, accepted: int, heat: float) -> None:
-    """A speculative round on `span`: γ (the policy's decision), tokens accepted, and the
-    batch heat the decision was made at."""
+def round_event(span: trace.Span, gamma: int, accepted: int, heat: float,
+                draft_version: int = 0) -> None:
+    """A speculative round on `span`: γ (the policy's decision), tokens accepted, the
+    batch heat the decision was made at, and the draft weights' version."""
     span.add_event("outrider.spec.round", {"outrider.spec.gamma": gamma,
                                            "outrider.spec.accepted": accepted,
-                                           "outrider.spec.heat": heat})
+                                           "outrider.spec.heat": heat,
+                                           "outrider.draft.version": draft_version})

@@ -73,9 +73,9 @@ def test_training_on_served_traffic_raises_heldout_agreement(runner):
     assert len(buffer.heldout) == 12 and len(buffer.train) == 48 and buffer.is_ready()
     distiller = Distiller(runner, cfg)
     before = agreement(runner.model, list(buffer.heldout))
-    state, serving, trained = distiller.train_round(buffer, runner.model)
-    assert serving == pytest.approx(before)
-    assert trained > before + 0.2 and state is not None
+    verdict = distiller.train_round(buffer, runner.model)
+    assert verdict.serving_agreement == pytest.approx(before)
+    assert verdict.trained_agreement > before + 0.2 and verdict.weights is not None
     assert buffer.new_output_tokens == 0  # the round consumed what was new
 
 
@@ -122,3 +122,60 @@ def test_adopting_weights_resyncs_every_sequence_and_output_stays_exact(tmp_path
     assert held.output_ids == alone[0]
     round_ = adapter.train_round()
     assert round_.version == draft.version and round_.served_tokens > 6 * 24 * 0.75
+
+
+def random_traffic(n: int, seed: int) -> list[Served]:
+    """Adversarial traffic: outputs of uniformly random tokens, nothing to learn."""
+    rng = random.Random(seed)
+    return [Served(tuple(rng.randrange(VOCAB) for _ in range(36)), 12) for _ in range(n)]
+
+
+def test_random_token_traffic_is_never_adopted_and_leaves_the_draft_as_good(runner):
+    """Guardrail: rounds on random tokens adopt nothing (no evidence of a gain), and a
+    student they led astray is restarted from the serving weights; when real traffic
+    comes back, what gets adopted is no worse than the shipped draft on it."""
+    cfg = DistillConfig(round_tokens=1, steps_per_round=20, batch=8, lr=3e-3, max_duty=1.0,
+                        holdout_every=4)
+    drafter = Drafter(runner)
+    adapter = Adapter(drafter, threading.Lock(), cfg)
+    shipped = trainable_copy(runner).eval()
+    for round_index in range(3):
+        for s in random_traffic(32, seed=round_index):
+            adapter._served(list(s.token_ids), s.prompt_len)
+        assert not adapter.train_round().adopted
+    assert drafter.version == 0
+    for s in pattern_traffic(64, seed=4):
+        adapter._served(list(s.token_ids), s.prompt_len)
+    rounds = [adapter.train_round() for _ in range(5)]
+    heldout = pattern_traffic(16, seed=5)
+    assert agreement(drafter.runner.model, heldout) >= agreement(shipped, heldout)
+    assert any(r.adopted for r in rounds) and drafter.version >= 1
+
+
+def test_a_version_worse_live_is_rolled_back(tmp_path):
+    """The draft is the target itself (everything accepted); a version of noise accepts
+    next to nothing live and is rolled back to the weights before it, as a new version."""
+    save_random_checkpoint(tmp_path, seed=0)
+    target = ModelRunner(RunnerConfig(str(tmp_path), kv_cache_mb=8))
+    draft = Drafter(ModelRunner(RunnerConfig(str(tmp_path), kv_cache_mb=8)))
+    adapter = Adapter(draft, threading.Lock(), DistillConfig(rollback_tokens=40))
+    decoder = SpeculativeDecoder(target, draft)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = [[random.Random(i).randrange(VOCAB) for _ in range(10)] for i in range(4)]
+    expected = [s.output_ids for s in decoder.generate(prompts, params, gamma=3)]
+    drafted, accepted = draft.live_acceptance[0]
+    assert drafted >= 40 and accepted == drafted  # the target agrees with itself
+    weights = trainable_copy(draft.runner).state_dict()
+    assert adapter.adopt({k: torch.randn_like(v) for k, v in weights.items()})
+    assert draft.version == 1
+    adapter.tick()  # not judged yet: nothing drafted live by version 1
+    assert draft.version == 1 and adapter.num_rollbacks == 0
+    again = decoder.generate(prompts, params, gamma=3)
+    assert [s.output_ids for s in again] == expected  # exact whatever the draft
+    drafted, accepted = draft.live_acceptance[1]
+    assert drafted >= 40 and accepted < 0.5 * drafted
+    adapter.tick()
+    assert draft.version == 2 and adapter.num_rollbacks == 1
+    decoder.generate(prompts, params, gamma=3)
+    drafted, accepted = draft.live_acceptance[2]
+    assert drafted >= 40 and accepted == drafted  # the weights before it, back
