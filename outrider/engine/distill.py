@@ -61,20 +61,45 @@ class DistillConfig:
                              "and min_agreement in [0, 1]")
 
 
+@dataclass(frozen=True, eq=False)
+class Teacher:
+    """The target's top-k at some positions of a sequence (compact: kept for 200K tokens)."""
+
+    positions: torch.Tensor  # [n] int64: indices into the sequence's tokens
+    ids: torch.Tensor        # [n, k] int32
+    logprobs: torch.Tensor   # [n, k] float16
+
+    @classmethod
+    def from_rows(cls, rows: dict, k: int, length: int) -> Teacher | None:
+        """From position -> (ids, logprobs) as sent; rows with fewer than k go."""
+        kept = sorted((p, ids[:k], lps[:k]) for p, (ids, lps) in rows.items()
+                      if 0 <= p < length and len(ids) >= k and len(lps) >= k)
+        if not (k and kept):
+            return None
+        return cls(torch.tensor([r[0] for r in kept]),
+                   torch.tensor([r[1] for r in kept], dtype=torch.int32),
+                   torch.tensor([r[2] for r in kept], dtype=torch.float16))
+
+    def cropped(self, start: int, end: int) -> Teacher | None:
+        keep = (self.positions >= start) & (self.positions < end)
+        if not keep.any():
+            return None
+        return Teacher(self.positions[keep] - start, self.ids[keep], self.logprobs[keep])
+
+
 @dataclass(frozen=True)
 class Served:
     """One finished sequence: its tokens, where the prompt ends, and the target's top-k
-    rows (position in token_ids, ids, logprobs) where it sent them."""
+    where it sent them."""
 
     token_ids: tuple[int, ...]
     prompt_len: int
-    teacher: tuple[tuple[int, tuple[int, ...], tuple[float, ...]], ...] = ()
+    teacher: Teacher | None = None
 
     def cropped(self, start: int, end: int) -> Served:
         """token_ids[start:end], the prompt and the rows with them."""
         return Served(self.token_ids[start:end], max(0, self.prompt_len - start),
-                      tuple((p - start, ids, lps) for p, ids, lps in self.teacher
-                            if start <= p < end))
+                      self.teacher.cropped(start, end) if self.teacher else None)
 
     @property
     def num_output(self) -> int:
@@ -97,8 +122,7 @@ class TrafficBuffer:
         """A released sequence; `teacher`: position -> (top-k ids, logprobs)."""
         if len(token_ids) - prompt_len < 2:
             return  # nothing to learn from
-        rows = tuple((p, ids, lps) for p, (ids, lps) in sorted((teacher or {}).items())
-                     if p < len(token_ids))
+        rows = Teacher.from_rows(teacher or {}, self.cfg.target_topk, len(token_ids))
         served = Served(tuple(token_ids), prompt_len, rows).cropped(
             max(0, len(token_ids) - self.cfg.window * 4), len(token_ids))
         self.num_added += 1
@@ -115,9 +139,12 @@ class TrafficBuffer:
         return self.new_output_tokens >= self.cfg.round_tokens and bool(self.heldout)
 
 
-def causal_logits(model: CausalLM, input_ids: torch.Tensor) -> torch.Tensor:
-    """[batch, T] -> logits [batch, T, vocab]: one causal pass with no KV cache, through
-    the same modules the engine serves with (differentiable when their weights are)."""
+def causal_logits(model: CausalLM, input_ids: torch.Tensor,
+                  at: torch.Tensor | None = None) -> torch.Tensor:
+    """[batch, T] -> logits [batch, T, vocab] (or [n, vocab] at the positions `at`, bool
+    [batch, T], selects: the vocabulary projection is most of a small model's cost): one
+    causal pass with no KV cache, through the same modules the engine serves with
+    (differentiable when their weights are)."""
     batch, length = input_ids.shape
     positions = torch.arange(length, device=input_ids.device).repeat(batch)
     x = model.embed_tokens(input_ids.reshape(-1))  # [batch * T, hidden]
@@ -125,6 +152,8 @@ def causal_logits(model: CausalLM, input_ids: torch.Tensor) -> torch.Tensor:
     for layer in model.layers:
         x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos_sin, batch, length)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
+    if at is not None:
+        return model.lm_head(model.norm(x[at.reshape(-1)]))  # [n, vocab]
     return model.lm_head(model.norm(x)).view(batch, length, -1)
 
 
@@ -168,14 +197,18 @@ def teacher_targets(seqs: list[Served], length: int, k: int):
     ids = torch.zeros(len(seqs), length - 1, k, dtype=torch.long)
     logprobs = torch.zeros(len(seqs), length - 1, k)
     has = torch.zeros(len(seqs), length - 1, dtype=torch.bool)
-    rows = [(i, p - 1, top[:k], lps[:k]) for i, s in enumerate(seqs)
-            for p, top, lps in s.teacher if 1 <= p < length and len(top) >= k]
-    if rows:
-        at = (torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]))
-        ids[at] = torch.tensor([r[2] for r in rows])
-        logprobs[at] = torch.tensor([r[3] for r in rows])
-        has[at] = True
+    for i, s in enumerate(seqs):
+        t = s.teacher.cropped(1, length) if s.teacher is not None and k else None
+        if t is not None and t.ids.shape[1] >= k:
+            at = t.positions  # cropped from 1: the logits one position earlier
+            ids[i, at], logprobs[i, at], has[i, at] = t.ids[:, :k].long(), \
+                t.logprobs[:, :k].float(), True
     return ids, logprobs.softmax(-1), has
+
+
+def _predicting(mask: torch.Tensor) -> torch.Tensor:
+    """[b, T - 1] (predicts the token at t + 1) -> [b, T] (the logits at t)."""
+    return F.pad(mask, (0, 1))
 
 
 def _padded(seqs: list[Served], length: int) -> torch.Tensor:
@@ -193,9 +226,9 @@ def agreed(model: CausalLM, seqs: list[Served]) -> torch.Tensor:
     rows = [torch.zeros(0, dtype=torch.bool)]
     for s in seqs:
         ids = _padded([s], len(s.token_ids))
-        predicted = causal_logits(model, ids)[:, :-1].argmax(-1)  # [1, T - 1]
-        mask = output_mask([s], len(s.token_ids))
-        rows.append(predicted[mask] == ids[:, 1:][mask])
+        mask = output_mask([s], len(s.token_ids))  # [1, T - 1]
+        predicted = causal_logits(model, ids, _predicting(mask)).argmax(-1)  # [n]
+        rows.append(predicted == ids[:, 1:][mask])
     return torch.cat(rows)
 
 
@@ -264,13 +297,14 @@ class Distiller:
         seqs = [self._window(self.rng.choice(pool)) for _ in range(self.cfg.batch)]
         length = max(len(s.token_ids) for s in seqs)
         ids = _padded(seqs, length)
-        logits = causal_logits(self.student, ids)[:, :-1]  # [b, T - 1, V]
-        mask = output_mask(seqs, length)
-        loss = F.cross_entropy(logits[mask], ids[:, 1:][mask])
+        mask = output_mask(seqs, length)  # [b, T - 1]
+        logprobs = causal_logits(self.student, ids, _predicting(mask)).log_softmax(-1)  # [n, V]
+        loss = F.nll_loss(logprobs, ids[:, 1:][mask])
         top_ids, top_probs, has = teacher_targets(seqs, length, self.cfg.target_topk)
-        if self.cfg.target_topk and has.any():  # [n, k]: the draft's logprobs of the top-k
-            picked = logits[has].log_softmax(-1).gather(-1, top_ids[has])
-            loss = loss - (top_probs[has] * picked).sum(-1).mean()
+        has = has[mask]  # [n]: rows are at output positions only
+        if self.cfg.target_topk and has.any():  # [m, k]: the draft's logprobs of the top-k
+            picked = logprobs[has].gather(-1, top_ids[mask][has])
+            loss = loss - (top_probs[mask][has] * picked).sum(-1).mean()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.student.parameters(), 1.0)

@@ -16,9 +16,11 @@ from outrider.engine.distill import (
     DistillConfig,
     Distiller,
     Served,
+    Teacher,
     TrafficBuffer,
     agreement,
     causal_logits,
+    teacher_targets,
     trainable_copy,
 )
 from outrider.engine.drafter import Drafter
@@ -136,7 +138,7 @@ def test_random_token_traffic_is_never_adopted_and_leaves_the_draft_as_good(runn
     comes back, what gets adopted is no worse than the shipped draft on it."""
     cfg = DistillConfig(round_tokens=1, steps_per_round=20, batch=8, lr=3e-3, max_duty=1.0,
                         holdout_every=4)
-    drafter = Drafter(runner)
+    drafter = Drafter(ModelRunner(runner.cfg))  # its own: adoption swaps the weights
     adapter = Adapter(drafter, threading.Lock(), cfg)
     shipped = trainable_copy(runner).eval()
     for round_index in range(3):
@@ -179,3 +181,32 @@ def test_a_version_worse_live_is_rolled_back(tmp_path):
     decoder.generate(prompts, params, gamma=3)
     drafted, accepted = draft.live_acceptance[2]
     assert drafted >= 40 and accepted == drafted  # the weights before it, back
+
+
+def with_teacher(s: Served, k: int) -> Served:
+    """The target's top-k at every output position: its token first, then three others."""
+    rows = {p: ((s.token_ids[p], *[(s.token_ids[p] + d) % VOCAB for d in range(1, k)]),
+                (-0.01, *[-6.0 - d for d in range(1, k)]))
+            for p in range(s.prompt_len, len(s.token_ids))}
+    return Served(s.token_ids, s.prompt_len, Teacher.from_rows(rows, k, len(s.token_ids)))
+
+
+def test_the_targets_topk_lines_up_with_the_logits_that_predict_it(runner):
+    s = with_teacher(pattern_traffic(1, seed=6)[0], 4)
+    ids, probs, has = teacher_targets([s.cropped(3, 30)], 27, 4)  # [1, 26, 4], [1, 26]
+    # position p of the crop (p >= prompt 12 - 3) is predicted by the logits at p - 1
+    assert has[0].tolist() == [t >= 8 for t in range(26)]
+    for t in range(8, 26):
+        assert ids[0, t, 0] == s.token_ids[3 + t + 1]
+    torch.testing.assert_close(probs[has].sum(-1), torch.ones(int(has.sum())))
+    assert bool((probs[has][:, 0] > 0.99).all())
+    cfg = DistillConfig(round_tokens=1, steps_per_round=30, batch=8, lr=3e-3, max_duty=1.0,
+                        holdout_every=4, target_topk=4)
+    buffer = TrafficBuffer(cfg)
+    for served in pattern_traffic(64, seed=7):
+        rows = with_teacher(served, 4).teacher
+        buffer.add(list(served.token_ids), served.prompt_len, dict(zip(
+            rows.positions.tolist(), zip(rows.ids.tolist(), rows.logprobs.tolist()))))
+    assert all(s.teacher is not None for s in buffer.train)
+    verdict = Distiller(runner, cfg).train_round(buffer, runner.model)
+    assert verdict.trained_agreement > verdict.serving_agreement + 0.2
