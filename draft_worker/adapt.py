@@ -161,11 +161,12 @@ class Adapter:
         with self.lock:  # the serving thread counts into it
             live = {v: tuple(counts) for v, counts in self.drafter.live_acceptance.items()}
         drafted, accepted = live.get(version, (0, 0))
-        earlier = [v for v in live if v < version and live[v][0]]
-        if drafted < self.cfg.rollback_tokens or not earlier:
-            self._on_trial = None if drafted >= self.cfg.rollback_tokens else self._on_trial
-            return
+        if drafted < self.cfg.rollback_tokens:
+            return  # not judged yet
         self._on_trial = None
+        earlier = [v for v in live if v < version and live[v][0]]
+        if not earlier:
+            return
         past_drafted, past_accepted = live[max(earlier)]
         if accepted / drafted < past_accepted / past_drafted - self.cfg.rollback_margin:
             self._roll_back(before)

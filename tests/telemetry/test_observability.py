@@ -21,12 +21,12 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from prometheus_client.parser import text_string_to_metric_families
 
 from outrider import paths
 from outrider.client import Client, InvalidRequestError
 from outrider.launch import free_port
 from outrider.local_system import LocalSystemConfig, local_system
+from tests.scraping import scrape, total
 
 pytestmark = pytest.mark.slow
 
@@ -83,18 +83,6 @@ def client_tracer():
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     return provider.get_tracer("test-client"), exporter
-
-
-def scrape(address: str) -> dict[tuple[str, tuple], float]:
-    """{(sample name, sorted labels): value} of one /metrics page, parsed by prometheus_client."""
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def total(samples: dict, name: str, **labels) -> float:
-    return sum(v for (n, ls), v in samples.items()
-               if n == name and all(dict(ls).get(k) == val for k, val in labels.items()))
 
 
 def test_one_connected_trace_per_request_with_acceptance(system, receiver, client_tracer):

@@ -7,16 +7,21 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 from outrider.draft_worker.adapt import Adapter
 from outrider.draft_worker.versions import KEEP_VERSIONS, SharedVersions
 from outrider.router.state import RedisStore
 
+from outrider import paths
+from outrider.client import Client
 from outrider.engine.distill import DistillConfig, trainable_copy
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.launch import free_port
+from outrider.local_system import LocalSystemConfig, local_system
 from tests.checkpoints import save_random_checkpoint
+from tests.scraping import scrape, total
 
 
 def replica(model_dir, redis_url: str, pair: str, lease_s: float = 30.0) -> Adapter:
@@ -75,3 +80,28 @@ def test_without_redis_a_replica_keeps_serving_what_it_has(tmp_path):
     time.sleep(1.2)
     assert lonely._thread.is_alive() and lonely.drafter.version == 0
     lonely.stop()
+
+
+@pytest.mark.slow
+def test_serve_with_redis_has_one_trainer_and_counts_acceptance_by_version(redis_url):
+    """`outrider serve --adapt --redis`: of two draft replicas exactly one trains (and asks
+    the target for its top-k); the target counts acceptance under the draft's version,
+    and every round a client sees says which version drafted it."""
+    target, draft = str(paths.demo_target_dir()), str(paths.demo_draft_dir())
+    cfg = LocalSystemConfig(target, draft, draft_replicas=2, grpc_port=0, metrics=True,
+                            adapt=True, redis_url=redis_url)
+    with local_system(cfg) as system, Client(system.router, timeout_s=120) as client:
+        results = [client.generate(f"def f{i}(x):\n    return", max_tokens=24,
+                                   temperature=0.0, speculation="fixed", gamma_max=4,
+                                   include_rounds=True) for i in range(4)]
+        drafts = [scrape(system.metrics[f"draft-{i}"]) for i in range(2)]
+        served = scrape(system.metrics["target"])
+    assert sorted(total(d, "outrider_draft_trainer") for d in drafts) == [0.0, 1.0]
+    rounds = [r for g in results for r in g.rounds if r.gamma]
+    assert rounds and {r.draft_version for r in rounds} == {0}
+    drafted = total(served, "outrider:spec_decode_draft_tokens_by_version_total",
+                    draft_version="0")
+    accepted = total(served, "outrider:spec_decode_accepted_tokens_by_version_total",
+                     draft_version="0")
+    assert drafted == sum(r.gamma for r in rounds)
+    assert accepted == sum(r.num_accepted for r in rounds)
