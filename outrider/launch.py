@@ -39,6 +39,37 @@ def outrider_process(*args: str, token: str | None = None, timeout: float = 120,
 
 
 @contextmanager
+def redis_server(data_dir: str):
+    """A throwaway redis-server on a free loopback port (no persistence); yields its URL.
+    Benchmarks and tests use it; a deployment brings its own Redis."""
+    import shutil
+
+    import redis
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed (apt-get install redis-server; "
+                           "`make test` installs it)")
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", data_dir],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    try:
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@contextmanager
 def process_group(token: str | None = None, env: dict[str, str] | None = None):
     """Several `outrider` processes that stop together (the last started first). Yields
     start(*args, echo=None) -> (process, 'host:port')."""

@@ -42,30 +42,7 @@ def small_draft_dir(tmp_path_factory, tokenizer_dir):
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """A real redis-server on a free loopback port, for the whole session."""
-    import shutil
-    import subprocess
-    import time
+    from outrider.launch import redis_server
 
-    import redis
-
-    from outrider.launch import free_port
-
-    binary = shutil.which("redis-server")
-    assert binary, "redis-server is not installed (make test installs it)"
-    port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.exceptions.ConnectionError:
-            time.sleep(0.05)
-    try:
+    with redis_server(str(tmp_path_factory.mktemp("redis"))) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)

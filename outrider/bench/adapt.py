@@ -15,6 +15,12 @@ every 0.25 s, the draft version serving and whether a training round was running
 Training's cost to serving: the requests served before the first adoption (the shipped
 weights, with training running) are then replayed on a fresh `outrider serve` without
 --adapt, and their tokens/s compared.
+
+What was learnt, without the noise of which prompts came when: the system runs with a
+throwaway redis-server, so the last version's weights can be read back as the draft
+replicas share them (safetensors); --probe windows never served are then drafted for, in
+this process and greedy with γ --gamma, by the shipped weights and by the last version,
+and the two acceptances compared on the same prompts.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import random
 import re
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -34,6 +41,7 @@ from pathlib import Path
 from outrider import paths
 from outrider.bench import common
 from outrider.bench.versus import package_sources
+from outrider.launch import redis_server
 
 DEFAULT_OUT = "results/adapt.json"
 WINDOW = 100  # requests per point of the curves
@@ -131,12 +139,12 @@ def _acceptance(rows: list[Served]) -> float:
 
 
 def curves(results: list[Served]) -> list[dict]:
-    """One point per full window of WINDOW requests."""
+    """One point per full window of WINDOW requests (one for all of a shorter run)."""
+    size = min(WINDOW, len(results))
     return [{"served_tokens": w[-1].served_tokens, "acceptance": _acceptance(w),
              "tokens_per_s": statistics.mean(r.tokens_per_s for r in w),
              "version": w[-1].version}
-            for w in (results[i:i + WINDOW] for i in range(0, len(results) - WINDOW + 1,
-                                                           WINDOW))]
+            for w in (results[i:i + size] for i in range(0, len(results) - size + 1, size))]
 
 
 def summary(results: list[Served], points: list[dict], baseline: list[Served],
@@ -202,24 +210,36 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
                         help="stop after this many output tokens (adapt)")
     parser.add_argument("--minutes", type=float, default=30.0,
                         help="or after this long (adapt)")
+    parser.add_argument("--probe", type=int, default=200,
+                        help="windows held back from the stream: shipped against learnt "
+                             "weights on the same prompts (adapt)")
 
 
 def run(args) -> int:
     from outrider.engine.tokenizer import Tokenizer
 
     log = lambda text: print(f"[adapt] {text}", file=sys.stderr, flush=True)  # noqa: E731
-    texts = prompts(Tokenizer(args.target), args.prompt_tokens)
-    results = serve_system(args, texts, True, log, args.served_tokens)
+    tokenizer = Tokenizer(args.target)
+    texts = prompts(tokenizer, args.prompt_tokens)
+    texts, probe = texts[:-args.probe], texts[-args.probe:]
+    with tempfile.TemporaryDirectory() as redis_dir, redis_server(redis_dir) as redis_url:
+        results, learnt = serve_system(args, texts, True, log, args.served_tokens, redis_url)
     first_adoption = next((i for i, r in enumerate(results) if r.version), len(results))
     log(f"the same {first_adoption} requests without training")
-    baseline = serve_system(args, texts, False, log, results[first_adoption - 1].served_tokens)
+    baseline, _ = serve_system(args, texts, False, log,
+                               results[first_adoption - 1].served_tokens)
+    log(f"{len(probe)} unseen prompts, shipped weights against version {learnt[0]}")
+    probe_ids = [tokenizer.encode(t) for t in probe]
     points = curves(results)
     report = {"machine": common.machine(), "command": common.command_line(),
               "config": {"served_tokens": args.served_tokens, "minutes": args.minutes,
                          "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-                         "gamma": args.gamma, "prompts": len(texts)},
-              "summary": summary(results, points, baseline), "curve": points,
-              "requests": [asdict(r) for r in results]}
+                         "gamma": args.gamma, "prompts": len(texts), "probe": len(probe)},
+              "summary": summary(results, points, baseline),
+              "probe": {"version": learnt[0],
+                        "acceptance_shipped": probe_acceptance(args, probe_ids, None),
+                        "acceptance_learnt": probe_acceptance(args, probe_ids, learnt[1])},
+              "curve": points, "requests": [asdict(r) for r in results]}
     if args.plots_dir:
         report["plot"] = plot(points, Path(args.plots_dir) / "adapt.png")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -228,15 +248,46 @@ def run(args) -> int:
     return 0
 
 
-def serve_system(args, texts: list[str], adapt: bool, log, limit: int) -> list[Served]:
+def serve_system(args, texts: list[str], adapt: bool, log, limit: int,
+                 redis_url: str | None = None) -> tuple[list[Served], tuple[int, dict | None]]:
+    """The stream's results, and (the last draft version, its weights) as shared in
+    `redis_url` (version 0, None without)."""
     from outrider.client import Client
+    from outrider.draft_worker.versions import SharedVersions
     from outrider.local_system import LocalSystemConfig, local_system
+    from outrider.router.state import RedisStore
 
     cfg = LocalSystemConfig(args.target, args.draft, gamma=args.gamma, grpc_port=0,
-                            metrics=True, adapt=adapt)
+                            metrics=True, adapt=adapt, redis_url=redis_url)
     with local_system(cfg) as system, Client(system.router, timeout_s=600) as client, \
             DraftWatch(system.metrics["draft-0"]) as watch:
-        return serve_stream(client, watch, texts, args, log, limit)
+        results = serve_stream(client, watch, texts, args, log, limit)
+        if redis_url is None:
+            return results, (0, None)
+        pair = Path(args.draft).name  # the drafts' default pair name: their model's
+        shared = SharedVersions(RedisStore(redis_url, timeout_s=10.0), pair)
+        latest = shared.latest()
+        return results, (latest, shared.fetch(latest) if latest else None)
+
+
+def probe_acceptance(args, prompt_ids: list[list[int]], weights: dict | None) -> float:
+    """Accepted / drafted over greedy generations of `prompt_ids` in this process, with
+    the shipped draft or `weights`."""
+    from outrider.core.sampling import SamplingParams
+    from outrider.engine.drafter import Drafter
+    from outrider.engine.runner import ModelRunner, RunnerConfig
+    from outrider.engine.spec_decode import SpeculativeDecoder
+
+    drafter = Drafter(ModelRunner(RunnerConfig(args.draft, kv_cache_mb=128)))
+    if weights is not None:
+        drafter.adopt(weights)
+    decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(args.target, kv_cache_mb=256)),
+                                 drafter)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    seqs = [s for b in range(0, len(prompt_ids), 32)
+            for s in decoder.generate(prompt_ids[b:b + 32], params, gamma=args.gamma)]
+    drafted = sum(s.stats.num_draft_tokens for s in seqs)
+    return sum(s.stats.num_accepted_tokens for s in seqs) / drafted if drafted else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
