@@ -2,7 +2,7 @@
 signal and how much training move acceptance, without serving.
 
     python scripts/distill_sweep.py [--sequences 1700] [--variants ce,mix,mix-steps40]
-        [--out results/distill_sweep.json]
+        [--out results/distill_sweep.json] [--cache /tmp/distill_stream.pt]
 
 The demo target answers windows of 128 tokens of third-party package code (the stream
 `outrider bench --adapt` serves, outrider/bench/adapt.py) greedily, 128 tokens each; its
@@ -46,7 +46,10 @@ from outrider.engine.runner import ModelRunner, RunnerConfig
 PROMPT, OUTPUT, TOPK, TEST, EVERY = 128, 128, 16, 200, 40_000
 VARIANTS = {"ce": dict(target_topk=0), "mix": dict(target_topk=TOPK),
             "mix-steps40": dict(target_topk=TOPK, steps_per_round=40),
-            "mix-lr3e-4": dict(target_topk=TOPK, lr=3e-4)}
+            "mix-lr3e-4": dict(target_topk=TOPK, lr=3e-4),
+            "mix-evidence0": dict(target_topk=TOPK, min_evidence=0.0),
+            "mix-heldout64": dict(target_topk=TOPK, heldout_eval=64),
+            "mix-evidence0-heldout64": dict(target_topk=TOPK, min_evidence=0.0, heldout_eval=64)}
 
 
 def served_stream(num: int) -> list[tuple[Served, dict]]:
@@ -105,6 +108,8 @@ def run_variant(name: str, stream, test: list[Served], runner: ModelRunner) -> d
         if served // EVERY > (served - s.num_output) // EVERY:
             curve.append({"served_tokens": served, "adoptions": adoptions, **score(serving, test)})
             print(name, curve[-1], f"{time.time() - start:.0f} s", flush=True)
+    if curve[-1]["served_tokens"] != served:  # the stream's end
+        curve.append({"served_tokens": served, "adoptions": adoptions, **score(serving, test)})
     return {"config": VARIANTS[name], "curve": curve, "seconds": time.time() - start}
 
 
@@ -129,8 +134,15 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=1700)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--out", default="results/distill_sweep.json")
+    parser.add_argument("--cache", help="keep the generated stream in this file (torch.save) "
+                                        "and reuse it when it is there")
     args = parser.parse_args()
-    data = served_stream(args.sequences)
+    if args.cache and Path(args.cache).exists():
+        data = torch.load(args.cache, weights_only=False)
+    else:
+        data = served_stream(args.sequences)
+        if args.cache:
+            torch.save(data, args.cache)
     stream, test = data[:-TEST], [s for s, _ in data[-TEST:]]
     runner = ModelRunner(RunnerConfig(str(paths.demo_draft_dir()), kv_cache_mb=8))
     report = {"machine": common.machine(), "command": f"python {shlex.join(sys.argv)}",

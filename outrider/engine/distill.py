@@ -37,7 +37,7 @@ class DistillConfig:
     lr: float = 1e-4
     target_topk: int = 16          # the target's top-k rows asked for (0: its tokens only)
     holdout_every: int = 5         # every 5th sequence is held out, never trained on
-    heldout_eval: int = 32         # the most recent held-out sequences a round checks on
+    heldout_eval: int = 64         # the most recent held-out sequences a round checks on
     max_duty: float = 0.3          # at most this share of wall time spent training
     # the trained copy is adopted only when it beats the serving weights on held-out
     # positions by this many standard errors (a paired sign test) ...
