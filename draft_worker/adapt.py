@@ -46,14 +46,14 @@ class Adapter:
         self.rounds: list[AdaptRound] = []
         self.served_tokens = 0
         self.is_training = False
-        self.is_trainer = shared is None  # with shared versions: while holding the lease
+        self.is_trainer = False  # with shared versions: while holding the lease
         self.num_rollbacks = 0
         self.state: dict | None = None    # the weights serving (None: the checkpoint's)
         self._on_trial: tuple[int, dict | None] | None = None  # (version, weights before)
         self.on_round = on_round          # called with each AdaptRound (metrics)
         self.on_rollback = on_rollback
         drafter.on_served = self._served
-        drafter.target_topk = cfg.target_topk if self.is_trainer else 0
+        self._set_trainer(shared is None)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="draft-adapt", daemon=True)
 
@@ -92,11 +92,16 @@ class Adapter:
             state = self.shared.fetch(latest)
             if state is not None:
                 self._adopt(state, latest)
-        was_trainer, self.is_trainer = self.is_trainer, self.shared.hold_lease()
+        was_trainer = self.is_trainer
+        self._set_trainer(self.shared.hold_lease())
         if self.is_trainer and not was_trainer:  # train on from the weights serving
             self.distiller.restart(self.state)
             self._on_trial = None
-        self.drafter.target_topk = self.cfg.target_topk if self.is_trainer else 0
+
+    def _set_trainer(self, is_trainer: bool) -> None:
+        """Only the trainer asks the target for its top-k."""
+        self.is_trainer = is_trainer
+        self.drafter.target_topk = self.cfg.target_topk if is_trainer else 0
 
     def train_round(self) -> AdaptRound:
         start = time.perf_counter()
@@ -139,7 +144,7 @@ class Adapter:
         if self.shared is not None:
             version = self.shared.publish(state)
             if version is None:
-                self.is_trainer = False
+                self._set_trainer(False)
                 return False
         self._adopt(state, version)
         return True

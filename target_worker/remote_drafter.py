@@ -48,8 +48,9 @@ class RemoteDrafter:
         self._stubs = [worker_pb2_grpc.DraftStub(c) for c in self._channels]
         self._down_until = [0.0] * len(addresses)
         self._assigned: dict[object, int] = {}
-        self._versions: dict[str, int] = {}  # address -> draft weights' version it reported
-        self._topk: dict[str, int] = {}  # address -> k of the target's top-k it asked for
+        # address -> (draft weights' version, k of the target's top-k asked for), as it
+        # said in its last reply
+        self._reported: dict[str, tuple[int, int]] = {}
         self._next_addresses: list[str] | None = None  # set_addresses, applied by submit
         self._lock = threading.Lock()
         self._releases: list[grpc.Future] = []
@@ -99,8 +100,7 @@ class RemoteDrafter:
         self._backoff = [self.retry_after_s] * len(new)
         self._assigned = {seq: new.index(old[r]) for seq, r in self._assigned.items()
                           if old[r] in new}
-        self._versions = {a: v for a, v in self._versions.items() if a in new}
-        self._topk = {a: k for a, k in self._topk.items() if a in new}
+        self._reported = {a: r for a, r in self._reported.items() if a in new}
         if self.dense_channel is not None and new[0] != old[0]:
             self.dense_channel = None  # it pairs with the first replica only: q goes by gRPC
         self.addresses = new
@@ -109,17 +109,17 @@ class RemoteDrafter:
     @property
     def version(self) -> int:
         """The newest draft weights' version a replica reported."""
-        return max(self._versions.values(), default=0)
+        return max((v for v, _ in self._reported.values()), default=0)
 
     @property
     def target_topk(self) -> int:
         """k of the target's top-k some replica asked for (it adapts), else 0."""
-        return max(self._topk.values(), default=0)
+        return max((k for _, k in self._reported.values()), default=0)
 
     def version_of(self, seq_id) -> int:
         """The version of the replica that drafts for `seq_id`."""
         replica = self._assigned.get(seq_id)
-        return 0 if replica is None else self._versions.get(self.addresses[replica], 0)
+        return 0 if replica is None else self._reported.get(self.addresses[replica], (0, 0))[0]
 
     def release(self, seq_id) -> bool:
         """Fire-and-forget: the engine loop never waits on a Release; a dead replica holds
@@ -150,7 +150,7 @@ class RemoteDrafter:
         start = time.monotonic()
         calls = {r: self._stubs[r].Propose.future(
                      self._request(items, formats, rows, beside_target,
-                                   self._topk.get(self.addresses[r], 0) > 0),
+                                   self._reported.get(self.addresses[r], (0, 0))[1] > 0),
                      metadata=self._metadata,
                      timeout=self._deadline(sum(len(items[i].new_token_ids) for i in rows)))
                  for r, rows in groups.items() if r >= 0}
@@ -168,8 +168,7 @@ class RemoteDrafter:
                 self._set_aside(replica, is_unreachable=exc.code() == grpc.StatusCode.UNAVAILABLE)
                 continue
             self._healthy(replica, time.monotonic() - start)
-            self._versions[self.addresses[replica]] = reply.draft_version
-            self._topk[self.addresses[replica]] = reply.target_topk
+            self._reported[self.addresses[replica]] = (reply.draft_version, reply.target_topk)
             for i, proposal in zip(groups[replica], reply.proposals):
                 self._read(items[i], proposal, formats[i], i, gammas, is_miss, token_rows, q_rows)
             self._receive_dense(groups[replica], reply, formats, gammas, token_rows, q_rows)

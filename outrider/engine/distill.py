@@ -234,7 +234,10 @@ def agreed(model: CausalLM, seqs: list[Served]) -> torch.Tensor:
 
 def agreement(model: CausalLM, seqs: list[Served]) -> float:
     """The share of output positions `agreed`."""
-    hits = agreed(model, seqs)
+    return _share(agreed(model, seqs))
+
+
+def _share(hits: torch.Tensor) -> float:
     return float(hits.float().mean()) if len(hits) else 0.0
 
 
@@ -283,7 +286,7 @@ class Distiller:
         heldout = list(buffer.heldout)[-self.cfg.heldout_eval:]
         old, new = agreed(serving, heldout), agreed(self.student.eval(), heldout)
         self.student.train()
-        old_share, new_share = (float(x.float().mean()) if len(x) else 0.0 for x in (old, new))
+        old_share, new_share = _share(old), _share(new)
         weights = None
         if new_share >= self.cfg.min_agreement and is_better(old, new, self.cfg.min_evidence):
             weights = {k: v.detach().clone() for k, v in self.student.state_dict().items()}

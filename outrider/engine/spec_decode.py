@@ -288,8 +288,7 @@ class SpeculativeDecoder:
         wanted = [(k, i) for k, i in enumerate(ready) if seqs[i].params.logprobs is not None]
         if not wanted:
             return
-        offsets = [0, *itertools.accumulate(gammas[i] + 1 for i in ready)]
-        flat_rows = [offsets[k] + j for k, i in wanted for j in range(len(committed[i]))]
+        flat_rows = _committed_rows(ready, gammas, committed, wanted)
         tokens = torch.tensor([t for _, i in wanted for t in committed[i]], device=processed.device)
         num_top = [seqs[i].params.logprobs for _, i in wanted for _ in committed[i]]
         logprobs = iter(token_logprobs(processed[flat_rows], tokens, num_top))
@@ -304,8 +303,7 @@ class SpeculativeDecoder:
         k = getattr(self.drafter, "target_topk", 0)
         if not k:
             return
-        offsets = [0, *itertools.accumulate(gammas[i] + 1 for i in ready)]
-        rows = [offsets[n] + j for n, i in enumerate(ready) for j in range(len(committed[i]))]
+        rows = _committed_rows(ready, gammas, committed, list(enumerate(ready)))
         if not rows:
             return
         top = logits[rows].float().log_softmax(-1).topk(k, dim=-1)  # [rows, k]
@@ -536,6 +534,14 @@ def _dense(probs: torch.Tensor | None, token_ids: torch.Tensor, vocab: int) -> t
     """q rows [batch, γ, vocab]: `probs`, or the point masses at `token_ids`."""
     return probs if probs is not None else dense_draft_probs(token_ids, vocab)
 
+
+def _committed_rows(ready: list[int], gammas: list[int], committed: list[list[int]],
+                    which: list[tuple[int, int]]) -> list[int]:
+    """The verification rows ([sum over ready of γ_i + 1]) of the committed tokens of
+    `which`, (k, i) pairs of ready[k] = i, in order: row j of a sequence verified its
+    j-th committed token."""
+    offsets = [0, *itertools.accumulate(gammas[i] + 1 for i in ready)]
+    return [offsets[k] + j for k, i in which for j in range(len(committed[i]))]
 
 def _pad_rows(values: torch.Tensor, num_rows: list[int], width: int) -> torch.Tensor:
     """[sum(num_rows), ...] rows, sequence after sequence -> [batch, width, ...], zero padded."""
