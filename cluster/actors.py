@@ -64,6 +64,7 @@ class DraftReplica(_Replica):
                                                threads=runner.threads,
                                                metrics_port=metrics_port,
                                                prefix_caching=runner.prefix_caching,
+                                               compile=runner.compile,
                                                adapt=adapt, adapt_redis=adapt_redis,
                                                adapt_pair=adapt_pair), token)
         self.service = self.running.service

@@ -82,6 +82,7 @@ class ModelPair(_Strict):
     dtype: str = "auto"
     kv_cache_mb: Annotated[float, Field(gt=0)] = 256.0
     prefix_caching: bool = True                       # share cached prefixes' KV
+    compile: bool = False                             # compiled forwards (compiled.py)
     adapt: bool = False                               # online distillation on the drafts
     max_batch_tokens: Annotated[int, Field(ge=1)] = SchedulerConfig.max_batch_tokens
     max_num_seqs: Annotated[int, Field(ge=1)] = SchedulerConfig.max_num_seqs

@@ -41,6 +41,7 @@ class DraftWorkerConfig:
     metrics_port: int | None = None    # Prometheus exposition; None: off, 0: a free port
     target_cpus: str | None = None     # a co-located target's cores (overlap)
     prefix_caching: bool = RunnerConfig.prefix_caching
+    compile: bool = RunnerConfig.compile
     adapt: bool = False                # online distillation on the traffic it drafts for
     distill: DistillConfig = DistillConfig()
     adapt_redis: str | None = None     # share versions: one replica of the pair trains
@@ -53,7 +54,8 @@ class DraftWorkerConfig:
                    kv_cache_mb=args.kv_cache_mb, idle_ttl_s=args.idle_ttl_s,
                    dist_address=args.dist_address, threads=args.threads,
                    metrics_port=args.metrics_port, target_cpus=args.target_cpus,
-                   prefix_caching=args.enable_prefix_caching, adapt=args.adapt,
+                   prefix_caching=args.enable_prefix_caching, compile=args.compile,
+                   adapt=args.adapt,
                    distill=DistillConfig(round_tokens=args.adapt_round_tokens,
                                          max_duty=args.adapt_max_duty),
                    adapt_redis=args.adapt_redis, adapt_pair=args.adapt_pair)
@@ -102,7 +104,7 @@ def start(cfg: DraftWorkerConfig, token: str | None) -> Running:
     credentials = cluster_tls.server_credentials()  # before loading: a bad setup fails fast
     runner_cfg = RunnerConfig(cfg.model_dir, device=cfg.device, dtype=cfg.dtype,
                               kv_cache_mb=cfg.kv_cache_mb, threads=cfg.threads,
-                              prefix_caching=cfg.prefix_caching)
+                              prefix_caching=cfg.prefix_caching, compile=cfg.compile)
     set_cpu_threads(runner_cfg)
     runner = ModelRunner(runner_cfg)
     channel = DenseChannel(cfg.dist_address, DRAFT_RANK) if cfg.dist_address else None

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from outrider import paths
+from outrider.flags import add_compile_arg
 
 EXAMPLES = """examples:
   outrider serve &                      # router + target + draft on this machine
@@ -139,7 +140,7 @@ def _status_flags(status: argparse.ArgumentParser) -> None:
 
 
 def _bench_flags(bench: argparse.ArgumentParser) -> None:
-    from outrider.bench import adapt, prefix, serving, versus
+    from outrider.bench import adapt, prefix, serving, step, versus
 
     serving.add_arguments(bench)
     bench.add_argument("--vllm", help="instead: served Outrider vs its in-process engine vs "
@@ -155,6 +156,12 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
                        help="instead: drafts learning while they serve, acceptance and "
                             "batch-1 speed against tokens served (outrider.bench.adapt)")
     adapt.add_arguments(bench, standalone=False)
+    bench.add_argument("--step", action="store_true",
+                       help="instead: the target's forward at batch 1/8/32 (decode, "
+                            "verification) and a prefill chunk, eager and compiled, per "
+                            "dtype, broken down beside the machine's limit "
+                            "(outrider.bench.step)")
+    step.add_arguments(bench, standalone=False)
 
 
 def _demo_flags(demo: argparse.ArgumentParser) -> None:
@@ -174,6 +181,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV budget per rank")
+    add_compile_arg(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -227,7 +235,7 @@ def _engine(args):
 
     target, draft = _model_dirs(args)
     runner = RunnerConfig(model_dir=str(target), device=args.device, dtype=args.dtype,
-                          tp=args.tp, kv_cache_mb=args.kv_cache_mb)
+                          tp=args.tp, kv_cache_mb=args.kv_cache_mb, compile=args.compile)
     draft_kv = getattr(args, "draft_kv_cache_mb", None) or args.kv_cache_mb
     return LocalEngine(LocalEngineConfig(target=runner, draft_dir=draft if args.gamma else None,
                                          draft_kv_cache_mb=draft_kv))
@@ -395,7 +403,8 @@ def cmd_serve(args) -> int:
                             http_port=None if args.no_http else args.http_port,
                             metrics=True, pin_cpus=not args.no_cpu_pinning,
                             target_replicas=args.target_replicas,
-                            prefix_caching=args.enable_prefix_caching, adapt=args.adapt)
+                            prefix_caching=args.enable_prefix_caching, adapt=args.adapt,
+                            dtype=args.dtype, compile=args.compile)
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
@@ -411,8 +420,12 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from outrider.bench import adapt, prefix, serving, versus
+    from outrider.bench import adapt, prefix, serving, step, versus
 
+    if args.step:
+        if args.out == serving.DEFAULT_OUT:
+            args.out = step.DEFAULT_OUT
+        return step.run(args)
     if args.adapt:
         if args.out == serving.DEFAULT_OUT:
             args.out = adapt.DEFAULT_OUT

@@ -18,6 +18,16 @@ def add_model_server_args(p: argparse.ArgumentParser, *, host: str, port: int, d
     p.add_argument("--threads", type=int, default=threads, help=threads_help)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="share the KV of prompts' common prefixes (default: on)")
+    add_compile_arg(p)
+
+
+def add_compile_arg(p: argparse.ArgumentParser, default: bool = False) -> None:
+    """--compile / --no-compile (RunnerConfig.compile; the default is what measured
+    faster on the demo pair, BENCHMARKS.md)."""
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=default,
+                   help="run the model's forward as a compiled graph (torch.compile, "
+                        "compiled at start and cached on disk; eager if compiling fails; "
+                        f"default: {'on' if default else 'off'})")
 
 
 def add_cpus_arg(p: argparse.ArgumentParser) -> None:

@@ -25,6 +25,8 @@ class LocalSystemConfig:
     redis_url: str | None = None
     device: str = "cpu"
     kv_cache_mb: float = 256.0
+    dtype: str = "auto"             # of both models
+    compile: bool = False           # compiled forwards in every replica (--compile)
     max_batch_tokens: int = SchedulerConfig.max_batch_tokens
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     extra_target_args: tuple[str, ...] = ()
@@ -77,8 +79,9 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
             return start(*args, echo=f"[{name}] " if echo else None)[1]
 
         caching = () if cfg.prefix_caching else ("--no-enable-prefix-caching",)
-        drafts = tuple(run(f"draft-{i}", "draft-worker", "--model", cfg.draft,
-                           "--device", cfg.device, *caching,
+        model = ("--device", cfg.device, "--dtype", cfg.dtype, *caching,
+                 "--compile" if cfg.compile else "--no-compile")
+        drafts = tuple(run(f"draft-{i}", "draft-worker", "--model", cfg.draft, *model,
                            *(("--adapt",) if cfg.adapt else ()),
                            *(("--adapt-redis", cfg.redis_url) if cfg.adapt and cfg.redis_url
                              else ()),
@@ -86,10 +89,10 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                        for i in range(cfg.draft_replicas if cfg.draft else 0))
         targets = tuple(run("target" if i == 0 else f"target-{i}", "target-worker",
                             "--model", cfg.target, "--tp", str(cfg.tp),
-                            "--gamma", str(cfg.gamma), "--device", cfg.device,
+                            "--gamma", str(cfg.gamma), *model,
                             "--kv-cache-mb", str(cfg.kv_cache_mb),
                             "--max-batch-tokens", str(cfg.max_batch_tokens),
-                            "--max-num-seqs", str(cfg.max_num_seqs), *caching,
+                            "--max-num-seqs", str(cfg.max_num_seqs),
                             *[a for d in drafts for a in ("--draft-address", d)],
                             *pinned("target"), *cfg.extra_target_args)
                         for i in range(cfg.target_replicas))

@@ -52,13 +52,14 @@ from outrider.bench import serving
 from outrider.launch import free_port
 
 SERVED_NAME = "demo-target"
+COMPILED = "outrider-compiled"  # `outrider serve --compile`, AUTO
 DEFAULT_OUT = "results/versus.json"
 PACKAGES = ("fastapi", "starlette", "pydantic", "jinja2", "yaml", "redis", "uvicorn",
             "opentelemetry", "prometheus_client", "tqdm", "safetensors", "tokenizers")
 
 
 # -- prompts -------------------------------------------------------------------------------
-def package_sources(packages=PACKAGES, min_chars: int = 3000) -> list[Path]:
+def package_sources(packages=PACKAGES, min_chars: int = 1500) -> list[Path]:
     """Source files of installed third-party packages, in a stable order."""
     import importlib.util
 
@@ -75,19 +76,19 @@ def package_sources(packages=PACKAGES, min_chars: int = 3000) -> list[Path]:
 
 def package_prompts(tokenizer, num_prompts: int, prompt_tokens: int) -> list[str]:
     """The first `prompt_tokens` tokens of each of `num_prompts` files (round robin over
-    the packages, so every package is represented), as text."""
+    the packages, so every package is represented), as text; when there are fewer files,
+    they are used again from the first (and then hit prefix caches)."""
     by_package: dict[str, list[Path]] = {}
     for f in package_sources():
         by_package.setdefault(_package_of(f), []).append(f)
     ordered = [f for group in itertools.zip_longest(*by_package.values()) for f in group if f]
     prompts = []
+    if not ordered:
+        raise RuntimeError("found no package source files for prompts")
     for f in ordered[:num_prompts]:
         ids = tokenizer.encode(f.read_text(encoding="utf-8", errors="replace")[:8 * prompt_tokens])
         prompts.append(tokenizer.decode(ids[:prompt_tokens]))
-    if len(prompts) < num_prompts:
-        raise RuntimeError(f"found {len(prompts)} package source files for prompts, "
-                           f"wanted {num_prompts}")
-    return prompts
+    return [prompts[i % len(prompts)] for i in range(num_prompts)]
 
 
 def _package_of(path: Path) -> str:
@@ -97,8 +98,8 @@ def _package_of(path: Path) -> str:
     return path.parts[-2]
 
 
-def write_prompts(prompts: list[str], folder: Path) -> Path:
-    path = folder / "prompts.jsonl"
+def write_prompts(prompts: list[str], folder: Path, name: str = "prompts") -> Path:
+    path = folder / f"{name}.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     return path
 
@@ -166,7 +167,8 @@ def outrider_server(args, extra: tuple[str, ...] = ()) -> Iterator[str]:
     port = free_port()
     command = [sys.executable, "-m", "outrider.cli", "serve", "--target", args.target,
                "--draft", args.draft, "--gamma", str(args.gamma), "--grpc-port", "0",
-               "--http-port", str(port), "--served-model-name", SERVED_NAME, *extra]
+               "--http-port", str(port), "--served-model-name", SERVED_NAME,
+               "--dtype", args.dtype, *extra]
     with _server(command, f"http://127.0.0.1:{port}", os.environ) as url:
         yield url
 
@@ -175,7 +177,7 @@ def outrider_server(args, extra: tuple[str, ...] = ()) -> Iterator[str]:
 def vllm_server(args, with_draft: bool, extra: tuple[str, ...] = ()) -> Iterator[str]:
     port = free_port()
     command = [*vllm_command(args.vllm), "serve", args.target, "--served-model-name",
-               SERVED_NAME, "--dtype", "float32", "--max-model-len", "1024", "--port",
+               SERVED_NAME, "--dtype", args.dtype, "--max-model-len", "1024", "--port",
                str(port), *extra]
     if with_draft:
         command += ["--speculative-config", json.dumps(
@@ -238,8 +240,8 @@ def load_engine(args):
     from outrider.engine.spec_decode import SpeculativeDecoder
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    return SpeculativeDecoder(ModelRunner(RunnerConfig(args.target)),
-                              Drafter(ModelRunner(RunnerConfig(args.draft))))
+    return SpeculativeDecoder(ModelRunner(RunnerConfig(args.target, dtype=args.dtype)),
+                              Drafter(ModelRunner(RunnerConfig(args.draft, dtype=args.dtype))))
 
 
 # -- one round -----------------------------------------------------------------------------
@@ -248,11 +250,13 @@ def num_requests(concurrency: int, per_stream: int) -> int:
 
 
 def server_groups(systems: list[str]) -> list[list[str]]:
-    """Systems measured together: every outrider-* mode on one `outrider serve`; each
-    vLLM configuration and each engine setting on its own."""
+    """Systems measured together: every outrider-* mode on one `outrider serve` (the
+    compiled one on its own); each vLLM configuration and each engine setting on its
+    own."""
     groups: list[list[str]] = []
     for system in systems:
-        kind = "outrider" if system.startswith("outrider") else system
+        kind = ("outrider" if system.startswith("outrider") and system != COMPILED
+                else system)
         group = next((g for g in groups if g[0].startswith(kind)), None)
         if group is None or kind != "outrider":
             groups.append([system])
@@ -261,7 +265,7 @@ def server_groups(systems: list[str]) -> list[list[str]]:
     return groups
 
 
-def run_round(args, groups: list[list[str]], prompts_file: Path, prompt_ids,
+def run_round(args, groups: list[list[str]], prompts_files: dict[int, Path], prompt_ids,
               levels: list[int], out_dir: Path, log) -> dict[str, dict[int, dict]]:
     results: dict[str, dict[int, dict]] = {}
     for group in groups:
@@ -269,32 +273,33 @@ def run_round(args, groups: list[list[str]], prompts_file: Path, prompt_ids,
         if group[0].startswith("engine"):
             results[group[0]] = measure_engine(args, group[0], prompt_ids, levels)
             continue
-        server = (outrider_server(args) if group[0].startswith("outrider")
+        server = (outrider_server(args, ("--compile",) if group[0] == COMPILED else ())
+                  if group[0].startswith("outrider")
                   else vllm_server(args, with_draft=group[0] != "vllm"))
         with server as url:
             for name in group:
-                results[name] = measure_server(args, name, url, prompts_file, levels, out_dir,
-                                               log)
+                results[name] = measure_server(args, name, url, prompts_files, levels,
+                                               out_dir, log)
     return results
 
 
-def measure_engine(args, system: str, prompt_ids, levels: list[int]) -> dict[int, dict]:
+def measure_engine(args, system: str, prompt_ids: dict[int, list], levels: list[int]
+                   ) -> dict[int, dict]:
     decoder = load_engine(args)
     gamma = int(system.removeprefix("engine-g"))
-    engine_tokens_per_s(decoder, prompt_ids[:2], 2, gamma, 8)  # warm-up
-    return {c: {"tokens_per_s": engine_tokens_per_s(
-        decoder, prompt_ids[:num_requests(c, args.requests_per_stream)], c, gamma,
-        args.max_tokens)} for c in levels}
+    engine_tokens_per_s(decoder, prompt_ids[0][:2], 2, gamma, 8)  # warm-up
+    return {c: {"tokens_per_s": engine_tokens_per_s(decoder, prompt_ids[c], c, gamma,
+                                                    args.max_tokens)} for c in levels}
 
 
-def measure_server(args, system: str, url: str, prompts_file: Path, levels: list[int],
-                   out_dir: Path, log) -> dict[int, dict]:
+def measure_server(args, system: str, url: str, prompts_files: dict[int, Path],
+                   levels: list[int], out_dir: Path, log) -> dict[int, dict]:
     vllm, extra = vllm_command(args.vllm), _outrider_body(system)
-    bench_serve(vllm, url, args.target, prompts_file, 1, 4, 16, out_dir, f"warmup-{system}",
-                extra, args.sampling)
+    bench_serve(vllm, url, args.target, prompts_files[0], 1, 4, 16, out_dir,
+                f"warmup-{system}", extra, args.sampling)
     cells = {}
     for c in levels:
-        data = bench_serve(vllm, url, args.target, prompts_file, c,
+        data = bench_serve(vllm, url, args.target, prompts_files[c], c,
                            num_requests(c, args.requests_per_stream), args.max_tokens,
                            out_dir, system, extra, args.sampling)
         cells[c] = cell(data)
@@ -428,6 +433,8 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
                              "temperature=0.8,top_p=0.9,repetition_penalty=1.1,logprobs=2 "
                              "(vllm bench serve's names; default: greedy). The in-process "
                              "engine rows are greedy whatever this says")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="of every system's models (--vllm, --step)")
     parser.add_argument("--hf", action="store_true",
                         help="transformers (assisted generation) at batch 1 on the same prompts")
 
@@ -441,28 +448,36 @@ def run(args) -> int:
                                  f"outrider-auto,outrider-fixed{g},engine-g{g},engine-g0,"
                                  f"vllm-draft{g},vllm")
     tokenizer = Tokenizer(args.target)
-    count = max(num_requests(c, args.requests_per_stream) for c in levels)
-    prompts = package_prompts(tokenizer, count, args.prompt_tokens)
-    prompt_ids = [tokenizer.encode(p) for p in prompts]
+    # every level its own prompts (and the warm-up, level 0, its own): a level must not
+    # find the previous one's prompts in a prefix cache
+    counts = {0: 4, **{c: num_requests(c, args.requests_per_stream) for c in levels}}
+    prompts = package_prompts(tokenizer, sum(counts.values()), args.prompt_tokens)
+    by_level, start = {}, 0
+    for c, n in counts.items():
+        by_level[c], start = prompts[start:start + n], start + n
+    prompt_ids = {c: [tokenizer.encode(p) for p in ps] for c, ps in by_level.items()}
     log = lambda text: print(f"[versus] {text}", file=sys.stderr, flush=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = Path(tmp)
-        prompts_file = write_prompts(prompts, out_dir)
+        prompts_files = {c: write_prompts(ps, out_dir, f"prompts-{c}")
+                         for c, ps in by_level.items()}
         groups = server_groups(systems)
-        rounds = [run_round(args, groups if r % 2 == 0 else groups[::-1], prompts_file,
+        rounds = [run_round(args, groups if r % 2 == 0 else groups[::-1], prompts_files,
                             prompt_ids, levels, out_dir, log) for r in range(args.rounds)]
     results = merge_rounds(rounds)
     report = {"machine": serving.machine(), "command": serving.command_line(),
               "config": {"levels": levels, "gamma": g, "max_tokens": args.max_tokens,
                          "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
                          "requests_per_stream": args.requests_per_stream,
+                         "dtype": args.dtype, "distinct_prompts": len(set(prompts)),
+                         "prompts_used": len(prompts),
                          "prompts": "first tokens of source files of " + ", ".join(PACKAGES),
                          "client": "vllm bench serve (--backend openai, /v1/completions, "
                                    "--ignore-eos)", "sampling": args.sampling},
               "results": {s: {str(c): x for c, x in cells.items()} for s, cells in results.items()},
               "targets": targets(results, g)}
     if args.hf:
-        report["hf_batch1"] = hf_batch1(args, prompt_ids[:8])
+        report["hf_batch1"] = hf_batch1(args, [p for ps in prompt_ids.values() for p in ps][:8])
     if args.plots_dir:
         report["plots"] = plot(results, Path(args.plots_dir))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,7 @@ class AttentionGroup:
     context_lens: torch.Tensor      # [batch]
     is_uniform_context: bool        # every sequence has max_context_len positions
     is_fresh_prefill: bool          # one sequence, nothing cached: its own keys are the context
-    masks: dict = field(default_factory=dict)  # window -> [batch, 1, max_q, max_ctx] bool | None
+    masks: dict = field(default_factory=dict)  # (window, heads per KV head, dtype) -> mask
 
     @classmethod
     def build(cls, seqs: list[SequenceSlice], rows: slice | torch.Tensor,
@@ -75,11 +75,19 @@ class AttentionGroup:
     def batch(self) -> int:
         return self.block_tables.shape[0]
 
-    def mask(self, window: int | None) -> torch.Tensor | None:
-        """Causal (and sliding-window) mask, built once per window size per forward."""
-        if window not in self.masks:
-            self.masks[window] = self._build_mask(window)
-        return self.masks[window]
+    def mask(self, window: int | None, fold: int = 1,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """Causal (and sliding-window) mask as an additive [batch, 1, fold * max_q, max_ctx]
+        tensor (0 or -inf) for `fold` query heads per KV head: built once per forward and
+        shared by every layer (building it per layer, and SDPA turning a boolean mask
+        into this per call, cost 10-15 % of a verification step's attention)."""
+        key = (window, fold, dtype)
+        if key not in self.masks:
+            allowed = self._build_mask(window)
+            self.masks[key] = None if allowed is None else torch.zeros(
+                allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+                ~allowed, float("-inf")).repeat(1, 1, fold, 1)
+        return self.masks[key]
 
     def _build_mask(self, window: int | None) -> torch.Tensor | None:
         max_ctx = self.max_context_len
@@ -162,24 +170,24 @@ def _attend(group: AttentionGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         return out.transpose(1, 2).reshape(num_tokens, heads * head_dim)
     keys = _gather_context(k_cache, group, block_size)  # [batch, max_ctx, kv_heads, head_dim]
     values = _gather_context(v_cache, group, block_size)
-    out = _grouped_sdpa(q_pad, keys, values, group.mask(window), scale)
+    fold = heads // keys.shape[2]
+    out = _grouped_sdpa(q_pad, keys, values, group.mask(window, fold, q.dtype), scale)
     out = out.reshape(batch * max_q, heads * head_dim)
     return out if group.pad_index is None else out.index_select(0, group.pad_index)
 
 
 def _grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q [batch, max_q, heads, dim], keys/values [batch, ctx, kv_heads, dim] ->
-    [batch, max_q, heads, dim]. The query heads sharing a KV head are folded into its
-    query rows (one SDPA head per KV head): the same arithmetic as grouped-query
-    attention, without SDPA's slower GQA path."""
+    """q [batch, max_q, heads, dim], keys/values [batch, ctx, kv_heads, dim], mask
+    [batch, 1, group * max_q, ctx] additive or None -> [batch, max_q, heads, dim]. The
+    query heads sharing a KV head are folded into its query rows (one SDPA head per KV
+    head): the same arithmetic as grouped-query attention, without SDPA's slower GQA
+    path."""
     batch, max_q, heads, dim = q.shape
     kv_heads = keys.shape[2]
     group = heads // kv_heads
     folded = (q.view(batch, max_q, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
               .reshape(batch, kv_heads, group * max_q, dim))  # rows: (head in group, query)
-    if mask is not None and group > 1:
-        mask = mask.repeat(1, 1, group, 1)  # [batch, 1, group * max_q, ctx]
     out = F.scaled_dot_product_attention(folded, keys.transpose(1, 2), values.transpose(1, 2),
                                          attn_mask=mask, scale=scale)
     return out.view(batch, kv_heads, group, max_q, dim).permute(0, 3, 1, 2, 4)

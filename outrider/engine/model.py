@@ -7,8 +7,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from outrider.engine.attention import AttentionMetadata, paged_attention
+from outrider.engine.attention import AttentionMetadata
 from outrider.engine.checkpoint import CheckpointError, iter_tensor_slices
+from outrider.engine.compiled import attention
 from outrider.engine.model_config import ModelConfig
 from outrider.engine.parallel import (
     MergedColumnParallelLinear,
@@ -57,7 +58,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(-1, heads + 2 * kv_heads, self.head_dim)
         qk = apply_rope(qkv[:, :heads + kv_heads], cos_sin)  # queries and keys in one go
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.window, self.scale)
+        out = attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.window, self.scale)
         return self.o_proj(out)
 
 

@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from outrider.engine.compiled import packed_linear
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -86,19 +88,21 @@ class PackedForCPU:
 
     weight_packed: torch.Tensor | None = None
     weight_t: torch.Tensor | None = None
+    out_features: int = 0
 
     def pack_for_cpu(self) -> None:
         weight = self.weight.data
+        self.out_features = weight.shape[0]
         if _has_onednn_linear(weight.dtype):
             self.weight_packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        if self.weight_packed is None or weight.numel() <= SMALL_LAYER:
+        if self.weight_packed is None or (weight.numel() <= SMALL_LAYER
+                                          and weight.dtype == torch.float32):
             self.weight_t = weight.t().contiguous()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_rows, in] -> [num_rows, out]
         if self.weight_packed is not None and (x.shape[0] > 1 or self.weight_t is None):
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight_packed, None, "none",
-                                                      [], "")
+            return packed_linear(x, self.weight_packed, self.out_features)
         return x @ self.weight_t if self.weight_t is not None else F.linear(x, self.weight)
 
 
@@ -109,7 +113,7 @@ SMALL_LAYER = 1 << 20  # weights this small also keep an [in, out] copy for sing
 def _has_onednn_linear(dtype: torch.dtype) -> bool:
     """Whether this torch can run prepacked oneDNN linears in `dtype` (and gets them
     right: a 3x5 check against F.linear)."""
-    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return False
     try:
         weight, x = torch.randn(5, 7), torch.randn(3, 7)

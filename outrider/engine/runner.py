@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from outrider.engine.attention import AttentionMetadata, SequenceSlice
 from outrider.engine.block_manager import BlockManager
+from outrider.engine.compiled import CompiledForward, forward_metadata
 from outrider.engine.model import CausalLM
 from outrider.engine.model_config import ModelConfig, ModelConfigError, parse_dtype
 from outrider.engine.parallel import PackedForCPU, TPGroup
@@ -33,6 +34,8 @@ class RunnerConfig:
     max_model_len: int = 8192   # capped by the model's max_position_embeddings
     threads: int = 0            # CPU threads per rank; 0: the cores shared out over tp
     prefix_caching: bool = True  # share the KV of common prefixes (block_manager.py)
+    compile: bool = False       # the forward as one compiled graph (compiled.py); off:
+    #                             it measured no faster on CPU (BENCHMARKS.md)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.kv_cache_mb <= 0 or self.max_model_len < 1:
@@ -65,6 +68,8 @@ class ModelRunner:
         self.model = self._served(self.build_model())
         self.kv_caches, num_blocks = self._allocate_kv()
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_caching)
+        self.warm_up_s = 0.0  # compiling the forward at start
+        self.step = self._step_function()
 
     @property
     def vocab_size(self) -> int:
@@ -102,6 +107,27 @@ class ModelRunner:
         makes sure no forward runs meanwhile and drops KV computed with the old ones."""
         with torch.no_grad():
             self.model = self._served(self.build_model(state))
+            self.step = self._step_function()
+
+    def _step_function(self) -> CompiledForward | CausalLM:
+        """The compiled forward, warmed up; eager with --no-compile and under tensor
+        parallelism (its collectives have not been tried inside a compiled graph)."""
+        if not self.cfg.compile or self.tp.size > 1:
+            return self.model
+        step = CompiledForward(self.model, self.model_name)
+        self.step = step
+        self.warm_up_s = step.warm_up(self._scratch_forward)
+        return step
+
+    def _scratch_forward(self, num_tokens: int, num_logits: int) -> None:
+        """One forward of a throwaway sequence (its KV is freed at once)."""
+        seq_id = ("warm-up", num_tokens, num_logits)
+        self.blocks.append(seq_id, num_tokens)
+        try:
+            self.forward([ForwardRequest([1] * num_tokens, 0, self.blocks.block_table(seq_id),
+                                         num_logits)])
+        finally:
+            self.blocks.free(seq_id)
 
     def _allocate_kv(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
         mc = self.model_config
@@ -112,9 +138,12 @@ class ModelRunner:
             raise ValueError(f"kv_cache_mb={self.cfg.kv_cache_mb} holds no KV block "
                              f"({slot_bytes * self.cfg.block_size} bytes each)")
         num_slots = num_blocks * self.cfg.block_size
-        kv = torch.zeros(2, mc.num_layers, num_slots, kv_heads, mc.head_dim,
-                         dtype=self.dtype, device=self.device)
-        return [(kv[0, i], kv[1, i]) for i in range(mc.num_layers)], num_blocks
+        # one tensor per layer and kind, not views of one: a compiled graph that writes
+        # into a view copies its whole base (measured: 0.7 s a forward at 256 MB)
+        def layer_cache() -> torch.Tensor:  # [num_slots, kv_heads, head_dim]
+            return torch.zeros(num_slots, kv_heads, mc.head_dim, dtype=self.dtype,
+                               device=self.device)
+        return [(layer_cache(), layer_cache()) for _ in range(mc.num_layers)], num_blocks
 
     @torch.inference_mode()
     def forward(self, requests: list[ForwardRequest]) -> torch.Tensor:
@@ -138,8 +167,9 @@ class ModelRunner:
             [SequenceSlice(r.cached_len, len(r.token_ids), r.block_table) for r in requests],
             self.cfg.block_size, device)
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        return self.model(as_long(input_ids), as_long(positions), self.kv_caches, meta,
-                          as_long(logits_rows))
+        with forward_metadata(meta):
+            return self.step(as_long(input_ids), as_long(positions), self.kv_caches, meta,
+                             as_long(logits_rows))
 
     def serve_driver(self) -> None:
         """Non-driver ranks: run every forward the driver broadcasts until told to stop."""

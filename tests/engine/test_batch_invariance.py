@@ -22,7 +22,7 @@ from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.engine.tokenizer import Tokenizer
 
-NEAR_TIE = 1e-4   # logprob margin between the two likeliest tokens
+NEAR_TIE = {"float32": 1e-4, "bfloat16": 0.1}  # logprob margin of the two likeliest tokens
 NUM_TOKENS = 48
 NUM_PROMPTS = 24
 ALL = 1 << 30
@@ -36,11 +36,15 @@ def prompts(tokenizer: Tokenizer) -> list[list[int]]:
     return [tokenizer.encode(s)[:40] for s in sources[:NUM_PROMPTS]]
 
 
+def load_pair(dtype: str = "float32"):
+    target = RunnerConfig(str(paths.demo_target_dir()), kv_cache_mb=64, dtype=dtype)
+    draft = RunnerConfig(str(paths.demo_draft_dir()), kv_cache_mb=64, dtype=dtype)
+    return ModelRunner(target), ModelRunner(draft), Tokenizer(str(paths.demo_target_dir()))
+
+
 @pytest.fixture(scope="module")
 def pair():
-    target = RunnerConfig(str(paths.demo_target_dir()), kv_cache_mb=64)
-    draft = RunnerConfig(str(paths.demo_draft_dir()), kv_cache_mb=64)
-    return ModelRunner(target), ModelRunner(draft), Tokenizer(str(paths.demo_target_dir()))
+    return load_pair()
 
 
 def greedy(**kw) -> SamplingParams:
@@ -50,7 +54,17 @@ def greedy(**kw) -> SamplingParams:
 @pytest.mark.slow
 @pytest.mark.parametrize("gamma,overlap", [(4, False), (8, True)])
 def test_greedy_output_is_the_targets_but_for_near_ties(pair, gamma, overlap):
-    target, draft, tokenizer = pair
+    check_near_ties(*pair, gamma, overlap, "float32")
+
+
+@pytest.mark.slow
+def test_bfloat16_greedy_output_is_the_targets_but_for_near_ties():
+    """bf16 (oneDNN's bf16 linears accumulate in fp32 and round each output): logits
+    move by up to ~1e-2 with the batch's shapes, so the near-tie margin is wider."""
+    check_near_ties(*load_pair("bfloat16"), 4, False, "bfloat16")
+
+
+def check_near_ties(target, draft, tokenizer, gamma: int, overlap: bool, dtype: str) -> None:
     alone = SpeculativeDecoder(target)
     batch = prompts(tokenizer)
     reference = [alone.generate([p], greedy(), gamma=0)[0] for p in batch]
@@ -65,7 +79,7 @@ def test_greedy_output_is_the_targets_but_for_near_ties(pair, gamma, overlap):
             num_equal += 1
             continue
         (_, best), (_, second) = ref.logprobs[first_difference].top
-        assert best - second < NEAR_TIE, (first_difference, best, second)
+        assert best - second < NEAR_TIE[dtype], (first_difference, best, second)
     assert len(batch) == NUM_PROMPTS
     assert num_equal >= len(batch) - 2  # near-ties are rare
     assert sum(s.stats.num_accepted_tokens for s in speculative) > 0

@@ -125,11 +125,12 @@ def comparisons(a: Sample, b: Sample) -> dict[str, float]:
 
 # -- samples --------------------------------------------------------------------------------
 
-def make_decoder(target: ModelRunner, draft_dir, overlap: bool) -> SpeculativeDecoder:
+def make_decoder(target: ModelRunner, draft_dir, overlap: bool,
+                 compile: bool = False) -> SpeculativeDecoder:
     """overlap: every sampled sequence drafts the next round during this one."""
-    return SpeculativeDecoder(target,
-                              Drafter(ModelRunner(RunnerConfig(str(draft_dir), kv_cache_mb=64))),
-                              overlap_max_seqs=ALL if overlap else 0, overlap_sampled=overlap)
+    draft = ModelRunner(RunnerConfig(str(draft_dir), kv_cache_mb=64, compile=compile))
+    return SpeculativeDecoder(target, Drafter(draft), overlap_max_seqs=ALL if overlap else 0,
+                              overlap_sampled=overlap)
 
 
 def seed_base(*run) -> int:
@@ -220,6 +221,21 @@ def failures(pvalues: dict[str, float]) -> dict[str, float]:
 def test_speculative_sampling_matches_target_distribution(samples, config, gamma, overlap):
     pvalues = comparisons(samples.speculative(config, gamma, overlap),
                           samples.target_only(config))
+    assert not failures(pvalues), failures(pvalues)
+
+
+@pytest.mark.slow
+def test_compiled_speculative_sampling_matches_target_distribution(samples, llama_dir,
+                                                                   close_draft_dir):
+    """The grid's γ = 4 case with the target and the draft compiled (--compile), against
+    the eager target alone."""
+    config = "truncated-penalties-bias"
+    target = ModelRunner(RunnerConfig(str(llama_dir), kv_cache_mb=64, compile=True))
+    decoder = make_decoder(target, close_draft_dir, overlap=False, compile=True)
+    sample = generate(decoder, 4, seed_base("speculative-compiled", config, 4),
+                      **CONFIGS[config])
+    assert target.step.is_compiled and decoder.drafter.runner.step.is_compiled
+    pvalues = comparisons(sample, samples.target_only(config))
     assert not failures(pvalues), failures(pvalues)
 
 

@@ -1,0 +1,165 @@
+"""The model's forward as one compiled graph (torch.compile, inductor: C++/OpenMP on CPU).
+
+What a step of a small model costs on CPU is mostly fixed per-op cost: ~25 small ops per
+layer, each a Python dispatch and a pass over memory. Inductor fuses the elementwise ops
+(norms, RoPE, SiLU·up, residual adds) into a few C++ loops; two pieces stay opaque to it,
+as custom ops it calls as they are:
+
+- the CPU linears, prepacked for oneDNN (`PackedForCPU`): 2.3x the GEMM inductor would
+  pick here (MKL's sgemm), measured in BENCHMARKS.md;
+- paged attention over the ragged batch (`attention.py`): its grouping depends on the
+  step's metadata (how many sequences, which are prefill chunks), which would otherwise
+  recompile the graph; the metadata reaches it through `forward_metadata`, set by the
+  runner around each forward (vLLM's piecewise scheme does the same).
+
+The number of tokens in a forward is a dynamic dimension, so one graph serves decode,
+verification (1+γ per sequence) and prefill chunks alike, with no padding: on a CPU a
+padded row costs as much as a real one. Compiled code is cached on disk
+(`TORCHINDUCTOR_CACHE_DIR`, default ~/.cache/outrider/inductor), so a restart reuses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.fx.experimental._config
+from tqdm import tqdm
+
+from outrider.engine.attention import AttentionMetadata, paged_attention
+
+log = logging.getLogger(__name__)
+
+_metadata: list[AttentionMetadata] = []  # the forward in progress (one at a time per rank)
+
+
+@contextlib.contextmanager
+def forward_metadata(meta: AttentionMetadata) -> Iterator[None]:
+    _metadata.append(meta)
+    try:
+        yield
+    finally:
+        _metadata.pop()
+
+
+@torch.library.custom_op("outrider::paged_attention", mutates_args=("k_cache", "v_cache"))
+def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, window: int,
+                        scale: float) -> torch.Tensor:
+    return paged_attention(q, k, v, k_cache, v_cache, _metadata[-1],
+                           window if window > 0 else None, scale)
+
+
+@_paged_attention_op.register_fake
+def _(q, k, v, k_cache, v_cache, window, scale):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, meta: AttentionMetadata | None, window: int | None,
+              scale: float) -> torch.Tensor:
+    """Paged attention, called directly in eager mode (a custom op's dispatch costs
+    ~10 µs a call) and as an opaque op inside a compiled graph, which is given no
+    metadata (its guards would cost more than the step saves)."""
+    if torch.compiler.is_compiling() or meta is None:
+        return _paged_attention_op(q, k, v, k_cache, v_cache, window or 0, scale)
+    return paged_attention(q, k, v, k_cache, v_cache, meta, window, scale)
+
+
+@torch.library.custom_op("outrider::packed_linear", mutates_args=())
+def _packed_linear_op(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+@_packed_linear_op.register_fake
+def _(x, packed, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [rows, in] @ a oneDNN-prepacked weight -> [rows, out_features]."""
+    if torch.compiler.is_compiling():
+        return _packed_linear_op(x, packed, out_features)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def inductor_cache_dir() -> Path:
+    path = Path(os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "outrider" / "inductor")))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# The shapes of forwards a model sees: (new tokens, logits rows). One token and one
+# logits row are specialised by the compiler (its 0/1 rule), so each gets a graph of its
+# own; every larger count shares the dynamic one. Warming these up compiles them all.
+WARM_UP_SHAPES = ((1, 1), (3, 1), (3, 3), (3, 0), (1, 0))
+
+
+class CompiledForward:
+    """A model's forward compiled once for every number of tokens, after a bounded
+    warm-up; eager if compiling fails (one log line says why), so a replica always
+    serves."""
+
+    def __init__(self, model: torch.nn.Module, label: str) -> None:
+        inductor_cache_dir()
+        # duck sizing would tie the token count to any weight dimension it happened to
+        # equal (4096 tokens to a 4096 vocabulary) and recompile when they part
+        torch.fx.experimental._config.use_duck_shape = False
+        self.label = label
+        self.eager: Callable = model.forward
+        self.compiled: Callable | None = torch.compile(_own_code(model.forward), dynamic=True,
+                                                       fullgraph=True)
+        self.failure = ""
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.compiled is not None
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                 meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
+        if self.compiled is not None:
+            try:  # the graph gets no metadata: paged attention reads forward_metadata's
+                return self.compiled(input_ids, positions, kv_caches, None, logits_rows)
+            except (torch._dynamo.exc.TorchDynamoException,
+                    torch._inductor.exc.InductorError) as exc:
+                self.fall_back(exc)
+        return self.eager(input_ids, positions, kv_caches, meta, logits_rows)
+
+    def fall_back(self, exc: BaseException) -> None:
+        self.compiled = None
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        self.failure = f"{type(exc).__name__}: {first_line}"
+        log.warning("%s: compiling the forward failed, serving eagerly (%s)", self.label,
+                    self.failure)
+
+    def warm_up(self, run: Callable[[int, int], None]) -> float:
+        """Compile every graph before traffic needs it: `run(tokens, logits_rows)` runs
+        one forward of that shape. Returns the seconds it took."""
+        start = time.perf_counter()
+        with tqdm(WARM_UP_SHAPES, desc=f"compiling {self.label}", unit="graph",
+                  disable=None, leave=False) as shapes:
+            for tokens, rows in shapes:
+                if self.compiled is None:
+                    break
+                run(tokens, rows)
+        seconds = time.perf_counter() - start
+        log.info("%s: forward %s in %.1f s", self.label,
+                 "compiled" if self.compiled else "eager", seconds)
+        return seconds
+
+
+def _own_code(method: Callable) -> Callable:
+    """`method` with a code object of its own: the compiler keeps its graphs per code
+    object, and a target and a draft model in one process must not share (and evict)
+    each other's."""
+    func = method.__func__
+    copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__,
+                              func.__defaults__, func.__closure__)
+    return types.MethodType(copy, method.__self__)
