@@ -25,8 +25,6 @@ class LocalSystemConfig:
     redis_url: str | None = None
     device: str = "cpu"
     kv_cache_mb: float = 256.0
-    dtype: str = "auto"             # of both models
-    compile: bool = False           # compiled forwards in every replica (--compile)
     max_batch_tokens: int = SchedulerConfig.max_batch_tokens
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     extra_target_args: tuple[str, ...] = ()
@@ -37,6 +35,8 @@ class LocalSystemConfig:
     target_replicas: int = 1        # behind the one router; they share the draft replicas
     prefix_caching: bool = True     # in every replica's KV cache
     adapt: bool = False             # online distillation on the draft replicas
+    dtype: str = "auto"             # of both models
+    compile: bool = False           # compiled forwards in every replica (--compile)
 
     def __post_init__(self) -> None:
         if self.draft and self.draft_replicas < 1:

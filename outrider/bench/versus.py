@@ -196,12 +196,20 @@ def _server(command: list[str], url: str, env, timeout_s: float = 600) -> Iterat
             _wait_ready(proc, url, timeout_s, log)
             yield url
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, SIGKILL after a minute; a server that has
+    exited already (it failed to start) leaves its own error to be seen."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _wait_ready(proc: subprocess.Popen, url: str, timeout_s: float, log) -> None:
