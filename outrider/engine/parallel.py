@@ -82,9 +82,11 @@ class PackedForCPU:
     """CPU matmuls with few rows (decode: 1, verification: 1+γ, a batch of them) are
     slow against the checkpoint's [out, in] layout. After loading, CPU layers keep their
     weight prepacked for oneDNN (its blocked layout: measured 1.1-1.7x faster than MKL's
-    sgemm on [in, out] from 2 to 160 rows here) and multiply with `x @ weight_t` on an
-    [in, out] copy where oneDNN is missing. A single row through a small layer pays
-    oneDNN's fixed cost (0.7x), so small layers keep the [in, out] copy for it too."""
+    sgemm on [in, out] from 2 to 160 rows here; bf16 too, ~2x fp32's GEMM rate) and
+    multiply with `x @ weight_t` on an [in, out] copy where oneDNN is missing. A single
+    row through a small fp32 layer pays oneDNN's fixed cost (0.7x), so small fp32 layers
+    keep the [in, out] copy for it too (PyTorch's bf16 single row is slower than
+    oneDNN's, so bf16 never does)."""
 
     weight_packed: torch.Tensor | None = None
     weight_t: torch.Tensor | None = None
@@ -106,20 +108,23 @@ class PackedForCPU:
         return x @ self.weight_t if self.weight_t is not None else F.linear(x, self.weight)
 
 
-SMALL_LAYER = 1 << 20  # weights this small also keep an [in, out] copy for single rows
+SMALL_LAYER = 1 << 20  # fp32 weights this small also keep an [in, out] copy for single rows
+ONEDNN_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 0.1}  # the dtypes packed, and how
+#                                                               near F.linear they must be
 
 
 @functools.cache
 def _has_onednn_linear(dtype: torch.dtype) -> bool:
     """Whether this torch can run prepacked oneDNN linears in `dtype` (and gets them
-    right: a 3x5 check against F.linear)."""
-    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+    right: a 3x5 check against F.linear, to the dtype's precision)."""
+    if dtype not in ONEDNN_TOLERANCE or not torch.backends.mkldnn.is_available():
         return False
     try:
-        weight, x = torch.randn(5, 7), torch.randn(3, 7)
+        weight, x = torch.randn(5, 7).to(dtype), torch.randn(3, 7).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        return bool(torch.allclose(out, F.linear(x, weight), atol=1e-5))
+        return bool(torch.allclose(out.float(), F.linear(x.float(), weight.float()),
+                                   atol=ONEDNN_TOLERANCE[dtype]))
     except (AttributeError, RuntimeError):
         return False
 

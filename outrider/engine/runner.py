@@ -114,10 +114,9 @@ class ModelRunner:
         parallelism (its collectives have not been tried inside a compiled graph)."""
         if not self.cfg.compile or self.tp.size > 1:
             return self.model
-        step = CompiledForward(self.model, self.model_name)
-        self.step = step
-        self.warm_up_s = step.warm_up(self._scratch_forward)
-        return step
+        self.step = CompiledForward(self.model, self.model_name)  # what warm-up runs
+        self.warm_up_s = self.step.warm_up(self._scratch_forward)
+        return self.step
 
     def _scratch_forward(self, num_tokens: int, num_logits: int) -> None:
         """One forward of a throwaway sequence (its KV is freed at once)."""
