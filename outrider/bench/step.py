@@ -25,6 +25,8 @@ import torch
 
 from outrider import paths
 from outrider.bench.common import command_line, machine
+from outrider.engine.compiled import onednn_linear
+from outrider.engine.model_config import ModelConfig
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 
 DEFAULT_OUT = "results/step.json"
@@ -32,7 +34,8 @@ CASES = [("decode", 1, 1), ("decode", 8, 1), ("decode", 32, 1),
          ("verify", 1, 5), ("verify", 8, 5), ("verify", 32, 5), ("prefill", 1, 128)]
 CONTEXT = (128, 224)
 
-MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm")
+MATMUL_OPS = ("mkldnn::_linear_pointwise", "outrider::packed_linear", "aten::mm", "aten::addmm",
+              "aten::bmm")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_attention_math", "aten::index_select",
                  "aten::index_copy_", "aten::where", "aten::repeat", "aten::masked_fill_",
@@ -46,8 +49,7 @@ def machine_limits(dtype: torch.dtype, hidden: int, intermediate: int) -> dict:
     weight = torch.randn(n, k).to(dtype)
     x = torch.randn(rows, k).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    gemm_s = _quartile(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none",
-                                                                   [], ""), 50)
+    gemm_s = _quartile(lambda: onednn_linear(x, packed), 50)
     source, dest = torch.rand(32 * 2**20), torch.empty(32 * 2**20)  # 128 MB each
     copy_s = _quartile(lambda: dest.copy_(source), 10)
     return {"gemm_gflops": 2 * rows * k * n / gemm_s / 1e9,
@@ -107,9 +109,7 @@ def breakdown(runner: ModelRunner, requests: list[ForwardRequest], seconds: floa
             runner.forward(requests)
     parts = {"matmul": 0.0, "attention": 0.0, "other_ops": 0.0}
     for event in prof.key_averages():
-        if event.key.startswith("ProfilerStep"):
-            continue
-        part = ("matmul" if event.key in MATMUL_OPS or event.key == "outrider::packed_linear"
+        part = ("matmul" if event.key in MATMUL_OPS
                 else "attention" if event.key in ATTENTION_OPS else "other_ops")
         parts[part] += event.self_cpu_time_total / 1e6 / repeats
     scale = seconds / max(sum(parts.values()), seconds)  # the profiler's own cost taken out
@@ -143,14 +143,18 @@ def measure(target: str, dtype: str, compiled: bool, limits: dict, repeats: int)
     return [dict(r, warm_up_s=warm_up_s) for r in rows]
 
 
+def _name(row: dict) -> str:
+    return (f"{row['kind']} ×{row['batch']}" if row["kind"] != "prefill"
+            else f"prefill {row['query_len']}")
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| step | dtype | mode | ms | matmul | attention | other ops | Python | "
              "limit (ms) | of limit |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = r["breakdown_ms"]
-        name = (f"{r['kind']} ×{r['batch']}" if r["kind"] != "prefill"
-                else f"prefill {r['query_len']}")
-        lines.append(f"| {name} | {r['dtype']} | {'compiled' if r['compiled'] else 'eager'} | "
+        lines.append(f"| {_name(r)} | {r['dtype']} | "
+                     f"{'compiled' if r['compiled'] else 'eager'} | "
                      f"{r['ms']:.2f} | {b['matmul']:.2f} | {b['attention']:.2f} | "
                      f"{b['other_ops']:.2f} | {b['python']:.2f} | "
                      f"{r['ms_at_machine_limit']:.2f} | {r['fraction_of_limit']:.0%} |")
@@ -163,22 +167,21 @@ def plot(rows: list[dict], folder: Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(dict.fromkeys(f"{r['kind']} ×{r['batch']}" for r in rows))
+    names = list(dict.fromkeys(_name(r) for r in rows))
     variants = list(dict.fromkeys((r["dtype"], r["compiled"]) for r in rows))
+    ms = {(_name(r), r["dtype"], r["compiled"]): r["ms"] for r in rows}
+    bf16_limit = {_name(r): r["ms_at_machine_limit"] for r in rows if r["dtype"] == "bfloat16"}
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(variants)
+    centres = [x + 0.4 - width / 2 for x in range(len(names))]
     for i, (dtype, compiled) in enumerate(variants):
-        ms = [next(r["ms"] for r in rows if f"{r['kind']} ×{r['batch']}" == n
-                   and (r["dtype"], r["compiled"]) == (dtype, compiled)) for n in names]
-        ax.bar([x + i * width for x in range(len(names))], ms, width,
+        ax.bar([x + i * width for x in range(len(names))],
+               [ms[n, dtype, compiled] for n in names], width,
                label=f"{dtype}, {'compiled' if compiled else 'eager'}")
-    limit = [min(r["ms_at_machine_limit"] for r in rows if f"{r['kind']} ×{r['batch']}" == n
-                 and r["dtype"] == "bfloat16") if any(r["dtype"] == "bfloat16" for r in rows)
-             else None for n in names]
-    if all(x is not None for x in limit):
-        ax.scatter([x + 0.4 - width / 2 for x in range(len(names))], limit, marker="_", s=400,
+    if bf16_limit:
+        ax.scatter(centres, [bf16_limit[n] for n in names], marker="_", s=400,
                    color="black", label="bfloat16 machine limit", zorder=3)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names)
+    ax.set_xticks(centres, names)
     ax.set_yscale("log")
     ax.set_ylabel("ms per forward (one core)")
     ax.legend(fontsize=8)
@@ -206,7 +209,7 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
 def run(args) -> int:
     torch.set_num_threads(args.threads or 1)
     report = {"machine": machine(), "command": command_line(), "cases": [], "limits": {}}
-    mc = ModelRunner(RunnerConfig(args.target, kv_cache_mb=1, compile=False)).model_config
+    mc = ModelConfig.from_dir(args.target)
     for dtype in args.dtypes.split(","):
         limits = machine_limits(getattr(torch, dtype), mc.hidden_size, mc.intermediate_size)
         report["limits"][dtype] = limits

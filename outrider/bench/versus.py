@@ -52,7 +52,8 @@ from outrider.bench import serving
 from outrider.launch import free_port
 
 SERVED_NAME = "demo-target"
-COMPILED = "outrider-compiled"  # `outrider serve --compile`, AUTO
+# outrider-* systems that need a server of their own (the others are request modes)
+SERVER_FLAGS = {"outrider-compiled": ("--compile",)}  # `outrider serve --compile`, AUTO
 DEFAULT_OUT = "results/versus.json"
 PACKAGES = ("fastapi", "starlette", "pydantic", "jinja2", "yaml", "redis", "uvicorn",
             "opentelemetry", "prometheus_client", "tqdm", "safetensors", "tokenizers")
@@ -82,9 +83,9 @@ def package_prompts(tokenizer, num_prompts: int, prompt_tokens: int) -> list[str
     for f in package_sources():
         by_package.setdefault(_package_of(f), []).append(f)
     ordered = [f for group in itertools.zip_longest(*by_package.values()) for f in group if f]
-    prompts = []
     if not ordered:
         raise RuntimeError("found no package source files for prompts")
+    prompts = []
     for f in ordered[:num_prompts]:
         ids = tokenizer.encode(f.read_text(encoding="utf-8", errors="replace")[:8 * prompt_tokens])
         prompts.append(tokenizer.decode(ids[:prompt_tokens]))
@@ -258,19 +259,15 @@ def num_requests(concurrency: int, per_stream: int) -> int:
 
 
 def server_groups(systems: list[str]) -> list[list[str]]:
-    """Systems measured together: every outrider-* mode on one `outrider serve` (the
-    compiled one on its own); each vLLM configuration and each engine setting on its
-    own."""
-    groups: list[list[str]] = []
+    """Systems measured together: the outrider-* modes that share `outrider serve`'s
+    flags (SERVER_FLAGS) on one server; each vLLM configuration and each engine setting
+    on its own."""
+    groups: dict[object, list[str]] = {}
     for system in systems:
-        kind = ("outrider" if system.startswith("outrider") and system != COMPILED
-                else system)
-        group = next((g for g in groups if g[0].startswith(kind)), None)
-        if group is None or kind != "outrider":
-            groups.append([system])
-        else:
-            group.append(system)
-    return groups
+        key = (("outrider", SERVER_FLAGS.get(system, ())) if system.startswith("outrider")
+               else system)
+        groups.setdefault(key, []).append(system)
+    return list(groups.values())
 
 
 def run_round(args, groups: list[list[str]], prompts_files: dict[int, Path], prompt_ids,
@@ -281,7 +278,7 @@ def run_round(args, groups: list[list[str]], prompts_files: dict[int, Path], pro
         if group[0].startswith("engine"):
             results[group[0]] = measure_engine(args, group[0], prompt_ids, levels)
             continue
-        server = (outrider_server(args, ("--compile",) if group[0] == COMPILED else ())
+        server = (outrider_server(args, SERVER_FLAGS.get(group[0], ()))
                   if group[0].startswith("outrider")
                   else vllm_server(args, with_draft=group[0] != "vllm"))
         with server as url:
@@ -442,7 +439,7 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
                              "(vllm bench serve's names; default: greedy). The in-process "
                              "engine rows are greedy whatever this says")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="of every system's models (--vllm, --step)")
+                        help="(--vllm) of every system's models")
     parser.add_argument("--hf", action="store_true",
                         help="transformers (assisted generation) at batch 1 on the same prompts")
 

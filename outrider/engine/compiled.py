@@ -9,8 +9,8 @@ as custom ops it calls as they are:
   pick here (MKL's sgemm), measured in BENCHMARKS.md;
 - paged attention over the ragged batch (`attention.py`): its grouping depends on the
   step's metadata (how many sequences, which are prefill chunks), which would otherwise
-  recompile the graph; the metadata reaches it through `forward_metadata`, set by the
-  runner around each forward (vLLM's piecewise scheme does the same).
+  recompile the graph; the metadata reaches it through `forward_metadata`, set by
+  CompiledForward around each call (vLLM's piecewise scheme does the same).
 
 The number of tokens in a forward is a dynamic dimension, so one graph serves decode,
 verification (1+γ per sequence) and prefill chunks alike, with no padding: on a CPU a
@@ -66,15 +66,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
               scale: float) -> torch.Tensor:
     """Paged attention, called directly in eager mode (a custom op's dispatch costs
     ~10 µs a call) and as an opaque op inside a compiled graph, which is given no
-    metadata (its guards would cost more than the step saves)."""
-    if torch.compiler.is_compiling() or meta is None:
+    metadata (its guards would cost more than the step saves) and reads it from
+    forward_metadata instead."""
+    if meta is None:
         return _paged_attention_op(q, k, v, k_cache, v_cache, window or 0, scale)
     return paged_attention(q, k, v, k_cache, v_cache, meta, window, scale)
 
 
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] @ a weight prepacked by torch.ops.mkldnn._reorder_linear_weight."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
 @torch.library.custom_op("outrider::packed_linear", mutates_args=())
 def _packed_linear_op(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return onednn_linear(x, packed)
 
 
 @_packed_linear_op.register_fake
@@ -86,14 +92,14 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
     """x [rows, in] @ a oneDNN-prepacked weight -> [rows, out_features]."""
     if torch.compiler.is_compiling():
         return _packed_linear_op(x, packed, out_features)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return onednn_linear(x, packed)
 
 
-def inductor_cache_dir() -> Path:
+def _use_inductor_cache_dir() -> None:
+    """Compiled code kept across restarts, in $TORCHINDUCTOR_CACHE_DIR if set."""
     path = Path(os.environ.setdefault(
         "TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "outrider" / "inductor")))
     path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 # The shapes of forwards a model sees: (new tokens, logits rows). One token and one
@@ -108,7 +114,7 @@ class CompiledForward:
     serves."""
 
     def __init__(self, model: torch.nn.Module, label: str) -> None:
-        inductor_cache_dir()
+        _use_inductor_cache_dir()
         # duck sizing would tie the token count to any weight dimension it happened to
         # equal (4096 tokens to a 4096 vocabulary) and recompile when they part
         torch.fx.experimental._config.use_duck_shape = False
@@ -126,7 +132,8 @@ class CompiledForward:
                  meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
         if self.compiled is not None:
             try:  # the graph gets no metadata: paged attention reads forward_metadata's
-                return self.compiled(input_ids, positions, kv_caches, None, logits_rows)
+                with forward_metadata(meta):
+                    return self.compiled(input_ids, positions, kv_caches, None, logits_rows)
             except (torch._dynamo.exc.TorchDynamoException,
                     torch._inductor.exc.InductorError) as exc:
                 self.fall_back(exc)

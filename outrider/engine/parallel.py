@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from outrider.engine.compiled import packed_linear
+from outrider.engine.compiled import onednn_linear, packed_linear
 
 
 @dataclass(frozen=True)
@@ -121,8 +121,7 @@ def _has_onednn_linear(dtype: torch.dtype) -> bool:
         return False
     try:
         weight, x = torch.randn(5, 7).to(dtype), torch.randn(3, 7).to(dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        out = onednn_linear(x, torch.ops.mkldnn._reorder_linear_weight(weight, None))
         return bool(torch.allclose(out.float(), F.linear(x.float(), weight.float()),
                                    atol=ONEDNN_TOLERANCE[dtype]))
     except (AttributeError, RuntimeError):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from outrider.engine.attention import AttentionMetadata, SequenceSlice
 from outrider.engine.block_manager import BlockManager
-from outrider.engine.compiled import CompiledForward, forward_metadata
+from outrider.engine.compiled import CompiledForward
 from outrider.engine.model import CausalLM
 from outrider.engine.model_config import ModelConfig, ModelConfigError, parse_dtype
 from outrider.engine.parallel import PackedForCPU, TPGroup
@@ -69,7 +69,7 @@ class ModelRunner:
         self.kv_caches, num_blocks = self._allocate_kv()
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_caching)
         self.warm_up_s = 0.0  # compiling the forward at start
-        self.step = self._step_function()
+        self._set_step()
 
     @property
     def vocab_size(self) -> int:
@@ -107,16 +107,16 @@ class ModelRunner:
         makes sure no forward runs meanwhile and drops KV computed with the old ones."""
         with torch.no_grad():
             self.model = self._served(self.build_model(state))
-            self.step = self._step_function()
+            self._set_step()
 
-    def _step_function(self) -> CompiledForward | CausalLM:
-        """The compiled forward, warmed up; eager with --no-compile and under tensor
-        parallelism (its collectives have not been tried inside a compiled graph)."""
-        if not self.cfg.compile or self.tp.size > 1:
-            return self.model
-        self.step = CompiledForward(self.model, self.model_name)  # what warm-up runs
-        self.warm_up_s = self.step.warm_up(self._scratch_forward)
-        return self.step
+    def _set_step(self) -> None:
+        """What a forward calls: the compiled forward, warmed up; the model itself with
+        --no-compile and under tensor parallelism (its collectives have not been tried
+        inside a compiled graph)."""
+        self.step: CompiledForward | CausalLM = self.model
+        if self.cfg.compile and self.tp.size == 1:
+            self.step = CompiledForward(self.model, self.model_name)
+            self.warm_up_s = self.step.warm_up(self._scratch_forward)
 
     def _scratch_forward(self, num_tokens: int, num_logits: int) -> None:
         """One forward of a throwaway sequence (its KV is freed at once)."""
@@ -166,9 +166,8 @@ class ModelRunner:
             [SequenceSlice(r.cached_len, len(r.token_ids), r.block_table) for r in requests],
             self.cfg.block_size, device)
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        with forward_metadata(meta):
-            return self.step(as_long(input_ids), as_long(positions), self.kv_caches, meta,
-                             as_long(logits_rows))
+        return self.step(as_long(input_ids), as_long(positions), self.kv_caches, meta,
+                         as_long(logits_rows))
 
     def serve_driver(self) -> None:
         """Non-driver ranks: run every forward the driver broadcasts until told to stop."""
