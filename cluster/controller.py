@@ -164,8 +164,7 @@ class Controller:
 
     def _register(self, address: str) -> None:
         """Into the shared registry: routers find the replica there and keep it alive."""
-        from outrider.router.state import RedisStore
-
+        from outrider.state import RedisStore
         from outrider.v1 import state_pb2 as st
 
         RedisStore(self.spec.redis_url).put_replica(

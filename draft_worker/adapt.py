@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass
 
 from outrider.draft_worker.versions import SharedVersions
-from outrider.router.state import StoreUnavailable
 
 from outrider.engine.distill import DistillConfig, Distiller, TrafficBuffer
 from outrider.engine.drafter import Drafter
+from outrider.state import StoreUnavailable
 
 POLL_S = 0.5  # how often the loop checks the buffer, the lease and the version index
 

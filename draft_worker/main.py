@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from outrider.draft_worker.adapt import Adapter
 from outrider.draft_worker.service import DraftService
 from outrider.draft_worker.versions import SharedVersions
-from outrider.router.state import RedisStore
 
 from outrider import cluster_tls
 from outrider.cpus import available_cpus, parse_cpus
@@ -19,6 +18,7 @@ from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.flags import add_cpus_arg, add_metrics_arg, add_model_server_args
 from outrider.grpc_server import Running, build_server, serve_until_signalled
+from outrider.state import RedisStore
 from outrider.telemetry.metrics import DraftMetrics, serve_metrics
 from outrider.telemetry.tracing import setup_tracing
 from outrider.v1 import worker_pb2_grpc

@@ -15,9 +15,10 @@ import math
 import uuid
 
 import torch
-from outrider.router.state import PREFIX, RedisStore
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
+
+from outrider.state import RedisStore, keys
 
 LEASE_S = 60.0       # a trainer that stops renewing hands over after this long
 KEEP_VERSIONS = 3    # weights kept in Redis: the newest, and two to fall back on
@@ -48,9 +49,7 @@ class SharedVersions:
     def __init__(self, store: RedisStore, pair: str, lease_s: float = LEASE_S) -> None:
         self.store, self.lease_s = store, lease_s
         self.owner = uuid.uuid4().hex  # this replica, as a lease holder
-        base = f"{PREFIX}draft:{pair}:"
-        self._lease, self._latest, self._weights = base + "trainer", base + "latest", \
-            base + "weights:"
+        self._lease, self._latest, self._weights = keys.draft(pair)
         self._hold = store.script(_HOLD_LEASE)
         self._publish = store.script(_PUBLISH)
 

@@ -443,7 +443,7 @@ def cmd_bench(args) -> int:
 
 def cmd_keys(args) -> int:
     from outrider.router.auth import hash_key, new_key
-    from outrider.router.state import RedisStore
+    from outrider.state import RedisStore
     from outrider.v1 import state_pb2 as st
 
     key = new_key()

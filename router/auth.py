@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 
 import grpc
-from outrider.router.state import StoreUnavailable
 
+from outrider.state import StoreUnavailable
 from outrider.v1 import state_pb2 as st
 
 KEY_PREFIX = "or-"

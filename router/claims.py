@@ -12,7 +12,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-from outrider.router.state import StoreUnavailable
+from outrider.state import StoreUnavailable
 
 
 class ClaimKeeper:

@@ -15,13 +15,13 @@ from outrider.router.chat_template import ChatTemplate
 from outrider.router.http_api import HttpSettings, build_app, start_http
 from outrider.router.replicas import ROUTING, ReplicaSet
 from outrider.router.service import GenerationService, ServiceLimits
-from outrider.router.state import open_store
 from outrider.router.telemetry import RouterTelemetry
 
 from outrider.core.hf_config import context_length, read_config
-from outrider.engine.tokenizer import Tokenizer
+from outrider.core.tokenizer import Tokenizer
 from outrider.flags import add_cpus_arg, add_metrics_arg
 from outrider.grpc_server import Running, build_server, serve_until_signalled
+from outrider.state import open_store
 from outrider.telemetry.metrics import serve_metrics
 from outrider.telemetry.tracing import setup_tracing
 from outrider.v1 import generate_pb2_grpc

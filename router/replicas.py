@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 import grpc
 from outrider.router.prefix_index import PrefixIndex, block_chain
-from outrider.router.state import StoreUnavailable
 from outrider.router.target_link import TargetLink
 
 from outrider.cluster_tls import internal_channel
@@ -28,6 +27,7 @@ from outrider.core.policy import (
     PolicyConfig,
 )
 from outrider.grpc_server import token_metadata
+from outrider.state import StoreUnavailable
 from outrider.v1 import state_pb2 as st
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc

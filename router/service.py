@@ -21,7 +21,6 @@ import grpc
 from outrider.router.auth import Authenticator, AuthError
 from outrider.router.claims import ClaimKeeper
 from outrider.router.replicas import ReplicaSet
-from outrider.router.state import MAX_ACCEPTANCE_ENTRIES, StoreUnavailable
 from outrider.router.telemetry import RequestTelemetry, RouterTelemetry
 from outrider.router.text_stream import TextStream
 from outrider.router.validate import Job, ValidationError, validate
@@ -29,8 +28,9 @@ from outrider.router.validate import Job, ValidationError, validate
 from outrider.core.policy import MAX_QUEUED_PER_REPLICA, Acceptance, SpecMode
 from outrider.core.sampling import sampling_to_proto
 from outrider.core.stats import SpecStats
-from outrider.engine.tokenizer import Tokenizer
+from outrider.core.tokenizer import Tokenizer
 from outrider.grpc_server import remaining_timeout
+from outrider.state import MAX_ACCEPTANCE_ENTRIES, StoreUnavailable
 from outrider.v1 import generate_pb2 as gp
 from outrider.v1 import generate_pb2_grpc
 from outrider.v1 import state_pb2 as st

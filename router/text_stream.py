@@ -6,7 +6,7 @@ or ruled out (it is released)."""
 
 from __future__ import annotations
 
-from outrider.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from outrider.core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class TextStream:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from outrider.core.policy import MAX_GAMMA, SpecMode
 from outrider.core.sampling import MAX_SEED, SamplingError, SamplingParams
-from outrider.engine.tokenizer import Tokenizer
+from outrider.core.tokenizer import Tokenizer
 from outrider.v1 import generate_pb2 as gp
 
 MAX_STOP_STRINGS = 64

@@ -9,12 +9,12 @@ import torch
 from outrider import paths
 from outrider.bench.acceptance import heldout_prompts
 from outrider.core.sampling import SamplingParams
+from outrider.core.tokenizer import Tokenizer
 from outrider.engine.drafter import Drafter
 from outrider.engine.local import check_pair_compatible
 from outrider.engine.model_config import ModelConfig
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
-from outrider.engine.tokenizer import Tokenizer
 
 NEW_TOKENS = 48
 

@@ -22,7 +22,8 @@ sys.meta_path.insert(0, Refuse())
 """
 
 TORCH_FREE = ["outrider.core.sampling", "outrider.core.policy", "outrider.core.stats",
-              "outrider.core.hf_config", "outrider.client", "outrider.router.main",
+              "outrider.core.hf_config", "outrider.core.tokenizer", "outrider.state",
+              "outrider.client", "outrider.router.main",
               "outrider.router.service", "outrider.router.http_api", "outrider.cli"]
 
 

@@ -24,10 +24,10 @@ import torch
 from outrider import paths
 from outrider.core.sampling import SamplingParams
 from outrider.core.stats import SpecStats
+from outrider.core.tokenizer import Tokenizer
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
-from outrider.engine.tokenizer import Tokenizer
 
 SETTINGS = {"greedy": dict(temperature=0.0),
             "t0.7-p0.95": dict(temperature=0.7, top_p=0.95)}

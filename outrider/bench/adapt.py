@@ -216,7 +216,7 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
 
 
 def run(args) -> int:
-    from outrider.engine.tokenizer import Tokenizer
+    from outrider.core.tokenizer import Tokenizer
 
     log = lambda text: print(f"[adapt] {text}", file=sys.stderr, flush=True)  # noqa: E731
     tokenizer = Tokenizer(args.target)
@@ -255,7 +255,7 @@ def serve_system(args, texts: list[str], adapt: bool, log, limit: int,
     from outrider.client import Client
     from outrider.draft_worker.versions import SharedVersions
     from outrider.local_system import LocalSystemConfig, local_system
-    from outrider.router.state import RedisStore
+    from outrider.state import RedisStore
 
     cfg = LocalSystemConfig(args.target, args.draft, gamma=args.gamma, grpc_port=0,
                             metrics=True, adapt=adapt, redis_url=redis_url)

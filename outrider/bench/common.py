@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from outrider import paths
-from outrider.engine.tokenizer import Tokenizer
+from outrider.core.tokenizer import Tokenizer
 from outrider.v1 import generate_pb2 as gp
 
 TOKEN = "bench-token"  # cluster token of a deployment the harness starts itself

@@ -26,10 +26,10 @@ from outrider import paths
 from outrider.bench.acceptance import heldout_prompts
 from outrider.cluster_tls import internal_channel
 from outrider.core.sampling import SamplingParams, sampling_to_proto
+from outrider.core.tokenizer import Tokenizer
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
-from outrider.engine.tokenizer import Tokenizer
 from outrider.grpc_server import token_metadata
 from outrider.launch import free_port, outrider_process
 from outrider.v1 import worker_pb2 as pb

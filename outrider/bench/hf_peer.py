@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from outrider import paths
 from outrider.bench import common
-from outrider.engine.tokenizer import Tokenizer
+from outrider.core.tokenizer import Tokenizer
 from outrider.v1 import generate_pb2_grpc
 
 Runner = Callable[[list[int], int], list[int]]  # (prompt ids, max tokens) -> output ids

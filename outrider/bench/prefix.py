@@ -247,7 +247,7 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
 
 
 def run(args) -> int:
-    from outrider.engine.tokenizer import Tokenizer
+    from outrider.core.tokenizer import Tokenizer
 
     systems = common.parse_list(args.systems or ",".join(
         [*OUTRIDER_SYSTEMS, *([f"vllm-draft{args.gamma}", "vllm"] if args.vllm else [])]))

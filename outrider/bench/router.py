@@ -28,7 +28,7 @@ from outrider import paths
 from outrider.bench.acceptance import heldout_prompts
 from outrider.client import Client
 from outrider.core.sampling import SamplingParams, sampling_to_proto
-from outrider.engine.tokenizer import Tokenizer
+from outrider.core.tokenizer import Tokenizer
 from outrider.grpc_server import token_metadata
 from outrider.local_system import LocalSystemConfig, local_system
 from outrider.v1 import worker_pb2 as pb

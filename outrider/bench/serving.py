@@ -56,7 +56,7 @@ from outrider.bench.common import (
     tag_for,
     workload_prompts,
 )
-from outrider.engine.tokenizer import Tokenizer
+from outrider.core.tokenizer import Tokenizer
 from outrider.v1 import generate_pb2 as gp
 from outrider.v1 import generate_pb2_grpc
 

@@ -445,7 +445,7 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
 
 
 def run(args) -> int:
-    from outrider.engine.tokenizer import Tokenizer
+    from outrider.core.tokenizer import Tokenizer
 
     levels = serving.parse_concurrency(args.concurrency)
     g = args.gamma

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from outrider.core.tokenizer import Tokenizer, TokenizerError
 from outrider.engine.distributed import TPRunnerGroup
 from outrider.engine.drafter import Drafter
 from outrider.engine.model_config import ModelConfig
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import RequestError, SpeculativeDecoder
-from outrider.engine.tokenizer import Tokenizer, TokenizerError
 
 
 @dataclass(frozen=True)

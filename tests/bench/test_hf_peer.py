@@ -8,7 +8,7 @@ import pytest
 from outrider import paths
 from outrider.bench.common import workload_prompts
 from outrider.bench.hf_peer import compare, ratios, side_by_side
-from outrider.engine.tokenizer import Tokenizer
+from outrider.core.tokenizer import Tokenizer
 
 
 def test_side_by_side_rotates_and_counts():

@@ -23,7 +23,7 @@ from outrider.bench.serving import (
     speedup_bound,
     summarize,
 )
-from outrider.engine.tokenizer import Tokenizer
+from outrider.core.tokenizer import Tokenizer
 from outrider.v1 import generate_pb2 as gp
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from outrider import paths
 from outrider.bench import versus
-from outrider.engine.tokenizer import Tokenizer
+from outrider.core.tokenizer import Tokenizer
 
 
 def test_prompts_come_from_installed_packages_not_the_repo():

@@ -17,10 +17,10 @@ import pytest
 
 from outrider import paths
 from outrider.core.sampling import SamplingParams
+from outrider.core.tokenizer import Tokenizer
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
-from outrider.engine.tokenizer import Tokenizer
 
 NEAR_TIE = {"float32": 1e-4, "bfloat16": 0.1}  # logprob margin of the two likeliest tokens
 NUM_TOKENS = 48

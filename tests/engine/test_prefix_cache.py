@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from outrider import paths
 from outrider.core.sampling import SamplingParams
+from outrider.core.tokenizer import Tokenizer
 from outrider.engine.block_manager import BlockManager
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
-from outrider.engine.tokenizer import Tokenizer
 from tests.checkpoints import VOCAB, save_random_checkpoint
 
 BLOCK = 4

@@ -18,10 +18,10 @@ import tracemalloc
 import grpc
 import pytest
 import requests
-from outrider.router.state import MemoryStore
 
 from outrider.client import Client, ConflictError
 from outrider.launch import free_port, process_group
+from outrider.state import MemoryStore
 from outrider.v1 import generate_pb2 as gp
 from outrider.v1 import generate_pb2_grpc
 from outrider.v1 import state_pb2 as st
@@ -33,7 +33,7 @@ TOKEN = "reliability-regressions-token"
 def test_memory_store_forgets_expired_journals():
     """Was: a router without Redis kept every request's journal (record, tokens,
     serialized response) in MemoryStore after its TTL: 6.3 MB for 5,000 64-token
-    requests, forever (router/state.py; fixed by sweeping expired entries)."""
+    requests, forever (outrider/state/memory.py, then router/state.py; fixed by sweeping expired entries)."""
     store = MemoryStore()
     record = st.JournalRecord(fingerprint="f" * 64, prompt_ids=list(range(20)))
     finished = st.JournalRecord(fingerprint="f" * 64, prompt_ids=list(range(20)),

@@ -26,7 +26,7 @@ import pytest
 import requests
 
 from outrider.client import Client, InvalidRequestError
-from outrider.engine.tokenizer import Tokenizer
+from outrider.core.tokenizer import Tokenizer
 from outrider.launch import free_port, process_group
 from tests.reliability._support import RedisServer, Workers, record, reference_greedy, rss_kb
 

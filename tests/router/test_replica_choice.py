@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from outrider.router.prefix_index import PrefixIndex, block_chain
 from outrider.router.replicas import ReplicaSet, expected_seconds
-from outrider.router.state import MemoryStore
 
 from outrider.core.policy import Acceptance
+from outrider.state import MemoryStore
 from outrider.v1 import state_pb2 as st
 from outrider.v1 import worker_pb2 as pb
 

@@ -11,7 +11,6 @@ import grpc
 import pytest
 import redis
 from outrider.router.auth import hash_key
-from outrider.router.state import RedisStore
 
 from outrider.client import (
     AuthenticationError,
@@ -28,6 +27,7 @@ from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.launch import process_group
+from outrider.state import RedisStore
 from outrider.v1 import generate_pb2 as gp
 from outrider.v1 import generate_pb2_grpc
 from outrider.v1 import state_pb2 as st

@@ -6,8 +6,9 @@ import time
 import uuid
 
 import pytest
-from outrider.router.state import AcceptanceCounts, MemoryStore, RedisStore, StoreUnavailable
 
+from outrider.core.stats import AcceptanceCounts
+from outrider.state import MemoryStore, RedisStore, StoreUnavailable
 from outrider.v1 import state_pb2 as st
 from outrider.v1 import worker_pb2 as pb
 
@@ -43,7 +44,7 @@ def test_acceptance_counts_add_up_per_pair_and_tag(store):
 def test_tags_beyond_the_limit_share_the_untagged_statistics(store, monkeypatch):
     """A client may send a new tag with every request: the statistics stop growing at
     MAX_ACCEPTANCE_ENTRIES, and rounds under tags beyond it count for their pair."""
-    monkeypatch.setattr("outrider.router.state.MAX_ACCEPTANCE_ENTRIES", 3)
+    monkeypatch.setattr("outrider.state.contract.MAX_ACCEPTANCE_ENTRIES", 3)
     counts = AcceptanceCounts([2, 1], [1, 0])
     assert [store.add_acceptance("t+d", tag, counts) for tag in ("a", "b", "c")] == ["a", "b", "c"]
     assert store.add_acceptance("t+d", "new", counts) == ""   # full: the pair's own

@@ -6,7 +6,7 @@ import pytest
 from outrider.router.text_stream import TextStream
 
 from outrider import paths
-from outrider.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from outrider.core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXT = "def héllo(x):\n    return '世界 🎉' * x  # ünïcode\n\nclass Bar:\n    pass\n"
 

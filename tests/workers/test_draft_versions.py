@@ -11,7 +11,6 @@ import pytest
 import torch
 from outrider.draft_worker.adapt import Adapter
 from outrider.draft_worker.versions import KEEP_VERSIONS, SharedVersions
-from outrider.router.state import RedisStore
 
 from outrider import paths
 from outrider.client import Client
@@ -20,6 +19,7 @@ from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.launch import free_port
 from outrider.local_system import LocalSystemConfig, local_system
+from outrider.state import RedisStore
 from tests.checkpoints import save_random_checkpoint
 from tests.scraping import scrape, total
 
