@@ -3,8 +3,11 @@
 pyproject.toml holds the metadata, the layout ([tool.setuptools] package-dir: outrider/ and
 the top-level router/, target_worker/, draft_worker/ and cluster/, installed as
 outrider.router etc.) and the package data. This file only lists the packages: every folder
-under a package-dir root that holds Python files (an __init__.py, or modules of a namespace
-package), by its installed name. tests/test_packaging.py checks the result.
+under a package-dir root that holds files, by its installed name: Python files (an
+__init__.py, or modules of a namespace package), or data files alone (outrider/bench/data),
+which setuptools wants listed as a package of their own, their files declared in
+[tool.setuptools.package-data] (without it the build warns that the folder is "absent from
+the `packages` configuration"). tests/test_packaging.py checks the result.
 """
 
 from __future__ import annotations
@@ -21,8 +24,14 @@ def package_dir(root: Path = HERE) -> dict[str, str]:
         return dict(tomllib.load(f)["tool"]["setuptools"]["package-dir"])
 
 
+def holds_files(directory: Path) -> bool:
+    """A folder that ships something: a file in it, hidden files aside."""
+    return any(p.is_file() and not p.name.startswith(".") for p in directory.iterdir())
+
+
 def find_packages(root: Path = HERE) -> list[str]:
-    """Every folder holding Python files under each package-dir root, by installed name."""
+    """Every folder holding files (Python or data) under each package-dir root, by
+    installed name."""
     found: set[str] = set()
     for name, folder in package_dir(root).items():
         base = root / folder
@@ -30,7 +39,7 @@ def find_packages(root: Path = HERE) -> list[str]:
             parts = directory.relative_to(base).parts
             if any(part == "__pycache__" or not part.isidentifier() for part in parts):
                 continue
-            if next(directory.glob("*.py"), None) is not None:
+            if holds_files(directory):
                 found.add(".".join((name, *parts)))
     return sorted(found)
 

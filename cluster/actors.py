@@ -7,6 +7,7 @@ driver's address (NCCL on CUDA, gloo on CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 
@@ -111,7 +112,7 @@ class TargetDriver(_Replica):
         return True
 
     def load(self) -> dict:
-        return self.running.service.engine.load()
+        return dataclasses.asdict(self.running.service.engine.load())
 
 
 class RouterReplica(_Replica):

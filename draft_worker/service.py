@@ -13,7 +13,8 @@ from opentelemetry import trace
 
 from outrider.core.sampling import SamplingError, sampling_from_proto
 from outrider.dense_channel import DenseChannel
-from outrider.engine.drafter import Drafter, DraftItem
+from outrider.engine.drafter import Drafter
+from outrider.engine.proposer import DraftItem
 from outrider.telemetry.metrics import DraftMetrics
 from outrider.telemetry.tracing import context_from_traceparent, tracer
 from outrider.v1 import worker_pb2 as pb

@@ -9,7 +9,7 @@ import time
 
 from outrider.core.policy import CostModel
 from outrider.core.sampling import SamplingParams
-from outrider.engine.drafter import DraftItem
+from outrider.engine.proposer import DraftItem
 from outrider.engine.runner import ForwardRequest, ModelRunner
 
 SCRATCH = "cost-calibration"

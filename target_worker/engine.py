@@ -19,9 +19,11 @@ from typing import Protocol
 
 from outrider.target_worker.scheduler import Scheduler, SchedulerConfig
 
+from outrider.core.load import ReplicaLoad
 from outrider.core.policy import Acceptance, GammaPolicy, OnlineCost, RequestState, SpecMode
 from outrider.core.sampling import TokenLogprob
-from outrider.engine.spec_decode import Sequence, SpeculativeDecoder
+from outrider.core.sequence import FinishReason, RoundStats, Sequence
+from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.telemetry.metrics import TargetMetrics
 
 
@@ -30,9 +32,9 @@ class Chunk:
     """What one step committed for one request."""
 
     token_ids: list[int]
-    rounds: list[tuple[int, int, float, int]] = field(default_factory=list)  # (γ, accepted,
-    #                                                  heat, draft version)
-    finish_reason: str = ""  # "", "stop", "length", "cancelled", "error: ..."
+    rounds: list[RoundStats] = field(default_factory=list)
+    finish_reason: FinishReason | None = None  # None: the request runs on
+    error: str = ""  # what failed it, when finish_reason is ERROR
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when asked for
     num_cached_tokens: int = 0  # context positions the prefix cache held at admission
 
@@ -129,7 +131,8 @@ class TargetEngine:
                 self._wake.clear()
         self._admit_new()
         for handle in list(self._by_seq.values()):  # nobody is left to serve them
-            self._finish(handle, f"error: {self.broken or 'the replica is shutting down'}")
+            self._finish(handle, FinishReason.ERROR,
+                         self.broken or "the replica is shutting down")
         self._flush()
 
     def _deliver(self, handle: Handle, chunk: Chunk) -> None:
@@ -153,7 +156,7 @@ class TargetEngine:
 
     def _drop_cancelled(self) -> None:
         for handle in [h for h in self._by_seq.values() if h.is_cancelled]:
-            self._finish(handle, "cancelled")
+            self._finish(handle, FinishReason.CANCELLED)
 
     def _step(self) -> bool:
         """One step; False when nothing could be scheduled (waiting for KV room)."""
@@ -171,7 +174,7 @@ class TargetEngine:
             if _is_group_failure(exc):  # ... unless its tensor-parallel group broke
                 self.broken = f"tensor-parallel group failed: {exc}"
             for seq in plan.seqs:
-                self._finish(self._by_seq[seq.seq_id], f"error: {exc}")
+                self._finish(self._by_seq[seq.seq_id], FinishReason.ERROR, str(exc))
             return True
         elapsed = time.perf_counter() - start
         self._observe_cost(self.decoder.last_timing)
@@ -180,19 +183,24 @@ class TargetEngine:
         for seq, tokens in zip(plan.seqs, committed):
             handle = self._by_seq[seq.seq_id]
             if tokens:
-                gamma, accepted = seq.last_round
-                version = self.decoder.draft_version(seq)
-                self._learn(handle, gamma, accepted)
-                logprobs = seq.logprobs[len(seq.logprobs) - len(tokens):] if seq.logprobs else []
-                self._deliver(handle, Chunk(tokens, [(gamma, accepted, heat, version)],
-                                            logprobs=logprobs,
-                                            num_cached_tokens=seq.num_cached_tokens or 0))
-                if self.metrics:
-                    self.metrics.record_round(gamma, accepted, heat, handle.spec.mode.value,
-                                              len(tokens), version)
+                self._report_round(handle, tokens, heat)
             if seq.is_finished:
                 self._finish(handle, seq.finish_reason)
         return True
+
+    def _report_round(self, handle: Handle, tokens: list[int], heat: float) -> None:
+        """What a sequence's round committed, to its sink, its estimate and the metrics."""
+        seq = handle.seq
+        gamma, accepted = seq.last_round
+        version = self.decoder.draft_version(seq)
+        self._learn(handle, gamma, accepted)
+        logprobs = seq.logprobs[len(seq.logprobs) - len(tokens):] if seq.logprobs else []
+        self._deliver(handle, Chunk(tokens, [RoundStats(gamma, accepted, heat, version)],
+                                    logprobs=logprobs,
+                                    num_cached_tokens=seq.num_cached_tokens or 0))
+        if self.metrics:
+            self.metrics.record_round(gamma, accepted, heat, handle.spec.mode.value,
+                                      len(tokens), version)
 
     def _demand_heat(self) -> float:
         """Tokens the queued work asks of this step without speculation / the budget. A
@@ -235,30 +243,30 @@ class TargetEngine:
         elif handle.spec.mode is SpecMode.AUTO and self.policy.is_speculating:
             handle.spec.acceptance.drift(self.acceptance.alphas)
 
-    def _finish(self, handle: Handle, reason: str) -> None:
+    def _finish(self, handle: Handle, reason: FinishReason, error: str = "") -> None:
         self.scheduler.remove(handle.seq)
         self.decoder.release(handle.seq)
         self._by_seq.pop(handle.seq.seq_id, None)
         self._cached_at_arrival.pop(handle.seq.seq_id, None)
         with self._lock:
             self._handles.pop(handle.request_id, None)
-        self._deliver(handle, Chunk([], finish_reason=reason))
+        self._deliver(handle, Chunk([], finish_reason=reason, error=error))
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: free the target KV; the draft's cache stays valid."""
         self.decoder.target.blocks.free(seq.seq_id)
         seq.target_len = 0
 
-    def load(self) -> dict:
+    def load(self) -> ReplicaLoad:
         blocks = self.decoder.target.blocks
-        return {"num_running": len(self.scheduler.running),
-                "num_waiting": len(self.scheduler.waiting) + self._inbox.qsize(),
-                "heat": self.heat, "kv_used_blocks": blocks.num_used_blocks,
-                "kv_total_blocks": blocks.num_blocks, "tokens_per_s": self.tokens_per_s,
-                "model_pair": self.model_pair,
-                "max_batch_tokens": self.scheduler.cfg.max_batch_tokens,
-                "block_size": blocks.block_size, "prefix_caching": blocks.prefix_caching,
-                "queued_tokens": self._queued_tokens()}
+        return ReplicaLoad(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + self._inbox.qsize(),
+            heat=self.heat, kv_used_blocks=blocks.num_used_blocks,
+            kv_total_blocks=blocks.num_blocks, tokens_per_s=self.tokens_per_s,
+            model_pair=self.model_pair, max_batch_tokens=self.scheduler.cfg.max_batch_tokens,
+            block_size=blocks.block_size, prefix_caching=blocks.prefix_caching,
+            queued_tokens=self._queued_tokens())
 
 
 def _is_group_failure(exc: Exception) -> bool:

@@ -1,4 +1,4 @@
-"""The target's side of Propose: the Drafter contract served by draft replicas over gRPC.
+"""The target's side of Propose: the Proposer contract served by draft replicas over gRPC.
 
 Sequences stick to one replica (hash of the id over the healthy replicas). One Propose
 per replica per round, all in flight at once. A replica that fails or times out is set
@@ -18,7 +18,7 @@ import torch
 from outrider.cluster_tls import internal_channel
 from outrider.core.sampling import sampling_to_proto
 from outrider.dense_channel import DenseChannel
-from outrider.engine.drafter import DraftCall, DraftItem, DraftOutput
+from outrider.engine.proposer import DraftItem, PendingProposal, Proposal
 from outrider.engine.rejection import dense_draft_probs
 from outrider.grpc_server import token_metadata
 from outrider.v1 import worker_pb2 as pb
@@ -105,7 +105,7 @@ class RemoteDrafter:
             self.dense_channel = None  # it pairs with the first replica only: q goes by gRPC
         self.addresses = new
 
-    # -- the Drafter contract ----------------------------------------------------------------
+    # -- the Proposer contract ----------------------------------------------------------------
     @property
     def version(self) -> int:
         """The newest draft weights' version a replica reported."""
@@ -133,12 +133,12 @@ class RemoteDrafter:
                 timeout=self.timeout_s))
         return replica is not None
 
-    def draft(self, items: list[DraftItem], device: torch.device) -> DraftOutput:
+    def draft(self, items: list[DraftItem], device: torch.device) -> Proposal:
         return self.submit(items, device).result()
 
     def submit(self, items: list[DraftItem], device: torch.device,
-               beside_target: bool = False) -> DraftCall:
-        """Send one Propose per replica now; the DraftCall gathers the replies.
+               beside_target: bool = False) -> PendingProposal:
+        """Send one Propose per replica now; the PendingProposal gathers the replies.
         `beside_target`: the target verifies meanwhile rather than waiting for it."""
         self._apply_addresses()
         groups: dict[int, list[int]] = {}
@@ -154,10 +154,10 @@ class RemoteDrafter:
                      metadata=self._metadata,
                      timeout=self._deadline(sum(len(items[i].new_token_ids) for i in rows)))
                  for r, rows in groups.items() if r >= 0}
-        return DraftCall(lambda: self._gather(items, formats, groups, calls, start, device))
+        return PendingProposal(lambda: self._gather(items, formats, groups, calls, start, device))
 
     def _gather(self, items, formats, groups, calls, start: float,
-                device: torch.device) -> DraftOutput:
+                device: torch.device) -> Proposal:
         gammas, is_miss = [0] * len(items), [False] * len(items)
         token_rows: list[list[int]] = [[] for _ in items]
         q_rows: dict[int, torch.Tensor] = {}
@@ -291,7 +291,7 @@ def _checked_or_none(q: torch.Tensor, token_ids: list[int]) -> torch.Tensor | No
 
 
 def _pack(items, gammas, is_miss, token_rows, q_rows, vocab: int,
-          device: torch.device) -> DraftOutput:
+          device: torch.device) -> Proposal:
     """Dense q only when some row brought one; point-mass rows are their ids."""
     max_gamma = max(gammas, default=0)
     token_ids = torch.tensor([row + [0] * (max_gamma - len(row)) if g else [0] * max_gamma
@@ -304,7 +304,7 @@ def _pack(items, gammas, is_miss, token_rows, q_rows, vocab: int,
             if gammas[i]:
                 probs[i, :gammas[i]] = q
         probs = probs.to(device)
-    return DraftOutput(token_ids.to(device), probs, gammas, is_miss)
+    return Proposal(token_ids.to(device), probs, gammas, is_miss)
 
 
 def _channel(address: str) -> grpc.Channel:

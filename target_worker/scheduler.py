@@ -13,12 +13,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from outrider.core.sequence import Sequence
 from outrider.engine.block_manager import BlockManager
-
-if TYPE_CHECKING:  # annotations only: SchedulerConfig stays importable without torch
-    from outrider.engine.spec_decode import Sequence
 
 
 @dataclass(frozen=True)

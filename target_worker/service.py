@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import uuid
@@ -15,6 +16,7 @@ from outrider.target_worker.remote_drafter import DraftReplicaError
 
 from outrider.core.policy import MAX_GAMMA, Acceptance, RequestState, SpecMode
 from outrider.core.sampling import SamplingError, logprobs_to_proto, sampling_from_proto
+from outrider.core.sequence import FinishReason
 from outrider.core.stats import SpecStats
 from outrider.engine.spec_decode import RequestError
 from outrider.telemetry.tracing import (
@@ -66,14 +68,14 @@ class RequestSpan:
             self.has_output = True
             self.span.set_attribute("gen_ai.usage.cache_read.input_tokens",
                                     chunk.num_cached_tokens)
-        for gamma, accepted, heat, version in chunk.rounds:
-            self.stats.record(gamma, accepted)
-            round_event(self.span, gamma, accepted, heat, version)
-        if chunk.finish_reason.startswith("error"):
-            self.span.set_status(trace.StatusCode.ERROR, chunk.finish_reason)
+        for r in chunk.rounds:
+            self.stats.record(r.gamma, r.num_accepted)
+            round_event(self.span, r.gamma, r.num_accepted, r.heat, r.draft_version)
+        if chunk.finish_reason is FinishReason.ERROR:
+            self.span.set_status(trace.StatusCode.ERROR, finish_text(chunk))
         elif chunk.finish_reason:
             self.span.set_attributes({**spec_attributes(self.stats),
-                                      "gen_ai.response.finish_reasons": [chunk.finish_reason],
+                                      "gen_ai.response.finish_reasons": [finish_text(chunk)],
                                       "gen_ai.usage.output_tokens": handle.seq.num_output})
 
     def fail(self, message: str) -> None:
@@ -83,11 +85,17 @@ class RequestSpan:
         self.span.end()
 
 
+def finish_text(chunk: Chunk) -> str:
+    """The finish reason as the wire says it: "" while the request runs, and
+    "error: <what failed it>" for a failure."""
+    if chunk.finish_reason is FinishReason.ERROR:
+        return f"error: {chunk.error}"
+    return chunk.finish_reason or ""
+
+
 def chunk_message(chunk: Chunk) -> pb.TargetChunk:
-    return pb.TargetChunk(token_ids=chunk.token_ids, finish_reason=chunk.finish_reason,
-                          rounds=[pb.RoundStats(gamma=g, num_accepted=a, heat=h,
-                                                draft_version=v)
-                                  for g, a, h, v in chunk.rounds],
+    return pb.TargetChunk(token_ids=chunk.token_ids, finish_reason=finish_text(chunk),
+                          rounds=[pb.RoundStats(**r._asdict()) for r in chunk.rounds],
                           logprobs=logprobs_to_proto(chunk.logprobs),
                           num_cached_tokens=chunk.num_cached_tokens)
 
@@ -138,9 +146,9 @@ class ServeSession:
             return output
         handle, chunk = output
         message = pb.StepOutput(request_id=handle.request_id, chunk=chunk_message(chunk))
-        if chunk.finish_reason.startswith("error"):
+        if chunk.finish_reason is FinishReason.ERROR:
             message.error_code = grpc.StatusCode.INTERNAL.value[0]
-            message.error_message = chunk.finish_reason
+            message.error_message = finish_text(chunk)
         span = self._spans.get(handle.request_id)
         if span is not None:
             span.record(handle, chunk)
@@ -254,8 +262,8 @@ class TargetService(worker_pb2_grpc.TargetServicer):
                     return
                 continue
             span.record(handle, chunk)
-            if chunk.finish_reason.startswith("error"):
-                context.abort(grpc.StatusCode.INTERNAL, chunk.finish_reason)
+            if chunk.finish_reason is FinishReason.ERROR:
+                context.abort(grpc.StatusCode.INTERNAL, finish_text(chunk))
             yield chunk_message(chunk)
             if chunk.finish_reason:
                 return
@@ -294,7 +302,8 @@ class TargetService(worker_pb2_grpc.TargetServicer):
         if self.engine.broken:  # out of every router's live set until replaced
             context.abort(grpc.StatusCode.UNAVAILABLE, self.engine.broken)
         cost = pb.CostModel(**vars(self.engine.policy.cost))  # as the latest steps measured it
-        return pb.Load(**self.engine.load(), cost=cost, gamma_max=self.auto_gamma_max)
+        return pb.Load(**dataclasses.asdict(self.engine.load()), cost=cost,
+                       gamma_max=self.auto_gamma_max)
 
     def _handle(self, request: pb.TargetRequest, sink) -> Handle:
         if request.gamma > MAX_GAMMA:

@@ -1,7 +1,8 @@
 """What the wheel ships, checked without building it (.ci/wheel-check builds and runs it).
 
-The package list comes from setup.py (every folder holding Python files under the roots of
-pyproject.toml's package-dir); the run-time data files come from [tool.setuptools.package-data].
+The package list comes from setup.py (every folder holding files under the roots of
+pyproject.toml's package-dir: Python files, or data files alone, as a data package); the
+run-time data files come from [tool.setuptools.package-data].
 A package or data file missing from the wheel only shows once installed outside the checkout
 (outrider.telemetry once did: the installed outrider could not start), so these tests look
 at what setuptools would build, read the way the build reads it.
@@ -37,9 +38,10 @@ def _package_dir() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def dist():
+def configured():
     """setuptools' Distribution as the build configures it (setup.py + pyproject.toml),
-    stopped before any command runs: nothing is built or written."""
+    stopped before any command runs: nothing is built or written; and the warnings the
+    configuration raised."""
     from distutils.core import run_setup
 
     import setuptools  # noqa: F401  (first: distutils is then setuptools' own)
@@ -47,11 +49,28 @@ def dist():
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # setuptools' deprecation notices on metadata
-            return run_setup(str(ROOT / "setup.py"), stop_after="config")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            return run_setup(str(ROOT / "setup.py"), stop_after="config"), caught
     finally:
         os.chdir(cwd)
+
+
+@pytest.fixture(scope="module")
+def dist(configured):
+    return configured[0]
+
+
+def test_configuration_raises_no_setuptools_warning(configured):
+    """Deprecated metadata (a `license` table once) warns at every build; the pin in
+    [build-system] is the setuptools of the test extra, so this sees what the build sees."""
+    import setuptools
+
+    build_requires = _pyproject()["build-system"]["requires"]
+    assert f"setuptools=={setuptools.__version__}" in build_requires
+    noisy = [f"{w.category.__name__}: {str(w.message).strip().splitlines()[0]}"
+             for w in configured[1] if "setuptools" in (w.filename + w.category.__module__)]
+    assert not noisy, noisy
 
 
 def _walk(base: Path):
@@ -87,14 +106,22 @@ def test_no_hand_written_package_list():
 
 
 def test_every_package_folder_is_shipped(dist):
+    """Every folder with files is a package: its Python files are modules; a folder of data
+    files alone is a data package (setuptools warns of one that is not listed), whose files
+    the next test requires to be declared package data."""
     shipped = set(dist.packages)
     with_init = _source_folders(lambda files: "__init__.py" in files)
     with_code = _source_folders()
+    with_files = _source_folders(lambda files: any(not f.startswith(".") for f in files))
     assert with_init <= shipped, f"packages not in the wheel: {sorted(with_init - shipped)}"
-    assert shipped == with_code, (f"missing: {sorted(with_code - shipped)}; "
-                                  f"not source folders: {sorted(shipped - with_code)}")
+    assert with_code <= shipped, f"missing: {sorted(with_code - shipped)}"
+    assert shipped == with_files, (f"missing: {sorted(with_files - shipped)}; "
+                                   f"not folders with files: {sorted(shipped - with_files)}")
     assert {"outrider", "outrider.telemetry", "outrider.v1", "outrider.router",
-            "outrider.target_worker", "outrider.draft_worker", "outrider.cluster"} <= shipped
+            "outrider.target_worker", "outrider.draft_worker", "outrider.cluster",
+            "outrider.bench.data"} <= shipped
+    for package in shipped - with_code:  # data packages: each declares its files
+        assert dist.package_data.get(package), f"{package}: no [tool.setuptools.package-data]"
     assert dist.package_dir == _package_dir()
 
 

@@ -20,3 +20,18 @@ def test_generated_stubs_are_fresh(tmp_path):
     stale = [str(rel) for rel in generated if not (REPO / rel).is_file()
              or (REPO / rel).read_text() != (tmp_path / rel).read_text()]
     assert not stale, f"stale or missing stubs (run `make protos`): {stale}"
+
+
+def test_typed_records_match_the_messages_they_travel_in():
+    """The engine's records fill their messages by field name (no positional unpacking):
+    a field renamed or added on one side only must fail here, not on the wire."""
+    from dataclasses import fields
+
+    from outrider.core.load import ReplicaLoad
+    from outrider.core.sequence import FinishReason, RoundStats
+    from outrider.v1 import worker_pb2 as pb
+
+    load_fields = set(pb.Load.DESCRIPTOR.fields_by_name)
+    assert {f.name for f in fields(ReplicaLoad)} == load_fields - {"cost", "gamma_max"}
+    assert set(RoundStats._fields) == set(pb.RoundStats.DESCRIPTOR.fields_by_name)
+    assert [r.value for r in FinishReason] == ["stop", "length", "cancelled", "error"]

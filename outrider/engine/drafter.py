@@ -1,10 +1,9 @@
-"""Drafting γ tokens for many sequences at once, with a per-sequence draft KV cache.
+"""The draft model as a proposer: γ tokens for many sequences at once, with a
+per-sequence draft KV cache.
 
-The contract mirrors the wire protocol's Propose (protos/outrider/v1/worker.proto): the
-caller says which prefix it believes the draft holds (`committed_len`) and sends the
-committed tokens after it. The drafter rolls its cache back to that prefix — dropping its
-own unverified tokens — appends the new ones and drafts. A drafter that no longer holds
-the prefix answers MISS and the caller resends the whole context. The in-process loop and
+It keeps the Proposer contract (proposer.py): it rolls its cache back to the caller's
+committed prefix — dropping its own unverified tokens — appends the new tokens and
+drafts; a sequence whose prefix it no longer holds answers MISS. The in-process loop and
 the draft replica process use this same class.
 """
 
@@ -13,11 +12,11 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from outrider.core.sampling import History, SamplingParams
+from outrider.core.sampling import History
+from outrider.engine.proposer import DraftItem, PendingProposal, Proposal
 from outrider.engine.runner import ForwardRequest, ModelRunner
 from outrider.engine.sampling import (
     STREAM_DRAFT,
@@ -34,54 +33,9 @@ from outrider.engine.sampling import (
 Q_FORMATS = ("dense", "ids", "point_mass", "sparse", "dense_fp16", "dense_dist")
 
 
-# (position, the target's k likeliest token ids there, their log-probabilities)
-TeacherRow = tuple[int, tuple[int, ...], tuple[float, ...]]
-
-
-@dataclass
-class DraftItem:
-    seq_id: object
-    committed_len: int          # prefix the caller believes the draft holds
-    new_token_ids: list[int]    # committed tokens from committed_len on
-    gamma: int
-    params: SamplingParams
-    seed: int
-    q_format: str = "dense"
-    traceparent: str = ""       # the request's trace context, when the sequence starts
-    prefill_only: bool = False  # take the new tokens into the cache, draft nothing (gamma 0)
-    prompt_len: int = 0         # the sequence's prompt: penalties count output after it
-    # the target's top-k at committed positions (an adapting draft learns from them)
-    teacher: list[TeacherRow] = field(default_factory=list)
-
-    @property
-    def is_active(self) -> bool:
-        """Whether the drafter has work for this item: drafting, or a prefill."""
-        return bool(self.gamma or (self.prefill_only and self.new_token_ids))
-
-
-@dataclass
-class DraftOutput:
-    token_ids: torch.Tensor  # [batch, max_gamma] int64 (0 in padding)
-    # [batch, max_gamma, vocab] q after the request's processing; None when every row is
-    # a point mass at its token (greedy drafting): nothing dense is built or sent
-    probs: torch.Tensor | None
-    gammas: list[int]        # tokens drafted per item (0 on a miss or when the KV is full)
-    is_miss: list[bool]      # prefill-only items: True unless the draft now caches them
-
-
-class DraftCall:
-    """A draft in flight: `result()` waits for it (once) and returns its DraftOutput."""
-
-    def __init__(self, wait: Callable[[], DraftOutput]) -> None:
-        self._wait, self._out = wait, None
-
-    def result(self) -> DraftOutput:
-        if self._out is None:
-            self._out = self._wait()
-        return self._out
-
-
 class Drafter:
+    """A draft model that proposes (a Proposer)."""
+
     def __init__(self, runner: ModelRunner, evict_lru: bool = False) -> None:
         self.runner = runner
         self.evict_lru = evict_lru
@@ -149,7 +103,7 @@ class Drafter:
         self.num_evicted += evicted
         return evicted
 
-    def draft(self, items: list[DraftItem], device: torch.device | None = None) -> DraftOutput:
+    def draft(self, items: list[DraftItem], device: torch.device | None = None) -> Proposal:
         is_miss = [it.is_active and not self._sync(it) for it in items]
         self.num_misses += sum(is_miss)
         for it in items:
@@ -165,13 +119,13 @@ class Drafter:
                                               device or self.runner.device)
         is_miss = [miss or (it.prefill_only and not done)
                    for it, miss, done in zip(items, is_miss, is_prefilled)]
-        return DraftOutput(token_ids, probs, gammas, is_miss)
+        return Proposal(token_ids, probs, gammas, is_miss)
 
     def submit(self, items: list[DraftItem], device: torch.device | None = None,
-               beside_target: bool = False) -> DraftCall:
+               beside_target: bool = False) -> PendingProposal:
         """In process there is nothing to overlap with: the draft runs now."""
         out = self.draft(items, device)
-        return DraftCall(lambda: out)
+        return PendingProposal(lambda: out)
 
     # -- cache bookkeeping -----------------------------------------------------------------
     def _sync(self, item: DraftItem) -> bool:

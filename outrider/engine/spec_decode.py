@@ -1,23 +1,24 @@
-"""The single-process speculative loop: a draft runner proposes, the target verifies.
+"""The speculative loop: a proposer proposes, the target verifies.
 
-One round for a batch of sequences (docs/DESIGN.md §2, steps 2–4):
-  1. the draft catches up on committed tokens it has not seen and drafts γ_i tokens,
-     batched across sequences;
-  2. ONE target forward over every sequence's pending tokens + its γ_i draft tokens;
-  3. exact rejection sampling; commit accepted + recovered/bonus; roll both KV caches
-     back to what was committed.
-γ_i = 0 (or no draft) is plain decoding through the same path.
+One step for a batch of sequences (docs/DESIGN.md §2.4) runs four phases over one record
+per sequence (`Row`), kept together in the step's record (`Step`):
+  schedule  what each sequence feeds the target this step and the γ_i it may propose;
+  propose   the proposer catches up on committed tokens it has not seen and proposes
+            γ_i tokens, batched across sequences;
+  verify    ONE target forward over every sequence's fed tokens + its γ_i proposals;
+  commit    exact rejection sampling: the accepted proposals + the recovered (or bonus)
+            token are committed, and both KV caches roll back to what was committed.
+γ_i = 0 (or no proposer) is plain decoding through the same path.
 
 Overlap (while at most `overlap_max_seqs` sequences speculate): while the target
 verifies round r, the draft already drafts round r+1 assuming every draft token of
-round r is accepted. Its first token is a
-candidate for round r's bonus position, which then verifies it exactly (accept with
-min(1, p/q), else sample the residual) instead of sampling a fresh bonus; when it is
-accepted, the rest are round r+1's draft tokens and that round sends no Propose. It pays
-when the target is latency-bound (small batches); in big batches the drafts thrown away
-on rejection cost more than the overlap saves. Sampled sequences overlap only with
-overlap_sampled=True: the distribution is the same, the sample a seed gives is not, and
-seeded output must not depend on the load.
+round r is accepted. Its first token is a candidate for round r's bonus position, which
+then verifies it exactly (accept with min(1, p/q), else sample the residual) instead of
+sampling a fresh bonus; when it is accepted, the rest are round r+1's draft tokens and
+that round sends no Propose. It pays when the target is latency-bound (small batches); in
+big batches the drafts thrown away on rejection cost more than the overlap saves. Sampled
+sequences overlap only with overlap_sampled=True: the distribution is the same, the
+sample a seed gives is not, and seeded output must not depend on the load.
 """
 
 from __future__ import annotations
@@ -25,16 +26,21 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from outrider.core.sampling import MAX_SEED, History, SamplingParams, TokenLogprob
-from outrider.core.stats import SpecStats
+from outrider.core.sampling import MAX_SEED, History, SamplingParams
+from outrider.core.sequence import FinishReason, Round, Sequence
 from outrider.engine.block_manager import OutOfBlocksError
-from outrider.engine.drafter import DraftCall, Drafter, DraftItem, DraftOutput, TeacherRow
-from outrider.engine.rejection import dense_draft_probs, greedy_verify, rejection_sample
+from outrider.engine.proposer import DraftItem, PendingProposal, Proposal, Proposer
+from outrider.engine.rejection import (
+    RejectionResult,
+    dense_draft_probs,
+    greedy_verify,
+    rejection_sample,
+)
 from outrider.engine.runner import ForwardRequest, ModelRunner
 from outrider.engine.sampling import (
     STREAM_ACCEPT,
@@ -56,9 +62,9 @@ class StepTiming:
 
     batch_tokens: int   # target positions in the forward
     verify_s: float     # the target forward
-    max_gamma: int      # the largest γ drafted
-    draft_tokens: int   # tokens drafted
-    draft_s: float      # time the step waited for the draft
+    max_gamma: int      # the largest γ proposed
+    draft_tokens: int   # tokens proposed
+    draft_s: float      # time the step waited for the proposer
 
 
 @dataclass
@@ -70,45 +76,59 @@ class DraftAhead:
     probs: torch.Tensor | None  # [n, vocab] q they were drafted from (None: point masses)
 
 
-@dataclass(eq=False)  # a sequence is itself, not its fields: the scheduler's membership
-class Sequence:      # tests compared all 15 fields pairwise (3 % of a 32-stream step)
-    seq_id: int
-    token_ids: list[int]  # prompt + output
-    prompt_len: int
-    params: SamplingParams
-    seed: int
-    target_len: int = 0   # positions in the target's KV cache
-    draft_len: int = 0    # positions in the draft's KV cache
-    finish_reason: str | None = None
-    stats: SpecStats = field(default_factory=SpecStats)
-    last_round: tuple[int, int] = (0, 0)  # (γ, accepted) of the latest round
-    ahead: DraftAhead | None = None  # next round's draft tokens, drafted during this one
-    traceparent: str = ""  # W3C trace context of its request, for the draft replica's span
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
-    num_cached_tokens: int | None = None  # prompt positions the prefix cache gave it, once known
-    teacher: list[TeacherRow] = field(default_factory=list)  # top-k rows not yet sent to the draft
+@dataclass
+class Row:
+    """One sequence's part in a step."""
+
+    index: int             # its place in the batch
+    seq: Sequence
+    feed: int              # pending tokens it feeds the target this step
+    is_ready: bool         # they are all its pending tokens: it verifies and commits now
+    is_first: bool         # no output yet: its first token comes without speculating
+    wanted: int            # γ asked for, clipped to what it may still emit (0 unless ready)
+    gamma: int = 0         # tokens proposed
+    ahead_gamma: int = 0   # tokens to draft ahead while the target verifies (overlap)
+    num_verified: int = 0  # γ, or γ + 1 with a bonus-position candidate (overlap)
+    ahead: DraftAhead | None = None  # next round's drafts, kept if the candidate passes
+    committed: list[int] = field(default_factory=list)
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len:]
+    def warms_draft(self) -> bool:
+        """Its prefill completes now: the draft takes in the context meanwhile."""
+        return self.is_first and self.wanted > 0
+
+
+@dataclass
+class Step:
+    """One step's record: its rows and the tensors they share."""
+
+    rows: list[Row]
+    draft_ids: torch.Tensor | None = None    # [batch, γ_max (+1 with candidates)]
+    draft_probs: torch.Tensor | None = None  # [batch, γ_max (+1), vocab]; None: point masses
+    background: PendingProposal | None = None  # what the draft does during verification
+    logits: torch.Tensor | None = None       # [sum over ready rows of (γ_i + 1), vocab]
+    draft_s: float = 0.0
+    verify_s: float = 0.0
 
     @property
-    def num_output(self) -> int:
-        return len(self.token_ids) - self.prompt_len
+    def ready(self) -> list[Row]:
+        return [r for r in self.rows if r.is_ready]
 
     @property
-    def is_finished(self) -> bool:
-        return self.finish_reason is not None
+    def timing(self) -> StepTiming:
+        gammas = [r.gamma for r in self.rows]
+        return StepTiming(sum(r.feed for r in self.rows) + sum(gammas), self.verify_s,
+                          max(gammas, default=0), sum(gammas), self.draft_s)
 
 
 class SpeculativeDecoder:
-    def __init__(self, target: ModelRunner, drafter: Drafter | None = None,
+    def __init__(self, target: ModelRunner, drafter: Proposer | None = None,
                  overlap_max_seqs: int = 0, overlap_sampled: bool = False) -> None:
         if drafter is not None and drafter.vocab_size != target.vocab_size:
             raise RequestError(
                 f"draft and target have different vocabularies "
                 f"({drafter.vocab_size} vs {target.vocab_size} tokens)")
-        self.target, self.drafter = target, drafter
+        self.target, self.drafter = target, drafter  # the drafter: this loop's proposer
         self.overlap_max_seqs = overlap_max_seqs if drafter is not None else 0
         self.overlap_sampled = overlap_sampled  # sampled sequences draft ahead too
         self.num_candidates = 0    # bonus-position candidates verified (overlap)
@@ -119,6 +139,7 @@ class SpeculativeDecoder:
         # past the draft's context it goes on without speculating
         kv_capacity = target.blocks.num_blocks * target.blocks.block_size
         self.max_model_len = min(target.max_model_len, kv_capacity)
+        self._ahead: dict[int, DraftAhead] = {}  # seq id -> drafted during its last round
         self._next_id = 0
 
     # -- requests --------------------------------------------------------------------------
@@ -174,144 +195,9 @@ class SpeculativeDecoder:
 
     def release(self, seq: Sequence) -> None:
         self.target.blocks.free(seq.seq_id)
+        self._ahead.pop(seq.seq_id, None)
         if self.drafter is not None:
             self.drafter.release(seq.seq_id)
-
-    # -- one round -------------------------------------------------------------------------
-    def step(self, seqs: list[Sequence], gammas: list[int],
-             chunk_lens: list[int] | None = None) -> list[list[int]]:
-        """Run one speculative round; returns the tokens each sequence committed.
-
-        chunk_lens caps how many pending tokens a sequence feeds the target this step
-        (chunked prefill); a sequence whose pending tokens do not all fit only advances
-        its prefill: no draft, no sampling, nothing committed. A request's first token
-        comes from its prefill step without speculating (time to first token), while the
-        draft takes the context in the background: the next round drafts at once. A
-        resumed or recomputed sequence speculates at once, as the run it continues did
-        at that position: a seeded sample must not depend on where a run broke."""
-        for s in seqs:
-            self.admit(s)
-            if s.num_cached_tokens is None:
-                s.num_cached_tokens = s.target_len
-        pending = [len(s.token_ids) - s.target_len for s in seqs]
-        feed = pending if chunk_lens is None else [min(p, c) for p, c in zip(pending, chunk_lens)]
-        is_ready = [f == p for f, p in zip(feed, pending)]
-        wanted = [self.clip_gamma(s, g) if ready else 0
-                  for s, g, ready in zip(seqs, gammas, is_ready, strict=True)]
-        is_first = [s.num_output == 0 for s in seqs]
-        gammas = [0 if first else g for first, g in zip(is_first, wanted)]
-        start = time.perf_counter()
-        draft_ids, draft_probs, gammas = self._propose(seqs, gammas)
-        draft_s = time.perf_counter() - start
-        # by default only greedy sequences draft ahead: a verified bonus candidate gives
-        # the same token as a fresh argmax, but not the same *sample* (the same
-        # distribution), and a seed's output must not depend on the batch's size
-        ahead_gammas = [g if self.overlap_sampled or s.params.is_greedy else 0
-                        for s, g in zip(seqs, gammas)]
-        if not (any(ahead_gammas) and sum(g > 0 for g in gammas) <= self.overlap_max_seqs):
-            ahead_gammas = [0] * len(seqs)
-        warm = [first and g > 0 for first, g in zip(is_first, wanted)]
-        background = self._draft_background(seqs, draft_ids, ahead_gammas, warm)
-        start = time.perf_counter()
-        logits = self._verify_forward(seqs, draft_ids, gammas, feed, is_ready)
-        verify_s = time.perf_counter() - start
-        for s, ready in zip(seqs, is_ready):
-            if not ready:  # a prefill chunk: its full blocks are final
-                self.target.blocks.seal(s.seq_id, s.token_ids, s.target_len)
-        ready = [i for i, r in enumerate(is_ready) if r]
-        committed: list[list[int]] = [[] for _ in seqs]
-        num_draft, next_ahead = list(gammas), {}
-        if background is not None:
-            start = time.perf_counter()
-            out = background.result()
-            draft_s += time.perf_counter() - start
-            self._note_prefilled(seqs, warm, out.is_miss)
-            if any(ahead_gammas):
-                draft_ids, draft_probs = self._add_bonus_candidates(
-                    seqs, out, draft_ids, draft_probs, num_draft, next_ahead)
-        self.last_timing = StepTiming(sum(feed) + sum(gammas), verify_s, max(gammas, default=0),
-                                      sum(gammas), draft_s)
-        if not ready:
-            return committed
-        result, processed = self._accept(seqs, ready, gammas, num_draft, logits, draft_ids,
-                                         draft_probs)
-        for i, k, row in zip(ready, result.num_accepted.tolist(), result.token_ids.tolist()):
-            committed[i] = self._commit(seqs[i], gammas[i], k, row, next_ahead.get(i))
-        self._note_logprobs(seqs, ready, gammas, processed, committed)
-        self._note_teacher(seqs, ready, gammas, logits, committed)
-        return committed
-
-    def _accept(self, seqs, ready: list[int], gammas: list[int], num_draft: list[int],
-                logits: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor):
-        """Exact verification of the ready sequences; logits: [sum(γ_i + 1), vocab].
-        num_draft[i] is γ_i, or γ_i + 1 with a bonus-position candidate (overlap).
-        Returns the rejection result and the processed logits it verified with."""
-        device, width = draft_ids.device, draft_ids.shape[1] + 1
-        rows = torch.tensor(ready, device=device)
-        num_rows = [gammas[i] + 1 for i in ready]
-        num_verified = torch.tensor([num_draft[i] for i in ready], device=device)
-        params = [seqs[i].params for i in ready for _ in range(gammas[i] + 1)]
-        histories = None
-        if any(seqs[i].params.reads_history for i in ready):
-            drafts = draft_ids.tolist()
-            histories = [History(seqs[i].token_ids, seqs[i].prompt_len, tuple(drafts[i][:j]))
-                         for i in ready for j in range(gammas[i] + 1)]
-        processed = processed_logits(logits, params, histories)  # [sum(γ_i + 1), vocab]
-        if all(seqs[i].params.is_greedy for i in ready):
-            argmax = _pad_rows(processed.argmax(-1), num_rows, width)  # [n, width]
-            result = greedy_verify(argmax, draft_ids[rows], num_verified)
-        else:
-            result = self._rejection_sample(seqs, ready, num_rows, num_verified, processed,
-                                            params, draft_ids, draft_probs)
-        return result, processed
-
-    def _rejection_sample(self, seqs, ready: list[int], num_rows: list[int],
-                          num_verified: torch.Tensor, processed: torch.Tensor, params,
-                          draft_ids: torch.Tensor, draft_probs: torch.Tensor | None):
-        width = draft_ids.shape[1] + 1
-        rows = torch.tensor(ready, device=draft_ids.device)
-        if draft_probs is None:  # every draft row is a point mass
-            draft_probs = dense_draft_probs(draft_ids, self.target.vocab_size)
-        target_probs = _pad_rows(probs_of(processed, params), num_rows, width)
-        positions = [[len(seqs[i].token_ids) + j for j in range(width)] for i in ready]
-        seeds = [seqs[i].seed for i in ready]
-        return rejection_sample(
-            target_probs, draft_ids[rows], draft_probs[rows], num_verified,
-            position_uniforms(seeds, [p[:-1] for p in positions], STREAM_ACCEPT),
-            position_uniforms(seeds, positions, STREAM_SAMPLE))
-
-    @staticmethod
-    def _note_logprobs(seqs, ready: list[int], gammas: list[int], processed: torch.Tensor,
-                       committed: list[list[int]]) -> None:
-        """The committed tokens' logprobs, from the target's verification rows (row j of a
-        sequence is its j-th committed token); processed: [sum(γ_i + 1), vocab]."""
-        wanted = [(k, i) for k, i in enumerate(ready) if seqs[i].params.logprobs is not None]
-        if not wanted:
-            return
-        flat_rows = _committed_rows(ready, gammas, committed, wanted)
-        tokens = torch.tensor([t for _, i in wanted for t in committed[i]], device=processed.device)
-        num_top = [seqs[i].params.logprobs for _, i in wanted for _ in committed[i]]
-        logprobs = iter(token_logprobs(processed[flat_rows], tokens, num_top))
-        for _, i in wanted:
-            seqs[i].logprobs += [next(logprobs) for _ in committed[i]]
-
-    def _note_teacher(self, seqs, ready: list[int], gammas: list[int], logits: torch.Tensor,
-                      committed: list[list[int]]) -> None:
-        """The target's top-k at each committed position, for a draft that distils from
-        them (it asked: `target_topk`); logits: [sum(γ_i + 1), vocab], the model's own
-        distribution, before the request's sampling processors."""
-        k = getattr(self.drafter, "target_topk", 0)
-        if not k:
-            return
-        rows = _committed_rows(ready, gammas, committed, list(enumerate(ready)))
-        if not rows:
-            return
-        top = logits[rows].float().log_softmax(-1).topk(k, dim=-1)  # [rows, k]
-        ids, logprobs = iter(top.indices.tolist()), iter(top.values.tolist())
-        for i in ready:
-            seq, first = seqs[i], len(seqs[i].token_ids) - len(committed[i])
-            seq.teacher += [(first + j, tuple(next(ids)), tuple(next(logprobs)))
-                            for j in range(len(committed[i]))]
 
     def draft_version(self, seq: Sequence) -> int:
         """The draft weights' version that drafts for `seq` (0 without a draft)."""
@@ -327,27 +213,96 @@ class SpeculativeDecoder:
         draft_room = self.drafter.max_model_len - len(seq.token_ids)
         return max(0, min(gamma, room - 1, draft_room))
 
-    def _propose(self, seqs: list[Sequence], gammas: list[int]):
-        """Draft γ_i tokens per sequence (from the previous round's drafting ahead where
-        there is one). Returns draft ids [batch, max_gamma], dense q [batch, max_gamma,
-        vocab], and the γ actually drafted (0 when the draft could not)."""
-        device, vocab = self.target.device, self.target.vocab_size
-        aheads = [s.ahead if g else None for s, g in zip(seqs, gammas)]
-        for s in seqs:
-            s.ahead = None
-        to_draft = [0 if a else g for a, g in zip(aheads, gammas)]
-        if any(to_draft):
-            out = self._draft(seqs, to_draft)
-        else:
-            out = DraftOutput(torch.zeros(len(seqs), 0, dtype=torch.long, device=device), None,
-                              [0] * len(seqs), [False] * len(seqs))
-        if any(aheads):
-            out = _merge_rows(out, [i for i, a in enumerate(aheads) if a],
-                              _ahead_output(aheads, gammas, vocab, device))
-            self.num_ahead_rounds += sum(a is not None for a in aheads)
-        return out.token_ids, out.probs, out.gammas
+    # -- one step: schedule -> propose -> verify -> commit --------------------------------
+    def step(self, seqs: list[Sequence], gammas: list[int],
+             chunk_lens: list[int] | None = None) -> list[list[int]]:
+        """Run one speculative round; returns the tokens each sequence committed.
 
-    def _draft(self, seqs: list[Sequence], gammas: list[int]) -> DraftOutput:
+        chunk_lens caps how many pending tokens a sequence feeds the target this step
+        (chunked prefill); a sequence whose pending tokens do not all fit only advances
+        its prefill: no draft, no sampling, nothing committed. A request's first token
+        comes from its prefill step without speculating (time to first token), while the
+        draft takes the context in the background: the next round drafts at once. A
+        resumed or recomputed sequence speculates at once, as the run it continues did
+        at that position: a seeded sample must not depend on where a run broke."""
+        step = self._schedule(seqs, gammas, chunk_lens)
+        self._propose(step)
+        self._verify(step)
+        self.last_timing = step.timing
+        if step.ready:
+            self._commit(step)
+        return [r.committed for r in step.rows]
+
+    def _schedule(self, seqs: list[Sequence], gammas: list[int],
+                  chunk_lens: list[int] | None) -> Step:
+        """Each sequence's row: the tokens it feeds the target and the γ it may propose."""
+        rows = []
+        for i, (seq, gamma) in enumerate(zip(seqs, gammas, strict=True)):
+            self.admit(seq)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = seq.target_len
+            pending = seq.num_pending
+            feed = pending if chunk_lens is None else min(pending, chunk_lens[i])
+            is_ready = feed == pending
+            wanted = self.clip_gamma(seq, gamma) if is_ready else 0
+            rows.append(Row(i, seq, feed, is_ready, seq.num_output == 0, wanted))
+        return Step(rows)
+
+    def _propose(self, step: Step) -> None:
+        """γ_i proposals per row, from the previous round's drafting ahead where there is
+        one; then the draft's work during verification starts."""
+        start = time.perf_counter()
+        asked = [0 if r.is_first else r.wanted for r in step.rows]
+        aheads = [self._ahead.pop(r.seq.seq_id, None) for r in step.rows]
+        aheads = [a if g else None for a, g in zip(aheads, asked)]
+        to_draft = [0 if a else g for a, g in zip(aheads, asked)]
+        proposal = (self._draft([r.seq for r in step.rows], to_draft) if any(to_draft)
+                    else Proposal.empty(len(step.rows), self.target.device))
+        if any(aheads):
+            drafted = [(a.token_ids[:g], None if a.probs is None else a.probs[:g])
+                       for a, g in zip(aheads, asked) if a]
+            proposal = proposal.with_rows([i for i, a in enumerate(aheads) if a],
+                                          Proposal.of_rows(drafted, self.target.vocab_size,
+                                                           self.target.device))
+            self.num_ahead_rounds += len(drafted)
+        step.draft_ids, step.draft_probs = proposal.token_ids, proposal.probs
+        for r, g in zip(step.rows, proposal.gammas):
+            r.gamma = r.num_verified = g
+        step.draft_s = time.perf_counter() - start
+        self._start_background(step)
+
+    def _verify(self, step: Step) -> None:
+        """The target forward; then what the draft did meanwhile: prefills taken in, and
+        bonus-position candidates added to the rows to verify (overlap)."""
+        start = time.perf_counter()
+        step.logits = self._forward(step.rows, step.draft_ids)
+        step.verify_s = time.perf_counter() - start
+        for r in step.rows:
+            if not r.is_ready:  # a prefill chunk: its full blocks are final
+                self.target.blocks.seal(r.seq.seq_id, r.seq.token_ids, r.seq.target_len)
+        if step.background is None:
+            return
+        start = time.perf_counter()
+        drafted = step.background.result()
+        step.draft_s += time.perf_counter() - start
+        for r, miss in zip(step.rows, drafted.is_miss):
+            if r.warms_draft and not miss:
+                r.seq.draft_len = r.seq.target_len  # the whole context, as the target holds it
+        if any(r.ahead_gamma for r in step.rows):
+            self._add_bonus_candidates(step, drafted)
+
+    def _commit(self, step: Step) -> None:
+        """Exact verification of the ready rows; each commits its accepted proposals and
+        the recovered or bonus token."""
+        ready = step.ready
+        result, processed = self._accept(step, ready)
+        for r, k, tokens in zip(ready, result.num_accepted.tolist(), result.token_ids.tolist()):
+            r.committed = self._commit_row(r, k, tokens)
+        self._note_logprobs(ready, processed)
+        self._note_teacher(ready, step.logits)
+
+    # -- propose ---------------------------------------------------------------------------
+    def _draft(self, seqs: list[Sequence], gammas: list[int]) -> Proposal:
         """A fresh Propose; sequences the draft has lost resend their whole context once."""
         items = [self._draft_item(s, g) for s, g in zip(seqs, gammas)]
         out = self.drafter.draft(items, self.target.device)
@@ -358,8 +313,7 @@ class SpeculativeDecoder:
             retries = [self._draft_item(seqs[i], gammas[i]) for i in missed]
             for i, retry in zip(missed, retries):
                 retry.teacher = items[i].teacher
-            retry = self.drafter.draft(retries, self.target.device)
-            out = _merge_rows(out, missed, retry)
+            out = out.with_rows(missed, self.drafter.draft(retries, self.target.device))
         for s, g in zip(seqs, out.gammas):
             if g:  # the draft now holds the context and its first γ-1 draft tokens
                 s.draft_len = len(s.token_ids) + g - 1
@@ -379,89 +333,125 @@ class SpeculativeDecoder:
                          traceparent=seq.traceparent if start == 0 else "",
                          prompt_len=seq.prompt_len, teacher=teacher)
 
-    def _draft_background(self, seqs: list[Sequence], draft_ids: torch.Tensor,
-                          ahead_gammas: list[int], warm: list[bool]) -> DraftCall | None:
+    @staticmethod
+    def _prefill_item(seq: Sequence) -> DraftItem:
+        """Take in the context the draft lacks, drafting nothing."""
+        return DraftItem(seq.seq_id, seq.draft_len, seq.token_ids[seq.draft_len:], 0,
+                         seq.params, seq.seed, prefill_only=True, prompt_len=seq.prompt_len,
+                         traceparent=seq.traceparent if seq.draft_len == 0 else "")
+
+    def _start_background(self, step: Step) -> None:
         """What the draft does while the target verifies: drafting the next round ahead
         (overlap), assuming this round's drafts all pass — 1 bonus-position candidate +
         γ_i draft tokens per sequence —, and taking in the context of sequences whose
         prefill completes now."""
-        if not (any(ahead_gammas) or any(warm)):
-            return None
-        drafts = draft_ids.tolist()
-        items = [self._draft_item(s, g + 1 if g else 0, drafts[i][:g])
-                 for i, (s, g) in enumerate(zip(seqs, ahead_gammas))]
-        for i, s in enumerate(seqs):
-            if warm[i]:
-                items[i] = DraftItem(
-                    s.seq_id, s.draft_len, s.token_ids[s.draft_len:], 0, s.params, s.seed,
-                    traceparent=s.traceparent if s.draft_len == 0 else "", prefill_only=True,
-                    prompt_len=s.prompt_len)
-        return self.drafter.submit(items, self.target.device, beside_target=True)
+        # by default only greedy sequences draft ahead: a verified bonus candidate gives
+        # the same token as a fresh argmax, but not the same *sample* (the same
+        # distribution), and a seed's output must not depend on the batch's size
+        rows = step.rows
+        for r in rows:
+            r.ahead_gamma = r.gamma if self.overlap_sampled or r.seq.params.is_greedy else 0
+        if sum(r.gamma > 0 for r in rows) > self.overlap_max_seqs:
+            for r in rows:
+                r.ahead_gamma = 0
+        if not any(r.ahead_gamma or r.warms_draft for r in rows):
+            return
+        drafts = step.draft_ids.tolist()
+        items = [self._prefill_item(r.seq) if r.warms_draft else
+                 self._draft_item(r.seq, r.ahead_gamma + 1 if r.ahead_gamma else 0,
+                                  drafts[r.index][:r.ahead_gamma])
+                 for r in rows]
+        step.background = self.drafter.submit(items, self.target.device, beside_target=True)
 
-    @staticmethod
-    def _note_prefilled(seqs: list[Sequence], warm: list[bool], is_miss: list[bool]) -> None:
-        for s, is_warm, miss in zip(seqs, warm, is_miss):
-            if is_warm and not miss:
-                s.draft_len = s.target_len  # the whole context, as the target now holds it
-
-    def _add_bonus_candidates(self, seqs, ahead: DraftOutput, draft_ids: torch.Tensor,
-                              draft_probs: torch.Tensor | None, num_draft: list[int],
-                              next_ahead: dict[int, DraftAhead]):
-        """Append each sequence's bonus-position candidate to its draft row (γ_i + 1
-        tokens to verify) and keep the rest as next round's drafts."""
-        vocab = self.target.vocab_size
-        draft_ids = torch.nn.functional.pad(draft_ids, (0, 1))  # [batch, γ_max + 1]
-        ahead_probs = ahead.probs
-        if draft_probs is not None or ahead_probs is not None:
-            draft_probs = torch.nn.functional.pad(  # [batch, γ_max + 1, V]
-                _dense(draft_probs, draft_ids[:, :-1], vocab), (0, 0, 0, 1))
-            ahead_probs = _dense(ahead_probs, ahead.token_ids, vocab)
-        for i, g in enumerate(ahead.gammas):
-            if not g:
-                continue
-            gamma = num_draft[i]
-            draft_ids[i, gamma] = ahead.token_ids[i, 0]
-            if draft_probs is not None:
-                draft_probs[i, gamma] = ahead_probs[i, 0]
-            num_draft[i] = gamma + 1
-            self.num_candidates += 1
-            # the draft now holds the context, this round's drafts and g-1 drafted ahead
-            seqs[i].draft_len = len(seqs[i].token_ids) + gamma + g - 1
-            if g > 1:
-                next_ahead[i] = DraftAhead(ahead.token_ids[i, 1:g].tolist(),
-                                           None if ahead_probs is None else ahead_probs[i, 1:g])
-        return draft_ids, draft_probs
-
-    def _verify_forward(self, seqs: list[Sequence], draft_ids: torch.Tensor, gammas: list[int],
-                        feed: list[int], is_ready: list[bool]) -> torch.Tensor:
-        """ONE target forward over all sequences' fed tokens + draft tokens. Returns logits
-        [sum over ready sequences of (γ_i + 1), vocab]; a sequence's last row is its bonus row."""
+    # -- verify ----------------------------------------------------------------------------
+    def _forward(self, rows: list[Row], draft_ids: torch.Tensor) -> torch.Tensor:
+        """ONE target forward over all rows' fed tokens + proposals. Returns logits
+        [sum over ready rows of (γ_i + 1), vocab]; a row's last one is its bonus row."""
         blocks = self.target.blocks
-        inputs = [s.token_ids[s.target_len:s.target_len + n] + draft_ids[i, :g].tolist()
-                  for i, (s, g, n) in enumerate(zip(seqs, gammas, feed))]
-        if sum(blocks.blocks_needed(s.seq_id, len(x)) for s, x in zip(seqs, inputs)) \
+        inputs = [r.seq.token_ids[r.seq.target_len:r.seq.target_len + r.feed]
+                  + draft_ids[r.index, :r.gamma].tolist() for r in rows]
+        if sum(blocks.blocks_needed(r.seq.seq_id, len(x)) for r, x in zip(rows, inputs)) \
                 > blocks.num_free_blocks:
             raise OutOfBlocksError("target KV cache cannot hold this round")
         requests = []
-        for s, x, g, ready in zip(seqs, inputs, gammas, is_ready):
-            blocks.append(s.seq_id, len(x))
-            requests.append(ForwardRequest(x, s.target_len, blocks.block_table(s.seq_id),
-                                           g + 1 if ready else 0))
-            s.target_len += len(x)
+        for r, x in zip(rows, inputs):
+            seq = r.seq
+            blocks.append(seq.seq_id, len(x))
+            requests.append(ForwardRequest(x, seq.target_len, blocks.block_table(seq.seq_id),
+                                           r.gamma + 1 if r.is_ready else 0))
+            seq.target_len += len(x)
         return self.target.forward(requests)
 
-    def _commit(self, seq: Sequence, gamma: int, num_verified_ok: int, row: list[int],
-                ahead: DraftAhead | None) -> list[int]:
-        """Commit a round: accepted drafts + the recovered or bonus token. With a bonus-
+    def _add_bonus_candidates(self, step: Step, ahead: Proposal) -> None:
+        """Append each row's bonus-position candidate to its proposals (γ_i + 1 tokens to
+        verify) and keep the rest as next round's drafts."""
+        vocab = self.target.vocab_size
+        draft_ids = torch.nn.functional.pad(step.draft_ids, (0, 1))  # [batch, γ_max + 1]
+        draft_probs, ahead_probs = step.draft_probs, ahead.probs
+        if draft_probs is not None or ahead_probs is not None:
+            this_round = Proposal(step.draft_ids, draft_probs, [], [])
+            draft_probs = torch.nn.functional.pad(  # [batch, γ_max + 1, V]
+                this_round.dense_probs(vocab), (0, 0, 0, 1))
+            ahead_probs = ahead.dense_probs(vocab)
+        for r, g in zip(step.rows, ahead.gammas):
+            if not g:
+                continue
+            i, gamma = r.index, r.gamma
+            draft_ids[i, gamma] = ahead.token_ids[i, 0]
+            if draft_probs is not None:
+                draft_probs[i, gamma] = ahead_probs[i, 0]
+            r.num_verified = gamma + 1
+            self.num_candidates += 1
+            # the draft now holds the context, this round's drafts and g-1 drafted ahead
+            r.seq.draft_len = len(r.seq.token_ids) + gamma + g - 1
+            if g > 1:
+                r.ahead = DraftAhead(ahead.token_ids[i, 1:g].tolist(),
+                                     None if ahead_probs is None else ahead_probs[i, 1:g])
+        step.draft_ids, step.draft_probs = draft_ids, draft_probs
+
+    # -- commit ----------------------------------------------------------------------------
+    def _accept(self, step: Step, ready: list[Row]) -> tuple[RejectionResult, torch.Tensor]:
+        """Exact verification of the ready rows: the rejection result and the processed
+        logits [sum(γ_i + 1), vocab] it verified with. A row verifies γ_i proposals, or
+        γ_i + 1 with a bonus-position candidate (overlap)."""
+        draft_ids = step.draft_ids
+        device, width = draft_ids.device, draft_ids.shape[1] + 1
+        index = torch.tensor([r.index for r in ready], device=device)
+        num_rows = [r.gamma + 1 for r in ready]
+        num_verified = torch.tensor([r.num_verified for r in ready], device=device)
+        params = [r.seq.params for r in ready for _ in range(r.gamma + 1)]
+        histories = None
+        if any(r.seq.params.reads_history for r in ready):
+            drafts = draft_ids.tolist()
+            histories = [History(r.seq.token_ids, r.seq.prompt_len, tuple(drafts[r.index][:j]))
+                         for r in ready for j in range(r.gamma + 1)]
+        processed = processed_logits(step.logits, params, histories)  # [sum(γ_i + 1), vocab]
+        if all(r.seq.params.is_greedy for r in ready):
+            argmax = _pad_rows(processed.argmax(-1), num_rows, width)  # [n, width]
+            return greedy_verify(argmax, draft_ids[index], num_verified), processed
+        draft_probs = step.draft_probs  # None: every proposal is a point mass
+        if draft_probs is None:
+            draft_probs = dense_draft_probs(draft_ids, self.target.vocab_size)
+        target_probs = _pad_rows(probs_of(processed, params), num_rows, width)
+        positions = [[len(r.seq.token_ids) + j for j in range(width)] for r in ready]
+        seeds = [r.seq.seed for r in ready]
+        result = rejection_sample(
+            target_probs, draft_ids[index], draft_probs[index], num_verified,
+            position_uniforms(seeds, [p[:-1] for p in positions], STREAM_ACCEPT),
+            position_uniforms(seeds, positions, STREAM_SAMPLE))
+        return result, processed
+
+    def _commit_row(self, row: Row, num_verified_ok: int, tokens: list[int]) -> list[int]:
+        """Commit a round: accepted proposals + the recovered or bonus token. With a bonus-
         position candidate (overlap), num_verified_ok may be γ + 1: the candidate is the
         bonus token, and the drafts made after it are next round's."""
+        seq, gamma = row.seq, row.gamma
         num_accepted = min(num_verified_ok, gamma)
-        is_ahead_kept = num_verified_ok > gamma
         base = len(seq.token_ids)
         seq.stats.record(gamma, num_accepted)
-        seq.last_round = (gamma, num_accepted)
+        seq.last_round = Round(gamma, num_accepted)
         committed = []
-        for token in row[:num_accepted + 1]:
+        for token in tokens[:num_accepted + 1]:
             seq.token_ids.append(token)
             committed.append(token)
             seq.finish_reason = self._finish_reason(seq, token)
@@ -477,71 +467,58 @@ class SpeculativeDecoder:
         seq.target_len = base + num_accepted
         blocks.rollback(seq.seq_id, seq.target_len)
         blocks.seal(seq.seq_id, seq.token_ids, seq.target_len)
-        if is_ahead_kept:
-            seq.ahead = ahead
-        else:  # the draft's chain and the committed tokens part at the emitted token
+        if num_verified_ok <= gamma:  # the draft's chain and the committed tokens part here
             seq.draft_len = min(seq.draft_len, base + num_accepted)
+        elif row.ahead is not None:
+            self._ahead[seq.seq_id] = row.ahead
         return committed
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         is_eos = token in self.eos_token_ids and not seq.params.ignore_eos
         if is_eos or token in seq.params.stop_token_ids:
-            return "stop"
+            return FinishReason.STOP
         if seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
+    @staticmethod
+    def _note_logprobs(ready: list[Row], processed: torch.Tensor) -> None:
+        """The committed tokens' logprobs, from the target's verification rows (row j of a
+        sequence is its j-th committed token); processed: [sum(γ_i + 1), vocab]."""
+        wanted = [k for k, r in enumerate(ready) if r.seq.params.logprobs is not None]
+        if not wanted:
+            return
+        tokens = torch.tensor([t for k in wanted for t in ready[k].committed],
+                              device=processed.device)
+        num_top = [ready[k].seq.params.logprobs for k in wanted for _ in ready[k].committed]
+        logprobs = iter(token_logprobs(processed[_committed_rows(ready, wanted)], tokens,
+                                       num_top))
+        for k in wanted:
+            ready[k].seq.logprobs += [next(logprobs) for _ in ready[k].committed]
 
-def _merge_rows(first: DraftOutput, rows: list[int], other: DraftOutput) -> DraftOutput:
-    """`other`'s drafts (one per entry of `rows`) in place of those rows of `first`,
-    widening γ if needed."""
-    max_gamma = max(first.token_ids.shape[1], other.token_ids.shape[1])
-    token_ids = torch.nn.functional.pad(first.token_ids, (0, max_gamma - first.token_ids.shape[1]))
-    probs = other_probs = None
-    if first.probs is not None or other.probs is not None:
-        vocab = (first.probs if first.probs is not None else other.probs).shape[-1]
-        probs = torch.nn.functional.pad(_dense(first.probs, first.token_ids, vocab),
-                                        (0, 0, 0, max_gamma - first.token_ids.shape[1]))
-        other_probs = _dense(other.probs, other.token_ids, vocab)
-    gammas = list(first.gammas)
-    for k, i in enumerate(rows):
-        g = other.gammas[k]
-        token_ids[i, :g], gammas[i] = other.token_ids[k, :g], g
-        if probs is not None:
-            probs[i, :g] = other_probs[k, :g]
-    return DraftOutput(token_ids, probs, gammas, [False] * len(gammas))
-
-
-def _ahead_output(aheads: list[DraftAhead | None], gammas: list[int], vocab: int,
-                  device: torch.device) -> DraftOutput:
-    """The drafted-ahead tokens of the sequences that have them, each cut to its γ."""
-    rows = [(a.token_ids[:g], None if a.probs is None else a.probs[:g])
-            for a, g in zip(aheads, gammas) if a]
-    width = max(len(ids) for ids, _ in rows)
-    token_ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-    for k, (ids, _) in enumerate(rows):
-        token_ids[k, :len(ids)] = torch.tensor(ids)
-    probs = None
-    if any(q is not None for _, q in rows):
-        probs = dense_draft_probs(token_ids, vocab)
-        for k, (ids, q) in enumerate(rows):
-            if q is not None:
-                probs[k, :len(ids)] = q
-    return DraftOutput(token_ids, probs, [len(ids) for ids, _ in rows], [False] * len(rows))
+    def _note_teacher(self, ready: list[Row], logits: torch.Tensor) -> None:
+        """The target's top-k at each committed position, for a draft that distils from
+        them (it asked: `target_topk`); logits: [sum(γ_i + 1), vocab], the model's own
+        distribution, before the request's sampling processors."""
+        k = self.drafter.target_topk if self.drafter is not None else 0
+        rows = _committed_rows(ready, range(len(ready))) if k else []
+        if not rows:
+            return
+        top = logits[rows].float().log_softmax(-1).topk(k, dim=-1)  # [rows, k]
+        ids, logprobs = iter(top.indices.tolist()), iter(top.values.tolist())
+        for r in ready:
+            first = len(r.seq.token_ids) - len(r.committed)
+            r.seq.teacher += [(first + j, tuple(next(ids)), tuple(next(logprobs)))
+                              for j in range(len(r.committed))]
 
 
-def _dense(probs: torch.Tensor | None, token_ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """q rows [batch, γ, vocab]: `probs`, or the point masses at `token_ids`."""
-    return probs if probs is not None else dense_draft_probs(token_ids, vocab)
-
-
-def _committed_rows(ready: list[int], gammas: list[int], committed: list[list[int]],
-                    which: list[tuple[int, int]]) -> list[int]:
+def _committed_rows(ready: list[Row], which: Iterable[int]) -> list[int]:
     """The verification rows ([sum over ready of γ_i + 1]) of the committed tokens of
-    `which`, (k, i) pairs of ready[k] = i, in order: row j of a sequence verified its
-    j-th committed token."""
-    offsets = [0, *itertools.accumulate(gammas[i] + 1 for i in ready)]
-    return [offsets[k] + j for k, i in which for j in range(len(committed[i]))]
+    ready[k] for k in `which`, in order: row j of a sequence verified its j-th committed
+    token."""
+    offsets = [0, *itertools.accumulate(r.gamma + 1 for r in ready)]
+    return [offsets[k] + j for k in which for j in range(len(ready[k].committed))]
+
 
 def _pad_rows(values: torch.Tensor, num_rows: list[int], width: int) -> torch.Tensor:
     """[sum(num_rows), ...] rows, sequence after sequence -> [batch, width, ...], zero padded."""

@@ -22,6 +22,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from outrider.core.load import ReplicaLoad
+
 disable_created_metrics()  # no *_created series: as vLLM, and half the scrape size
 
 MAX_POSITIONS = 16  # MAX_GAMMA: per-position counters exist for positions 0..15
@@ -181,13 +183,13 @@ class TargetMetrics:
         self._by_version[draft_version] = pair
         return pair
 
-    def watch_load(self, load: Callable[[], dict]) -> None:
+    def watch_load(self, load: Callable[[], ReplicaLoad]) -> None:
         """Gauges read at scrape time from the engine's load()."""
-        readers = {"num_running": lambda: load()["num_running"],
-                   "num_waiting": lambda: load()["num_waiting"],
+        readers = {"num_running": lambda: load().num_running,
+                   "num_waiting": lambda: load().num_waiting,
                    "kv_usage": lambda: _fraction(load()),
-                   "heat": lambda: load()["heat"],
-                   "tokens_per_s": lambda: load()["tokens_per_s"]}
+                   "heat": lambda: load().heat,
+                   "tokens_per_s": lambda: load().tokens_per_s}
         for key, read in readers.items():
             LOAD_GAUGES[key].labels(**self.labels).set_function(read)
 
@@ -282,5 +284,5 @@ def serve_metrics(host: str, port: int, name: str, tries: int = 1) -> int:
     return bound
 
 
-def _fraction(load: dict) -> float:
-    return load["kv_used_blocks"] / load["kv_total_blocks"] if load["kv_total_blocks"] else 0.0
+def _fraction(load: ReplicaLoad) -> float:
+    return load.kv_used_blocks / load.kv_total_blocks if load.kv_total_blocks else 0.0

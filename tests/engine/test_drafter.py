@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from outrider.core.sampling import SamplingParams
-from outrider.engine.drafter import Drafter, DraftItem
+from outrider.engine.drafter import Drafter
+from outrider.engine.proposer import DraftItem
 from outrider.engine.runner import ModelRunner, RunnerConfig
 
 GREEDY = SamplingParams()

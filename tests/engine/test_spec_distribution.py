@@ -38,9 +38,10 @@ from scipy.stats import chi2_contingency
 
 import outrider.engine.spec_decode as spec_decode_module
 from outrider.core.sampling import History, SamplingParams
+from outrider.core.stats import SpecStats
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.engine.spec_decode import SpecStats, SpeculativeDecoder
+from outrider.engine.spec_decode import SpeculativeDecoder
 from tests.checkpoints import perturbed_copy
 
 NUM_SAMPLES = 2000  # per run; all of a run's requests are one generate() batch

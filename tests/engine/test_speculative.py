@@ -148,7 +148,7 @@ def test_first_token_comes_from_the_prefill_while_the_draft_takes_the_context(
 
 
 def test_greedy_drafts_build_no_dense_q(draft_dir):
-    from outrider.engine.drafter import DraftItem
+    from outrider.engine.proposer import DraftItem
 
     drafter = Drafter(ModelRunner(RunnerConfig(str(draft_dir))))
     greedy = DraftItem("g", 0, [5, 6, 7], 4, SamplingParams(), seed=1)

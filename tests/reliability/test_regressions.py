@@ -33,7 +33,8 @@ TOKEN = "reliability-regressions-token"
 def test_memory_store_forgets_expired_journals():
     """Was: a router without Redis kept every request's journal (record, tokens,
     serialized response) in MemoryStore after its TTL: 6.3 MB for 5,000 64-token
-    requests, forever (outrider/state/memory.py, then router/state.py; fixed by sweeping expired entries)."""
+    requests, forever (router/state.py, now outrider/state/memory.py; fixed by sweeping
+    expired entries)."""
     store = MemoryStore()
     record = st.JournalRecord(fingerprint="f" * 64, prompt_ids=list(range(20)))
     finished = st.JournalRecord(fingerprint="f" * 64, prompt_ids=list(range(20)),

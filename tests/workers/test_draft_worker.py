@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from outrider.core.sampling import SamplingParams, sampling_to_proto
-from outrider.engine.drafter import Drafter, DraftItem
+from outrider.engine.drafter import Drafter
+from outrider.engine.proposer import DraftItem
 from outrider.engine.rejection import dense_draft_probs
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.grpc_server import token_metadata

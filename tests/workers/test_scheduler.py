@@ -5,8 +5,8 @@ from __future__ import annotations
 from outrider.target_worker.scheduler import Scheduler, SchedulerConfig
 
 from outrider.core.sampling import SamplingParams
+from outrider.core.sequence import Sequence
 from outrider.engine.block_manager import BlockManager
-from outrider.engine.spec_decode import Sequence
 
 
 def make(num_blocks=8, block_size=4, budget=32, max_seqs=8):

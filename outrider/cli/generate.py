@@ -1,0 +1,197 @@
+"""`outrider generate`: one generation, in this process (--local) or through a router."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from outrider.cli.common import UsageError, add_model_args, model_dirs
+
+
+def generate_flags(gen: argparse.ArgumentParser) -> None:
+    gen.add_argument("prompt", help="prompt text ('-' reads standard input)")
+    gen.add_argument("--local", action="store_true",
+                     help="run the models in this process instead of calling a router")
+    gen.add_argument("--address", default="127.0.0.1:50051", help="router host:port")
+    gen.add_argument("--tls-ca", help="CA certificate (PEM) when the router uses TLS")
+    gen.add_argument("--tls-cert", help="client certificate (PEM) for mTLS")
+    gen.add_argument("--tls-key", help="private key (PEM) of --tls-cert")
+    gen.add_argument("--timeout", type=float, default=None,
+                     help="deadline in seconds (default: none); the API key comes from "
+                          "$OUTRIDER_API_KEY")
+    gen.add_argument("--speculation", choices=["auto", "off", "fixed"], default=None,
+                     help="router mode (default: fixed when --gamma is given, else auto)")
+    gen.add_argument("--tag", default="", help="workload tag (acceptance statistics)")
+    add_model_args(gen)
+    gen.add_argument("--draft-kv-cache-mb", type=float, default=None,
+                     help="KV budget of the draft with --local (default: --kv-cache-mb)")
+    _add_sampling_args(gen)
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object (token_ids, text, stats) instead of streaming")
+    gen.add_argument("--stats", action="store_true", help="print acceptance figures to stderr")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 disables")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 disables")
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS to token ID's logit (repeatable)")
+    p.add_argument("--min-tokens", type=int, default=0,
+                   help="hold EOS and stop tokens back until this many tokens")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", action="append", type=int, default=[],
+                   dest="stop_token_ids", help="stop token id (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate past EOS")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="print each token's logprob and its K likeliest alternatives "
+                        "(with --json)")
+
+
+def cmd_generate(args) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    result = (_generate_local if args.local else _generate_remote)(args, prompt)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    if args.stats:
+        print(stats_line(result), file=sys.stderr)
+    return 0
+
+
+def _generate_local(args, prompt: str):
+    """Decodes in this process and reports it as a router would: the same messages go
+    through the SDK's Collector, so --json and --stats read alike either way."""
+    from outrider.client.results import Collector
+    from outrider.core.sampling import logprobs_to_proto
+    from outrider.core.sequence import FinishReason
+    from outrider.router.text_stream import TextStream
+    from outrider.v1 import generate_pb2 as gp
+
+    params = _sampling_params(args)
+    with _local_engine(args) as engine:
+        text, collector, sent = TextStream(engine.tokenizer, tuple(args.stop)), Collector(), 0
+        for seq, new_ids in engine.decoder.stream(engine.tokenizer.encode(prompt), params,  # noqa: B007
+                                                  args.gamma):
+            delta = text.push(new_ids)
+            if text.is_stopped:
+                seq.finish_reason = FinishReason.STOP
+                engine.decoder.release(seq)
+            elif seq.is_finished:
+                delta += text.finish()
+            # the tokens the text stream consumed: none past a completed stop string
+            ids, logprobs = (seq.output_ids[sent:text.num_tokens],
+                             seq.logprobs[sent:text.num_tokens])
+            sent = text.num_tokens
+            _echo(args, collector.add(gp.GenerateResponse(
+                text=delta, token_ids=ids, logprobs=logprobs_to_proto(logprobs))))
+            if seq.is_finished:
+                break
+        _echo(args, collector.add(_final_message(seq, sent)))
+    if not args.json:
+        sys.stdout.write("\n")
+    return collector.result()
+
+
+def _local_engine(args):
+    from outrider.engine.local import LocalEngine, LocalEngineConfig
+    from outrider.engine.runner import RunnerConfig
+
+    target, draft = model_dirs(args)
+    runner = RunnerConfig(model_dir=str(target), device=args.device, dtype=args.dtype,
+                          tp=args.tp, kv_cache_mb=args.kv_cache_mb, compile=args.compile)
+    draft_kv = getattr(args, "draft_kv_cache_mb", None) or args.kv_cache_mb
+    return LocalEngine(LocalEngineConfig(target=runner, draft_dir=draft if args.gamma else None,
+                                         draft_kv_cache_mb=draft_kv))
+
+
+def _sampling_params(args):
+    from outrider.core.sampling import SamplingParams
+
+    options = _sampling_options(args)
+    # SamplingParams (frozen) takes tuples where the SDK takes a dict and a list
+    options.update(logit_bias=tuple(sorted(options["logit_bias"].items())),
+                   stop_token_ids=tuple(options["stop_token_ids"]))
+    return SamplingParams(**options)
+
+
+def _sampling_options(args) -> dict:
+    """The sampling flags as keyword options (SamplingParams' and the SDK's names)."""
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                repetition_penalty=args.repetition_penalty,
+                frequency_penalty=args.frequency_penalty,
+                presence_penalty=args.presence_penalty, logit_bias=_logit_bias(args.logit_bias),
+                min_tokens=args.min_tokens, stop_token_ids=args.stop_token_ids,
+                ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+
+
+def _logit_bias(pairs: list[str]) -> dict[int, float]:
+    bias = {}
+    for pair in pairs:
+        token, sep, value = pair.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise UsageError(f"--logit-bias wants ID=BIAS, got {pair!r}") from None
+    return bias
+
+
+def _final_message(seq, num_sent: int):
+    """What a router's last message would say of a sequence generated in this process."""
+    from outrider.v1 import generate_pb2 as gp
+
+    return gp.GenerateResponse(
+        finish_reason=seq.finish_reason.value, replica="local",
+        usage=gp.Usage(prompt_tokens=seq.prompt_len, completion_tokens=num_sent,
+                       cached_prompt_tokens=min(seq.num_cached_tokens or 0, seq.prompt_len)),
+        speculation=seq.stats.to_proto())
+
+
+def _generate_remote(args, prompt: str):
+    from outrider.client import Client, Tls
+
+    options = dict(_sampling_options(args), stop=args.stop, tag=args.tag,
+                   speculation=_speculation_mode(args), gamma_max=args.gamma or 0)
+    tls = Tls(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca or args.tls_cert else None
+    with Client(args.address, tls=tls, timeout_s=args.timeout) as client:
+        stream = client.stream(prompt, **options)
+        for delta in stream:
+            _echo(args, delta)
+        result = stream.result()
+    if not args.json:
+        sys.stdout.write("\n")
+    return result
+
+
+def _speculation_mode(args) -> str:
+    if args.speculation:
+        return args.speculation
+    if args.gamma is None:
+        return "auto"
+    return "off" if args.gamma == 0 else "fixed"
+
+
+def _echo(args, delta) -> None:
+    if not args.json and delta.text:
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+
+
+def stats_line(result) -> str:
+    """One line of acceptance figures of a Generation (local or through a router)."""
+    s, t, n = result.speculation, result.timings, len(result.token_ids)
+    per_pos = ", ".join(f"{a / d:.2f}" for a, d in zip(s.accepted_per_position,
+                                                        s.drafted_per_position) if d)
+    where = f" on {result.replica}" if result.replica != "local" else ""
+    return (f"[{n} tokens in {t.total_s:.2f}s = {t.tokens_per_s:.1f} tok/s "
+            f"(first after {t.ttft_s * 1000:.0f} ms){where}; rounds {s.rounds}; "
+            f"draft tokens {s.draft_tokens}, accepted {s.accepted_tokens} "
+            f"(α = {s.acceptance_rate:.3f}; per position: {per_pos or '-'}); "
+            f"mean accepted length {s.mean_accepted_len:.2f} tokens/round]")

@@ -1,0 +1,113 @@
+"""Starting the serving processes: one role each (router, target-worker, draft-worker),
+or all of them on this machine (serve)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+from collections.abc import Callable
+
+from outrider.cli.common import add_model_args, model_dirs, stop_on_signals
+
+
+def role_flags(module: str) -> Callable[[argparse.ArgumentParser], None]:
+    """A role's flags: its module's add_arguments, imported only when they are wanted (the
+    target's pull in torch, which a router's machine may lack)."""
+    return lambda p: importlib.import_module(module).add_arguments(p)
+
+
+def cluster_token() -> str | None:
+    """The cluster's shared token, from the environment (never from argv, which `ps` shows)."""
+    return os.environ.get("OUTRIDER_CLUSTER_TOKEN") or None
+
+
+def cmd_draft_worker(args) -> int:
+    from outrider.draft_worker.main import DraftWorkerConfig, serve
+
+    serve(DraftWorkerConfig.from_args(args), cluster_token())
+    return 0
+
+
+def cmd_target_worker(args) -> int:
+    from outrider.target_worker.main import TargetWorkerConfig, serve
+
+    serve(TargetWorkerConfig.from_args(args), cluster_token())
+    return 0
+
+
+def cmd_router(args) -> int:
+    from outrider.router.main import RouterConfig, serve
+
+    serve(RouterConfig.from_args(args), cluster_token())
+    return 0
+
+
+def serve_flags(serve: argparse.ArgumentParser) -> None:
+    from outrider.local_system import LocalSystemConfig
+    from outrider.router.main import add_public_arguments
+    from outrider.target_worker.main import add_batch_arguments
+
+    add_model_args(serve)
+    serve.add_argument("--draft-replicas", type=int, default=LocalSystemConfig.draft_replicas)
+    serve.add_argument("--target-replicas", type=int, default=LocalSystemConfig.target_replicas,
+                       help="target replicas behind the router (they share the drafts)")
+    serve.add_argument("--adapt", action="store_true",
+                       help="online distillation: the draft replicas learn from the "
+                            "target's tokens while they serve (default: off); with --redis, "
+                            "one of them trains and the others pull its versions from there")
+    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=LocalSystemConfig.prefix_caching,
+                       help="share the KV of prompts' common prefixes (default: on)")
+    serve.add_argument("--grpc-port", type=int, default=LocalSystemConfig.grpc_port,
+                       help="the router's port")
+    add_batch_arguments(serve)
+    serve.add_argument("--no-cpu-pinning", action="store_true",
+                       help="let the processes share every core (default on a CPU: the "
+                            "target gets cores of its own, drafts and router the rest; "
+                            "several target replicas always share every core)")
+    add_public_arguments(serve)
+
+
+def cmd_serve(args) -> int:
+    from outrider.local_system import local_system
+
+    cfg = _local_system_config(args)
+    stopping = stop_on_signals()
+    with local_system(cfg, cluster_token(), echo=True) as system:
+        http = f"; OpenAI-compatible API at http://{system.http}/v1" if system.http else ""
+        print(f"outrider serve: router listening on {system.router}{http} "
+              "(Ctrl-C stops everything)", flush=True)
+        for name, address in system.metrics.items():
+            print(f"outrider serve: {name} metrics at http://{address}/metrics", flush=True)
+        stopping.wait()
+        print("outrider serve: stopping", flush=True)
+    return 0
+
+
+def _local_system_config(args):
+    from outrider.local_system import LocalSystemConfig
+
+    target, draft = model_dirs(args)
+    return LocalSystemConfig(str(target), draft if args.gamma else None, args.draft_replicas,
+                             args.tp, args.gamma, args.host, args.grpc_port, args.redis,
+                             args.device, args.kv_cache_mb, args.max_batch_tokens,
+                             args.max_num_seqs, extra_router_args=_router_args(args),
+                             http_port=None if args.no_http else args.http_port,
+                             metrics=True, pin_cpus=not args.no_cpu_pinning,
+                             target_replicas=args.target_replicas,
+                             prefix_caching=args.enable_prefix_caching, adapt=args.adapt,
+                             dtype=args.dtype, compile=args.compile)
+
+
+def _router_args(args) -> tuple[str, ...]:
+    """The router's public flags of `serve`, passed on to the router process's command line."""
+    return (*(["--require-api-key"] if args.require_api_key else []),
+            "--rate-limit-rpm", str(args.rate_limit_rpm),
+            *(["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
+              if args.tls_cert else []),
+            *(["--tls-client-ca", args.tls_client_ca] if args.tls_client_ca else []),
+            *(["--served-model-name", args.served_model_name]
+              if args.served_model_name else []),
+            "--max-running-requests", str(args.max_running_requests),
+            "--routing", args.routing)

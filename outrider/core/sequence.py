@@ -1,0 +1,78 @@
+"""A request's sequence as the target engine runs it, and the records of its rounds.
+
+Torch-free: the scheduler, the replica's service and the engine share these; what the
+speculative loop keeps in tensors for a sequence (its drafts made ahead) lives in the
+loop's own table (outrider/engine/spec_decode.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import NamedTuple
+
+from outrider.core.sampling import SamplingParams, TokenLogprob
+from outrider.core.stats import SpecStats
+
+# (position, the target's k likeliest token ids there, their log-probabilities)
+TeacherRow = tuple[int, tuple[int, ...], tuple[float, ...]]
+
+
+class FinishReason(StrEnum):
+    """Why a sequence ended; the value is what the wire and the API say."""
+
+    STOP = "stop"            # an end-of-sequence or stop token
+    LENGTH = "length"        # max_tokens, or the model's context
+    CANCELLED = "cancelled"  # its caller went away or cancelled it
+    ERROR = "error"          # the replica failed it (the detail says why)
+
+
+class Round(NamedTuple):
+    """One speculative round of a sequence: γ proposed, the first `num_accepted` kept."""
+
+    gamma: int
+    num_accepted: int
+
+
+class RoundStats(NamedTuple):
+    """A round as the replica reports it: with the batch heat it ran at and the version
+    of the draft weights that proposed (protos: RoundStats)."""
+
+    gamma: int
+    num_accepted: int
+    heat: float
+    draft_version: int
+
+
+@dataclass(eq=False)  # a sequence is itself, not its fields: the scheduler's membership
+class Sequence:      # tests compared all fields pairwise (3 % of a 32-stream step)
+    seq_id: int
+    token_ids: list[int]  # prompt + output
+    prompt_len: int
+    params: SamplingParams
+    seed: int
+    target_len: int = 0   # positions in the target's KV cache
+    draft_len: int = 0    # positions the draft is believed to hold
+    finish_reason: FinishReason | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+    last_round: Round = Round(0, 0)
+    traceparent: str = ""  # W3C trace context of its request, for the draft replica's span
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
+    num_cached_tokens: int | None = None  # prompt positions the prefix cache gave it, once known
+    teacher: list[TeacherRow] = field(default_factory=list)  # top-k rows not yet sent to the draft
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens the target has not computed yet."""
+        return len(self.token_ids) - self.target_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None

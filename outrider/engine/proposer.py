@@ -1,0 +1,147 @@
+"""The proposer contract: what the speculative loop asks of whatever proposes draft tokens.
+
+The local draft model (`drafter.Drafter`), the remote draft replicas
+(`target_worker/remote_drafter.RemoteDrafter`) and any future proposer implement
+`Proposer`. The contract mirrors the wire protocol's Propose
+(protos/outrider/v1/worker.proto): the caller says which prefix it believes the proposer
+holds (`committed_len`) and sends the committed tokens after it; a proposer that no longer
+holds that prefix answers MISS and the caller resends the whole context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from outrider.core.sampling import SamplingParams
+from outrider.core.sequence import TeacherRow
+from outrider.engine.rejection import dense_draft_probs
+
+
+@dataclass
+class DraftItem:
+    """What to propose for one sequence."""
+
+    seq_id: object
+    committed_len: int          # prefix the caller believes the proposer holds
+    new_token_ids: list[int]    # committed tokens from committed_len on
+    gamma: int
+    params: SamplingParams
+    seed: int
+    q_format: str = "dense"
+    traceparent: str = ""       # the request's trace context, when the sequence starts
+    prefill_only: bool = False  # take the new tokens into the cache, draft nothing (gamma 0)
+    prompt_len: int = 0         # the sequence's prompt: penalties count output after it
+    # the target's top-k at committed positions (an adapting draft learns from them)
+    teacher: list[TeacherRow] = field(default_factory=list)
+
+    @property
+    def is_active(self) -> bool:
+        """Whether the proposer has work for this item: drafting, or a prefill."""
+        return bool(self.gamma or (self.prefill_only and self.new_token_ids))
+
+
+@dataclass
+class Proposal:
+    """The draft tokens proposed for a batch of items, and the q they were drawn from."""
+
+    token_ids: torch.Tensor  # [batch, max_gamma] int64 (0 in padding)
+    # [batch, max_gamma, vocab] q after the request's processing; None when every row is
+    # a point mass at its token (greedy drafting): nothing dense is built or sent
+    probs: torch.Tensor | None
+    gammas: list[int]        # tokens proposed per item (0 on a miss or when the KV is full)
+    is_miss: list[bool]      # prefill-only items: True unless the proposer now caches them
+
+    @classmethod
+    def empty(cls, batch: int, device: torch.device) -> Proposal:
+        return cls(torch.zeros(batch, 0, dtype=torch.long, device=device), None,
+                   [0] * batch, [False] * batch)
+
+    @classmethod
+    def of_rows(cls, rows: list[tuple[list[int], torch.Tensor | None]], vocab: int,
+                device: torch.device) -> Proposal:
+        """Rows of (token ids [n_k], their q [n_k, vocab] or None for point masses)."""
+        width = max(len(ids) for ids, _ in rows)
+        token_ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+        for k, (ids, _) in enumerate(rows):
+            token_ids[k, :len(ids)] = torch.tensor(ids)
+        probs = None
+        if any(q is not None for _, q in rows):
+            probs = dense_draft_probs(token_ids, vocab)
+            for k, (ids, q) in enumerate(rows):
+                if q is not None:
+                    probs[k, :len(ids)] = q
+        return cls(token_ids, probs, [len(ids) for ids, _ in rows], [False] * len(rows))
+
+    def dense_probs(self, vocab: int) -> torch.Tensor:
+        """q rows [batch, max_gamma, vocab], point masses made dense."""
+        return self.probs if self.probs is not None else dense_draft_probs(self.token_ids, vocab)
+
+    def with_rows(self, rows: list[int], other: Proposal) -> Proposal:
+        """`other`'s proposals (one per entry of `rows`) in place of those rows, widening
+        γ if needed."""
+        width = max(self.token_ids.shape[1], other.token_ids.shape[1])
+        extra = width - self.token_ids.shape[1]
+        token_ids = torch.nn.functional.pad(self.token_ids, (0, extra))
+        probs = other_probs = None
+        if self.probs is not None or other.probs is not None:
+            vocab = (self.probs if self.probs is not None else other.probs).shape[-1]
+            probs = torch.nn.functional.pad(self.dense_probs(vocab), (0, 0, 0, extra))
+            other_probs = other.dense_probs(vocab)
+        gammas = list(self.gammas)
+        for k, i in enumerate(rows):
+            g = other.gammas[k]
+            token_ids[i, :g], gammas[i] = other.token_ids[k, :g], g
+            if probs is not None:
+                probs[i, :g] = other_probs[k, :g]
+        return Proposal(token_ids, probs, gammas, [False] * len(gammas))
+
+
+class PendingProposal:
+    """A proposal in flight: `result()` waits for it (once) and returns it."""
+
+    def __init__(self, wait: Callable[[], Proposal]) -> None:
+        self._wait, self._out = wait, None
+
+    def result(self) -> Proposal:
+        if self._out is None:
+            self._out = self._wait()
+        return self._out
+
+
+class Proposer(Protocol):
+    """What proposes draft tokens for the target to verify (docs/DESIGN.md §2.5-2.6)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest context it can propose after (past it, γ is 0)."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def version(self) -> int:
+        """The newest weights' version proposing (0: as loaded, or no weights)."""
+
+    @property
+    def target_topk(self) -> int:
+        """k of the target's top-k rows it wants with each sequence (0: none)."""
+
+    def draft(self, items: list[DraftItem], device: torch.device) -> Proposal:
+        """Propose now, and wait for the proposal."""
+
+    def submit(self, items: list[DraftItem], device: torch.device,
+               beside_target: bool = False) -> PendingProposal:
+        """Start proposing; `beside_target`: the target verifies meanwhile."""
+
+    def release(self, seq_id) -> bool:
+        """Forget a sequence; False when it held nothing for it."""
+
+    def version_of(self, seq_id) -> int:
+        """The weights' version that proposes for `seq_id`."""
