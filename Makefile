@@ -12,12 +12,14 @@ PROTO_SRC := $(shell find protos -name '*.proto' 2>/dev/null)
 setup: $(STAMP)
 
 # torch is installed on its own, pinned, before anything else can ask for a newer
-# (CUDA) build; the project's own pins then find it already satisfied.
+# (CUDA) build; the project's own pins then find it already satisfied. setuptools'
+# editable finder prints an information-only note (no warning) for any package-dir
+# layout like ours (router/ installs as outrider.router): it is silenced.
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[all,test,dev]'
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e '.[all,test,dev]'
 	touch $(STAMP)
 
 # Debian packages the system tests start for real (each binary is named as its package).
