@@ -25,13 +25,17 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from outrider.router.chat_template import ChatTemplate
+from outrider.router.http_guard import BodyGuard, HttpBounds, protocol_with_header_deadline
 from outrider.router.openai_protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
+    BodyFieldError,
     ChatCompletionRequest,
     CompletionRequest,
     http_field,
 )
-from outrider.router.service import GenerationService, Refused
+from outrider.router.refusal import Refused
+from outrider.router.service import GenerationService
+from outrider.router.target_link import UNREAD, UNREAD_TIMEOUT_S
 from outrider.router.validate import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -40,6 +44,9 @@ from outrider.telemetry.metrics import exposition
 from outrider.v1 import generate_pb2 as gp
 
 PASSED_HEADERS = {"authorization", "traceparent", "tracestate"}
+# messages a generation may have waiting for its HTTP client: beyond, it waits, so a
+# client that stops reading leaves its chunks unread at the link (backpressure there)
+STREAM_BUFFER = 64
 LOGPROB_FLOOR = -9999.0
 DASHBOARD_HTML = (Path(__file__).parent / "dashboard.html").read_text()
 HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -85,7 +92,9 @@ class HttpCall:
 class HttpSettings:
     model_name: str                 # what /v1/models lists and requests must name
     max_model_len: int
-    max_streams: int = 128          # generations running at once over HTTP
+    max_streams: int = 128          # threads for generations (as many as may run)
+    max_prompts: int = 64           # prompts one completion request may carry
+    bounds: HttpBounds = HttpBounds()  # on headers and bodies
 
 
 def build_app(service: GenerationService, settings: HttpSettings,
@@ -94,13 +103,20 @@ def build_app(service: GenerationService, settings: HttpSettings,
     pool = ThreadPoolExecutor(max_workers=settings.max_streams, thread_name_prefix="http")
     created = int(time.time())
 
+    def answer(refusal: Refused) -> JSONResponse:
+        """A refusal made before the service ran the request, counted as it counts its own."""
+        service.telemetry.metrics.answered(refusal.code.name, "http")
+        return error_response(refusal)
+
+    app.add_middleware(BodyGuard, bounds=settings.bounds, refuse=answer)
+
     @app.exception_handler(Refused)
     async def refused(_, exc: Refused):
-        return error_response(exc)
+        return answer(exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_, exc: RequestValidationError):
-        return error_response(_body_refusal(exc))
+        return answer(_body_refusal(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, exc: StarletteHTTPException):
@@ -109,7 +125,7 @@ def build_app(service: GenerationService, settings: HttpSettings,
         code = {404: grpc.StatusCode.NOT_FOUND, 405: grpc.StatusCode.INVALID_ARGUMENT}.get(
             exc.status_code, grpc.StatusCode.INVALID_ARGUMENT if exc.status_code < 500
             else grpc.StatusCode.INTERNAL)
-        response = error_response(Refused(code, f"{exc.detail}"))
+        response = answer(Refused(code, f"{exc.detail}"))
         response.status_code = exc.status_code
         return response
 
@@ -132,6 +148,10 @@ def build_app(service: GenerationService, settings: HttpSettings,
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, settings)
         prompts = _refusing(lambda: body.prompts)
+        if len(prompts) > settings.max_prompts:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"prompt: holds {len(prompts)} prompts; this router takes at most "
+                          f"{settings.max_prompts} per request", param="prompt")
         max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
         requests = _refusing(lambda: [
             r for i, p in enumerate(prompts)
@@ -351,18 +371,27 @@ async def _merged(service: GenerationService, pool: ThreadPoolExecutor,
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
+    try:  # the request's generations are admitted together; each pump frees its own slot
+        await service.admission.enter(len(requests))
+    except Refused as refusal:
+        service.telemetry.metrics.answered(refusal.code.name, "http")
+        raise
+
+    room = [threading.Semaphore(STREAM_BUFFER) for _ in requests]
 
     def pump(index: int) -> None:
-        messages = service.responses(requests[index], calls[index])
+        messages = service.responses(requests[index], calls[index], is_admitted=True)
         try:
             for msg in messages:
-                if calls[index].is_cancelled.is_set():
-                    break
+                if not _wait_for_room(room[index], calls[index]):
+                    service.telemetry.metrics.unread.inc()
+                    raise Refused(grpc.StatusCode.CANCELLED, UNREAD)
                 loop.call_soon_threadsafe(queue.put_nowait, (index, msg))
         except Exception as exc:  # handed to the event loop, raised there
             loop.call_soon_threadsafe(queue.put_nowait, (index, exc))
         finally:
             messages.close()
+            service.admission.leave(1)
             loop.call_soon_threadsafe(queue.put_nowait, (index, done))
 
     futures = [loop.run_in_executor(pool, pump, i) for i in range(len(requests))]
@@ -375,11 +404,25 @@ async def _merged(service: GenerationService, pool: ThreadPoolExecutor,
             elif isinstance(item, Exception):
                 raise _as_refusal(item)
             else:
+                room[index].release()
                 yield index, item
     finally:
         for call in calls:
             call.cancel()
         del futures  # the pumps end on their own once cancelled
+
+
+def _wait_for_room(room: threading.Semaphore, call: HttpCall) -> bool:
+    """True once the client has read enough to make room; False when the call is
+    cancelled, or the client read nothing for UNREAD_TIMEOUT_S (then it is cancelled)."""
+    deadline = time.monotonic() + UNREAD_TIMEOUT_S
+    while not room.acquire(timeout=0.5):
+        if call.is_cancelled.is_set():
+            return False
+        if time.monotonic() >= deadline:
+            call.cancel()
+            return False
+    return not call.is_cancelled.is_set()
 
 
 def usage(finals: list[gp.GenerateResponse]) -> dict:
@@ -422,6 +465,10 @@ def error_response(refusal: Refused) -> JSONResponse:
 def _body_refusal(exc: RequestValidationError) -> Refused:
     """pydantic's first complaint, as `field: problem` (the field in OpenAI's terms)."""
     err = exc.errors()[0]
+    cause = err.get("ctx", {}).get("error")
+    if isinstance(cause, BodyFieldError):
+        return Refused(grpc.StatusCode.INVALID_ARGUMENT, str(cause),
+                       param=cause.field.split(".")[0])
     where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
     if err.get("type") == "json_invalid":
         return Refused(grpc.StatusCode.INVALID_ARGUMENT, "the body is not valid JSON")
@@ -468,15 +515,17 @@ def _request_id(request: Request, index: int) -> str | None:
 
 # -- serving -----------------------------------------------------------------------------------
 def start_http(app: FastAPI, host: str, port: int, tls_cert: str | None = None,
-               tls_key: str | None = None,
-               tls_client_ca: str | None = None) -> tuple[uvicorn.Server, int]:
+               tls_key: str | None = None, tls_client_ca: str | None = None,
+               header_timeout_s: float = HttpBounds.header_timeout_s,
+               ) -> tuple[uvicorn.Server, int]:
     """uvicorn in a daemon thread; returns (server, bound port) once it listens. With
     `tls_client_ca`, clients must present a certificate it signed (mTLS)."""
     mtls = {"ssl_ca_certs": tls_client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED} \
         if tls_client_ca else {}
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           ssl_certfile=tls_cert, ssl_keyfile=tls_key,
-                                           timeout_graceful_shutdown=5, **mtls))
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=host, port=port, log_level="warning", ssl_certfile=tls_cert,
+        ssl_keyfile=tls_key, timeout_graceful_shutdown=5,
+        http=protocol_with_header_deadline(header_timeout_s), **mtls))
     thread = threading.Thread(target=server.run, name="http", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

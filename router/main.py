@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2
 from outrider.router.auth import Authenticator
 from outrider.router.chat_template import ChatTemplate
 from outrider.router.http_api import HttpSettings, build_app, start_http
+from outrider.router.http_guard import HttpBounds
 from outrider.router.replicas import ROUTING, ReplicaSet
 from outrider.router.service import GenerationService, ServiceLimits
 from outrider.router.telemetry import RouterTelemetry
@@ -54,6 +55,8 @@ class RouterConfig:
     metrics_port: int | None = None         # Prometheus (also at the HTTP API's /metrics)
     served_model_name: str | None = None    # its model id (default: the model dir's name)
     routing: str = "cache-aware"            # how a replica is chosen (router/replicas.py)
+    max_prompts: int = HttpSettings.max_prompts  # prompts per HTTP completion request
+    http_bounds: HttpBounds = HttpBounds()  # how long headers and bodies may take, how big
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -71,8 +74,12 @@ class RouterConfig:
                    tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                    http_port=None if args.no_http else args.http_port,
                    metrics_port=args.metrics_port, served_model_name=args.served_model_name,
-                   limits=ServiceLimits(max_running=args.max_running_requests),
-                   routing=args.routing)
+                   limits=ServiceLimits(max_running=args.max_running_requests,
+                                        max_queued=args.max_queued_requests,
+                                        max_queue_wait_s=args.max_queue_wait),
+                   routing=args.routing, max_prompts=args.max_prompts_per_request,
+                   http_bounds=HttpBounds(args.http_header_timeout, args.http_body_timeout,
+                                          int(args.max_body_mb * 2**20)))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -112,8 +119,23 @@ def add_public_arguments(p: argparse.ArgumentParser) -> None:
                         "counting its cached prefix, its load and speculation (default); "
                         "round-robin: in turn")
     p.add_argument("--max-running-requests", type=int, default=ServiceLimits.max_running,
-                   help="requests the router runs at once (gRPC and HTTP together); more "
-                        "are refused with RESOURCE_EXHAUSTED / 429 and a retry hint")
+                   help="generations the router runs at once, gRPC and HTTP together (an "
+                        "HTTP request counts its prompts × n); more wait in a queue")
+    p.add_argument("--max-queued-requests", type=int, default=ServiceLimits.max_queued,
+                   help="generations that may wait for a running slot; beyond, requests are "
+                        "refused with RESOURCE_EXHAUSTED / HTTP 429 and a retry hint")
+    p.add_argument("--max-queue-wait", type=float, default=ServiceLimits.max_queue_wait_s,
+                   metavar="SECONDS", help="longest wait in that queue before the refusal")
+    p.add_argument("--max-prompts-per-request", type=int, default=HttpSettings.max_prompts,
+                   help="prompts one HTTP completion request may carry")
+    p.add_argument("--http-header-timeout", type=float, default=HttpBounds.header_timeout_s,
+                   metavar="SECONDS", help="an HTTP connection whose request headers take "
+                                           "longer is closed")
+    p.add_argument("--http-body-timeout", type=float, default=HttpBounds.body_timeout_s,
+                   metavar="SECONDS", help="an HTTP request body that takes longer is "
+                                           "refused (408) and its connection closed")
+    p.add_argument("--max-body-mb", type=float, default=HttpBounds.max_body_bytes / 2**20,
+                   help="larger HTTP request bodies are refused (413) unread")
 
 
 def serve(cfg: RouterConfig, cluster_token: str | None) -> None:
@@ -145,7 +167,7 @@ def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
     server, bound = build_server(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(service, s),
         [SERVICE_NAME], f"{cfg.host}:{cfg.port}", token=None,
-        max_workers=cfg.limits.max_running + CONTROL_THREADS,
+        max_workers=cfg.limits.max_running + cfg.limits.max_queued + CONTROL_THREADS,
         credentials=_tls(cfg), health_servicer=health_servicer)
     # readiness: the Generation service is SERVING while some target replica is live
     replicas.on_live = lambda is_live: health_servicer.set(
@@ -169,10 +191,11 @@ def _model_name(cfg: RouterConfig) -> str:
 
 def _start_http(cfg: RouterConfig, service: GenerationService, max_model_len: int):
     name = _model_name(cfg)
-    app = build_app(service, HttpSettings(name, max_model_len, cfg.limits.max_running),
+    app = build_app(service, HttpSettings(name, max_model_len, cfg.limits.max_running,
+                                          cfg.max_prompts, cfg.http_bounds),
                     ChatTemplate.from_dir(cfg.model_dir))
     server, port = start_http(app, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key,
-                              cfg.tls_client_ca)
+                              cfg.tls_client_ca, cfg.http_bounds.header_timeout_s)
     scheme = "https" if cfg.tls_cert else "http"
     print(f"router: OpenAI-compatible HTTP API at {scheme}://{cfg.host}:{port}/v1 "
           f"(model {name!r})", flush=True)

@@ -13,7 +13,7 @@ import re
 from typing import Annotated, Literal
 
 from outrider.router.validate import ValidationError
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from outrider.client.request import build_request
 from outrider.v1 import generate_pb2 as gp
@@ -26,8 +26,49 @@ MAX_LOGPROBS = 20
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
+class BodyFieldError(ValueError):
+    """A body field no request may carry, whatever its type; `field` is its path."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_valid_unicode(cls, data):
+        """JSON may escape a lone surrogate (\\udfff): no tokenizer or protobuf takes it."""
+        field = _lone_surrogate_at(data)
+        if field is not None:
+            raise BodyFieldError(field, "is not valid Unicode text (it holds a lone "
+                                        "surrogate); send UTF-8")
+        return data
+
+
+def _lone_surrogate_at(value, path: str = "") -> str | None:
+    """The path of the first string holding a lone surrogate (None: there is none)."""
+    if isinstance(value, str):
+        return None if value.isascii() or _is_encodable(value) else (path or "body")
+    items = (value.items() if isinstance(value, dict)
+             else enumerate(value) if isinstance(value, list) else ())
+    for key, item in items:
+        if isinstance(key, str) and not _is_encodable(key):
+            return path or "body"
+        found = _lone_surrogate_at(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+def _is_encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class StreamOptions(_Strict):

@@ -18,9 +18,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
+from outrider.router.admission import Admission
 from outrider.router.auth import Authenticator, AuthError
 from outrider.router.claims import ClaimKeeper
+from outrider.router.refusal import Refused
 from outrider.router.replicas import ReplicaSet
+from outrider.router.target_link import StreamUnread
 from outrider.router.telemetry import RequestTelemetry, RouterTelemetry
 from outrider.router.text_stream import TextStream
 from outrider.router.validate import Job, ValidationError, validate
@@ -47,7 +50,9 @@ class ServiceLimits:
     max_migrations: int = 2         # replica failures one request survives
     journal_ttl_s: float = 600.0
     journal_lease_s: float = 5.0    # a crashed router's request ids free up after this
-    max_running: int = 256          # requests generating at once; more: RESOURCE_EXHAUSTED
+    max_running: int = 256          # generations running at once (gRPC and HTTP together)
+    max_queued: int = 64            # generations waiting for a slot; more: RESOURCE_EXHAUSTED
+    max_queue_wait_s: float = 10.0  # a queued request waits this long at most
     max_waiting: int = MAX_QUEUED_PER_REPLICA  # a replica with this many queued takes no more
     replica_wait_s: float = 10.0    # how long a request waits for a replica to appear
     prior_cache_s: float = 5.0      # shared acceptance statistics are re-read this often
@@ -55,6 +60,8 @@ class ServiceLimits:
     def __post_init__(self) -> None:
         if self.max_running < 1:
             raise ValueError(f"max running requests must be at least 1, got {self.max_running}")
+        if self.max_queued < 0 or self.max_queue_wait_s < 0:
+            raise ValueError("the queue's size and wait must not be negative")
 
 
 @dataclass
@@ -72,14 +79,6 @@ class Progress:
     replica: str = ""
     finish_reason: str = ""
     num_cached_tokens: int | None = None  # prompt positions the first replica had cached
-
-
-class Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float = 0.0,
-                 param: str | None = None):
-        super().__init__(message)
-        self.code, self.message, self.retry_after_s = code, message, retry_after_s
-        self.param = param  # the request field at fault, when the caller knows it
 
 
 class CallContext(Protocol):
@@ -103,7 +102,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self._priors: dict[tuple[str, str], tuple[float, list[float]]] = {}
         self._lock = threading.Lock()
         self._claims = ClaimKeeper(store, limits.journal_lease_s)
-        self._free_slots = threading.BoundedSemaphore(limits.max_running)
+        self.admission = Admission(limits.max_running, limits.max_queued,
+                                   limits.max_queue_wait_s)
+        self.telemetry.metrics.watch_admission(self.admission)
 
     def close(self) -> None:
         self._claims.close()
@@ -143,12 +144,14 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                                is_store_reachable=reachable)
 
     # -- the transport-neutral core (gRPC above, HTTP in router/http_api.py) -----------------
-    def responses(self, request: gp.GenerateRequest, context):
+    def responses(self, request: gp.GenerateRequest, context, is_admitted: bool = False):
         """The request's messages, the last with finish reason, usage and statistics;
-        refusals raise Refused. `context` is a CallContext."""
+        refusals raise Refused. `context` is a CallContext. The request takes its own
+        admission slot unless its caller took it (`is_admitted`: HTTP admits a request's
+        generations together)."""
         observed = self.telemetry.request(context)
         try:
-            with self._running_slot():
+            with contextlib.nullcontext() if is_admitted else self.admission.slots(1):
                 job, replay = self._admit(request, context)
                 observed.admitted(job)
                 if replay is not None:
@@ -161,19 +164,6 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             raise
         finally:
             observed.end()
-
-    @contextlib.contextmanager
-    def _running_slot(self):
-        """One of `max_running` slots, or an immediate refusal: each running request
-        holds a server thread, and the router must keep threads for health and Status."""
-        if not self._free_slots.acquire(blocking=False):
-            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"the router runs its limit of {self.limits.max_running} requests "
-                          "at once", retry_after_s=1.0)
-        try:
-            yield
-        finally:
-            self._free_slots.release()
 
     def _journaled(self, job: Job, context, observed: RequestTelemetry):
         is_finished = False
@@ -303,6 +293,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
     def _after_failure(self, exc: grpc.RpcError, progress: Progress, attempts: int) -> None:
         code = exc.code()
+        if isinstance(exc, StreamUnread):  # backpressure: nothing to say of the replica
+            self.telemetry.metrics.unread.inc()
+            raise Refused(code, exc.details()) from None
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             raise Refused(code, exc.details()) from None
         if code in MIGRATE_ON:  # not CANCELLED: a caller that left says nothing of the replica

@@ -18,6 +18,12 @@ from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+# Backpressure: a request whose reader (its client, through the service) leaves this many
+# chunks unread, and reads none for this long, is cancelled on the replica: a client that
+# stops reading stops costing the engine within seconds (docs/RELIABILITY.md)
+MAX_UNREAD_CHUNKS = 64
+UNREAD_TIMEOUT_S = 5.0
+UNREAD = f"the client read nothing of its stream for {UNREAD_TIMEOUT_S:g} s: it was cancelled"
 
 
 class ReplicaCallError(grpc.RpcError):
@@ -35,6 +41,10 @@ class ReplicaCallError(grpc.RpcError):
         return self._details
 
 
+class StreamUnread(ReplicaCallError):
+    """The request's reader stopped reading: it was cancelled to spare the replica."""
+
+
 class RequestFeed:
     """What one request receives over a link."""
 
@@ -42,9 +52,16 @@ class RequestFeed:
         self._stream, self.request_id = stream, request_id
         self._items: queue.Queue[pb.TargetChunk | ReplicaCallError] = queue.Queue()
         self.is_done = False
+        self._last_read = time.monotonic()
 
     def put(self, item: pb.TargetChunk | ReplicaCallError) -> None:
         self._items.put(item)
+        if self._is_unread():
+            self._stop(StreamUnread(grpc.StatusCode.CANCELLED, UNREAD))
+
+    def _is_unread(self) -> bool:
+        return (not self.is_done and self._items.qsize() >= MAX_UNREAD_CHUNKS
+                and time.monotonic() - self._last_read >= UNREAD_TIMEOUT_S)
 
     def chunks(self, timeout_s: float | None) -> Iterator[pb.TargetChunk]:
         """The request's chunks until its last; raises ReplicaCallError when it fails
@@ -54,6 +71,7 @@ class RequestFeed:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 item = self._items.get(timeout=wait)
+                self._last_read = time.monotonic()
             except queue.Empty:
                 self.cancel()
                 raise ReplicaCallError(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -69,11 +87,14 @@ class RequestFeed:
     def cancel(self) -> None:
         """Stop the request on the replica (nothing once it has finished or failed); a
         reader still waiting for chunks gets CANCELLED, as from a cancelled call."""
+        self._stop(ReplicaCallError(grpc.StatusCode.CANCELLED, "Cancelled"))
+
+    def _stop(self, reason: ReplicaCallError) -> None:
         if not self.is_done:
             self._done()
             self._stream.send(pb.ServeRequest(cancel=pb.CancelRequest(
                 request_id=self.request_id)))
-            self._items.put(ReplicaCallError(grpc.StatusCode.CANCELLED, "Cancelled"))
+            self._items.put(reason)
 
     def _done(self) -> None:
         self.is_done = True

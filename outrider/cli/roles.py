@@ -110,4 +110,10 @@ def _router_args(args) -> tuple[str, ...]:
             *(["--served-model-name", args.served_model_name]
               if args.served_model_name else []),
             "--max-running-requests", str(args.max_running_requests),
+            "--max-queued-requests", str(args.max_queued_requests),
+            "--max-queue-wait", str(args.max_queue_wait),
+            "--max-prompts-per-request", str(args.max_prompts_per_request),
+            "--http-header-timeout", str(args.http_header_timeout),
+            "--http-body-timeout", str(args.http_body_timeout),
+            "--max-body-mb", str(args.max_body_mb),
             "--routing", args.routing)

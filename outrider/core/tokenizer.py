@@ -34,7 +34,10 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=True).ids
+        except TypeError:  # the Rust side takes only valid Unicode: no lone surrogates
+            raise ValueError("text is not valid Unicode (it holds a lone surrogate)") from None
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)

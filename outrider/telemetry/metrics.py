@@ -82,6 +82,12 @@ REQUESTS = Counter("outrider_requests", "Requests answered, by gRPC status code 
                    "requests by the code behind their status)", [*MODEL, "code", "api"])
 ROUTER_TOKENS = Counter("outrider_router_generation_tokens", "Tokens streamed to clients",
                         MODEL)
+ADMITTED = Gauge("outrider_router_generations_running", "Generations holding an admission "
+                 "slot (gRPC and HTTP together)", MODEL)
+QUEUED = Gauge("outrider_router_generations_queued", "Generations waiting for an admission "
+               "slot", MODEL)
+UNREAD = Counter("outrider_router_streams_unread", "Streams cancelled because their client "
+                 "stopped reading (backpressure)", MODEL)
 MIGRATIONS = Counter("outrider_request_migrations", "Requests moved to another replica after "
                      "a failure", MODEL)
 
@@ -206,6 +212,12 @@ class RouterMetrics:
         self.ttft, self.itl, self.e2e = (h.labels(model_name) for h in (TTFT, ITL, E2E))
         self.tokens = ROUTER_TOKENS.labels(model_name)
         self.migrations = MIGRATIONS.labels(model_name)
+        self.unread = UNREAD.labels(model_name)
+
+    def watch_admission(self, admission) -> None:
+        """Gauges read at scrape time from the router's admission control."""
+        ADMITTED.labels(self.model).set_function(lambda: admission.num_running)
+        QUEUED.labels(self.model).set_function(lambda: admission.num_queued)
 
     def finished(self, reason: str) -> None:
         REQUEST_SUCCESS.labels(self.model, reason).inc()

@@ -1,0 +1,166 @@
+"""Bounds on what an HTTP client may make the router hold (docs/RELIABILITY.md):
+
+- request headers must arrive within `header_timeout_s` of connecting (or of the previous
+  response on a kept-alive connection), else the connection is closed: uvicorn bounds
+  only the idle time between requests, so a client trickling headers held one forever;
+- a body must arrive whole within `body_timeout_s` of its headers (408 and closed) and
+  be at most `max_body_bytes` (413, refused from Content-Length before a byte is read);
+- the app sees a body only once it is complete, so no handler waits on a slow client;
+- after a large body, the C allocator returns its free memory to the system: a burst of
+  big refused requests would otherwise leave the router hundreds of MB larger;
+- each connection's kernel send buffer is capped (SEND_BUFFER_BYTES): left to autotune
+  it took megabytes on loopback, a whole long stream, so a client that stopped reading
+  was never noticed (backpressure: router/target_link.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import functools
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from outrider.router.refusal import Refused
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+TRIM_AFTER_BYTES = 1 << 20  # bodies this large are followed by a malloc_trim
+SEND_BUFFER_BYTES = 64 << 10  # per connection (the kernel doubles it)
+
+
+@dataclass(frozen=True)
+class HttpBounds:
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_body_bytes: int = 16 << 20
+
+
+def protocol_with_header_deadline(header_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 protocol, closing connections whose headers come too slowly."""
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+            self._await_headers()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._is_in_request:
+                self._stop_waiting()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._await_headers()
+
+        def connection_lost(self, exc) -> None:
+            self._stop_waiting()
+            super().connection_lost(exc)
+
+        @property
+        def _is_in_request(self) -> bool:
+            return self.cycle is not None and not self.cycle.response_complete
+
+        def _await_headers(self) -> None:
+            self._stop_waiting()
+            if not self._is_in_request and not self.transport.is_closing():
+                self._header_timer = self.loop.call_later(header_timeout_s,
+                                                          self.timeout_keep_alive_handler)
+
+        def _stop_waiting(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+    return HeaderDeadlineProtocol
+
+
+class BodyGuard:
+    """ASGI middleware: the whole body, bounded in size and time, before the app runs.
+    `refuse` turns a Refused into the API's error response (an ASGI app)."""
+
+    def __init__(self, app, bounds: HttpBounds, refuse: Callable[[Refused], object]) -> None:
+        self.app, self.bounds, self.refuse = app, bounds, refuse
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            self._check_length(scope)
+            body = await asyncio.wait_for(self._read_body(receive), self.bounds.body_timeout_s)
+        except TimeoutError:
+            await self._close_with(Refused(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the request body did not arrive within {self.bounds.body_timeout_s:g} s"),
+                408, scope, receive, send)
+            return
+        except Refused as refusal:
+            await self._close_with(refusal, 413, scope, receive, send)
+            return
+        try:
+            await self.app(scope, _replaying(body, receive), send)
+        finally:
+            if len(body) >= TRIM_AFTER_BYTES:
+                del body
+                _return_free_memory()
+
+    def _check_length(self, scope) -> None:
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.bounds.max_body_bytes:
+            raise self._too_large()
+
+    async def _read_body(self, receive) -> bytes:
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b""  # the app finds the client gone
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.bounds.max_body_bytes:
+                raise self._too_large()
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+    def _too_large(self) -> Refused:
+        return Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"the request body is larger than {self.bounds.max_body_bytes} bytes")
+
+    async def _close_with(self, refusal: Refused, status: int, scope, receive, send) -> None:
+        response = self.refuse(refusal)
+        response.status_code = status
+        response.headers["connection"] = "close"  # the rest of the body is not read
+        await response(scope, receive, send)
+
+
+def _replaying(body: bytes, receive):
+    """A receive that gives the app the body once, then what the client sends next."""
+    is_sent = False
+
+    async def replay():
+        nonlocal is_sent
+        if not is_sent:
+            is_sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replay
+
+
+@functools.cache
+def _libc():
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
+
+
+def _return_free_memory() -> None:
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):  # glibc only
+        libc.malloc_trim(0)
