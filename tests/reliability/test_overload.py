@@ -5,7 +5,9 @@ reachable with a handful of requests."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
 import threading
 import time
@@ -20,6 +22,7 @@ from outrider.router.target_link import UNREAD
 from outrider import paths
 from outrider.client import Client, RateLimitError
 from outrider.local_system import LocalSystemConfig, local_system
+from tests.reliability._support import record, rss_kb, wait_until
 from tests.scraping import scrape, total
 
 pytestmark = pytest.mark.slow
@@ -186,3 +189,51 @@ def test_a_client_that_stops_reading_has_its_generation_cancelled(system):
     with Client(system.router, timeout_s=60) as client:  # the replica holds nothing for it
         assert all(r.num_running == 0 for r in client.status().replicas)
 
+
+
+# -- memory --------------------------------------------------------------------------------
+def listening_pid(port: int) -> int:
+    """The process listening on a local TCP port (from /proc: its socket's inode)."""
+    with open("/proc/net/tcp") as table:
+        rows = [line.split() for line in table.read().splitlines()[1:]]
+    inodes = {row[9] for row in rows if row[1].endswith(f":{port:04X}") and row[3] == "0A"}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        except OSError:
+            continue
+        if any(f"socket:[{inode}]" in links for inode in inodes):
+            return int(pid)
+    raise LookupError(f"nothing listens on port {port}")
+
+
+def test_router_memory_returns_after_a_burst_of_large_refused_requests():
+    """Bodies of 5 MB prompts and 100,000-entry logit_bias maps, all rightly refused (400),
+    four at a time, twice: the router's RSS stays within 1.5x of what it was before."""
+    cfg = LocalSystemConfig(str(paths.demo_target_dir()), None, grpc_port=0, http_port=0)
+    big = {"model": MODEL, "prompt": "x" * 5_000_000, "max_tokens": 1}
+    bias = {"model": MODEL, "prompt": "x", "max_tokens": 1,
+            "logit_bias": {str(i): 1 for i in range(100_000)}}
+    bodies = [json.dumps(b).encode() for b in (big, bias)]
+    with local_system(cfg) as system:
+        pid = listening_pid(int(system.http.rsplit(":", 1)[1]))
+        completion(system, max_tokens=4)
+        baseline = rss_kb(pid)
+        statuses = []
+
+        def burst():
+            statuses.extend(post(system, "/v1/completions", b)[0] for _ in range(10)
+                            for b in bodies)
+        for _ in range(2):
+            threads = [threading.Thread(target=burst) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(300)
+        # the last requests' memory is returned just after their answers
+        with contextlib.suppress(AssertionError):  # judged below, with the figures
+            wait_until(lambda: rss_kb(pid) <= 1.5 * baseline, timeout_s=10)
+        after = rss_kb(pid)
+    record("router_rss_after_large_refusals", baseline_kb=baseline, after_kb=after)
+    assert statuses == [400] * 160
+    assert after <= 1.5 * baseline, f"{baseline} KiB before, {after} KiB after"
