@@ -1,14 +1,16 @@
 """`outrider serve`: router, target worker and draft worker(s) as processes on this
-machine (no Ray), wired together, stopped together."""
+machine (no Ray), wired together, kept running (a process that dies is restarted),
+stopped together."""
 
 from __future__ import annotations
 
 import secrets
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from outrider.cpus import plan_cpus
-from outrider.launch import free_port, process_group
+from outrider.launch import RestartPolicy, free_port, supervised_group
 from outrider.target_worker.main import TargetWorkerConfig
 from outrider.target_worker.scheduler import SchedulerConfig
 
@@ -37,6 +39,7 @@ class LocalSystemConfig:
     adapt: bool = False             # online distillation on the draft replicas
     dtype: str = "auto"             # of both models
     compile: bool = False           # compiled forwards in every replica (--compile)
+    restarts: RestartPolicy = RestartPolicy()  # of a process that dies (outrider.launch)
 
     def __post_init__(self) -> None:
         if self.draft and self.draft_replicas < 1:
@@ -61,11 +64,15 @@ class LocalSystem:
 
 @contextmanager
 def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = False,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, stopping: threading.Event | None = None):
     """Start everything (with `env` added to the environment); yields the LocalSystem's
     addresses. Workers listen on free loopback ports and require `token` (a fresh random
-    one by default)."""
-    with process_group(token or secrets.token_urlsafe(24), env=env) as start:
+    one by default). A process that dies is restarted on its port (`cfg.restarts`); one
+    that keeps dying sets `stopping` (`outrider serve` waits on it), and leaving raises
+    RoleFailed naming it."""
+    on_give_up = stopping.set if stopping is not None else lambda: None
+    with supervised_group(token or secrets.token_urlsafe(24), env, cfg.restarts,
+                          on_give_up) as start:
         metrics: dict[str, str] = {}
         # the plan gives one target replica cores of its own; several would share them
         is_pinned = cfg.pin_cpus and cfg.device == "cpu" and cfg.target_replicas == 1
@@ -76,7 +83,7 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
             if cfg.metrics:
                 metrics[name] = f"{cfg.host}:{free_port()}"
                 args = (*args, "--metrics-port", metrics[name].rsplit(":", 1)[1])
-            return start(*args, echo=f"[{name}] " if echo else None)[1]
+            return start(name, *args, echo=f"[{name}] " if echo else None)
 
         caching = () if cfg.prefix_caching else ("--no-enable-prefix-caching",)
         model = ("--device", cfg.device, "--dtype", cfg.dtype, *caching,

@@ -102,6 +102,7 @@ def build_app(service: GenerationService, settings: HttpSettings,
     app = FastAPI(title="Outrider", summary="OpenAI-compatible API of the Outrider router")
     pool = ThreadPoolExecutor(max_workers=settings.max_streams, thread_name_prefix="http")
     created = int(time.time())
+    app.state.streams = OpenStreams()
 
     def answer(refusal: Refused) -> JSONResponse:
         """A refusal made before the service ran the request, counted as it counts its own."""
@@ -157,7 +158,8 @@ def build_app(service: GenerationService, settings: HttpSettings,
             r for i, p in enumerate(prompts)
             for r in body.generate_requests(p, max_tokens, _request_id(request, i))])
         view = CompletionView(settings.model_name, body, service.tokenizer, prompts)
-        return await _respond(service, pool, request, requests, view, body.stream)
+        return await _respond(service, pool, request, requests, view, body.stream,
+                              app.state.streams)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -174,7 +176,8 @@ def build_app(service: GenerationService, settings: HttpSettings,
         requests = _refusing(lambda: body.generate_requests(prompt_ids, max_tokens,
                                                             _request_id(request, 0)))
         view = ChatView(settings.model_name, body, service.tokenizer)
-        return await _respond(service, pool, request, requests, view, body.stream)
+        return await _respond(service, pool, request, requests, view, body.stream,
+                              app.state.streams)
 
     @app.get("/metrics")
     async def metrics():
@@ -291,10 +294,35 @@ class ChatView(_View):
                 "bytes": list(self.tokenizer.token_bytes(token_id))}
 
 
+class OpenStreams:
+    """The requests the HTTP API is answering, so that a router that stops ends each with
+    an error its client can read (then `[DONE]`), not a truncated stream."""
+
+    def __init__(self) -> None:
+        self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, queue: asyncio.Queue) -> None:
+        with self._lock:
+            self._queues[id(queue)] = (asyncio.get_running_loop(), queue)
+
+    def remove(self, queue: asyncio.Queue) -> None:
+        with self._lock:
+            self._queues.pop(id(queue), None)
+
+    def end_all(self, reason: str) -> None:
+        """From any thread: every open request fails with UNAVAILABLE (try another router)."""
+        refusal = Refused(grpc.StatusCode.UNAVAILABLE, reason, retry_after_s=1.0)
+        with self._lock:
+            queues = list(self._queues.values())
+        for loop, queue in queues:
+            loop.call_soon_threadsafe(queue.put_nowait, (0, refusal))
+
+
 async def _respond(service, pool, request: Request, requests: list[gp.GenerateRequest],
-                   view, stream: bool):
+                   view, stream: bool, streams: OpenStreams):
     calls = [HttpCall.of(request) for _ in requests]
-    events = _merged(service, pool, requests, calls)
+    events = _merged(service, pool, requests, calls, streams)
     response_id = view.id_prefix + uuid.uuid4().hex
     try:
         first = await anext(events)  # refusals before any token become HTTP errors
@@ -364,8 +392,8 @@ async def _sse(service, view, response_id: str, first, events, calls: list[HttpC
 
 
 async def _merged(service: GenerationService, pool: ThreadPoolExecutor,
-                  requests: list[gp.GenerateRequest],
-                  calls: list[HttpCall]) -> AsyncIterator[tuple[int, gp.GenerateResponse]]:
+                  requests: list[gp.GenerateRequest], calls: list[HttpCall],
+                  streams: OpenStreams) -> AsyncIterator[tuple[int, gp.GenerateResponse]]:
     """(choice index, message) from all generations as they arrive; a refusal of any
     raises Refused. Leaving early (a client gone) cancels them all."""
     loop = asyncio.get_running_loop()
@@ -396,6 +424,7 @@ async def _merged(service: GenerationService, pool: ThreadPoolExecutor,
 
     futures = [loop.run_in_executor(pool, pump, i) for i in range(len(requests))]
     running = len(requests)
+    streams.add(queue)
     try:
         while running:
             index, item = await queue.get()
@@ -407,6 +436,7 @@ async def _merged(service: GenerationService, pool: ThreadPoolExecutor,
                 room[index].release()
                 yield index, item
     finally:
+        streams.remove(queue)
         for call in calls:
             call.cancel()
         del futures  # the pumps end on their own once cancelled

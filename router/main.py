@@ -173,12 +173,12 @@ def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
     replicas.on_live = lambda is_live: health_servicer.set(
         SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if is_live
         else health_pb2.HealthCheckResponse.NOT_SERVING)
-    http = _start_http(cfg, service, max_model_len) if cfg.http_port is not None else None
+    stop_http = _start_http(cfg, service, max_model_len) if cfg.http_port is not None else None
     server.start()
 
     def close() -> None:
-        if http:
-            http.should_exit = True
+        if stop_http:
+            stop_http()
         replicas.close()
         service.close()
         telemetry.close()
@@ -199,7 +199,12 @@ def _start_http(cfg: RouterConfig, service: GenerationService, max_model_len: in
     scheme = "https" if cfg.tls_cert else "http"
     print(f"router: OpenAI-compatible HTTP API at {scheme}://{cfg.host}:{port}/v1 "
           f"(model {name!r})", flush=True)
-    return server
+
+    def stop() -> None:
+        """Open streams end with an error event and `[DONE]`, then uvicorn stops."""
+        app.state.streams.end_all("the router is shutting down: retry on another router")
+        server.should_exit = True
+    return stop
 
 
 def _tls(cfg: RouterConfig) -> grpc.ServerCredentials | None:

@@ -74,7 +74,7 @@ def cmd_serve(args) -> int:
 
     cfg = _local_system_config(args)
     stopping = stop_on_signals()
-    with local_system(cfg, cluster_token(), echo=True) as system:
+    with local_system(cfg, cluster_token(), echo=True, stopping=stopping) as system:
         http = f"; OpenAI-compatible API at http://{system.http}/v1" if system.http else ""
         print(f"outrider serve: router listening on {system.router}{http} "
               "(Ctrl-C stops everything)", flush=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -237,3 +238,21 @@ def test_router_memory_returns_after_a_burst_of_large_refused_requests():
     record("router_rss_after_large_refusals", baseline_kb=baseline, after_kb=after)
     assert statuses == [400] * 160
     assert after <= 1.5 * baseline, f"{baseline} KiB before, {after} KiB after"
+
+
+# -- a router that stops -------------------------------------------------------------------
+def test_http_streams_end_with_an_error_event_when_their_router_stops():
+    cfg = LocalSystemConfig(str(paths.demo_target_dir()), None, grpc_port=0, http_port=0)
+    body = json.dumps({"model": MODEL, "prompt": "import os\n", "stream": True,
+                       **LONG, "max_tokens": 1900}).encode()
+    with local_system(cfg) as system, _raw(system) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        head = b""
+        while b"data: {" not in head:  # streaming
+            head += sock.recv(65536)
+        os.kill(listening_pid(int(system.http.rsplit(":", 1)[1])), signal.SIGTERM)
+        _, received = _closed_after(sock)
+    events = [line for line in (head + received).split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"data: [DONE]"
+    assert b"the router is shutting down" in events[-2]
