@@ -14,7 +14,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import grpc
@@ -62,6 +62,14 @@ class ServiceLimits:
             raise ValueError(f"max running requests must be at least 1, got {self.max_running}")
         if self.max_queued < 0 or self.max_queue_wait_s < 0:
             raise ValueError("the queue's size and wait must not be negative")
+
+
+@dataclass(frozen=True)
+class Journal:
+    """What a request's journal holds for it at admission."""
+
+    replay: gp.GenerateResponse | None = None  # it finished: this answers it
+    resumed: list[int] | None = None           # resumed: the tokens it goes on from
 
 
 @dataclass
@@ -152,37 +160,40 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         observed = self.telemetry.request(context)
         try:
             with contextlib.nullcontext() if is_admitted else self.admission.slots(1):
-                job, replay = self._admit(request, context)
+                job, journal = self._admit(request, context)
                 observed.admitted(job)
-                if replay is not None:
+                if journal.replay is not None:
                     observed.outcome = "OK"
-                    yield replay
+                    yield journal.replay
                     return
-                yield from self._journaled(job, context, observed)
+                yield from self._journaled(job, context, observed, journal.resumed)
         except Refused as refusal:
             observed.refused(refusal.code, refusal.message)
             raise
         finally:
             observed.end()
 
-    def _journaled(self, job: Job, context, observed: RequestTelemetry):
+    def _journaled(self, job: Job, context, observed: RequestTelemetry,
+                   resumed: list[int] | None):
         is_finished = False
         try:
             with self._claims.holding(job.request_id):
-                yield from self._run(job, context, observed)
+                yield from self._run(job, context, observed, resumed)
             is_finished = True
         finally:
             if not is_finished:  # failed or abandoned: the same request id may try again
                 self._drop_journal(job.request_id)
 
     # -- admission ---------------------------------------------------------------------------
-    def _admit(self, request, context) -> tuple[Job, gp.GenerateResponse | None]:
+    def _admit(self, request, context) -> tuple[Job, Journal]:
         try:
             job = validate(request, self.tokenizer, self.max_model_len)
         except ValidationError as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         self.authorize(context, job.tag)
-        return job, self._open_journal(job)
+        if job.resume_from:
+            return self._resume_journal(job)
+        return job, Journal(replay=self._open_journal(job))
 
     def authorize(self, context, tag: str = "") -> None:
         """Refused unless the caller's key may use `tag` now (rate limits count it)."""
@@ -194,7 +205,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     def _open_journal(self, job: Job) -> gp.GenerateResponse | None:
         """A finished request with this id: its response again. One still running, or a
         different request under the same id: refused."""
-        record = st.JournalRecord(fingerprint=job.fingerprint, prompt_ids=job.prompt_ids)
+        record = st.JournalRecord(fingerprint=job.fingerprint, prompt_ids=job.prompt_ids,
+                                  seed=job.params.seed)
         try:
             existing = self.store.journal_start(job.request_id, record,
                                                 self.limits.journal_ttl_s,
@@ -211,9 +223,49 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                           f"request_id {job.request_id!r} is still running", retry_after_s=1.0)
         return gp.GenerateResponse.FromString(existing.response)
 
+    def _resume_journal(self, job: Job) -> tuple[Job, Journal]:
+        """A stream resumed after its router failed (§9.4): its journal's tokens to go on
+        from, with its seed; a finished one's response from where the client stopped."""
+        try:
+            found = self.store.journal_resume(job.request_id, self.limits.journal_lease_s)
+        except StoreUnavailable:
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "the shared store cannot be reached: "
+                          "nothing to resume from", retry_after_s=1.0) from None
+        if found is None:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"request_id {job.request_id!r} has no journal to resume from")
+        if found.record.fingerprint != job.fingerprint:
+            raise Refused(grpc.StatusCode.ALREADY_EXISTS,
+                          f"request_id {job.request_id!r} was used for a different request")
+        if found.record.is_finished:
+            whole = gp.GenerateResponse.FromString(found.record.response)
+            return job, Journal(replay=self._tail(whole, job))
+        if not found.is_claimed:
+            raise Refused(grpc.StatusCode.ALREADY_EXISTS,
+                          f"request_id {job.request_id!r} is still running", retry_after_s=1.0)
+        if len(found.token_ids) < job.resume_from:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"resume_from is {job.resume_from}, but the journal holds "
+                          f"{len(found.token_ids)} tokens")
+        job = replace(job, params=replace(job.params, seed=found.record.seed))
+        return job, Journal(resumed=found.token_ids)
+
+    def _tail(self, whole: gp.GenerateResponse, job: Job) -> gp.GenerateResponse:
+        """A finished response after the client's first `resume_from` tokens."""
+        head = TextStream(self.tokenizer, job.stop).push(list(whole.token_ids[:job.resume_from]))
+        tail = gp.GenerateResponse()
+        tail.CopyFrom(whole)
+        tail.text = whole.text[len(head):]
+        del tail.token_ids[:job.resume_from], tail.logprobs[:job.resume_from], tail.rounds[:]
+        return tail
+
     # -- generation --------------------------------------------------------------------------
-    def _run(self, job: Job, context, observed: RequestTelemetry):
+    def _run(self, job: Job, context, observed: RequestTelemetry, resumed: list[int] | None):
         progress = Progress(job, TextStream(self.tokenizer, job.stop))
+        if resumed is not None:
+            catch_up = self._catch_up(progress, resumed)
+            if catch_up.token_ids or catch_up.text:
+                yield catch_up
         tried: set[str] = set()
         attempts = 1
         while not progress.finish_reason:
@@ -236,6 +288,21 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         observed.finished(progress.finish_reason, progress.num_sent, progress.stats,
                           progress.replica, progress.num_cached_tokens or 0)
         yield final
+
+    def _catch_up(self, progress: Progress, resumed: list[int]) -> gp.GenerateResponse:
+        """Progress as the failed router left it: the client's tokens taken silently,
+        the delta of those it committed but never sent."""
+        job = progress.job
+        progress.output_ids = list(resumed)
+        progress.sent_text = progress.text.push(resumed[:job.resume_from])
+        progress.num_sent = progress.text.num_tokens
+        text = progress.text.push(resumed[job.resume_from:])
+        if progress.text.is_stopped:
+            progress.finish_reason = "stop"
+        elif len(resumed) >= job.params.max_tokens:
+            progress.finish_reason = "length"
+            text += progress.text.finish()
+        return self._delta(progress, text, [])
 
     def _pick(self, job: Job, tried: set[str]):
         deadline = time.monotonic() + self.limits.replica_wait_s
@@ -357,7 +424,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             text=progress.sent_text, token_ids=progress.output_ids[:progress.num_sent],
             logprobs=progress.logprobs[:progress.num_sent]), final])
         record = st.JournalRecord(fingerprint=job.fingerprint, prompt_ids=job.prompt_ids,
-                                  is_finished=True, response=whole.SerializeToString())
+                                  is_finished=True, response=whole.SerializeToString(),
+                                  seed=job.params.seed)
         try:
             self.store.journal_finish(job.request_id, record, self.limits.journal_ttl_s)
             counts = progress.stats.counts

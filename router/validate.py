@@ -40,6 +40,7 @@ class Job:
     tag: str
     include_rounds: bool
     fingerprint: str        # same request id + different fingerprint = a different request
+    resume_from: int = 0    # output tokens the client has (a stream resumed, §9.4)
 
 
 def validate(req: gp.GenerateRequest, tokenizer: Tokenizer, max_model_len: int) -> Job:
@@ -55,9 +56,19 @@ def validate(req: gp.GenerateRequest, tokenizer: Tokenizer, max_model_len: int) 
         raise ValidationError("request_id must be 1-128 characters of A-Z a-z 0-9 _ . : -")
     if not TAG_RE.fullmatch(req.tag):
         raise ValidationError("tag must be at most 64 characters of A-Z a-z 0-9 _ . -")
-    fingerprint = hashlib.sha256(req.SerializeToString(deterministic=True)).hexdigest()
+    if req.resume_from and not req.request_id:
+        raise ValidationError("resume_from needs the request_id of the stream it resumes")
     return Job(req.request_id or uuid.uuid4().hex, tuple(prompt_ids), params, stop,
-               MODES[spec.mode], spec.gamma_max, req.tag, req.include_rounds, fingerprint)
+               MODES[spec.mode], spec.gamma_max, req.tag, req.include_rounds,
+               _fingerprint(req), req.resume_from)
+
+
+def _fingerprint(req: gp.GenerateRequest) -> str:
+    """The request's identity: all of it but where a resumed stream picks up."""
+    whole = gp.GenerateRequest()
+    whole.CopyFrom(req)
+    whole.ClearField("resume_from")
+    return hashlib.sha256(whole.SerializeToString(deterministic=True)).hexdigest()
 
 
 def _prompt_ids(req: gp.GenerateRequest, tokenizer: Tokenizer) -> list[int]:

@@ -25,12 +25,13 @@ from outrider.client.results import (
     Timings,
     Usage,
 )
+from outrider.client.resume import Resume
 from outrider.client.sync import Client, GenerationStream
 
 __all__ = [
     "AsyncClient", "AsyncGenerationStream", "AuthenticationError", "CancelledError", "Client",
     "ConflictError", "DeadlineExceededError", "Delta", "Generation", "GenerationStream",
     "InternalError", "InvalidRequestError", "Logprob", "OutriderError", "PermissionDeniedError",
-    "RateLimitError", "Retry", "Round", "SpeculationStats", "Timings", "Tls",
+    "RateLimitError", "Resume", "Retry", "Round", "SpeculationStats", "Timings", "Tls",
     "UnavailableError", "Usage", "build_request",
 ]

@@ -18,6 +18,7 @@ from outrider.client.channel import (
 from outrider.client.errors import from_rpc_error
 from outrider.client.request import build_request
 from outrider.client.results import Collector, Delta, Generation
+from outrider.client.resume import DEFAULT_RESUME, Resume, Resumption, resumable, resumed
 from outrider.v1 import generate_pb2 as gp
 from outrider.v1 import generate_pb2_grpc
 
@@ -25,16 +26,27 @@ from outrider.v1 import generate_pb2_grpc
 class AsyncGenerationStream:
     """`async for` over Deltas; `await result()` gives the whole Generation."""
 
-    def __init__(self, call) -> None:
-        self._call, self._collector = call, Collector()
+    def __init__(self, open_call, request: gp.GenerateRequest,
+                 resume: Resume | None = None) -> None:
+        self._open, self._request = open_call, request
+        self._call, self._collector = open_call(request), Collector()
+        self._resumption = Resumption(resume)
+        self._num_messages = 0
         self._deltas = self._read()
 
     async def _read(self) -> AsyncIterator[Delta]:
-        try:
-            async for msg in self._call:
-                yield self._collector.add(msg)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+        while True:
+            try:
+                async for msg in self._call:
+                    self._num_messages += 1
+                    self._resumption.received()
+                    yield self._collector.add(msg)
+                return
+            except grpc.RpcError as exc:
+                if not self._resumption.should_retry(exc, self._num_messages):
+                    raise from_rpc_error(exc) from None
+                await asyncio.sleep(self._resumption.policy.backoff_s)
+                self._call = self._open(resumed(self._request, len(self._collector.token_ids)))
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self._deltas
@@ -65,16 +77,21 @@ class AsyncClient:
     def __init__(self, address: str = "127.0.0.1:50051", *, api_key: str | None = None,
                  tls: Tls | None = None, timeout_s: float | None = None,
                  retry: Retry | None = DEFAULT_RETRY,
-                 wait_for_ready: bool | None = None) -> None:
+                 wait_for_ready: bool | None = None,
+                 resume: Resume | None = DEFAULT_RESUME) -> None:
         self._channel = open_channel(grpc.aio, address, tls, retry)
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
         self.settings = CallSettings(auth_metadata(api_key), timeout_s, wait_for_ready)
+        self.resume = resume
 
     def stream(self, prompt: str | list[int], *, timeout_s: float | None = None,
                **options) -> AsyncGenerationStream:
-        call = self._stub.GenerateStream(build_request(prompt, **options),
-                                         **self.settings.for_call(timeout_s))
-        return AsyncGenerationStream(call)
+        request = build_request(prompt, **options)
+        if self.resume is not None:
+            request = resumable(request)
+        return AsyncGenerationStream(
+            lambda r: self._stub.GenerateStream(r, **self.settings.for_call(timeout_s)),
+            request, self.resume)
 
     async def generate(self, prompt: str | list[int], *, timeout_s: float | None = None,
                        **options) -> Generation:

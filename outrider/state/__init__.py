@@ -14,14 +14,15 @@ from __future__ import annotations
 
 from outrider.state.contract import (
     MAX_ACCEPTANCE_ENTRIES,
+    Resumable,
     StoreUnavailable,
     rate_limit_interval_ms,
 )
 from outrider.state.memory import MemoryStore
 from outrider.state.redis_store import RedisStore
 
-__all__ = ["MAX_ACCEPTANCE_ENTRIES", "MemoryStore", "RedisStore", "StoreUnavailable",
-           "open_store", "rate_limit_interval_ms"]
+__all__ = ["MAX_ACCEPTANCE_ENTRIES", "MemoryStore", "RedisStore", "Resumable",
+           "StoreUnavailable", "open_store", "rate_limit_interval_ms"]
 
 
 def open_store(redis_url: str | None) -> MemoryStore | RedisStore:

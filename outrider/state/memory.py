@@ -7,7 +7,7 @@ import time
 
 from outrider.core.stats import AcceptanceCounts
 from outrider.state import contract
-from outrider.state.contract import rate_limit_interval_ms
+from outrider.state.contract import Resumable, rate_limit_interval_ms
 from outrider.v1 import state_pb2 as st
 
 
@@ -90,6 +90,12 @@ class MemoryStore:
                 return st.JournalRecord.FromString(existing[1])
             self._journal[request_id] = (now + ttl_s, record.SerializeToString(), [])
         return None
+
+    def journal_resume(self, request_id: str, lease_s: float) -> Resumable | None:
+        """A journal lives only as long as this router, which runs every journal it holds:
+        one found is running here or finished, never another's to take over."""
+        found = self.journal(request_id)
+        return None if found is None else Resumable(*found, is_claimed=False)
 
     def journal_renew(self, request_ids: list[str], lease_s: float) -> None:
         """Nothing to renew: this store's journals live and die with this router."""

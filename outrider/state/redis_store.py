@@ -11,7 +11,7 @@ import numpy as np
 
 from outrider.core.stats import AcceptanceCounts
 from outrider.state import contract, keys
-from outrider.state.contract import StoreUnavailable, rate_limit_interval_ms
+from outrider.state.contract import Resumable, StoreUnavailable, rate_limit_interval_ms
 from outrider.v1 import state_pb2 as st
 
 # GCRA in one atomic step, on Redis's clock so that every router agrees.
@@ -58,6 +58,17 @@ return redis.call('GET', KEYS[1])
 """
 FINISHED_CLAIM = "finished"
 
+# A router resuming a request whose router failed takes over its journal, tokens kept,
+# once the failed router's claim has lapsed.
+# KEYS: record, tokens, claim; ARGV: lease ms, owner -> {} (no journal), {record} (claimed
+# elsewhere, or finished), {record, tokens, 1} (now the caller's)
+_RESUME_JOURNAL = """
+local record = redis.call('GET', KEYS[1])
+if not record then return {} end
+if not redis.call('SET', KEYS[3], ARGV[2], 'NX', 'PX', ARGV[1]) then return {record} end
+return {record, redis.call('GET', KEYS[2]) or '', 1}
+"""
+
 # KEYS: claims; ARGV: owner, lease ms. Only the owner's own running claims are extended.
 _RENEW_CLAIMS = """
 for _, key in ipairs(KEYS) do
@@ -80,6 +91,7 @@ class RedisStore:
         self._add_acceptance = self._redis.register_script(_ADD_ACCEPTANCE)
         self._claim = self._redis.register_script(_CLAIM_JOURNAL)
         self._renew = self._redis.register_script(_RENEW_CLAIMS)
+        self._resume = self._redis.register_script(_RESUME_JOURNAL)
         self._owner = f"running:{uuid.uuid4().hex}"  # this router's claims
         # circuit breaker: after a failure, calls fail at once for open_s, then one call
         # at a time tries Redis again (a Redis that hangs must not stall every stream)
@@ -178,6 +190,20 @@ class RedisStore:
             args=[record.SerializeToString(), math.ceil(ttl_s * 1000),
                   math.ceil(lease_s * 1000), self._owner], client=r))
         return None if raw is None else st.JournalRecord.FromString(raw)
+
+    def journal_resume(self, request_id: str, lease_s: float) -> Resumable | None:
+        """The journal of a request being resumed, claimed for this router if its own
+        router's claim has lapsed (its tokens kept); None when there is none."""
+        found = self.call(lambda r: self._resume(
+            keys=list(keys.journal(request_id)),
+            args=[math.ceil(lease_s * 1000), self._owner], client=r))
+        if not found:
+            return None
+        record = st.JournalRecord.FromString(found[0])
+        if len(found) == 1:
+            _, tokens = self.journal(request_id) or (record, [])
+            return Resumable(record, tokens, is_claimed=False)
+        return Resumable(record, np.frombuffer(found[1], dtype="<i4").tolist(), True)
 
     def journal_renew(self, request_ids: list[str], lease_s: float) -> None:
         """Extend this router's claims on the journals of the requests it runs."""

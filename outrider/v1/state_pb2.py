@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from outrider.v1 import worker_pb2 as outrider_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17outrider/v1/state.proto\x12\x0boutrider.v1\x1a\x18outrider/v1/worker.proto\"[\n\rReplicaRecord\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x1f\n\x04load\x18\x02 \x01(\x0b\x32\x11.outrider.v1.Load\x12\x18\n\x10heartbeat_unix_s\x18\x03 \x01(\x01\"h\n\x0c\x41piKeyRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1b\n\x13requests_per_minute\x18\x02 \x01(\r\x12\r\n\x05\x62urst\x18\x03 \x01(\r\x12\x0c\n\x04tags\x18\x04 \x03(\t\x12\x10\n\x08\x64isabled\x18\x05 \x01(\x08\"_\n\rJournalRecord\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x13\n\x0bis_finished\x18\x03 \x01(\x08\x12\x10\n\x08response\x18\x04 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17outrider/v1/state.proto\x12\x0boutrider.v1\x1a\x18outrider/v1/worker.proto\"[\n\rReplicaRecord\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x1f\n\x04load\x18\x02 \x01(\x0b\x32\x11.outrider.v1.Load\x12\x18\n\x10heartbeat_unix_s\x18\x03 \x01(\x01\"h\n\x0c\x41piKeyRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1b\n\x13requests_per_minute\x18\x02 \x01(\r\x12\r\n\x05\x62urst\x18\x03 \x01(\r\x12\x0c\n\x04tags\x18\x04 \x03(\t\x12\x10\n\x08\x64isabled\x18\x05 \x01(\x08\"m\n\rJournalRecord\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x13\n\x0bis_finished\x18\x03 \x01(\x08\x12\x10\n\x08response\x18\x04 \x01(\x0c\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,5 +37,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_APIKEYRECORD']._serialized_start=159
   _globals['_APIKEYRECORD']._serialized_end=263
   _globals['_JOURNALRECORD']._serialized_start=265
-  _globals['_JOURNALRECORD']._serialized_end=360
+  _globals['_JOURNALRECORD']._serialized_end=374
 # @@protoc_insertion_point(module_scope)

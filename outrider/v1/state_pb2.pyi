@@ -32,13 +32,15 @@ class ApiKeyRecord(_message.Message):
     def __init__(self, name: _Optional[str] = ..., requests_per_minute: _Optional[int] = ..., burst: _Optional[int] = ..., tags: _Optional[_Iterable[str]] = ..., disabled: _Optional[bool] = ...) -> None: ...
 
 class JournalRecord(_message.Message):
-    __slots__ = ("fingerprint", "prompt_ids", "is_finished", "response")
+    __slots__ = ("fingerprint", "prompt_ids", "is_finished", "response", "seed")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     IS_FINISHED_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     is_finished: bool
     response: bytes
-    def __init__(self, fingerprint: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., is_finished: _Optional[bool] = ..., response: _Optional[bytes] = ...) -> None: ...
+    seed: int
+    def __init__(self, fingerprint: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., is_finished: _Optional[bool] = ..., response: _Optional[bytes] = ..., seed: _Optional[int] = ...) -> None: ...

@@ -23,6 +23,7 @@ from outrider.router.target_link import UNREAD
 from outrider import paths
 from outrider.client import Client, RateLimitError
 from outrider.local_system import LocalSystemConfig, local_system
+from tests.processes import listening_pid
 from tests.reliability._support import record, rss_kb, wait_until
 from tests.scraping import scrape, total
 
@@ -193,21 +194,6 @@ def test_a_client_that_stops_reading_has_its_generation_cancelled(system):
 
 
 # -- memory --------------------------------------------------------------------------------
-def listening_pid(port: int) -> int:
-    """The process listening on a local TCP port (from /proc: its socket's inode)."""
-    with open("/proc/net/tcp") as table:
-        rows = [line.split() for line in table.read().splitlines()[1:]]
-    inodes = {row[9] for row in rows if row[1].endswith(f":{port:04X}") and row[3] == "0A"}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
-        except OSError:
-            continue
-        if any(f"socket:[{inode}]" in links for inode in inodes):
-            return int(pid)
-    raise LookupError(f"nothing listens on port {port}")
-
-
 def test_router_memory_returns_after_a_burst_of_large_refused_requests():
     """Bodies of 5 MB prompts and 100,000-entry logit_bias maps, all rightly refused (400),
     four at a time, twice: the router's RSS stays within 1.5x of what it was before."""

@@ -224,7 +224,7 @@ def test_a_router_at_its_limit_refuses_more_and_stays_answerable(llama_dir):
         _, target = start("target-worker", "--model", str(llama_dir), "--max-num-seqs", "4")
         _, router = start("router", "--model", str(llama_dir), "--target-address", target,
                           "--port", "0", "--http-port", str(http_port),
-                          "--max-running-requests", "100")
+                          "--max-running-requests", "100", "--max-queued-requests", "0")
         with grpc.insecure_channel(router) as channel:
             stub = generate_pb2_grpc.GenerationStub(channel)
             streams = [stub.GenerateStream(request, timeout=120) for _ in range(140)]
