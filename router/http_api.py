@@ -132,7 +132,11 @@ def build_app(service: GenerationService, settings: HttpSettings,
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        """200 while some target replica is live; 503 (degraded: requests would wait for
+        one, then be refused) while none is, as gRPC health's NOT_SERVING says."""
+        live = len(service.replicas.live())
+        return JSONResponse({"status": "ok" if live else "degraded", "live_replicas": live},
+                            status_code=200 if live else 503)
 
     @app.get("/v1/models")
     async def models(request: Request):

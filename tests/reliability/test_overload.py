@@ -22,6 +22,7 @@ from outrider.router.target_link import UNREAD
 
 from outrider import paths
 from outrider.client import Client, RateLimitError
+from outrider.launch import free_port, outrider_process
 from outrider.local_system import LocalSystemConfig, local_system
 from tests.processes import listening_pid
 from tests.reliability._support import record, rss_kb, wait_until
@@ -242,3 +243,21 @@ def test_http_streams_end_with_an_error_event_when_their_router_stops():
     events = [line for line in (head + received).split(b"\n") if line.startswith(b"data: ")]
     assert events[-1] == b"data: [DONE]"
     assert b"the router is shutting down" in events[-2]
+
+
+# -- health --------------------------------------------------------------------------------
+def _health(http: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"http://{http}/health", timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_health_says_whether_a_replica_can_serve(system):
+    assert _health(system.http) == (200, {"status": "ok", "live_replicas": 1})
+    http_port = free_port()
+    with outrider_process("router", "--model", str(paths.demo_target_dir()), "--port", "0",
+                          "--http-port", str(http_port)):
+        assert _health(f"127.0.0.1:{http_port}") == (503, {"status": "degraded",
+                                                           "live_replicas": 0})
