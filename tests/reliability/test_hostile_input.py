@@ -33,6 +33,7 @@ from outrider.launch import free_port, process_group
 from outrider.v1 import generate_pb2 as gp
 from outrider.v1 import generate_pb2_grpc
 from tests.reliability._support import Workers, record, reference_greedy, wait_until
+from tests.scraping import scrape, total
 
 pytestmark = pytest.mark.slow
 
@@ -57,6 +58,7 @@ class Live:
     http: str
     workers: Workers
     procs: dict
+    target_metrics: str                                 # the target's /metrics
     raw_unary: object = None
     raw_stream: object = None
     stub: object = None
@@ -68,16 +70,17 @@ class Live:
 def live(llama_dir, draft_dir, tmp_path_factory):
     model = tmp_path_factory.mktemp("fuzz") / MODEL  # the served model id: its folder name
     shutil.copytree(llama_dir, model)
-    http_port = free_port()
+    http_port, metrics_port = free_port(), free_port()
     with process_group(TOKEN) as start:
         draft_proc, draft = start("draft-worker", "--model", str(draft_dir))
         target_proc, target = start("target-worker", "--model", str(model), "--draft-address",
-                                    draft)
+                                    draft, "--metrics-port", str(metrics_port))
         router_proc, router = start("router", "--model", str(model), "--target-address",
                                     target, "--port", "0", "--http-port", str(http_port))
         with grpc.insecure_channel(router) as channel:
             system = Live(router, f"127.0.0.1:{http_port}", Workers(target, draft, TOKEN),
-                          {"router": router_proc, "target": target_proc, "draft": draft_proc})
+                          {"router": router_proc, "target": target_proc, "draft": draft_proc},
+                          f"127.0.0.1:{metrics_port}")
             # raw bytes in, raw bytes out: what a hostile client can send
             system.raw_unary = channel.unary_unary("/outrider.v1.Generation/Generate")
             system.raw_stream = channel.unary_stream("/outrider.v1.Generation/GenerateStream")
@@ -146,6 +149,11 @@ def healthy(live: Live, expected: list[int]) -> float:
                                ignore_eos=True)
     assert list(done.token_ids) == expected[:8]
     return live.workers.wait_idle(timeout_s=20)
+
+
+def generated_tokens(live: Live) -> float:
+    """Tokens the target has committed so far, over all requests (its /metrics)."""
+    return total(scrape(live.target_metrics), "vllm:generation_tokens_total")
 
 
 def call(live: Live, body: bytes, streaming: bool) -> tuple[grpc.StatusCode, str, list]:
@@ -560,11 +568,15 @@ def test_http_random_json_and_bytes(live, expected_background):
 
 
 # -- clients that stall or leave -------------------------------------------------------------
+# γ = 8 makes a long request slow (each round drafts 8 tokens on the draft replica): 8 of
+# them at once need ~10 s on 2 cores, so they are still running when the clients that
+# stalled leave (at ~3 s), and their leaving is what stops them
+LONG_GAMMA = 8
 LONG = gp.GenerateRequest(token_ids=gp.TokenIds(ids=[5, 6, 7]),
                           sampling=gp.SamplingOptions(max_tokens=450, temperature=0.0,
                                                       ignore_eos=True),
                           speculation=gp.SpeculationOptions(mode=gp.SPECULATION_MODE_FIXED,
-                                                            gamma_max=4))
+                                                            gamma_max=LONG_GAMMA))
 
 
 def test_grpc_clients_that_stop_reading(live, expected_background):
@@ -573,16 +585,22 @@ def test_grpc_clients_that_stop_reading(live, expected_background):
     cancel (and one more never reads and lets its 2 s deadline pass): the replica is
     freed."""
     reference = reference_greedy_cached(live, [5, 6, 7], 450)
+    live.workers.wait_idle()
+    before = generated_tokens(live)
     stalled = [live.stub.GenerateStream(LONG, timeout=120) for _ in range(8)]
     firsts = [next(s) for s in stalled]
     short_deadline = live.stub.GenerateStream(LONG, timeout=2.0)  # never read
+    served = 0
     with Client(live.router, timeout_s=60) as client:
         start = time.monotonic()
         while time.monotonic() - start < 3.0:  # the stalled streams sit still meanwhile
             done = client.generate(BACKGROUND_PROMPT, max_tokens=8, temperature=0.0,
                                    ignore_eos=True)
             assert list(done.token_ids) == expected_background[:8]
+            served += 1
     running = live.workers.held()["num_running"]
+    # the eight stalled streams' sequences still run; the one past its deadline was stopped
+    assert running == 8
     with pytest.raises(grpc.RpcError) as expired:
         list(short_deadline)
     assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -592,6 +610,9 @@ def test_grpc_clients_that_stop_reading(live, expected_background):
     freed_s = wait_until(lambda: live.workers.held()["num_running"] <= 1, 20, 0.05)
     rest = [t for m in stalled[0] for t in m.token_ids]  # it reads again: every token
     assert list(firsts[0].token_ids) + rest == reference
+    live.workers.wait_idle()
+    # those that left were stopped on the replica, not run on to their length for nobody
+    assert generated_tokens(live) - before < 9 * 450 + 8 * served
     healthy(live, expected_background)
     record("grpc_stalled_clients", streams=9, running_while_stalled=running,
            freed_after_cancel_s=round(freed_s, 2))
@@ -615,7 +636,9 @@ def test_http_sse_client_that_stops_reading_then_disconnects(live, expected_back
     host, port = live.http.split(":")
     body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 450,
                        "temperature": 0, "ignore_eos": True, "stream": True,
-                       "speculation": "fixed", "gamma": 4}).encode()
+                       "speculation": "fixed", "gamma": LONG_GAMMA}).encode()
+    live.workers.wait_idle()
+    before = generated_tokens(live)
     sockets = []
     for _ in range(4):
         sock = socket.socket()
@@ -632,32 +655,40 @@ def test_http_sse_client_that_stops_reading_then_disconnects(live, expected_back
             assert list(done.token_ids) == expected_background[:8]
             time.sleep(0.5)
     running = live.workers.held()["num_running"]
+    assert running == 4  # every stalled client's generation runs when it closes
     for sock in sockets:
         sock.close()
     freed_s = live.workers.wait_idle(timeout_s=20)
+    # closing stopped them on the replica: fewer tokens than their lengths
+    assert generated_tokens(live) - before < 4 * 450 + 3 * 8
     healthy(live, expected_background)
     record("http_stalled_sse_clients", streams=4, running_before_close=running,
            freed_after_close_s=round(freed_s, 2))
 
 
 def test_more_streams_than_the_batch_holds_wait_and_finish(live, expected_background):
-    """70 streams at once against a replica that runs 64 sequences (the rest wait in
-    its queue): every one finishes with the right tokens. (Far more open streams than
-    that: test_regressions.py::test_a_target_full_of_streams_stays_live.)"""
+    """70 streams at once against a replica that runs 64 sequences: the batch fills, the
+    rest wait in its queue, and every one finishes with the right tokens. (Far more open
+    streams than that: test_regressions.py::test_a_target_full_of_streams_stays_live.)"""
     results: list = []
-    waiting: list[int] = []
+    loads: list[tuple[int, int]] = []  # (running, waiting) the replica reported
+    go = threading.Barrier(70)
 
     def one() -> None:
         with Client(live.router, timeout_s=120) as client:
+            go.wait(timeout=60)  # all at once, so that they overlap on the replica
             results.append(list(client.generate(BACKGROUND_PROMPT, max_tokens=24,
                                                 temperature=0.0, ignore_eos=True).token_ids))
     threads = [threading.Thread(target=one) for _ in range(70)]
     for t in threads:
         t.start()
     while any(t.is_alive() for t in threads):
-        waiting.append(live.workers.held()["num_waiting"])
-        time.sleep(0.05)
+        held = live.workers.held()
+        loads.append((held["num_running"], held["num_waiting"]))
+        time.sleep(0.005)
     assert len(results) == 70 and all(r == expected_background[:24] for r in results)
+    assert max(r for r, _ in loads) == 64  # the batch was full, never over
+    assert any(r == 64 and w > 0 for r, w in loads), max(loads)  # and requests queued behind it
     healthy(live, expected_background)
-    record("overload_70_streams_64_seqs", max_waiting_seen=max(waiting, default=0),
+    record("overload_70_streams_64_seqs", max_waiting_seen=max(w for _, w in loads),
            failed_requests=0)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -18,7 +17,10 @@ from outrider.router.service import Refused
 
 from outrider import paths
 from outrider.client import Client
-from tests.router.demo_system import demo_system, openai_client
+from outrider.local_system import LocalSystemConfig, local_system
+from tests.reliability._support import wait_until
+from tests.router.demo_system import openai_client
+from tests.scraping import scrape, total
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +32,11 @@ GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def system():
-    with demo_system(KEY) as running:
+    """demo_system's, with /metrics on every process (what the replica did for a client
+    that left is read there)."""
+    cfg = LocalSystemConfig(str(paths.demo_target_dir()), str(paths.demo_draft_dir()),
+                            grpc_port=0, http_port=0, metrics=True)
+    with local_system(cfg, env={"OUTRIDER_API_KEYS": KEY}) as running:
         yield running
 
 
@@ -155,16 +161,32 @@ def test_rate_limits_become_429_with_retry_after():
     assert json.loads(response.body)["error"]["type"] == "rate_limit_error"
 
 
+def replica_is_idle(metrics: str) -> bool:
+    """No sequence running or waiting on the target replica, every KV block free (its
+    /metrics gauges are read from the engine at scrape time)."""
+    samples = scrape(metrics)
+    return all(total(samples, name) == 0 for name in (
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"))
+
+
 def test_a_client_that_leaves_mid_stream_frees_the_replica(system, oai):
+    target, router = system.metrics["target"], system.metrics["router"]
+    wait_until(lambda: replica_is_idle(target), 20)
+    tokens_before = total(scrape(target), "vllm:generation_tokens_total")
+    left_before = total(scrape(router), "outrider_requests_total", code="CANCELLED", api="http")
     stream = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1500, stream=True,
                                     **GREEDY)
-    next(iter(stream))
+    assert next(iter(stream)).choices[0].finish_reason is None  # it runs when the client goes
     stream.close()  # the connection goes; the replica must stop generating for it
+    wait_until(lambda: replica_is_idle(target), 20)
+    # the replica stopped it where the client left, not at its length: it did not run on
+    # for nobody (1500 tokens take the demo pair several seconds)
+    assert 0 < total(scrape(target), "vllm:generation_tokens_total") - tokens_before < 1500
+    wait_until(lambda: total(scrape(router), "outrider_requests_total", code="CANCELLED",
+                             api="http") == left_before + 1, 10)  # counted as a caller gone
     with Client(system.router, api_key=KEY, timeout_s=30) as client:
-        deadline = time.monotonic() + 20
-        while client.status().replicas[0].num_running and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert client.status().replicas[0].num_running == 0
+        wait_until(lambda: client.status().replicas[0].num_running == 0, 20)
+        assert client.status().replicas[0].kv_used_blocks == 0
 
 
 def test_concurrent_http_streams_do_not_disturb_each_other(oai):

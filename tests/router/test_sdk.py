@@ -23,6 +23,8 @@ from outrider.client import (
 from outrider.launch import free_port, outrider_process, process_group
 from outrider.v1 import generate_pb2 as gp
 from outrider.v1 import generate_pb2_grpc
+from tests.reliability._support import Workers
+from tests.scraping import scrape, total
 
 pytestmark = pytest.mark.slow
 
@@ -32,12 +34,26 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def workers(llama_dir, draft_dir):
+def replica(llama_dir, draft_dir):
+    """The target replica's address, its /metrics address, and probes of both workers."""
+    metrics = f"127.0.0.1:{free_port()}"
     with process_group(TOKEN) as start:
         _, draft = start("draft-worker", "--model", str(draft_dir))
         _, target = start("target-worker", "--model", str(llama_dir), "--draft-address", draft,
-                          "--kv-cache-mb", "8")
-        yield target
+                          "--kv-cache-mb", "8", "--metrics-port", metrics.rsplit(":", 1)[1])
+        probes = Workers(target, draft, TOKEN)
+        yield target, metrics, probes
+        probes.close()
+
+
+@pytest.fixture(scope="module")
+def workers(replica):
+    return replica[0]
+
+
+def generated_tokens(metrics: str) -> float:
+    """Tokens the target replica has committed so far, over all requests."""
+    return total(scrape(metrics), "vllm:generation_tokens_total")
 
 
 def router(stack: ExitStack, llama_dir, target: str, port: int = 0) -> str:
@@ -72,17 +88,27 @@ def test_typed_results_batches_and_the_async_client_agree(workers, llama_dir):
     assert first.to_dict()["usage"]["total_tokens"] == first.usage.total_tokens
 
 
-def test_deadlines_are_honoured_and_free_the_replica(workers, llama_dir):
+def test_deadlines_are_honoured_and_free_the_replica(replica, llama_dir):
+    target, metrics, probes = replica
     with ExitStack() as stack:
-        address = router(stack, llama_dir, workers)
+        address = router(stack, llama_dir, target)
         with Client(address, timeout_s=120) as client:
+            client.generate(PROMPT, max_tokens=1, **GREEDY)  # the router knows the replica
+            probes.wait_idle()
+            before = generated_tokens(metrics)
             start = time.monotonic()
-            with pytest.raises(DeadlineExceededError):
-                client.generate(PROMPT, max_tokens=500, timeout_s=0.2, **GREEDY)
+            with pytest.raises(DeadlineExceededError):  # 500 tokens take seconds at γ = 4
+                client.generate(PROMPT, max_tokens=500, timeout_s=0.5, speculation="fixed",
+                                gamma_max=4, **GREEDY)
             assert time.monotonic() - start < 5
             with pytest.raises(InvalidRequestError) as err:
                 client.generate(PROMPT, top_p=1.5)
             assert "top_p" in err.value.message and err.value.code.name == "INVALID_ARGUMENT"
+            # freed: no sequence, every KV block free, the draft's sequence gone ...
+            probes.wait_idle(timeout_s=20)
+            # ... because the replica stopped it at the deadline: it had started, and it
+            # did not run on to its length for nobody
+            assert 0 < generated_tokens(metrics) - before < 500
             deadline = time.monotonic() + 20
             while client.status().replicas[0].num_running and time.monotonic() < deadline:
                 time.sleep(0.2)

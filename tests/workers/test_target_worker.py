@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,10 +16,11 @@ from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.grpc_server import token_metadata
-from outrider.launch import outrider_process
+from outrider.launch import free_port, outrider_process
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 from tests.checkpoints import VOCAB
+from tests.scraping import scrape, total
 
 TOKEN = "cluster-token-for-tests"
 pytestmark = pytest.mark.slow
@@ -58,13 +60,31 @@ def run_local(llama_dir, draft_dir, req: pb.TargetRequest, overlap: bool = False
 
 
 @pytest.fixture(scope="module")
-def cluster(llama_dir, draft_dir):
+def cluster_and_metrics(llama_dir, draft_dir):
+    """(target stub, draft stub), and the target's /metrics address."""
+    metrics = f"127.0.0.1:{free_port()}"
     with outrider_process("draft-worker", "--model", str(draft_dir), token=TOKEN) as (_, d_addr), \
          outrider_process("target-worker", "--model", str(llama_dir), "--draft-address", d_addr,
                           "--kv-cache-mb", "2", "--max-batch-tokens", "96",
+                          "--metrics-port", metrics.rsplit(":", 1)[1],
                           token=TOKEN) as (_, t_addr), \
          grpc.insecure_channel(t_addr) as t_chan, grpc.insecure_channel(d_addr) as d_chan:
-        yield worker_pb2_grpc.TargetStub(t_chan), worker_pb2_grpc.DraftStub(d_chan)
+        yield (worker_pb2_grpc.TargetStub(t_chan), worker_pb2_grpc.DraftStub(d_chan)), metrics
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_and_metrics):
+    return cluster_and_metrics[0]
+
+
+@pytest.fixture(scope="module")
+def target_metrics(cluster_and_metrics):
+    return cluster_and_metrics[1]
+
+
+def generated_tokens(metrics: str) -> float:
+    """Tokens the target has committed so far, over all requests (its /metrics)."""
+    return total(scrape(metrics), "vllm:generation_tokens_total")
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-sampling"])
@@ -111,48 +131,76 @@ def test_32_concurrent_sequences_match_their_solo_runs(cluster, llama_dir, draft
     assert together[1] == run_local(llama_dir, draft_dir, reqs[1])
 
 
-def test_cancel_mid_stream_frees_everything(cluster):
+def test_cancel_mid_stream_frees_everything(cluster, target_metrics):
     stub, draft = cluster
+    _wait_idle(stub, draft)
+    before = generated_tokens(target_metrics)
     req = request_for(7, prompts(1)[0], gamma=4, max_tokens=400, sampled=False)
     stream = stub.Generate(req, metadata=token_metadata(TOKEN), timeout=120)
-    next(stream)
+    first = next(stream)
+    assert not first.finish_reason  # still running when it is cancelled ...
     assert stub.Cancel(pb.CancelRequest(request_id=req.request_id),
-                       metadata=token_metadata(TOKEN)).found
-    reasons = [c.finish_reason for c in stream]
-    assert reasons[-1] == "cancelled"
-    _wait_idle(stub, draft)
+                       metadata=token_metadata(TOKEN)).found  # ... and the replica has it
+    rest = list(stream)
+    assert rest[-1].finish_reason == "cancelled"
+    received = len(first.token_ids) + sum(len(c.token_ids) for c in rest)
+    assert received < req.max_tokens
+    _wait_idle(stub, draft)  # its KV blocks and the draft's sequence are freed
+    assert generated_tokens(target_metrics) - before == received  # nothing ran on unseen
 
 
-def test_client_disconnect_frees_everything(cluster):
+def test_client_disconnect_frees_everything(cluster, target_metrics):
     stub, draft = cluster
+    _wait_idle(stub, draft)
+    before = generated_tokens(target_metrics)
     req = request_for(8, prompts(1)[0], gamma=4, max_tokens=400, sampled=False)
     stream = stub.Generate(req, metadata=token_metadata(TOKEN), timeout=120)
-    next(stream)
+    assert not next(stream).finish_reason  # still running when the client goes
     stream.cancel()
     _wait_idle(stub, draft)
+    # it stopped where the client left, not at its length (the replica went on for nobody)
+    assert 0 < generated_tokens(target_metrics) - before < req.max_tokens
 
 
-def _wait_idle(stub, draft, timeout: float = 60) -> None:
+def _wait_idle(stub, draft, timeout: float = 30) -> None:
+    """Until nothing is held: no running sequence, every KV block free, no draft
+    sequence (AssertionError with what is held after `timeout` s)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         load = stub.GetLoad(pb.LoadRequest(), metadata=token_metadata(TOKEN))
         stats = draft.Stats(pb.DraftStatsRequest(), metadata=token_metadata(TOKEN))
-        if load.kv_used_blocks == 0 and load.num_running == 0 and stats.num_sequences == 0:
+        if (load.kv_used_blocks, load.num_running, load.num_waiting,
+                stats.num_sequences) == (0, 0, 0, 0):
             return
         time.sleep(0.2)
     raise AssertionError(f"resources still held: {load} {stats}")
 
 
 def test_kv_pressure_preempts_and_finishes_everything(llama_dir, draft_dir):
+    """A KV cache too small for the batch: sequences are preempted (their KV freed,
+    recomputed later), and every request still gets exactly its tokens. The replica
+    runs in this process (the worker's own start()), so that its scheduler's count of
+    preemptions can be read: neither GetLoad nor /metrics tells it."""
+    from outrider.target_worker.main import TargetWorkerConfig, start
+    from outrider.target_worker.scheduler import SchedulerConfig
+
     reqs = [request_for(i, p, gamma=3, max_tokens=60, sampled=False)
             for i, p in enumerate(prompts(12, seed=4))]
-    with outrider_process("draft-worker", "--model", str(draft_dir), token=TOKEN) as (_, d), \
-         outrider_process("target-worker", "--model", str(llama_dir), "--draft-address", d,
-                          "--kv-cache-mb", "0.15", "--max-batch-tokens", "64",
-                          token=TOKEN) as (_, t), grpc.insecure_channel(t) as chan:
-        stub = worker_pb2_grpc.TargetStub(chan)
-        with ThreadPoolExecutor(12) as pool:
-            outputs = list(pool.map(lambda r: run_remote(stub, r), reqs))
+    cfg = TargetWorkerConfig(RunnerConfig(str(llama_dir), kv_cache_mb=0.15, threads=1),
+                             SchedulerConfig(max_batch_tokens=64))
+    with outrider_process("draft-worker", "--model", str(draft_dir), token=TOKEN) as (_, d):
+        running = start(dataclasses.replace(cfg, draft_addresses=(d,)), TOKEN)
+        try:
+            with grpc.insecure_channel(running.address) as chan:
+                stub = worker_pb2_grpc.TargetStub(chan)
+                with ThreadPoolExecutor(12) as pool:
+                    outputs = list(pool.map(lambda r: run_remote(stub, r), reqs))
+                load = stub.GetLoad(pb.LoadRequest(), metadata=token_metadata(TOKEN))
+            num_preemptions = running.service.engine.scheduler.num_preemptions
+        finally:
+            running.stop(0)
+    assert num_preemptions > 0  # the pressure it is named for was there
+    assert (load.num_running, load.num_waiting, load.kv_used_blocks) == (0, 0, 0)
     for req, tokens in zip(reqs[:3], outputs[:3]):
         assert tokens == run_local(llama_dir, draft_dir, req)
     assert all(len(t) == 60 for t in outputs)
@@ -262,18 +310,23 @@ def test_unseeded_sampling_differs_between_requests(cluster):
 
 
 def test_sigterm_with_an_open_stream_stops_the_worker(llama_dir):
+    """SIGTERM drains (grpc_server.serve_until_signalled: a 5 s grace): the stream in
+    flight, which needs well under a second more, runs to its last token; then the
+    worker exits, and cleanly."""
     with outrider_process("target-worker", "--model", str(llama_dir), token=TOKEN) as (p, t), \
          grpc.insecure_channel(t) as chan:
+        stub = worker_pb2_grpc.TargetStub(chan)
         req = request_for(60, [5, 6, 7], gamma=0, max_tokens=450, sampled=False)
-        stream = worker_pb2_grpc.TargetStub(chan).Generate(
-            req, metadata=token_metadata(TOKEN), timeout=60)
-        next(stream)
+        stream = stub.Generate(req, metadata=token_metadata(TOKEN), timeout=60)
+        first = next(stream)
+        assert not first.finish_reason
+        assert stub.GetLoad(pb.LoadRequest(), metadata=token_metadata(TOKEN),
+                            timeout=10).num_running == 1  # it runs when the signal comes
         p.terminate()
-        assert p.wait(timeout=60) is not None
-        try:  # drained within the grace period, or cut off: either way it ended
-            assert list(stream)[-1].finish_reason
-        except grpc.RpcError as err:
-            assert err.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+        rest = list(stream)  # a stream cut off instead would raise here
+        assert p.wait(timeout=60) == 0
+    assert rest[-1].finish_reason == "length"
+    assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == req.max_tokens
 
 
 def test_serve_stream_multiplexes_requests_one_message_per_step(cluster, llama_dir, draft_dir):
@@ -320,11 +373,16 @@ def test_serve_stream_multiplexes_requests_one_message_per_step(cluster, llama_d
     _wait_idle(stub, draft)
 
 
-def test_closing_a_serve_stream_cancels_its_requests(cluster):
+def test_closing_a_serve_stream_cancels_its_requests(cluster, target_metrics):
     stub, draft = cluster
+    _wait_idle(stub, draft)
+    before = generated_tokens(target_metrics)
     req = request_for(60, prompts(1, seed=8)[0], gamma=3, max_tokens=400, sampled=False)
     steps = stub.Serve(iter([pb.ServeRequest(start=req)]), metadata=token_metadata(TOKEN),
                        timeout=120)
-    assert next(steps).outputs[0].request_id == req.request_id
+    first = next(steps).outputs[0]
+    assert first.request_id == req.request_id and not first.chunk.finish_reason
     steps.cancel()  # the router went away
     _wait_idle(stub, draft)
+    # the replica stopped it when the stream closed, not at its length
+    assert 0 < generated_tokens(target_metrics) - before < req.max_tokens
