@@ -47,6 +47,11 @@ def server_credentials() -> grpc.ServerCredentials | None:
                                        require_client_auth=True)
 
 
+# reconnect quickly to a restarted process (gRPC's default backoff grows to 2 minutes)
+QUICK_RECONNECT = (("grpc.initial_reconnect_backoff_ms", 200),
+                   ("grpc.max_reconnect_backoff_ms", 2000))
+
+
 def internal_channel(address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
     """A channel to another Outrider process: mTLS when configured, plaintext otherwise."""
     files = _files()

@@ -18,7 +18,7 @@ import grpc
 from outrider.router.prefix_index import PrefixIndex, block_chain
 from outrider.router.target_link import TargetLink
 
-from outrider.cluster_tls import internal_channel
+from outrider.cluster_tls import QUICK_RECONNECT, internal_channel
 from outrider.core.policy import (
     MAX_QUEUED_PER_REPLICA,
     Acceptance,
@@ -81,7 +81,7 @@ class ReplicaSet:
         with self._lock:
             if address not in self._channels:
                 self._channels[address] = internal_channel(address, options=[
-                    ("grpc.max_receive_message_length", 64 * 2**20)])
+                    ("grpc.max_receive_message_length", 64 * 2**20), *QUICK_RECONNECT])
             return worker_pb2_grpc.TargetStub(self._channels[address])
 
     def link(self, address: str) -> TargetLink:

@@ -15,7 +15,7 @@ import zlib
 import grpc
 import torch
 
-from outrider.cluster_tls import internal_channel
+from outrider.cluster_tls import QUICK_RECONNECT, internal_channel
 from outrider.core.sampling import sampling_to_proto
 from outrider.dense_channel import DenseChannel
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal
@@ -308,6 +308,4 @@ def _pack(items, gammas, is_miss, token_rows, q_rows, vocab: int,
 
 
 def _channel(address: str) -> grpc.Channel:
-    # reconnect quickly to a restarted replica (gRPC's default backoff grows to 2 min)
-    return internal_channel(address, options=[("grpc.initial_reconnect_backoff_ms", 200),
-                                              ("grpc.max_reconnect_backoff_ms", 2000)])
+    return internal_channel(address, options=QUICK_RECONNECT)

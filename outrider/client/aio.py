@@ -18,7 +18,7 @@ from outrider.client.channel import (
 from outrider.client.errors import from_rpc_error
 from outrider.client.request import build_request
 from outrider.client.results import Collector, Delta, Generation
-from outrider.client.resume import DEFAULT_RESUME, Resume, Resumption, resumable, resumed
+from outrider.client.resume import DEFAULT_RESUME, Resume, Resumption, resumable
 from outrider.v1 import generate_pb2 as gp
 from outrider.v1 import generate_pb2_grpc
 
@@ -28,25 +28,21 @@ class AsyncGenerationStream:
 
     def __init__(self, open_call, request: gp.GenerateRequest,
                  resume: Resume | None = None) -> None:
-        self._open, self._request = open_call, request
+        self._open, self._resumption = open_call, Resumption(resume, request)
         self._call, self._collector = open_call(request), Collector()
-        self._resumption = Resumption(resume)
-        self._num_messages = 0
         self._deltas = self._read()
 
     async def _read(self) -> AsyncIterator[Delta]:
         while True:
             try:
                 async for msg in self._call:
-                    self._num_messages += 1
                     self._resumption.received()
                     yield self._collector.add(msg)
                 return
             except grpc.RpcError as exc:
-                if not self._resumption.should_retry(exc, self._num_messages):
-                    raise from_rpc_error(exc) from None
+                again = self._resumption.next_request(exc, len(self._collector.token_ids))
                 await asyncio.sleep(self._resumption.policy.backoff_s)
-                self._call = self._open(resumed(self._request, len(self._collector.token_ids)))
+                self._call = self._open(again)
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self._deltas

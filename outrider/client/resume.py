@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from outrider.client.errors import from_rpc_error
 from outrider.v1 import generate_pb2 as gp
 
 BREAKS = {grpc.StatusCode.UNAVAILABLE}  # what a router dying looks like to a stream
@@ -49,15 +50,24 @@ def resumed(request: gp.GenerateRequest, num_tokens: int) -> gp.GenerateRequest:
 class Resumption:
     """One stream's attempts: whether a failure is worth another, and when to give up."""
 
-    def __init__(self, policy: Resume | None) -> None:
-        self.policy, self._deadline = policy, None
+    def __init__(self, policy: Resume | None, request: gp.GenerateRequest) -> None:
+        self.policy, self.request = policy, request
+        self.num_messages, self._deadline = 0, None
 
     def received(self) -> None:
         """A message came: a later break gets its own time to resume."""
+        self.num_messages += 1
         self._deadline = None
 
-    def should_retry(self, exc: grpc.RpcError, num_messages: int) -> bool:
-        if self.policy is None or not num_messages:  # before any: gRPC's own retries
+    def next_request(self, exc: grpc.RpcError, num_tokens: int) -> gp.GenerateRequest:
+        """The request that resumes after `exc` (the caller waits `policy.backoff_s`
+        first); raises `exc` as the SDK's error when the stream cannot resume."""
+        if not self._should_retry(exc):
+            raise from_rpc_error(exc) from None
+        return resumed(self.request, num_tokens)
+
+    def _should_retry(self, exc: grpc.RpcError) -> bool:
+        if self.policy is None or not self.num_messages:  # before any: gRPC's own retries
             return False
         if self._deadline is None:
             self._deadline = time.monotonic() + self.policy.within_s
