@@ -78,7 +78,7 @@ class Proposal:
 
     def dense_probs(self, vocab: int) -> torch.Tensor:
         """q rows [batch, max_gamma, vocab], point masses made dense."""
-        return self.probs if self.probs is not None else dense_draft_probs(self.token_ids, vocab)
+        return dense_q(self.probs, self.token_ids, vocab)
 
     def with_rows(self, rows: list[int], other: Proposal) -> Proposal:
         """`other`'s proposals (one per entry of `rows`) in place of those rows, widening
@@ -98,6 +98,11 @@ class Proposal:
             if probs is not None:
                 probs[i, :g] = other_probs[k, :g]
         return Proposal(token_ids, probs, gammas, [False] * len(gammas))
+
+
+def dense_q(probs: torch.Tensor | None, token_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """q rows [batch, γ, vocab]: `probs`, or the point masses at `token_ids` [batch, γ]."""
+    return probs if probs is not None else dense_draft_probs(token_ids, vocab)
 
 
 class PendingProposal:

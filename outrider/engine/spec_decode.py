@@ -34,7 +34,7 @@ import torch
 from outrider.core.sampling import MAX_SEED, History, SamplingParams
 from outrider.core.sequence import FinishReason, Round, Sequence
 from outrider.engine.block_manager import OutOfBlocksError
-from outrider.engine.proposer import DraftItem, PendingProposal, Proposal, Proposer
+from outrider.engine.proposer import DraftItem, PendingProposal, Proposal, Proposer, dense_q
 from outrider.engine.rejection import (
     RejectionResult,
     dense_draft_probs,
@@ -104,6 +104,7 @@ class Step:
 
     rows: list[Row]
     draft_ids: torch.Tensor | None = None    # [batch, γ_max (+1 with candidates)]
+    drafts: list[list[int]] = field(default_factory=list)  # this round's proposals, as lists
     draft_probs: torch.Tensor | None = None  # [batch, γ_max (+1), vocab]; None: point masses
     background: PendingProposal | None = None  # what the draft does during verification
     logits: torch.Tensor | None = None       # [sum over ready rows of (γ_i + 1), vocab]
@@ -266,6 +267,7 @@ class SpeculativeDecoder:
                                                            self.target.device))
             self.num_ahead_rounds += len(drafted)
         step.draft_ids, step.draft_probs = proposal.token_ids, proposal.probs
+        step.drafts = [ids[:g] for ids, g in zip(proposal.token_ids.tolist(), proposal.gammas)]
         for r, g in zip(step.rows, proposal.gammas):
             r.gamma = r.num_verified = g
         step.draft_s = time.perf_counter() - start
@@ -275,7 +277,7 @@ class SpeculativeDecoder:
         """The target forward; then what the draft did meanwhile: prefills taken in, and
         bonus-position candidates added to the rows to verify (overlap)."""
         start = time.perf_counter()
-        step.logits = self._forward(step.rows, step.draft_ids)
+        step.logits = self._forward(step.rows, step.drafts)
         step.verify_s = time.perf_counter() - start
         for r in step.rows:
             if not r.is_ready:  # a prefill chunk: its full blocks are final
@@ -356,20 +358,19 @@ class SpeculativeDecoder:
                 r.ahead_gamma = 0
         if not any(r.ahead_gamma or r.warms_draft for r in rows):
             return
-        drafts = step.draft_ids.tolist()
         items = [self._prefill_item(r.seq) if r.warms_draft else
                  self._draft_item(r.seq, r.ahead_gamma + 1 if r.ahead_gamma else 0,
-                                  drafts[r.index][:r.ahead_gamma])
+                                  step.drafts[r.index][:r.ahead_gamma])
                  for r in rows]
         step.background = self.drafter.submit(items, self.target.device, beside_target=True)
 
     # -- verify ----------------------------------------------------------------------------
-    def _forward(self, rows: list[Row], draft_ids: torch.Tensor) -> torch.Tensor:
+    def _forward(self, rows: list[Row], drafts: list[list[int]]) -> torch.Tensor:
         """ONE target forward over all rows' fed tokens + proposals. Returns logits
         [sum over ready rows of (γ_i + 1), vocab]; a row's last one is its bonus row."""
         blocks = self.target.blocks
         inputs = [r.seq.token_ids[r.seq.target_len:r.seq.target_len + r.feed]
-                  + draft_ids[r.index, :r.gamma].tolist() for r in rows]
+                  + drafts[r.index] for r in rows]
         if sum(blocks.blocks_needed(r.seq.seq_id, len(x)) for r, x in zip(rows, inputs)) \
                 > blocks.num_free_blocks:
             raise OutOfBlocksError("target KV cache cannot hold this round")
@@ -389,9 +390,8 @@ class SpeculativeDecoder:
         draft_ids = torch.nn.functional.pad(step.draft_ids, (0, 1))  # [batch, γ_max + 1]
         draft_probs, ahead_probs = step.draft_probs, ahead.probs
         if draft_probs is not None or ahead_probs is not None:
-            this_round = Proposal(step.draft_ids, draft_probs, [], [])
             draft_probs = torch.nn.functional.pad(  # [batch, γ_max + 1, V]
-                this_round.dense_probs(vocab), (0, 0, 0, 1))
+                dense_q(draft_probs, step.draft_ids, vocab), (0, 0, 0, 1))
             ahead_probs = ahead.dense_probs(vocab)
         for r, g in zip(step.rows, ahead.gammas):
             if not g:

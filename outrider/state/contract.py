@@ -26,5 +26,5 @@ class Resumable(NamedTuple):
     """A request's journal found by a router resuming it (docs/DESIGN.md §9.4)."""
 
     record: st.JournalRecord
-    token_ids: list[int]   # committed output tokens
+    token_ids: list[int]   # committed output tokens, to go on from (when claimed)
     is_claimed: bool       # now this router's to run; False: running elsewhere, or finished

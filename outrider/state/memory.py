@@ -95,7 +95,7 @@ class MemoryStore:
         """A journal lives only as long as this router, which runs every journal it holds:
         one found is running here or finished, never another's to take over."""
         found = self.journal(request_id)
-        return None if found is None else Resumable(*found, is_claimed=False)
+        return None if found is None else Resumable(found[0], [], is_claimed=False)
 
     def journal_renew(self, request_ids: list[str], lease_s: float) -> None:
         """Nothing to renew: this store's journals live and die with this router."""

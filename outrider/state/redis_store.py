@@ -200,9 +200,8 @@ class RedisStore:
         if not found:
             return None
         record = st.JournalRecord.FromString(found[0])
-        if len(found) == 1:
-            _, tokens = self.journal(request_id) or (record, [])
-            return Resumable(record, tokens, is_claimed=False)
+        if len(found) == 1:  # not the caller's to run: its tokens are not its business
+            return Resumable(record, [], is_claimed=False)
         return Resumable(record, np.frombuffer(found[1], dtype="<i4").tolist(), True)
 
     def journal_renew(self, request_ids: list[str], lease_s: float) -> None:
