@@ -160,7 +160,7 @@ class Controller:
             tuple(draft_addresses), pair.gamma, self.spec.worker_host, 0,
             overlap_max_seqs=policy.overlap_max_seqs, hot_heat=policy.hot_heat,
             cool_heat=policy.cool_heat, metrics_port=pair.target_metrics_port,
-            auto_gamma_max=pair.auto_gamma_max)
+            auto_gamma_max=pair.auto_gamma_max, proposer=pair.proposer)
 
     def _register(self, address: str) -> None:
         """Into the shared registry: routers find the replica there and keep it alive."""

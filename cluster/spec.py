@@ -15,6 +15,7 @@ from outrider.target_worker.scheduler import SchedulerConfig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from outrider.core.policy import MAX_GAMMA, PolicyConfig
+from outrider.core.sequence import ProposerKind
 
 Port = Annotated[int, Field(ge=0, le=65535)]
 
@@ -78,6 +79,7 @@ class ModelPair(_Strict):
     gamma: Annotated[int, Field(ge=0, le=MAX_GAMMA)] = TargetWorkerConfig.gamma  # FIXED γ
     auto_gamma_max: Annotated[int, Field(ge=0, le=MAX_GAMMA)] = (  # AUTO requests' γ cap
         TargetWorkerConfig.auto_gamma_max)
+    proposer: ProposerKind = TargetWorkerConfig.proposer  # requests that name none
     device: str = "cpu"                               # "cuda" on GPU clusters
     dtype: str = "auto"
     kv_cache_mb: Annotated[float, Field(gt=0)] = 256.0

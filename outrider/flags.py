@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from outrider.core.sequence import ProposerKind
+
 
 def add_model_server_args(p: argparse.ArgumentParser, *, host: str, port: int, device: str,
                           dtype: str, kv_cache_mb: float, threads: int,
@@ -39,3 +41,17 @@ def add_metrics_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free "
                         "port; default: off). Traces go to $OTEL_EXPORTER_OTLP_ENDPOINT")
+
+
+PROPOSERS = tuple(kind.value for kind in ProposerKind)
+
+
+def add_proposer_arg(p: argparse.ArgumentParser, default: str = "auto") -> None:
+    """--proposer: what proposes draft tokens for requests that name none (docs/DESIGN.md
+    §2.8)."""
+    p.add_argument("--proposer", choices=PROPOSERS, default=default,
+                   help="what proposes draft tokens: auto (per round: a lookup, the draft "
+                        "model, or the lookup continued by the model; with no draft model, "
+                        "the lookups alone), model (the draft model), ngram (prompt lookup "
+                        "over the request's own tokens) or suffix (suffix match over the "
+                        "request and recently served sequences); default: " + default)

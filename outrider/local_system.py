@@ -39,6 +39,7 @@ class LocalSystemConfig:
     adapt: bool = False             # online distillation on the draft replicas
     dtype: str = "auto"             # of both models
     compile: bool = False           # compiled forwards in every replica (--compile)
+    proposer: str = TargetWorkerConfig.proposer.value  # the targets' --proposer
     restarts: RestartPolicy = RestartPolicy()  # of a process that dies (outrider.launch)
 
     def __post_init__(self) -> None:
@@ -96,7 +97,7 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                        for i in range(cfg.draft_replicas if cfg.draft else 0))
         targets = tuple(run("target" if i == 0 else f"target-{i}", "target-worker",
                             "--model", cfg.target, "--tp", str(cfg.tp),
-                            "--gamma", str(cfg.gamma), *model,
+                            "--gamma", str(cfg.gamma), "--proposer", cfg.proposer, *model,
                             "--kv-cache-mb", str(cfg.kv_cache_mb),
                             "--max-batch-tokens", str(cfg.max_batch_tokens),
                             "--max-num-seqs", str(cfg.max_num_seqs),

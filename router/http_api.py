@@ -476,7 +476,9 @@ def usage(finals: list[gp.GenerateResponse]) -> dict:
                 "acceptance_rate": total.acceptance_rate,
                 "mean_accepted_len": total.mean_accepted_len,
                 "drafted_per_position": total.drafted_per_position,
-                "accepted_per_position": total.accepted_per_position}}
+                "accepted_per_position": total.accepted_per_position,
+                "by_proposer": {m: {"draft_tokens": d, "accepted_tokens": a}
+                                for m, (d, a) in sorted(total.by_proposer.items())}}}
 
 
 # -- errors ------------------------------------------------------------------------------------

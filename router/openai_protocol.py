@@ -16,6 +16,7 @@ from outrider.router.validate import ValidationError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from outrider.client.request import build_request
+from outrider.core.sequence import ProposerKind
 from outrider.v1 import generate_pb2 as gp
 
 UINT32_MAX = 2**32 - 1
@@ -101,6 +102,7 @@ class _GenerationRequest(_Strict):
     gamma: Annotated[int, Field(ge=0, le=UINT32_MAX)] = 0   # AUTO: the most; FIXED: γ
     tag: str = ""
     request_id: str | None = None
+    proposer: ProposerKind | None = None  # an extra field: what proposes (§2.8)
 
     @field_validator("suffix", check_fields=False)
     @classmethod
@@ -143,7 +145,8 @@ class _GenerationRequest(_Strict):
             repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             logit_bias=bias, logprobs=self.num_logprobs, speculation=self.speculation,
-            gamma_max=self.gamma, tag=self.tag, request_id=_choice_id(request_id, i, self.n))
+            gamma_max=self.gamma, tag=self.tag, request_id=_choice_id(request_id, i, self.n),
+            proposer=self.proposer.value if self.proposer else "")
             for i in range(self.n)]
 
 
@@ -232,7 +235,7 @@ HTTP_FIELD = {"sampling.max_tokens": "max_tokens", "sampling.temperature": "temp
               "sampling.stop_token_ids": "stop_token_ids", "sampling.stop": "stop",
               "text": "prompt", "token_ids.ids": "prompt", "prompt": "prompt",
               "speculation.gamma_max": "gamma", "speculation.mode": "speculation",
-              "request_id": "request_id", "tag": "tag"}
+              "request_id": "request_id", "tag": "tag", "proposer": "proposer"}
 _FIELD_AT_START = re.compile(r"^([a-z_]+(?:\.[a-z_0-9]+)*)")
 
 

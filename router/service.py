@@ -348,7 +348,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         if progress.num_cached_tokens is None and chunk.token_ids:
             progress.num_cached_tokens = min(chunk.num_cached_tokens, len(job.prompt_ids))
         for r in chunk.rounds:
-            progress.stats.record(r.gamma, r.num_accepted)
+            progress.stats.record(r.gamma, r.num_accepted, r.free_kind, r.num_free)
         delta = progress.text.push(list(chunk.token_ids))
         if progress.text.is_stopped:
             feed.cancel()
@@ -381,7 +381,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             resume_output_ids=progress.output_ids, sampling=sampling_to_proto(p, p.seed),
             max_tokens=p.max_tokens, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
             spec_mode=TARGET_MODES[job.mode], gamma=job.gamma_max,
-            acceptance_prior=self._prior(progress.model_pair, job.tag), logprobs=p.logprobs)
+            acceptance_prior=self._prior(progress.model_pair, job.tag), logprobs=p.logprobs,
+            proposer=job.proposer)
 
     def _delta(self, progress: Progress, text: str, rounds) -> gp.GenerateResponse:
         consumed = progress.text.num_tokens
@@ -393,7 +394,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                                   replica=progress.replica, logprobs=logprobs)
         if progress.job.include_rounds:
             msg.rounds.extend(gp.Round(gamma=r.gamma, num_accepted=r.num_accepted, heat=r.heat,
-                                       draft_version=r.draft_version) for r in rounds)
+                                       draft_version=r.draft_version, free_kind=r.free_kind,
+                                       num_free=r.num_free) for r in rounds)
         return msg
 
     def _finish(self, progress: Progress) -> gp.GenerateResponse:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from outrider.core.policy import MAX_GAMMA, SpecMode
 from outrider.core.sampling import MAX_SEED, SamplingError, SamplingParams
+from outrider.core.sequence import ProposerKind
 from outrider.core.tokenizer import Tokenizer
 from outrider.v1 import generate_pb2 as gp
 
@@ -41,6 +42,7 @@ class Job:
     include_rounds: bool
     fingerprint: str        # same request id + different fingerprint = a different request
     resume_from: int = 0    # output tokens the client has (a stream resumed, §9.4)
+    proposer: str = ""      # ProposerKind ("": the replica's --proposer)
 
 
 def validate(req: gp.GenerateRequest, tokenizer: Tokenizer, max_model_len: int) -> Job:
@@ -58,9 +60,14 @@ def validate(req: gp.GenerateRequest, tokenizer: Tokenizer, max_model_len: int) 
         raise ValidationError("tag must be at most 64 characters of A-Z a-z 0-9 _ . -")
     if req.resume_from and not req.request_id:
         raise ValidationError("resume_from needs the request_id of the stream it resumes")
+    if req.proposer:
+        try:
+            ProposerKind.parse(req.proposer)
+        except ValueError as exc:
+            raise ValidationError(str(exc)) from None
     return Job(req.request_id or uuid.uuid4().hex, tuple(prompt_ids), params, stop,
                MODES[spec.mode], spec.gamma_max, req.tag, req.include_rounds,
-               _fingerprint(req), req.resume_from)
+               _fingerprint(req), req.resume_from, req.proposer)
 
 
 def _fingerprint(req: gp.GenerateRequest) -> str:

@@ -191,16 +191,15 @@ class TargetEngine:
     def _report_round(self, handle: Handle, tokens: list[int], heat: float) -> None:
         """What a sequence's round committed, to its sink, its estimate and the metrics."""
         seq = handle.seq
-        gamma, accepted = seq.last_round
+        gamma, accepted, free_kind, num_free = seq.last_round
         version = self.decoder.draft_version(seq)
         self._learn(handle, gamma, accepted)
         logprobs = seq.logprobs[len(seq.logprobs) - len(tokens):] if seq.logprobs else []
-        self._deliver(handle, Chunk(tokens, [RoundStats(gamma, accepted, heat, version)],
-                                    logprobs=logprobs,
+        stats = RoundStats(gamma, accepted, heat, version, free_kind, num_free)
+        self._deliver(handle, Chunk(tokens, [stats], logprobs=logprobs,
                                     num_cached_tokens=seq.num_cached_tokens or 0))
         if self.metrics:
-            self.metrics.record_round(gamma, accepted, heat, handle.spec.mode.value,
-                                      len(tokens), version)
+            self.metrics.record_round(stats, handle.spec.mode.value, len(tokens))
 
     def _demand_heat(self) -> float:
         """Tokens the queued work asks of this step without speculation / the budget. A

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 from outrider.target_worker.scheduler import SchedulerConfig
 
 from outrider.core.policy import MAX_GAMMA, MAX_QUEUED_PER_REPLICA, GammaPolicy, PolicyConfig
-from outrider.flags import add_cpus_arg, add_metrics_arg, add_model_server_args
+from outrider.core.sequence import ProposerKind
+from outrider.flags import add_cpus_arg, add_metrics_arg, add_model_server_args, add_proposer_arg
 from outrider.v1.worker_pb2 import DESCRIPTOR
 
 # the engine (torch) is imported in start(): `outrider serve`, outrider.local_system and the
@@ -38,6 +39,7 @@ class TargetWorkerConfig:
     cool_heat: float = PolicyConfig.cool_heat
     metrics_port: int | None = None  # Prometheus exposition; None: off, 0: a free port
     auto_gamma_max: int = PolicyConfig.gamma_max  # AUTO requests' γ cap when they set none
+    proposer: ProposerKind = ProposerKind.AUTO  # requests' proposer when they name none
 
     def __post_init__(self) -> None:
         for name in ("gamma", "auto_gamma_max"):
@@ -61,7 +63,8 @@ class TargetWorkerConfig:
                                 max_batch_tokens=args.max_batch_tokens)
         return cls(runner, sched, tuple(args.draft_address), args.gamma, args.host, args.port,
                    args.draft_dist_address, args.overlap_max_seqs, args.hot_heat,
-                   args.cool_heat, args.metrics_port, args.auto_gamma_max)
+                   args.cool_heat, args.metrics_port, args.auto_gamma_max,
+                   ProposerKind.parse(args.proposer, "--proposer"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,6 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap-max-seqs", type=int, default=TargetWorkerConfig.overlap_max_seqs,
                    help="draft round r+1 while round r verifies when at most this many "
                         "sequences speculate (0: never; it pays in small batches)")
+    add_proposer_arg(p)
     p.add_argument("--tp", type=int, default=RunnerConfig.tp)
     add_model_server_args(p, host=TargetWorkerConfig.host, port=TargetWorkerConfig.port,
                           device=RunnerConfig.device, dtype=RunnerConfig.dtype,
@@ -122,6 +126,7 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
     from outrider import cluster_tls
     from outrider.dense_channel import TARGET_RANK, DenseChannel
     from outrider.engine.distributed import TPRunnerGroup
+    from outrider.engine.mix import ProposerMix
     from outrider.engine.spec_decode import SpeculativeDecoder
     from outrider.grpc_server import Running, build_server
     from outrider.telemetry.metrics import TargetMetrics, serve_metrics
@@ -138,17 +143,20 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
     drafter = (RemoteDrafter(list(cfg.draft_addresses), token,
                              seq_prefix=f"{uuid.uuid4().hex[:8]}:", dense_channel=channel)
                if cfg.draft_addresses else None)
-    decoder = SpeculativeDecoder(group.runner, drafter, overlap_max_seqs=cfg.overlap_max_seqs)
+    proposer = ProposerMix(drafter, group.runner.vocab_size, cfg.proposer)
+    decoder = SpeculativeDecoder(group.runner, proposer, overlap_max_seqs=cfg.overlap_max_seqs)
     cost = measure_cost_model(group.runner, drafter, cfg.sched.max_batch_tokens)
     policy = GammaPolicy(PolicyConfig(MAX_GAMMA, cfg.hot_heat, cfg.cool_heat), cost)
     metrics = TargetMetrics(group.runner.model_name)
     engine = TargetEngine(decoder, cfg.sched, policy, metrics)
+    proposer.cost = lambda: engine.policy.cost  # the model's time, as the steps measure it
     metrics.watch_load(engine.load)
     metrics.watch_prefix_cache(group.runner.blocks)
     if cfg.metrics_port is not None:
         serve_metrics(cfg.host, cfg.metrics_port, "target worker", tries=16)
-    service = TargetService(engine, default_gamma=cfg.gamma if drafter else 0,
-                            auto_gamma_max=cfg.auto_gamma_max if drafter else 0)
+    speculates = drafter is not None or cfg.proposer is not ProposerKind.MODEL
+    service = TargetService(engine, default_gamma=cfg.gamma if speculates else 0,
+                            auto_gamma_max=cfg.auto_gamma_max if speculates else 0)
     # every open stream holds a handler thread, waiting ones too: room for a full batch,
     # the queue a router may build (ServiceLimits.max_waiting) and the control calls
     # (GetLoad, Cancel), which must stay answerable under load or routers drop a

@@ -16,8 +16,9 @@ from outrider.target_worker.remote_drafter import DraftReplicaError
 
 from outrider.core.policy import MAX_GAMMA, Acceptance, RequestState, SpecMode
 from outrider.core.sampling import SamplingError, logprobs_to_proto, sampling_from_proto
-from outrider.core.sequence import FinishReason
+from outrider.core.sequence import FinishReason, ProposerKind
 from outrider.core.stats import SpecStats
+from outrider.engine.mix import ProposerMix
 from outrider.engine.spec_decode import RequestError
 from outrider.telemetry.tracing import (
     context_from_metadata,
@@ -61,6 +62,7 @@ class RequestSpan:
             "gen_ai.usage.input_tokens": seq.prompt_len,
             "outrider.spec.mode": handle.spec.mode.value,
             "outrider.spec.gamma_max": handle.gamma_limit,
+            "outrider.spec.proposer": seq.proposer or "default",
             "outrider.model_pair": engine.model_pair})
 
     def record(self, handle: Handle, chunk: Chunk) -> None:
@@ -69,8 +71,8 @@ class RequestSpan:
             self.span.set_attribute("gen_ai.usage.cache_read.input_tokens",
                                     chunk.num_cached_tokens)
         for r in chunk.rounds:
-            self.stats.record(r.gamma, r.num_accepted)
-            round_event(self.span, r.gamma, r.num_accepted, r.heat, r.draft_version)
+            self.stats.record(r.gamma, r.num_accepted, r.free_kind, r.num_free)
+            round_event(self.span, r)
         if chunk.finish_reason is FinishReason.ERROR:
             self.span.set_status(trace.StatusCode.ERROR, finish_text(chunk))
         elif chunk.finish_reason:
@@ -289,6 +291,7 @@ class TargetService(worker_pb2_grpc.TargetServicer):
 
     def SetDraftReplicas(self, request: pb.DraftReplicas, context) -> pb.DraftReplicas:
         drafter = self.engine.decoder.drafter
+        drafter = drafter.model if isinstance(drafter, ProposerMix) else drafter
         if not hasattr(drafter, "set_addresses"):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "this replica was started without draft replicas")
@@ -316,13 +319,17 @@ class TargetService(worker_pb2_grpc.TargetServicer):
             raise ValueError(f"spec_mode={request.spec_mode} is not a SpecMode")
         if any(not 0 <= a <= 1 for a in request.acceptance_prior):
             raise ValueError("acceptance_prior values must be probabilities in [0, 1]")
+        kind = ProposerKind.parse(request.proposer) if request.proposer else None
         seq = self.engine.decoder.new_sequence(list(request.prompt_ids), params,
                                                list(request.resume_output_ids))
+        seq.proposer = kind.value if kind else ""
         mode = SPEC_MODES[request.spec_mode]
         default = self.auto_gamma_max if mode == SpecMode.AUTO else self.default_gamma
         gamma = request.gamma or default  # FIXED: γ; AUTO: γ_max
         prior = list(request.acceptance_prior) or list(self.engine.acceptance.alphas)
+        drafter = self.engine.decoder.drafter
         spec = RequestState(Acceptance(prior, self.engine.policy.cfg.ewma_weight), mode,
-                            fixed_gamma=gamma)
+                            fixed_gamma=gamma, draft_free=isinstance(drafter, ProposerMix)
+                            and drafter.is_model_free(kind))
         return Handle(request.request_id or uuid.uuid4().hex, seq, spec, sink=sink,
                       gamma_limit=gamma)

@@ -1,5 +1,5 @@
 """`outrider bench`: the serving benchmark, or with a flag one of the others
-(outrider.bench.versus, prefix, adapt, step)."""
+(outrider.bench.versus, prefix, adapt, step, proposers)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 
 
 def bench_flags(bench: argparse.ArgumentParser) -> None:
-    from outrider.bench import adapt, prefix, serving, step, versus
+    from outrider.bench import adapt, prefix, proposers, serving, step, versus
 
     serving.add_arguments(bench)
     bench.add_argument("--vllm", help="instead: served Outrider vs its in-process engine vs "
@@ -29,6 +29,12 @@ def bench_flags(bench: argparse.ArgumentParser) -> None:
                             "dtype, broken down beside the machine's limit "
                             "(outrider.bench.step)")
     step.add_arguments(bench, standalone=False)
+    bench.add_argument("--proposers", action="store_true",
+                       help="instead (with --vllm): what proposes draft tokens (auto, "
+                            "model, ngram, suffix) on copy-heavy and plain code prompts, "
+                            "against vLLM's n-gram and draft-model speculation "
+                            "(outrider.bench.proposers)")
+    proposers.add_arguments(bench, standalone=False)
 
 
 def cmd_bench(args) -> int:
@@ -44,8 +50,8 @@ def cmd_bench(args) -> int:
 def _chosen_benchmark(args):
     """The module of the first benchmark flag given, else the serving benchmark's
     (--shared-prefix reads --vllm itself: vLLM's prefix caching beside Outrider's)."""
-    from outrider.bench import adapt, prefix, serving, step, versus
+    from outrider.bench import adapt, prefix, proposers, serving, step, versus
 
     chosen = ((args.step, step), (args.adapt, adapt), (args.shared_prefix, prefix),
-              (args.vllm, versus))
+              (args.proposers, proposers), (args.vllm, versus))
     return next((module for wanted, module in chosen if wanted), serving)

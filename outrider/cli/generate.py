@@ -7,6 +7,7 @@ import json
 import sys
 
 from outrider.cli.common import UsageError, add_model_args, model_dirs
+from outrider.flags import PROPOSERS
 
 
 def generate_flags(gen: argparse.ArgumentParser) -> None:
@@ -23,6 +24,9 @@ def generate_flags(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--speculation", choices=["auto", "off", "fixed"], default=None,
                      help="router mode (default: fixed when --gamma is given, else auto)")
     gen.add_argument("--tag", default="", help="workload tag (acceptance statistics)")
+    gen.add_argument("--proposer", choices=PROPOSERS, default=None,
+                     help="what proposes draft tokens (auto, model, ngram, suffix; "
+                          "docs/DESIGN.md §2.8); default: the replica's (with --local: auto)")
     add_model_args(gen)
     gen.add_argument("--draft-kv-cache-mb", type=float, default=None,
                      help="KV budget of the draft with --local (default: --kv-cache-mb)")
@@ -108,7 +112,8 @@ def _local_engine(args):
                           tp=args.tp, kv_cache_mb=args.kv_cache_mb, compile=args.compile)
     draft_kv = getattr(args, "draft_kv_cache_mb", None) or args.kv_cache_mb
     return LocalEngine(LocalEngineConfig(target=runner, draft_dir=draft if args.gamma else None,
-                                         draft_kv_cache_mb=draft_kv))
+                                         draft_kv_cache_mb=draft_kv,
+                                         proposer=args.proposer or "auto"))
 
 
 def _sampling_params(args):
@@ -158,7 +163,8 @@ def _generate_remote(args, prompt: str):
     from outrider.client import Client, Tls
 
     options = dict(_sampling_options(args), stop=args.stop, tag=args.tag,
-                   speculation=_speculation_mode(args), gamma_max=args.gamma or 0)
+                   speculation=_speculation_mode(args), gamma_max=args.gamma or 0,
+                   proposer=args.proposer or "")
     tls = Tls(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca or args.tls_cert else None
     with Client(args.address, tls=tls, timeout_s=args.timeout) as client:
         stream = client.stream(prompt, **options)
@@ -194,4 +200,12 @@ def stats_line(result) -> str:
             f"(first after {t.ttft_s * 1000:.0f} ms){where}; rounds {s.rounds}; "
             f"draft tokens {s.draft_tokens}, accepted {s.accepted_tokens} "
             f"(α = {s.acceptance_rate:.3f}; per position: {per_pos or '-'}); "
-            f"mean accepted length {s.mean_accepted_len:.2f} tokens/round]")
+            f"mean accepted length {s.mean_accepted_len:.2f} tokens/round"
+            f"{by_proposer_text(s.by_proposer)}]")
+
+
+def by_proposer_text(by_proposer: dict[str, tuple[int, int]]) -> str:
+    """'; by proposer: draft_model 90/120 (α 0.75), suffix ...' (empty: none)."""
+    parts = [f"{method} {kept}/{drafted} (α {kept / drafted:.2f})"
+             for method, (drafted, kept) in sorted(by_proposer.items()) if drafted]
+    return f"; by proposer: {', '.join(parts)}" if parts else ""

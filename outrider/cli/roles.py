@@ -44,6 +44,7 @@ def cmd_router(args) -> int:
 
 
 def serve_flags(serve: argparse.ArgumentParser) -> None:
+    from outrider.flags import add_proposer_arg
     from outrider.local_system import LocalSystemConfig
     from outrider.router.main import add_public_arguments
     from outrider.target_worker.main import add_batch_arguments
@@ -62,6 +63,7 @@ def serve_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--grpc-port", type=int, default=LocalSystemConfig.grpc_port,
                        help="the router's port")
     add_batch_arguments(serve)
+    add_proposer_arg(serve)
     serve.add_argument("--no-cpu-pinning", action="store_true",
                        help="let the processes share every core (default on a CPU: the "
                             "target gets cores of its own, drafts and router the rest; "
@@ -97,7 +99,9 @@ def _local_system_config(args):
                              metrics=True, pin_cpus=not args.no_cpu_pinning,
                              target_replicas=args.target_replicas,
                              prefix_caching=args.enable_prefix_caching, adapt=args.adapt,
-                             dtype=args.dtype, compile=args.compile)
+                             dtype=args.dtype, compile=args.compile,
+                             # --gamma 0: no speculation, so nothing proposes
+                             proposer=args.proposer if args.gamma else "model")
 
 
 def _router_args(args) -> tuple[str, ...]:

@@ -17,10 +17,11 @@ def build_request(prompt: str | list[int], *, max_tokens: int | None = None,
                   min_p: float | None = None, repetition_penalty: float | None = None,
                   frequency_penalty: float | None = None, presence_penalty: float | None = None,
                   logit_bias: dict[int, float] | None = None, min_tokens: int = 0,
-                  logprobs: int | None = None) -> gp.GenerateRequest:
+                  logprobs: int | None = None, proposer: str = "") -> gp.GenerateRequest:
     """A GenerateRequest; options left None take the router's defaults (16 tokens,
     temperature 1, no top-k/top-p/min-p, no penalties, a random seed, no logprobs).
-    logprobs=k returns each token's log-probability and its k likeliest alternatives."""
+    logprobs=k returns each token's log-probability and its k likeliest alternatives.
+    proposer: "auto", "model", "ngram" or "suffix" ("": the replica's choice)."""
     if speculation not in MODES:
         raise ValueError(f"speculation must be one of {sorted(MODES)}, got {speculation!r}")
     sampling = gp.SamplingOptions(stop=list(stop), ignore_eos=ignore_eos)
@@ -41,7 +42,7 @@ def build_request(prompt: str | list[int], *, max_tokens: int | None = None,
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"{name}: {exc}") from None
     req = gp.GenerateRequest(sampling=sampling, request_id=request_id, tag=tag,
-                             include_rounds=include_rounds,
+                             include_rounds=include_rounds, proposer=proposer,
                              speculation=gp.SpeculationOptions(mode=MODES[speculation],
                                                                gamma_max=gamma_max))
     if isinstance(prompt, str):

@@ -16,6 +16,8 @@ class Round:
     num_accepted: int
     heat: float           # the replica's batch heat when γ was chosen
     draft_version: int = 0  # the draft weights' version that drafted (online distillation)
+    free_kind: str = ""   # the first num_free proposals were looked up ("ngram", "suffix"),
+    num_free: int = 0     # the rest drafted by the draft model
 
 
 @dataclass(frozen=True)
@@ -49,12 +51,15 @@ class SpeculationStats:
     mean_accepted_len: float        # tokens per round (accepted + 1)
     drafted_per_position: tuple[int, ...]
     accepted_per_position: tuple[int, ...]
+    # method ("draft_model", "ngram", "suffix") -> (draft tokens, accepted tokens)
+    by_proposer: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_proto(cls, s: gp.SpeculationStats) -> SpeculationStats:
         return cls(s.draft_tokens, s.accepted_tokens, s.rounds, s.acceptance_rate,
                    s.mean_accepted_len, tuple(s.drafted_per_position),
-                   tuple(s.accepted_per_position))
+                   tuple(s.accepted_per_position),
+                   {p.method: (p.draft_tokens, p.accepted_tokens) for p in s.by_proposer})
 
 
 @dataclass(frozen=True)
@@ -102,8 +107,8 @@ class Collector:
     def add(self, msg: gp.GenerateResponse) -> Delta:
         if msg.token_ids and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
-        rounds = tuple(Round(r.gamma, r.num_accepted, r.heat, r.draft_version)
-                       for r in msg.rounds)
+        rounds = tuple(Round(r.gamma, r.num_accepted, r.heat, r.draft_version, r.free_kind,
+                             r.num_free) for r in msg.rounds)
         self.parts.append(msg.text)
         self.token_ids.extend(msg.token_ids)
         self.rounds.extend(rounds)

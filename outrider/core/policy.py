@@ -163,6 +163,7 @@ class RequestState:
     mode: SpecMode = SpecMode.AUTO
     fixed_gamma: int = 0
     gamma_cap: int = 1 << 30  # what the request may still use (tokens left, context)
+    draft_free: bool = False  # its proposals are looked up: no draft time (ngram, suffix)
 
 
 @dataclass
@@ -211,8 +212,10 @@ class GammaPolicy:
         fixed_tokens = sum(r.acceptance.expected_tokens(gammas[i])
                            for i, r in enumerate(requests) if i not in is_auto)
         base_batch = sum(1 + g for g in gammas)  # AUTO rows start at γ = 0
-        base_drafts = sum(gammas)
-        fixed_max = max(gammas, default=0)
+        # looked-up proposals cost verification positions, not draft time
+        drafted = [0 if r.draft_free else g for r, g in zip(requests, gammas)]
+        base_drafts = sum(drafted)
+        fixed_max = max(drafted, default=0)
         base_tokens = fixed_tokens + len(auto)
         best = base_tokens / float(cost.step_seconds(base_batch, fixed_max, base_drafts))
         gains, owners, positions = _all_gains(requests, auto, self.cfg.gamma_max)
@@ -220,15 +223,17 @@ class GammaPolicy:
             return
         order = np.argsort(-gains, kind="stable")  # best gains first; positions in order
         gains, owners, positions = gains[order], owners[order], positions[order]
+        costly = ~np.array([requests[i].draft_free for i in owners], dtype=bool)
         # row G: the k best gains among positions < G (largest γ G); [G, k] at once
         tops = np.arange(1, self.cfg.gamma_max + 1)[:, None]
         take = positions[None, :] < tops                       # [G, num_gains]
         k = np.cumsum(take, axis=1)
+        k_drafted = np.cumsum(take & costly[None, :], axis=1)
         tokens = base_tokens + np.cumsum(np.where(take, gains, 0.0), axis=1)
         largest = np.maximum(fixed_max, np.maximum.accumulate(
-            np.where(take, positions + 1, 0), axis=1))
+            np.where(take & costly[None, :], positions + 1, 0), axis=1))
         values = np.where(take, tokens / cost.step_seconds(base_batch + k, largest,
-                                                           base_drafts + k), -np.inf)
+                                                           base_drafts + k_drafted), -np.inf)
         top, at = np.unravel_index(int(values.argmax()), values.shape)
         if values[top, at] > best * (1 + 1e-9):
             plan = owners[:at + 1][take[top, :at + 1]]

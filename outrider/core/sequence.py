@@ -26,11 +26,36 @@ class FinishReason(StrEnum):
     ERROR = "error"          # the replica failed it (the detail says why)
 
 
+class ProposerKind(StrEnum):
+    """What proposes a request's draft tokens (docs/DESIGN.md §2.8)."""
+
+    AUTO = "auto"      # per round: a lookup, the draft model, or the lookup continued by it
+    MODEL = "model"    # the draft model (draft replicas, or one in process)
+    NGRAM = "ngram"    # prompt lookup over the request's own tokens
+    SUFFIX = "suffix"  # suffix match over the request and recently served sequences
+
+    @property
+    def is_model_free(self) -> bool:
+        return self in (ProposerKind.NGRAM, ProposerKind.SUFFIX)
+
+    @classmethod
+    def parse(cls, value: str, what: str = "proposer") -> ProposerKind:
+        """The kind named `value`; a ValueError naming `what` and the choices otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"{what} must be one of {', '.join(k.value for k in cls)}, "
+                             f"got {value!r}") from None
+
+
 class Round(NamedTuple):
-    """One speculative round of a sequence: γ proposed, the first `num_accepted` kept."""
+    """One speculative round of a sequence: γ proposed, the first `num_accepted` kept; the
+    first `num_free` proposals were looked up (`free_kind`), the rest the model's."""
 
     gamma: int
     num_accepted: int
+    free_kind: str = ""
+    num_free: int = 0
 
 
 class RoundStats(NamedTuple):
@@ -41,6 +66,8 @@ class RoundStats(NamedTuple):
     num_accepted: int
     heat: float
     draft_version: int
+    free_kind: str = ""  # the first num_free proposals were looked up, the rest drafted
+    num_free: int = 0
 
 
 @dataclass(eq=False)  # a sequence is itself, not its fields: the scheduler's membership
@@ -59,6 +86,7 @@ class Sequence:      # tests compared all fields pairwise (3 % of a 32-stream st
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
     num_cached_tokens: int | None = None  # prompt positions the prefix cache gave it, once known
     teacher: list[TeacherRow] = field(default_factory=list)  # top-k rows not yet sent to the draft
+    proposer: str = ""  # its ProposerKind ("": the replica's default)
 
     @property
     def output_ids(self) -> list[int]:

@@ -13,11 +13,26 @@ from dataclasses import dataclass, field
 
 from outrider.v1 import generate_pb2 as gp
 
+MODEL_METHOD = "draft_model"  # the draft model's name among the proposers (vLLM's)
+
 
 def _add(total: list[int], values: list[int]) -> None:
     total += [0] * (len(values) - len(total))
     for j, v in enumerate(values):
         total[j] += v
+
+
+def by_proposer(gamma: int, num_accepted: int, free_kind: str, num_free: int
+                ) -> dict[str, tuple[int, int]]:
+    """A round's (proposed, accepted) per proposer: its first `num_free` proposals were
+    looked up (`free_kind`), the rest drafted by the model; acceptance stops at the
+    first rejection, so the looked-up part is accepted first."""
+    out = {}
+    if num_free:
+        out[free_kind] = (num_free, min(num_accepted, num_free))
+    if gamma > num_free:
+        out[MODEL_METHOD] = (gamma - num_free, max(0, num_accepted - num_free))
+    return out
 
 
 @dataclass
@@ -51,9 +66,16 @@ class SpecStats:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     counts: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts([], []))
+    # the totals per proposer ("draft_model", "ngram", "suffix"): [drafted, accepted]
+    by_proposer: dict[str, list[int]] = field(default_factory=dict)
 
-    def record(self, num_draft: int, num_accepted: int) -> None:
-        """One round: `num_draft` tokens drafted (γ), the first `num_accepted` accepted."""
+    def record(self, num_draft: int, num_accepted: int, free_kind: str = "",
+               num_free: int = 0) -> None:
+        """One round: `num_draft` tokens proposed (γ), the first `num_accepted` accepted;
+        the first `num_free` of them were looked up (`free_kind`), the rest drafted by
+        the model."""
+        for method, totals in by_proposer(num_draft, num_accepted, free_kind, num_free).items():
+            _add(self.by_proposer.setdefault(method, [0, 0]), list(totals))
         self.num_rounds += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
@@ -68,6 +90,8 @@ class SpecStats:
         _add(self.drafted_per_position, other.drafted_per_position)
         _add(self.accepted_per_position, other.accepted_per_position)
         self.counts.merge(other.counts)
+        for method, totals in other.by_proposer.items():
+            _add(self.by_proposer.setdefault(method, [0, 0]), totals)
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -90,10 +114,14 @@ class SpecStats:
             draft_tokens=self.num_draft_tokens, accepted_tokens=self.num_accepted_tokens,
             acceptance_rate=self.acceptance_rate, mean_accepted_len=self.mean_accepted_len,
             rounds=self.num_rounds, drafted_per_position=self.drafted_per_position,
-            accepted_per_position=self.accepted_per_position)
+            accepted_per_position=self.accepted_per_position,
+            by_proposer=[gp.ProposerStats(method=m, draft_tokens=d, accepted_tokens=a)
+                         for m, (d, a) in sorted(self.by_proposer.items())])
 
     @classmethod
     def from_proto(cls, msg: gp.SpeculationStats) -> SpecStats:
         """The totals and per-position figures of a message (it carries no tested counts)."""
         return cls(msg.rounds, msg.draft_tokens, msg.accepted_tokens,
-                   list(msg.drafted_per_position), list(msg.accepted_per_position))
+                   list(msg.drafted_per_position), list(msg.accepted_per_position),
+                   by_proposer={p.method: [p.draft_tokens, p.accepted_tokens]
+                                for p in msg.by_proposer})

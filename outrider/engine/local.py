@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from outrider.core.sequence import ProposerKind
 from outrider.core.tokenizer import Tokenizer, TokenizerError
 from outrider.engine.distributed import TPRunnerGroup
 from outrider.engine.drafter import Drafter
+from outrider.engine.mix import ProposerMix
 from outrider.engine.model_config import ModelConfig
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import RequestError, SpeculativeDecoder
@@ -18,6 +20,7 @@ class LocalEngineConfig:
     target: RunnerConfig
     draft_dir: str | None = None
     draft_kv_cache_mb: float = 64.0
+    proposer: str = "auto"  # ProposerKind: what proposes (no draft_dir: only the lookups)
 
 
 class LocalEngine:
@@ -31,7 +34,9 @@ class LocalEngine:
             draft_cfg = replace(cfg.target, model_dir=cfg.draft_dir, tp=1,
                                 kv_cache_mb=cfg.draft_kv_cache_mb)
             draft = Drafter(ModelRunner(draft_cfg))
-        self.decoder = SpeculativeDecoder(self._target_group.runner, draft)
+        target = self._target_group.runner
+        self.decoder = SpeculativeDecoder(target, ProposerMix(
+            draft, target.vocab_size, ProposerKind.parse(cfg.proposer, "proposer")))
 
     def close(self) -> None:
         self._target_group.close()

@@ -37,6 +37,7 @@ class DraftItem:
     prompt_len: int = 0         # the sequence's prompt: penalties count output after it
     # the target's top-k at committed positions (an adapting draft learns from them)
     teacher: list[TeacherRow] = field(default_factory=list)
+    proposer: str = ""          # the request's ProposerKind ("": the replica's default)
 
     @property
     def is_active(self) -> bool:
@@ -54,6 +55,15 @@ class Proposal:
     probs: torch.Tensor | None
     gammas: list[int]        # tokens proposed per item (0 on a miss or when the KV is full)
     is_miss: list[bool]      # prefill-only items: True unless the proposer now caches them
+    # per item, its first num_free proposals were looked up (free_kinds: "ngram",
+    # "suffix"), the rest drafted by the model; empty: every proposal is the model's
+    num_free: list[int] = field(default_factory=list)
+    free_kinds: list[str] = field(default_factory=list)
+
+    def source(self, k: int) -> tuple[str, int]:
+        """(the model-free kind, how many of item k's proposals it gave: they come first)."""
+        n = self.num_free[k] if self.num_free else 0
+        return (self.free_kinds[k], n) if n else ("", 0)
 
     @classmethod
     def empty(cls, batch: int, device: torch.device) -> Proposal:
@@ -62,8 +72,9 @@ class Proposal:
 
     @classmethod
     def of_rows(cls, rows: list[tuple[list[int], torch.Tensor | None]], vocab: int,
-                device: torch.device) -> Proposal:
-        """Rows of (token ids [n_k], their q [n_k, vocab] or None for point masses)."""
+                device: torch.device, sources: list[tuple[str, int]] = ()) -> Proposal:
+        """Rows of (token ids [n_k], their q [n_k, vocab] or None for point masses), and
+        where they came from (`source`; none: the model)."""
         width = max(len(ids) for ids, _ in rows)
         token_ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
         for k, (ids, _) in enumerate(rows):
@@ -74,7 +85,8 @@ class Proposal:
             for k, (ids, q) in enumerate(rows):
                 if q is not None:
                     probs[k, :len(ids)] = q
-        return cls(token_ids, probs, [len(ids) for ids, _ in rows], [False] * len(rows))
+        return cls(token_ids, probs, [len(ids) for ids, _ in rows], [False] * len(rows),
+                   [n for _, n in sources], [kind for kind, _ in sources])
 
     def dense_probs(self, vocab: int) -> torch.Tensor:
         """q rows [batch, max_gamma, vocab], point masses made dense."""
@@ -92,12 +104,15 @@ class Proposal:
             probs = torch.nn.functional.pad(self.dense_probs(vocab), (0, 0, 0, extra))
             other_probs = other.dense_probs(vocab)
         gammas = list(self.gammas)
+        sources = [self.source(i) for i in range(len(gammas))]
         for k, i in enumerate(rows):
             g = other.gammas[k]
             token_ids[i, :g], gammas[i] = other.token_ids[k, :g], g
+            sources[i] = other.source(k)
             if probs is not None:
                 probs[i, :g] = other_probs[k, :g]
-        return Proposal(token_ids, probs, gammas, [False] * len(gammas))
+        return Proposal(token_ids, probs, gammas, [False] * len(gammas),
+                        [n for _, n in sources], [kind for kind, _ in sources])
 
 
 def dense_q(probs: torch.Tensor | None, token_ids: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -62,8 +62,8 @@ class StepTiming:
 
     batch_tokens: int   # target positions in the forward
     verify_s: float     # the target forward
-    max_gamma: int      # the largest γ proposed
-    draft_tokens: int   # tokens proposed
+    max_gamma: int      # the largest γ the draft model drafted (looked-up tokens cost none)
+    draft_tokens: int   # tokens the draft model drafted
     draft_s: float      # time the step waited for the proposer
 
 
@@ -74,6 +74,7 @@ class DraftAhead:
 
     token_ids: list[int]        # [n]
     probs: torch.Tensor | None  # [n, vocab] q they were drafted from (None: point masses)
+    source: tuple[str, int] = ("", 0)  # the first n were looked up (Proposal.source)
 
 
 @dataclass
@@ -87,6 +88,7 @@ class Row:
     is_first: bool         # no output yet: its first token comes without speculating
     wanted: int            # γ asked for, clipped to what it may still emit (0 unless ready)
     gamma: int = 0         # tokens proposed
+    source: tuple[str, int] = ("", 0)  # the first of them were looked up (Proposal.source)
     ahead_gamma: int = 0   # tokens to draft ahead while the target verifies (overlap)
     num_verified: int = 0  # γ, or γ + 1 with a bonus-position candidate (overlap)
     ahead: DraftAhead | None = None  # next round's drafts, kept if the candidate passes
@@ -118,8 +120,9 @@ class Step:
     @property
     def timing(self) -> StepTiming:
         gammas = [r.gamma for r in self.rows]
+        drafted = [r.gamma - r.source[1] for r in self.rows]
         return StepTiming(sum(r.feed for r in self.rows) + sum(gammas), self.verify_s,
-                          max(gammas, default=0), sum(gammas), self.draft_s)
+                          max(drafted, default=0), sum(drafted), self.draft_s)
 
 
 class SpeculativeDecoder:
@@ -262,14 +265,17 @@ class SpeculativeDecoder:
         if any(aheads):
             drafted = [(a.token_ids[:g], None if a.probs is None else a.probs[:g])
                        for a, g in zip(aheads, asked) if a]
+            sources = [(a.source[0], min(a.source[1], g)) for a, g in zip(aheads, asked) if a]
+            # (Proposal.source drops the kind of a row left with no looked-up token)
             proposal = proposal.with_rows([i for i, a in enumerate(aheads) if a],
                                           Proposal.of_rows(drafted, self.target.vocab_size,
-                                                           self.target.device))
+                                                           self.target.device, sources))
             self.num_ahead_rounds += len(drafted)
         step.draft_ids, step.draft_probs = proposal.token_ids, proposal.probs
         step.drafts = [ids[:g] for ids, g in zip(proposal.token_ids.tolist(), proposal.gammas)]
         for r, g in zip(step.rows, proposal.gammas):
             r.gamma = r.num_verified = g
+            r.source = proposal.source(r.index)
         step.draft_s = time.perf_counter() - start
         self._start_background(step)
 
@@ -333,14 +339,15 @@ class SpeculativeDecoder:
             teacher, seq.teacher = seq.teacher, []
         return DraftItem(seq.seq_id, start, new if gamma else [], gamma, seq.params, seq.seed,
                          traceparent=seq.traceparent if start == 0 else "",
-                         prompt_len=seq.prompt_len, teacher=teacher)
+                         prompt_len=seq.prompt_len, teacher=teacher, proposer=seq.proposer)
 
     @staticmethod
     def _prefill_item(seq: Sequence) -> DraftItem:
         """Take in the context the draft lacks, drafting nothing."""
         return DraftItem(seq.seq_id, seq.draft_len, seq.token_ids[seq.draft_len:], 0,
                          seq.params, seq.seed, prefill_only=True, prompt_len=seq.prompt_len,
-                         traceparent=seq.traceparent if seq.draft_len == 0 else "")
+                         traceparent=seq.traceparent if seq.draft_len == 0 else "",
+                         proposer=seq.proposer)
 
     def _start_background(self, step: Step) -> None:
         """What the draft does while the target verifies: drafting the next round ahead
@@ -404,9 +411,11 @@ class SpeculativeDecoder:
             self.num_candidates += 1
             # the draft now holds the context, this round's drafts and g-1 drafted ahead
             r.seq.draft_len = len(r.seq.token_ids) + gamma + g - 1
-            if g > 1:
+            if g > 1:  # the candidate was the first proposal: the lookup's, if it had any
+                kind, num_free = ahead.source(i)
                 r.ahead = DraftAhead(ahead.token_ids[i, 1:g].tolist(),
-                                     None if ahead_probs is None else ahead_probs[i, 1:g])
+                                     None if ahead_probs is None else ahead_probs[i, 1:g],
+                                     (kind, max(0, num_free - 1)))
         step.draft_ids, step.draft_probs = draft_ids, draft_probs
 
     # -- commit ----------------------------------------------------------------------------
@@ -448,8 +457,8 @@ class SpeculativeDecoder:
         seq, gamma = row.seq, row.gamma
         num_accepted = min(num_verified_ok, gamma)
         base = len(seq.token_ids)
-        seq.stats.record(gamma, num_accepted)
-        seq.last_round = Round(gamma, num_accepted)
+        seq.stats.record(gamma, num_accepted, *row.source)
+        seq.last_round = Round(gamma, num_accepted, *row.source)
         committed = []
         for token in tokens[:num_accepted + 1]:
             seq.token_ids.append(token)

@@ -23,6 +23,8 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from outrider.core.load import ReplicaLoad
+from outrider.core.sequence import RoundStats
+from outrider.core.stats import MODEL_METHOD, by_proposer
 
 disable_created_metrics()  # no *_created series: as vLLM, and half the scrape size
 
@@ -35,11 +37,15 @@ ENGINE = ["model_name", "engine"]
 MODEL = ["model_name"]
 
 # -- target replicas (vLLM's engine metrics) ----------------------------------------------
-SPEC_DRAFTS = Counter("vllm:spec_decode_num_drafts", "Speculative rounds verified", ENGINE)
+# by proposer: method "draft_model", "ngram" or "suffix" (a round's first proposal's, for
+# num_drafts; a round whose lookup the model continued counts its tokens under both)
+METHODS = ("draft_model", "ngram", "suffix")
+SPEC_DRAFTS = Counter("vllm:spec_decode_num_drafts", "Speculative rounds verified",
+                      [*ENGINE, "method"])
 SPEC_DRAFT_TOKENS = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed",
-                            ENGINE)
+                            [*ENGINE, "method"])
 SPEC_ACCEPTED_TOKENS = Counter("vllm:spec_decode_num_accepted_tokens",
-                               "Draft tokens accepted", ENGINE)
+                               "Draft tokens accepted", [*ENGINE, "method"])
 SPEC_ACCEPTED_PER_POS = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                 "Draft tokens accepted, by position in the draft",
                                 [*ENGINE, "position"])
@@ -146,9 +152,11 @@ class TargetMetrics:
 
     def __init__(self, model_name: str, engine: str = "0") -> None:
         self.labels = {"model_name": model_name, "engine": engine}
-        self.drafts = SPEC_DRAFTS.labels(**self.labels)
-        self.draft_tokens = SPEC_DRAFT_TOKENS.labels(**self.labels)
-        self.accepted_tokens = SPEC_ACCEPTED_TOKENS.labels(**self.labels)
+        self.drafts = {m: SPEC_DRAFTS.labels(**self.labels, method=m) for m in METHODS}
+        self.draft_tokens = {m: SPEC_DRAFT_TOKENS.labels(**self.labels, method=m)
+                             for m in METHODS}
+        self.accepted_tokens = {m: SPEC_ACCEPTED_TOKENS.labels(**self.labels, method=m)
+                                for m in METHODS}
         self.accepted_at = [SPEC_ACCEPTED_PER_POS.labels(**self.labels, position=str(p))
                             for p in range(MAX_POSITIONS)]
         self.drafted_at = [SPEC_DRAFTED_PER_POS.labels(**self.labels, position=str(p))
@@ -162,25 +170,31 @@ class TargetMetrics:
                       for b in (False, True)}
         self._by_version: dict[int, tuple] = {}  # draft version -> (drafted, accepted)
 
-    def record_round(self, gamma: int, accepted: int, heat: float, mode: str,
-                     num_tokens: int, draft_version: int = 0) -> None:
-        """One sequence's round: γ drafts (by weights `draft_version`), `accepted` of
-        them, `num_tokens` committed."""
+    def record_round(self, r: RoundStats, mode: str, num_tokens: int) -> None:
+        """One sequence's round: γ proposals (the first num_free looked up, the rest
+        drafted by weights `draft_version`), `num_accepted` of them kept, `num_tokens`
+        committed."""
+        gamma, accepted, draft_version = r.gamma, r.num_accepted, r.draft_version
         self.generation_tokens.inc(num_tokens)
         self._gamma[mode].observe(gamma)
-        self._heat[gamma > 0].observe(heat)
+        self._heat[gamma > 0].observe(r.heat)
         if not gamma:
             return
-        self.drafts.inc()
-        self.draft_tokens.inc(gamma)
-        self.accepted_tokens.inc(accepted)
+        self.drafts[r.free_kind or MODEL_METHOD].inc()
+        for method, (proposed, kept) in by_proposer(gamma, accepted, r.free_kind,
+                                                    r.num_free).items():
+            self.draft_tokens[method].inc(proposed)
+            self.accepted_tokens[method].inc(kept)
         for p in range(gamma):
             self.drafted_at[p].inc()
         for p in range(accepted):
             self.accepted_at[p].inc()
-        drafted, kept = self._by_version.get(draft_version) or self._bind_version(draft_version)
-        drafted.inc(gamma)
-        kept.inc(accepted)
+        modelled = by_proposer(gamma, accepted, r.free_kind, r.num_free).get(MODEL_METHOD)
+        if modelled:  # the draft weights' own acceptance
+            drafted, kept = (self._by_version.get(draft_version)
+                             or self._bind_version(draft_version))
+            drafted.inc(modelled[0])
+            kept.inc(modelled[1])
 
     def _bind_version(self, draft_version: int):
         labels = {**self.labels, "draft_version": str(draft_version)}

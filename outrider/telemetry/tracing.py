@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 from opentelemetry import context, propagate, trace
 
+from outrider.core.sequence import RoundStats
+
 TRACER_NAME = "outrider"
 ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 
@@ -74,7 +76,10 @@ def spec_attributes(stats) -> dict:
             "outrider.spec.acceptance_rate": stats.acceptance_rate,
             "outrider.spec.mean_accepted_len": stats.mean_accepted_len,
             "outrider.spec.drafted_per_position": list(stats.drafted_per_position),
-            "outrider.spec.accepted_per_position": list(stats.accepted_per_position)}
+            "outrider.spec.accepted_per_position": list(stats.accepted_per_position),
+            **{f"outrider.spec.{method}.{what}": totals[k]
+               for method, totals in stats.by_proposer.items()
+               for k, what in enumerate(("draft_tokens", "accepted_tokens"))}}
 
 
 def request_attributes(model: str, params, request_id: str) -> dict:
@@ -88,11 +93,13 @@ def request_attributes(model: str, params, request_id: str) -> dict:
             "gen_ai.response.id": request_id}
 
 
-def round_event(span: trace.Span, gamma: int, accepted: int, heat: float,
-                draft_version: int = 0) -> None:
-    """A speculative round on `span`: γ (the policy's decision), tokens accepted, the
-    batch heat the decision was made at, and the draft weights' version."""
-    span.add_event("outrider.spec.round", {"outrider.spec.gamma": gamma,
-                                           "outrider.spec.accepted": accepted,
-                                           "outrider.spec.heat": heat,
-                                           "outrider.draft.version": draft_version})
+def round_event(span: trace.Span, r: RoundStats) -> None:
+    """A speculative round on `span`: γ proposed (the policy's decision), tokens accepted,
+    the batch heat the decision was made at, the draft weights' version, and how many of
+    the proposals were looked up (model-free) and by which kind."""
+    span.add_event("outrider.spec.round", {"outrider.spec.gamma": r.gamma,
+                                           "outrider.spec.accepted": r.num_accepted,
+                                           "outrider.spec.heat": r.heat,
+                                           "outrider.draft.version": r.draft_version,
+                                           "outrider.spec.free_kind": r.free_kind,
+                                           "outrider.spec.num_free": r.num_free})

@@ -72,7 +72,7 @@ class SpeculationOptions(_message.Message):
     def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., gamma_max: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "sampling", "speculation", "request_id", "tag", "include_rounds", "resume_from")
+    __slots__ = ("text", "token_ids", "sampling", "speculation", "request_id", "tag", "include_rounds", "resume_from", "proposer")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class GenerateRequest(_message.Message):
     TAG_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     sampling: SamplingOptions
@@ -89,7 +90,8 @@ class GenerateRequest(_message.Message):
     tag: str
     include_rounds: bool
     resume_from: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., request_id: _Optional[str] = ..., tag: _Optional[str] = ..., include_rounds: _Optional[bool] = ..., resume_from: _Optional[int] = ...) -> None: ...
+    proposer: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., request_id: _Optional[str] = ..., tag: _Optional[str] = ..., include_rounds: _Optional[bool] = ..., resume_from: _Optional[int] = ..., proposer: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_ids", "top_logprobs")
@@ -114,7 +116,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_len", "rounds", "drafted_per_position", "accepted_per_position")
+    __slots__ = ("draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_len", "rounds", "drafted_per_position", "accepted_per_position", "by_proposer")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +124,7 @@ class SpeculationStats(_message.Message):
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    BY_PROPOSER_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: int
     accepted_tokens: int
     acceptance_rate: float
@@ -129,19 +132,34 @@ class SpeculationStats(_message.Message):
     rounds: int
     drafted_per_position: _containers.RepeatedScalarFieldContainer[int]
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_len: _Optional[float] = ..., rounds: _Optional[int] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
+    by_proposer: _containers.RepeatedCompositeFieldContainer[ProposerStats]
+    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_len: _Optional[float] = ..., rounds: _Optional[int] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., by_proposer: _Optional[_Iterable[_Union[ProposerStats, _Mapping]]] = ...) -> None: ...
+
+class ProposerStats(_message.Message):
+    __slots__ = ("method", "draft_tokens", "accepted_tokens")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    draft_tokens: int
+    accepted_tokens: int
+    def __init__(self, method: _Optional[str] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class Round(_message.Message):
-    __slots__ = ("gamma", "num_accepted", "heat", "draft_version")
+    __slots__ = ("gamma", "num_accepted", "heat", "draft_version", "free_kind", "num_free")
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     HEAT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FREE_KIND_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_FIELD_NUMBER: _ClassVar[int]
     gamma: int
     num_accepted: int
     heat: float
     draft_version: int
-    def __init__(self, gamma: _Optional[int] = ..., num_accepted: _Optional[int] = ..., heat: _Optional[float] = ..., draft_version: _Optional[int] = ...) -> None: ...
+    free_kind: str
+    num_free: int
+    def __init__(self, gamma: _Optional[int] = ..., num_accepted: _Optional[int] = ..., heat: _Optional[float] = ..., draft_version: _Optional[int] = ..., free_kind: _Optional[str] = ..., num_free: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "speculation", "rounds", "replica", "logprobs")

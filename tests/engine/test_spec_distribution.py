@@ -38,8 +38,10 @@ from scipy.stats import chi2_contingency
 
 import outrider.engine.spec_decode as spec_decode_module
 from outrider.core.sampling import History, SamplingParams
+from outrider.core.sequence import ProposerKind
 from outrider.core.stats import SpecStats
 from outrider.engine.drafter import Drafter
+from outrider.engine.mix import ProposerMix
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
 from tests.checkpoints import perturbed_copy
@@ -176,10 +178,14 @@ class Samples:
         return self.decoders[DRAFT_OF_GAMMA[gamma], overlap]
 
     def target_only(self, config: str, **changes) -> Sample:
-        key = ("target-only", config, tuple(sorted(changes.items())))
+        return self.target_only_with({**CONFIGS[config], **changes})
+
+    def target_only_with(self, sampling: dict) -> Sample:
+        """Target-only samples of these sampling options (drawn once)."""
+        key = ("target-only", tuple(sorted(sampling.items())))
         if key not in self._runs:
             self._runs[key] = generate(self.decoders["far", False], 0, seed_base(*key),
-                                       **{**CONFIGS[config], **changes})
+                                       **sampling)
         return self._runs[key]
 
     def speculative(self, config: str, gamma: int, overlap: bool) -> Sample:
@@ -237,6 +243,42 @@ def test_compiled_speculative_sampling_matches_target_distribution(samples, llam
                       **CONFIGS[config])
     assert target.step.is_compiled and decoder.drafter.runner.step.is_compiled
     pvalues = comparisons(sample, samples.target_only(config))
+    assert not failures(pvalues), failures(pvalues)
+
+
+# -- model-free proposers (outrider/engine/lookup.py, mix.py) -------------------------------
+
+LOOKUP_GAMMA = 6
+# two tokens biased up so that outputs repeat themselves (the session's random target
+# rarely repeats a 2-gram by itself) and n-gram lookups find matches that verification
+# both keeps and rejects; truncation and a history penalty act on p and the residual
+LOOKUP_CONFIG = dict(temperature=1.0, top_p=0.95, presence_penalty=0.2,
+                     logit_bias=((68, 8.0), (95, 8.0)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ngram", "suffix"])
+def test_lookup_speculative_sampling_matches_target_distribution(samples, kind):
+    """Looked-up proposals are point masses (q one-hot): accepted with probability p(x),
+    else the residual is p without x. A sampled request looks up in its own tokens only
+    (its seed must give the same sample whatever else ran, DESIGN §2.8), and AUTO gives
+    sampled requests the model's drafts, so only these two kinds propose point masses
+    to sampled requests. With overlap, truncation, a penalty and a bias (LOOKUP_CONFIG)."""
+    target = samples.decoders["far", False].target
+    mix = ProposerMix(None, target.vocab_size, ProposerKind(kind))
+    decoder = SpeculativeDecoder(target, mix, overlap_max_seqs=ALL, overlap_sampled=True)
+    params = [SamplingParams(max_tokens=MAX_TOKENS, seed=seed_base("lookup", kind) + i,
+                             ignore_eos=True, **LOOKUP_CONFIG) for i in range(NUM_SAMPLES)]
+    seqs = decoder.generate([PROMPT] * NUM_SAMPLES, params, gamma=LOOKUP_GAMMA)
+    assert target.blocks.num_used_blocks == 0 and not mix._held
+    stats = SpecStats()
+    for s in seqs:
+        stats.merge(s.stats)
+    looked_up = stats.by_proposer[kind]
+    # the lookups proposed often, and verification both kept and rejected their tokens
+    assert looked_up[0] >= NUM_SAMPLES and 0 < looked_up[1] < looked_up[0], stats.by_proposer
+    reference = samples.target_only_with(LOOKUP_CONFIG)
+    pvalues = comparisons([tuple(s.output_ids) for s in seqs], reference)
     assert not failures(pvalues), failures(pvalues)
 
 

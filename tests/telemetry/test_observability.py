@@ -148,6 +148,12 @@ def test_metrics_move_by_exactly_the_requests_statistics(system):
     assert moved(before_t, after_t, "vllm:spec_decode_num_draft_tokens_total") == s.draft_tokens
     assert moved(before_t, after_t, "vllm:spec_decode_num_accepted_tokens_total") == (
         s.accepted_tokens)
+    assert sum(drafted for drafted, _ in s.by_proposer.values()) == s.draft_tokens
+    for method, (drafted, accepted) in s.by_proposer.items():  # per proposer (§2.8)
+        assert moved(before_t, after_t, "vllm:spec_decode_num_draft_tokens_total",
+                     method=method) == drafted
+        assert moved(before_t, after_t, "vllm:spec_decode_num_accepted_tokens_total",
+                     method=method) == accepted
     for p, accepted in enumerate(s.accepted_per_position):
         assert moved(before_t, after_t, "vllm:spec_decode_num_accepted_tokens_per_pos_total",
                      position=str(p)) == accepted
@@ -216,7 +222,7 @@ NOT_NAMES = re.compile(r'\{[^}]*\}|"[^"]*"|\[[^\]]*\]|(?<![\w:])\d+\.?\d*')
 IDENTIFIER = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 PROMQL_WORDS = {"sum", "by", "rate", "max", "min", "avg", "histogram_quantile", "scalar",
                 "without", "le", "position", "speculated", "code", "api", "model_name",
-                "draft_version"}
+                "draft_version", "method"}
 
 
 def test_every_dashboard_query_names_exported_metrics_and_answers(system, prometheus):

@@ -103,5 +103,6 @@ def test_serve_with_redis_has_one_trainer_and_counts_acceptance_by_version(redis
                     draft_version="0")
     accepted = total(served, "outrider:spec_decode_accepted_tokens_by_version_total",
                      draft_version="0")
-    assert drafted == sum(r.gamma for r in rounds)
-    assert accepted == sum(r.num_accepted for r in rounds)
+    # by version: the model's drafts only, not tokens the suffix lookup proposed (§2.8)
+    assert drafted == sum(r.gamma - r.num_free for r in rounds)
+    assert accepted == sum(max(0, r.num_accepted - r.num_free) for r in rounds)

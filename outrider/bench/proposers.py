@@ -1,0 +1,268 @@
+"""What proposes the draft tokens, side by side with vLLM's n-gram and draft-model
+speculation, through ONE load client: vLLM's own `vllm bench serve` (OpenAI HTTP API).
+
+    outrider bench --proposers --vllm VLLM [--rounds 2] [--gamma 4]
+        [--out results/proposers.json]
+    (or: python -m outrider.bench.proposers --vllm VLLM ...)
+
+Workloads (greedy, EOS ignored, float32; prompts from source files of third-party
+packages installed beside Outrider, never in the repository or the demo pair's data):
+  copy    copy-heavy, 1 stream, --copy-tokens tokens: code edited in place (a function,
+          then the same function begun again under a new name: the model re-emits it)
+          and a document then a question whose answer quotes it (a docstring, then
+          "Quote it:" and its first words)
+  plain   plain code (the first --prompt-tokens tokens of a file), 1, 8 and 32 streams,
+          --max-tokens tokens
+Systems: `outrider serve` once, each outrider-KIND its requests' `proposer` field
+(auto, model, ngram, suffix); vllm-ngram (`method: ngram`, prompt lookup 2..5) and
+vllm-draftN (`method: draft_model`), each its own `vllm serve`. Servers take turns, the
+order reversed on odd rounds; a cell is the mean over rounds (every round kept). The
+lookups' own cost is timed in this process over the copy prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from outrider import paths
+from outrider.bench import serving, versus
+
+DEFAULT_OUT = "results/proposers.json"
+OUTRIDER_KINDS = ("auto", "model", "ngram", "suffix")
+VLLM_NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+PLAIN_LEVELS = (1, 8, 32)
+
+
+# -- prompts ---------------------------------------------------------------------------------
+def edited_in_place(num_prompts: int, max_chars: int = 2400) -> list[str]:
+    """A function of 8-40 lines from a package's source, then the same function begun
+    again under a new name (its `def` line and first body line)."""
+    prompts = []
+    for path in versus.package_sources():
+        source = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.FunctionDef)
+                    and 8 <= node.end_lineno - node.lineno <= 40):
+                continue
+            text = ast.get_source_segment(source, node, padded=True) or ""
+            lines = text.splitlines()
+            if len(text) > max_chars or len(lines) < 3:
+                continue
+            again = "\n".join(lines[:2]).replace(f"def {node.name}(", f"def {node.name}_v2(", 1)
+            prompts.append(f"{text}\n\n\n{again}\n")
+            break
+        if len(prompts) == num_prompts:
+            return prompts
+    raise RuntimeError(f"found {len(prompts)} functions for {num_prompts} prompts")
+
+
+def quoted_documents(num_prompts: int, max_chars: int = 1600) -> list[str]:
+    """A module docstring, then a request to quote it and its first words."""
+    prompts = []
+    for path in versus.package_sources():
+        try:
+            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8",
+                                                             errors="replace")))
+        except SyntaxError:
+            continue
+        if not doc or not 300 <= len(doc) <= max_chars:
+            continue
+        words = doc.split()
+        prompts.append(f'"""\n{doc}\n"""\n\n# Quote the text above, word for word:\n'
+                       f'# "{" ".join(words[:4])}')
+        if len(prompts) == num_prompts:
+            return prompts
+    raise RuntimeError(f"found {len(prompts)} documents for {num_prompts} prompts")
+
+
+def copy_prompts(num_prompts: int) -> list[str]:
+    half = num_prompts // 2
+    return edited_in_place(num_prompts - half) + quoted_documents(half)
+
+
+# -- the lookups' own cost ---------------------------------------------------------------------
+def lookup_cost(tokenizer, prompts: list[str], gamma: int) -> dict:
+    """Mean µs per round of each lookup over the prompts' contexts (the suffix corpus
+    holding every other prompt), and per context token."""
+    import numpy as np
+
+    from outrider.engine.lookup import SuffixCorpus, prompt_lookup, suffix_lookup
+
+    contexts = [np.asarray(tokenizer.encode(p), dtype=np.int64) for p in prompts]
+    corpus = SuffixCorpus()
+    for c in contexts:
+        corpus.add(c.tolist())
+    out = {}
+    for name, look in (("ngram", lambda c: prompt_lookup(c, gamma)),
+                       ("suffix", lambda c: suffix_lookup(c, gamma, corpus))):
+        start, calls = time.perf_counter(), 0
+        for c in contexts:
+            for end in range(16, len(c), 4):  # a round every 4 tokens along the context
+                look(c[:end])
+                calls += 1
+        seconds = (time.perf_counter() - start) / calls
+        out[name] = {"us_per_round": round(seconds * 1e6, 1),
+                     "mean_context_tokens": round(statistics.fmean(len(c) for c in contexts)),
+                     "ns_per_context_token": round(seconds * 1e9 / statistics.fmean(
+                         len(c) for c in contexts), 1)}
+    return out
+
+
+# -- one round ---------------------------------------------------------------------------------
+def run_round(args, order: list[str], files: dict[str, Path], out_dir: Path, log) -> dict:
+    results: dict[str, dict[str, dict]] = {}
+    for server in order:
+        log(f"{server}: starting")
+        if server == "outrider":
+            with versus.outrider_server(args, ("--proposer", "auto")) as url:
+                for kind in OUTRIDER_KINDS:
+                    results[f"outrider-{kind}"] = measure(args, url, files, out_dir,
+                                                          f"outrider-{kind}", {"proposer": kind},
+                                                          log)
+            continue
+        with _vllm(args, server) as url:
+            results[server] = measure(args, url, files, out_dir, server, None, log)
+    return results
+
+
+def _vllm(args, server: str):
+    if server == "vllm-ngram":
+        config = {**VLLM_NGRAM, "num_speculative_tokens": args.gamma}
+        return versus.vllm_server(args, with_draft=False,
+                                  extra=("--speculative-config", json.dumps(config)))
+    return versus.vllm_server(args, with_draft=True)
+
+
+def measure(args, url: str, files: dict[str, Path], out_dir: Path, system: str,
+            body: dict | None, log) -> dict[str, dict]:
+    vllm = versus.vllm_command(args.vllm)
+    versus.bench_serve(vllm, url, args.target, files["warmup"], 1, 4, 16, out_dir,
+                       f"warmup-{system}", body)
+    cells = {"copy-c1": versus.cell(versus.bench_serve(
+        vllm, url, args.target, files["copy"], 1, args.copy_prompts, args.copy_tokens,
+        out_dir, f"{system}-copy", body))}
+    for c in PLAIN_LEVELS:
+        cells[f"plain-c{c}"] = versus.cell(versus.bench_serve(
+            vllm, url, args.target, files[f"plain-{c}"], c,
+            versus.num_requests(c, args.requests_per_stream), args.max_tokens, out_dir,
+            f"{system}-plain", body))
+    log(f"{system}: " + ", ".join(f"{k} {v['tokens_per_s']:.0f} tok/s"
+                                  for k, v in cells.items()))
+    return cells
+
+
+# -- targets and report ------------------------------------------------------------------------
+def targets(results: dict[str, dict[str, dict]]) -> list[dict]:
+    auto, model = results["outrider-auto"], results["outrider-model"]
+    peers = [results[s]["copy-c1"] for s in ("vllm-ngram", "vllm-draft") if s in results]
+    out = []
+    if peers:
+        best = max(peers, key=lambda x: x["tokens_per_s"])
+        out.append(serving.target("copy-heavy: auto over vLLM's better of n-gram and draft "
+                                  "model", versus._ratio(auto["copy-c1"], best), 1.25,
+                                  concurrency=1))
+    out.append(serving.target("copy-heavy: auto over --proposer model",
+                              versus._ratio(auto["copy-c1"], model["copy-c1"]), 1.15,
+                              concurrency=1))
+    for c in PLAIN_LEVELS:
+        out.append(serving.target("plain code: auto over --proposer model",
+                                  versus._ratio(auto[f"plain-c{c}"], model[f"plain-c{c}"]),
+                                  0.97, concurrency=c))
+    return out
+
+
+def table(results: dict[str, dict[str, dict]]) -> str:
+    cells = list(next(iter(results.values())))
+    lines = ["| system | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
+    for system, row in results.items():
+        lines.append(f"| {system} | " + " | ".join(_cell_text(row[k]) for k in cells) + " |")
+    return "\n".join(lines)
+
+
+def _cell_text(cell: dict) -> str:
+    """'mean (round 1/round 2)' tokens/s."""
+    rounds = "/".join(f"{v:.0f}" for v in cell["tokens_per_s_rounds"])
+    return f"{cell['tokens_per_s']:.0f} ({rounds})"
+
+
+def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> None:
+    if standalone:
+        parser.add_argument("--vllm", required=True,
+                            help="vLLM venv, or the command that runs vLLM's CLI")
+        parser.add_argument("--target", default=str(paths.demo_target_dir()))
+        parser.add_argument("--draft", default=str(paths.demo_draft_dir()))
+        parser.add_argument("--max-tokens", type=int, default=96)
+        parser.add_argument("--prompt-tokens", type=int, default=128)
+        parser.add_argument("--out", default=DEFAULT_OUT)
+        versus.add_arguments(parser, standalone=False)
+    parser.add_argument("--copy-prompts", type=int, default=16,
+                        help="(--proposers) copy-heavy prompts, half code edited in place, "
+                             "half quoted documents")
+    parser.add_argument("--copy-tokens", type=int, default=128,
+                        help="(--proposers) tokens generated per copy-heavy prompt")
+    parser.add_argument("--proposer-systems", default="outrider,vllm-ngram,vllm-draft",
+                        help="(--proposers) servers to run: outrider (every kind), "
+                             "vllm-ngram, vllm-draft")
+
+
+def run(args) -> int:
+    from outrider.core.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(args.target)
+    copy = copy_prompts(args.copy_prompts)
+    counts = {c: versus.num_requests(c, args.requests_per_stream) for c in PLAIN_LEVELS}
+    plain = versus.package_prompts(tokenizer, 4 + sum(counts.values()), args.prompt_tokens)
+    log = lambda text: print(f"[proposers] {text}", file=sys.stderr, flush=True)  # noqa: E731
+    order = serving.parse_list(args.proposer_systems)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_dir = Path(tmp)
+        files = {"warmup": versus.write_prompts(plain[:4], out_dir, "warmup"),
+                 "copy": versus.write_prompts(copy, out_dir, "copy")}
+        start = 4
+        for c, n in counts.items():
+            files[f"plain-{c}"] = versus.write_prompts(plain[start:start + n], out_dir,
+                                                       f"plain-{c}")
+            start += n
+        rounds = [run_round(args, order if r % 2 == 0 else order[::-1], files, out_dir, log)
+                  for r in range(args.rounds)]
+    results = versus.merge_rounds(rounds)
+    report = {"machine": serving.machine(), "command": serving.command_line(),
+              "config": {"gamma": args.gamma, "copy_tokens": args.copy_tokens,
+                         "copy_prompts": args.copy_prompts, "max_tokens": args.max_tokens,
+                         "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
+                         "vllm_ngram": {**VLLM_NGRAM, "num_speculative_tokens": args.gamma},
+                         "client": "vllm bench serve (--backend openai, /v1/completions, "
+                                   "--ignore-eos, temperature 0)"},
+              "lookup_cost": lookup_cost(tokenizer, copy, 8),
+              "results": results, "targets": targets(results)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(table(results))
+    print(json.dumps(report["lookup_cost"]))
+    for t in report["targets"]:
+        print(f"{'met ' if t['met'] else 'MISS'} {t['target']} (c={t.get('concurrency')}): "
+              f"{t['value']:.3g} vs {t['threshold']:.3g}" if t["value"] is not None else
+              f"---- {t['target']}: not measured")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m outrider.bench.proposers",
+                                     description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

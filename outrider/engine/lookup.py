@@ -1,0 +1,131 @@
+"""Model-free drafting: proposals looked up in tokens already seen (docs/DESIGN.md §2.8).
+
+Two kinds, both point masses (q is one-hot at the proposed token, §3):
+  ngram   prompt lookup over the sequence's own tokens: the longest n-gram (n in
+          [NGRAM_MIN, NGRAM_MAX]) that ends the context and occurred before, most recent
+          occurrence first; it proposes the γ tokens that followed it.
+  suffix  suffix matching over the sequence and a bounded corpus of recently finished
+          sequences of this replica (prompt + output): the longest suffix of the context
+          (up to MAX_MATCH tokens) found in either, the sequence's own occurrence winning
+          a tie; it proposes what followed, at most SPEC_FACTOR × the match's length (a
+          short match is weak evidence).
+Costs: numpy over the candidate positions of the context's last token; measured per
+round by `outrider bench --proposers` (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+import numpy as np
+
+NGRAM_MIN, NGRAM_MAX = 2, 5
+MAX_MATCH = 32         # suffix tokens compared at most
+MIN_SUFFIX_MATCH = 2   # shorter matches propose nothing
+SPEC_FACTOR = 2        # a suffix match of m tokens proposes at most 2m
+CORPUS_TOKENS = 1 << 16  # tokens of finished sequences the suffix corpus keeps
+KEY_LEN = 2            # the corpus is indexed by its 2-grams ...
+HITS_PER_KEY = 16      # ... keeping each one's most recent positions
+
+
+def prompt_lookup(context: np.ndarray, max_tokens: int, min_n: int = NGRAM_MIN,
+                  max_n: int = NGRAM_MAX) -> list[int]:
+    """Up to `max_tokens` tokens that followed the most recent earlier occurrence of the
+    longest n-gram (min_n <= n <= max_n) ending `context` [L] int64."""
+    ends, length = _suffix_matches(context, context[:-1], max_n)
+    good = ends[length >= min_n]
+    if not len(good) or max_tokens <= 0:
+        return []
+    best = length[length >= min_n]
+    end = int(good[best == best.max()].max())  # longest, then most recent
+    return context[end + 1:end + 1 + max_tokens].tolist()
+
+
+def _suffix_matches(context: np.ndarray, text: np.ndarray, max_len: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(end positions in `text` [T] where the context's last token occurs, the length of
+    the context suffix matched ending there, at most `max_len`), both [candidates]."""
+    if len(context) == 0 or len(text) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    ends = np.flatnonzero(text == context[-1])
+    if not len(ends):
+        return ends, ends
+    back = np.arange(min(max_len, len(context)))                 # [n]
+    at = ends[:, None] - back[None, :]                           # [candidates, n]
+    same = (at >= 0) & (text[np.maximum(at, 0)] == context[len(context) - 1 - back][None, :])
+    return ends, np.cumprod(same, axis=1).sum(axis=1)
+
+
+class SuffixCorpus:
+    """Recently finished sequences (at most `max_tokens` tokens in all, oldest dropped
+    first), indexed by their KEY_LEN-grams for suffix matching."""
+
+    def __init__(self, max_tokens: int = CORPUS_TOKENS) -> None:
+        self.max_tokens = max_tokens
+        self.num_tokens = 0
+        self._docs: OrderedDict[int, np.ndarray] = OrderedDict()  # id -> tokens [n]
+        self._index: dict[tuple[int, ...], deque[tuple[int, int]]] = {}
+        self._next_id = 0
+
+    def add(self, tokens: list[int]) -> None:
+        if len(tokens) <= KEY_LEN or len(tokens) > self.max_tokens:
+            return
+        doc_id, self._next_id = self._next_id, self._next_id + 1
+        self._docs[doc_id] = np.asarray(tokens, dtype=np.int64)
+        self.num_tokens += len(tokens)
+        for end in range(KEY_LEN - 1, len(tokens) - 1):  # the last token has no follower
+            key = tuple(tokens[end - KEY_LEN + 1:end + 1])
+            hits = self._index.get(key)
+            if hits is None:
+                hits = self._index[key] = deque(maxlen=HITS_PER_KEY)
+            hits.append((doc_id, end))
+        while self.num_tokens > self.max_tokens:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        doc_id, doc = self._docs.popitem(last=False)
+        self.num_tokens -= len(doc)
+        tokens = doc.tolist()
+        for end in range(KEY_LEN - 1, len(tokens) - 1):
+            key = tuple(tokens[end - KEY_LEN + 1:end + 1])
+            hits = self._index.get(key)
+            if hits is None:
+                continue
+            kept = [h for h in hits if h[0] != doc_id]
+            if kept:
+                self._index[key] = deque(kept, maxlen=HITS_PER_KEY)
+            else:
+                del self._index[key]
+
+    def match(self, context: np.ndarray) -> tuple[int, np.ndarray]:
+        """(length of the longest context suffix found, the tokens that followed it [k]);
+        (0, []) when no KEY_LEN-gram suffix occurs."""
+        if len(context) < KEY_LEN:
+            return 0, context[:0]
+        best_len, best = 0, context[:0]
+        for doc_id, end in reversed(self._index.get(tuple(context[-KEY_LEN:].tolist()), ())):
+            text = self._docs[doc_id]
+            length = _match_back(context, text, end)
+            if length > best_len:
+                best_len, best = length, text[end + 1:]
+        return best_len, best
+
+
+def _match_back(context: np.ndarray, text: np.ndarray, end: int) -> int:
+    """How many tokens ending `context` equal those ending at text[end] (<= MAX_MATCH)."""
+    n = min(MAX_MATCH, len(context), end + 1)
+    same = text[end + 1 - n:end + 1][::-1] == context[len(context) - n:][::-1]
+    return int(np.cumprod(same).sum())
+
+
+def suffix_lookup(context: np.ndarray, max_tokens: int, corpus: SuffixCorpus) -> list[int]:
+    """Up to `max_tokens` tokens that followed the longest suffix of `context` [L] found
+    in the context itself or in `corpus`, at most SPEC_FACTOR × its length."""
+    ends, length = _suffix_matches(context, context[:-1], MAX_MATCH)
+    own_len = int(length.max()) if len(length) else 0
+    own = context[int(ends[length == own_len].max()) + 1:] if own_len else context[:0]
+    corpus_len, corpus_next = corpus.match(context)
+    match_len, follow = (own_len, own) if own_len >= corpus_len else (corpus_len, corpus_next)
+    if match_len < MIN_SUFFIX_MATCH:
+        return []
+    return follow[:min(max_tokens, SPEC_FACTOR * match_len)].tolist()

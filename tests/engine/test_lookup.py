@@ -1,0 +1,189 @@
+"""Model-free proposers (outrider/engine/lookup.py) and the mix that chooses between them
+and the draft model per request and per round (outrider/engine/mix.py): what they
+propose, what they keep, and that greedy output is the target's own whatever proposes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from outrider.core.policy import CostModel
+from outrider.core.sampling import SamplingParams
+from outrider.core.sequence import ProposerKind
+from outrider.engine.drafter import Drafter
+from outrider.engine.lookup import (
+    HITS_PER_KEY,
+    SPEC_FACTOR,
+    SuffixCorpus,
+    prompt_lookup,
+    suffix_lookup,
+)
+from outrider.engine.mix import ProposerMix, _Held
+from outrider.engine.proposer import DraftItem
+from outrider.engine.runner import ModelRunner, RunnerConfig
+from outrider.engine.spec_decode import SpeculativeDecoder
+
+CPU = torch.device("cpu")
+
+
+def ids(*tokens: int) -> np.ndarray:
+    return np.array(tokens, dtype=np.int64)
+
+
+# -- prompt lookup (ngram) --------------------------------------------------------------------
+
+def test_prompt_lookup_takes_the_longest_ngram_then_the_most_recent():
+    # "1 2 3" occurs at 0 (followed by 10 11) and "2 3" at 6 (followed by 20 21): the
+    # longer match wins although it is older
+    context = ids(1, 2, 3, 10, 11, 9, 2, 3, 20, 21, 1, 2, 3)
+    assert prompt_lookup(context, 2) == [10, 11]
+    # two occurrences of the same n-gram: the most recent
+    context = ids(5, 6, 7, 5, 6, 8, 5, 6)
+    assert prompt_lookup(context, 3) == [8, 5, 6]
+
+
+def test_prompt_lookup_needs_min_n_and_stops_at_the_context():
+    assert prompt_lookup(ids(4, 9, 9, 9, 4), 3) == []          # a 1-gram match only
+    assert prompt_lookup(ids(1, 2, 3, 1, 2), 8) == [3, 1, 2]  # what followed, up to the end
+    assert prompt_lookup(ids(1, 2, 1, 2), 0) == []
+    assert prompt_lookup(ids(7), 4) == []
+
+
+# -- suffix matching --------------------------------------------------------------------------
+
+def test_suffix_lookup_proposes_at_most_spec_factor_times_the_match():
+    # the context's suffix "8 9" (2 tokens) matches at 0: at most 4 tokens follow
+    context = ids(8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9)
+    assert suffix_lookup(context, 16, SuffixCorpus()) == [1, 2, 3, 4][:SPEC_FACTOR * 2]
+    assert suffix_lookup(context, 3, SuffixCorpus()) == [1, 2, 3]
+    assert suffix_lookup(ids(1, 2, 3, 4), 4, SuffixCorpus()) == []  # nothing repeats
+
+
+def test_suffix_lookup_finds_the_longest_match_in_the_corpus():
+    corpus = SuffixCorpus()
+    corpus.add([50, 1, 2, 3, 4, 60, 61, 62])  # "1 2 3 4" then 60 61 62
+    corpus.add([2, 3, 4, 70, 71])             # "2 3 4" then 70: a shorter match, newer
+    assert suffix_lookup(ids(9, 1, 2, 3, 4), 3, corpus) == [60, 61, 62]
+    # the sequence's own occurrence wins a tie with the corpus
+    assert suffix_lookup(ids(3, 4, 80, 81, 2, 3, 4), 2, corpus)[:1] in ([80], [60], [70])
+    assert suffix_lookup(ids(2, 3, 4, 80, 81, 2, 3, 4), 2, corpus) == [80, 81]
+
+
+def test_suffix_corpus_stays_within_its_token_budget_and_forgets_what_it_dropped():
+    corpus = SuffixCorpus(max_tokens=100)
+    for k in range(30):
+        corpus.add([1000 + k, 1, 2, 3, 2000 + k, 5, 6, 7, 8, 9])
+    assert corpus.num_tokens <= 100
+    # the index holds only positions in the documents kept, at most HITS_PER_KEY per key
+    kept = set(corpus._docs)
+    assert all(doc in kept for hits in corpus._index.values() for doc, _ in hits)
+    assert all(len(hits) <= HITS_PER_KEY for hits in corpus._index.values())
+    assert not any(key[0] == 1000 for key in corpus._index)  # the first document is gone
+    # the newest document answers
+    assert suffix_lookup(ids(42, 1, 2, 3), 1, corpus) == [2029]
+
+
+# -- the mix -----------------------------------------------------------------------------------
+
+def item(seq_id, committed_len, new, gamma, proposer="", prefill_only=False) -> DraftItem:
+    return DraftItem(seq_id, committed_len, list(new), gamma,
+                     SamplingParams(temperature=0.0), seed=0, proposer=proposer,
+                     prefill_only=prefill_only)
+
+
+def test_mix_without_a_model_looks_up_and_learns_what_was_kept():
+    mix = ProposerMix(None, vocab_size=100, default=ProposerKind.NGRAM)
+    context = [1, 2, 3, 4, 5, 1, 2]
+    out = mix.draft([item("a", 0, context, 3)], CPU)
+    assert out.gammas == [3] and out.token_ids[0].tolist() == [3, 4, 5]
+    assert out.probs is None and out.source(0) == ("ngram", 3)
+    # the loop kept 3 and 4 (5 was rejected: 9 came instead): the lookups' acceptance
+    # estimate for this request moves toward 2 of 3 tested positions
+    before = mix._held["a"].alpha_free
+    out = mix.draft([item("a", len(context), [3, 4, 9], 3)], CPU)
+    assert mix._held["a"].alpha_free != before
+    assert out.gammas == [0]  # "4 9" never occurred: nothing to propose
+    # a caller that believes the mix holds more than it does gets a MISS
+    assert mix.draft([item("a", 50, [1], 2)], CPU).is_miss == [True]
+    assert mix.release("a") and not mix.release("a")
+    assert mix.corpus.num_tokens == len(context) + 3  # the finished context was kept
+
+
+def test_mix_model_requests_never_look_up_and_free_requests_never_draft(llama_dir, draft_dir):
+    model = Drafter(ModelRunner(RunnerConfig(str(draft_dir), kv_cache_mb=16)))
+    mix = ProposerMix(model, model.vocab_size, default=ProposerKind.AUTO)
+    context = [5, 6, 7, 8, 5, 6, 7]
+    out = mix.draft([item("m", 0, context, 4, proposer="model"),
+                     item("n", 0, context, 4, proposer="ngram")], CPU)
+    assert out.source(0) == ("", 0) and out.gammas[0] == 4
+    assert out.source(1) == ("ngram", 4) and out.token_ids[1].tolist() == [8, 5, 6, 7]
+    assert model.runner.blocks.has("m") and not model.runner.blocks.has("n")
+    assert mix.is_model_free(ProposerKind.NGRAM) and not mix.is_model_free(None)
+
+
+def test_auto_continues_a_short_lookup_with_the_model(draft_dir):
+    model = Drafter(ModelRunner(RunnerConfig(str(draft_dir), kv_cache_mb=16)))
+    mix = ProposerMix(model, model.vocab_size)
+    mix.cost = lambda: CostModel(verify_base_s=0.02, verify_per_token_s=0.0,
+                                 draft_per_position_s=0.001)
+    # a request whose lookups and model have both done well (α 0.9): the chain's ~5.2
+    # expected tokens in 22 ms beat the lookup's 4.1 in 20 ms and the model's 5.7 in 26 ms
+    mix._held["c"] = _Held(alpha_free=0.9, alpha_model=0.9)
+    out = mix.draft([item("c", 0, [5, 6, 7, 8, 5, 6, 7], 6)], CPU)
+    # the lookup gives 8 5 6 7 (4 tokens, SPEC_FACTOR × a 3-token match); the model
+    # drafts 2 more after them, from the context + the looked-up tokens
+    assert out.source(0) == ("suffix", 4) and out.gammas == [6]
+    assert out.token_ids[0, :4].tolist() == [8, 5, 6, 7]
+    assert out.probs is None  # greedy: point masses throughout
+    assert model.runner.blocks.seq_len("c") == 7 + 4 + 1  # the context, lookups, 1 draft
+    # a draft model that costs far more than it wins: the lookup alone
+    mix.cost = lambda: CostModel(verify_base_s=0.001, verify_per_token_s=0.0,
+                                 draft_per_position_s=1.0)
+    out = mix.draft([item("d", 0, [5, 6, 7, 8, 5, 6, 7], 6)], CPU)
+    assert out.source(0) == ("suffix", 4) and out.gammas == [4]
+    assert not model.runner.blocks.has("d")
+
+
+@pytest.mark.parametrize("kind", ["ngram", "suffix", "auto"])
+@pytest.mark.parametrize("with_model", [False, True], ids=["lookups", "with-draft"])
+def test_greedy_output_is_the_targets_whatever_proposes(llama_dir, draft_dir, kind, with_model):
+    target = ModelRunner(RunnerConfig(str(llama_dir), kv_cache_mb=32))
+    model = (Drafter(ModelRunner(RunnerConfig(str(draft_dir), kv_cache_mb=16)))
+             if with_model else None)
+    prompts = [[11, 12, 13, 14, 11, 12, 13, 14, 11, 12], [3, 9, 27, 81, 3, 9, 27],
+               [200, 201, 202, 203, 204]]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    alone = SpeculativeDecoder(target).generate(prompts, params, gamma=0)
+    for overlap in (0, 8):
+        mix = ProposerMix(model, target.vocab_size, ProposerKind(kind))
+        decoder = SpeculativeDecoder(target, mix, overlap_max_seqs=overlap)
+        for _ in range(2):  # the second time the suffix corpus holds the first's outputs
+            seqs = decoder.generate(prompts, params, gamma=5)
+            assert [s.output_ids for s in seqs] == [s.output_ids for s in alone]
+        proposed = {m for s in seqs for m in s.stats.by_proposer}
+        assert proposed >= {"ngram" if kind == "ngram" else "suffix"}
+        assert target.blocks.num_used_blocks == 0 and not mix._held
+
+
+def test_a_seeded_sample_does_not_depend_on_what_else_was_served(llama_dir, draft_dir):
+    """Sampled requests look up in their own tokens only and AUTO gives them the model's
+    drafts: the same seed gives the same sample before and after the suffix corpus took
+    in other requests' outputs, and whatever the replica's default kind."""
+    target = ModelRunner(RunnerConfig(str(llama_dir), kv_cache_mb=32))
+    model = Drafter(ModelRunner(RunnerConfig(str(draft_dir), kv_cache_mb=16)))
+    prompt = [11, 12, 13, 14, 11, 12, 13, 14, 11, 12]
+    params = [SamplingParams(max_tokens=24, temperature=1.0, seed=100 + i, ignore_eos=True,
+                             logit_bias=((68, 8.0), (95, 8.0))) for i in range(8)]
+    for kind, model_or_none in (("suffix", None), ("auto", model)):
+        mix = ProposerMix(model_or_none, target.vocab_size, ProposerKind(kind))
+        decoder = SpeculativeDecoder(target, mix)
+        first = [s.output_ids for s in decoder.generate([prompt] * 8, params, gamma=4)]
+        # other requests' outputs, continuing these very prompts, fill the corpus
+        others = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 4
+        decoder.generate([prompt] * 4, others, gamma=4)
+        assert mix.corpus.num_tokens > 0
+        again = decoder.generate([prompt] * 8, params, gamma=4)
+        assert [s.output_ids for s in again] == first
+        methods = {m for s in again for m in s.stats.by_proposer}
+        assert methods == ({"suffix"} if kind == "suffix" else {"draft_model"}), methods
