@@ -120,13 +120,16 @@ def lookup_cost(tokenizer, prompts: list[str], gamma: int) -> dict:
 
 
 # -- one round ---------------------------------------------------------------------------------
-def run_round(args, order: list[str], files: dict[str, Path], out_dir: Path, log) -> dict:
+def run_round(args, order: list[str], files: dict[str, Path], out_dir: Path, log,
+              reverse: bool) -> dict:
+    """Every server in `order`, and on the outrider server every kind (reversed too on
+    odd rounds: the first system a server measures runs on its coldest caches)."""
     results: dict[str, dict[str, dict]] = {}
     for server in order:
         log(f"{server}: starting")
         if server == "outrider":
             with versus.outrider_server(args, ("--proposer", "auto")) as url:
-                for kind in OUTRIDER_KINDS:
+                for kind in OUTRIDER_KINDS[::-1] if reverse else OUTRIDER_KINDS:
                     results[f"outrider-{kind}"] = measure(args, url, files, out_dir,
                                                           f"outrider-{kind}", {"proposer": kind},
                                                           log)
@@ -147,7 +150,8 @@ def _vllm(args, server: str):
 def measure(args, url: str, files: dict[str, Path], out_dir: Path, system: str,
             body: dict | None, log) -> dict[str, dict]:
     vllm = versus.vllm_command(args.vllm)
-    versus.bench_serve(vllm, url, args.target, files["warmup"], 1, 4, 16, out_dir,
+    # a warm-up long enough for the replica's online cost model to settle
+    versus.bench_serve(vllm, url, args.target, files["warmup"], 4, 16, 64, out_dir,
                        f"warmup-{system}", body)
     cells = {"copy-c1": versus.cell(versus.bench_serve(
         vllm, url, args.target, files["copy"], 1, args.copy_prompts, args.copy_tokens,
@@ -222,20 +226,20 @@ def run(args) -> int:
     tokenizer = Tokenizer(args.target)
     copy = copy_prompts(args.copy_prompts)
     counts = {c: versus.num_requests(c, args.requests_per_stream) for c in PLAIN_LEVELS}
-    plain = versus.package_prompts(tokenizer, 4 + sum(counts.values()), args.prompt_tokens)
+    plain = versus.package_prompts(tokenizer, 16 + sum(counts.values()), args.prompt_tokens)
     log = lambda text: print(f"[proposers] {text}", file=sys.stderr, flush=True)  # noqa: E731
     order = serving.parse_list(args.proposer_systems)
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = Path(tmp)
-        files = {"warmup": versus.write_prompts(plain[:4], out_dir, "warmup"),
+        files = {"warmup": versus.write_prompts(plain[:16], out_dir, "warmup"),
                  "copy": versus.write_prompts(copy, out_dir, "copy")}
-        start = 4
+        start = 16
         for c, n in counts.items():
             files[f"plain-{c}"] = versus.write_prompts(plain[start:start + n], out_dir,
                                                        f"plain-{c}")
             start += n
-        rounds = [run_round(args, order if r % 2 == 0 else order[::-1], files, out_dir, log)
-                  for r in range(args.rounds)]
+        rounds = [run_round(args, order[::-1] if r % 2 else order, files, out_dir, log,
+                            reverse=bool(r % 2)) for r in range(args.rounds)]
     results = versus.merge_rounds(rounds)
     report = {"machine": serving.machine(), "command": serving.command_line(),
               "config": {"gamma": args.gamma, "copy_tokens": args.copy_tokens,

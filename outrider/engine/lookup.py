@@ -2,8 +2,9 @@
 
 Two kinds, both point masses (q is one-hot at the proposed token, §3):
   ngram   prompt lookup over the sequence's own tokens: the longest n-gram (n in
-          [NGRAM_MIN, NGRAM_MAX]) that ends the context and occurred before, most recent
-          occurrence first; it proposes the γ tokens that followed it.
+          [NGRAM_MIN, NGRAM_MAX]) that ends the context and occurred before (its most
+          recent occurrence with γ tokens after it, else its earliest); it proposes the
+          γ tokens that followed it.
   suffix  suffix matching over the sequence and a bounded corpus of recently finished
           sequences of this replica (prompt + output): the longest suffix of the context
           (up to MAX_MATCH tokens) found in either, the sequence's own occurrence winning
@@ -33,12 +34,19 @@ def prompt_lookup(context: np.ndarray, max_tokens: int, min_n: int = NGRAM_MIN,
     """Up to `max_tokens` tokens that followed the most recent earlier occurrence of the
     longest n-gram (min_n <= n <= max_n) ending `context` [L] int64."""
     ends, length = _suffix_matches(context, context[:-1], max_n)
-    good = ends[length >= min_n]
-    if not len(good) or max_tokens <= 0:
+    if not len(ends) or length.max() < min_n or max_tokens <= 0:
         return []
-    best = length[length >= min_n]
-    end = int(good[best == best.max()].max())  # longest, then most recent
+    end = _pick(ends[length == length.max()], len(context), max_tokens)
     return context[end + 1:end + 1 + max_tokens].tolist()
+
+
+def _pick(ends: np.ndarray, context_len: int, wanted: int) -> int:
+    """Of the end positions of equally long matches, the most recent with `wanted`
+    tokens after it in the context, else the earliest (the most tokens after it): the
+    most recent occurrence of a common phrase is often just behind the current position,
+    with next to nothing after it."""
+    enough = ends[context_len - 1 - ends >= wanted]
+    return int(enough.max()) if len(enough) else int(ends.min())
 
 
 def _suffix_matches(context: np.ndarray, text: np.ndarray, max_len: int
@@ -123,7 +131,9 @@ def suffix_lookup(context: np.ndarray, max_tokens: int, corpus: SuffixCorpus) ->
     in the context itself or in `corpus`, at most SPEC_FACTOR × its length."""
     ends, length = _suffix_matches(context, context[:-1], MAX_MATCH)
     own_len = int(length.max()) if len(length) else 0
-    own = context[int(ends[length == own_len].max()) + 1:] if own_len else context[:0]
+    wanted = min(max_tokens, SPEC_FACTOR * own_len)
+    own = (context[_pick(ends[length == own_len], len(context), wanted) + 1:] if own_len
+           else context[:0])
     corpus_len, corpus_next = corpus.match(context)
     match_len, follow = (own_len, own) if own_len >= corpus_len else (corpus_len, corpus_next)
     if match_len < MIN_SUFFIX_MATCH:

@@ -28,9 +28,23 @@ from outrider.engine.lookup import SuffixCorpus, prompt_lookup, suffix_lookup
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal, Proposer, dense_q
 
 EMPTY_CORPUS = SuffixCorpus(max_tokens=0)  # holds nothing: a lookup in the context alone
-FIRST_ALPHA_FREE = 0.7   # acceptance a request's lookups start from
-FIRST_ALPHA_MODEL = 0.7  # ... and its draft model's (the policy's own start)
-ALPHA_WEIGHT = 0.2       # EWMA weight of a tested position
+EXPLORE_EVERY = 4  # an AUTO request's rounds with a lookup: every 4th tries the model alone
+ALPHA_WEIGHT = 0.2          # EWMA weight of a tested position, in a request's estimate
+REPLICA_ALPHA_WEIGHT = 0.02  # ... in the replica's, where new requests start from
+
+
+@dataclass
+class _Acceptance:
+    """P(a proposal is kept | the ones before it were), per proposer: an EWMA."""
+
+    free: float = 0.7   # the lookups'
+    model: float = 0.7  # the draft model's (the γ policy's own start)
+
+    def observe(self, is_free: bool, hit: float, weight: float) -> None:
+        if is_free:
+            self.free += weight * (hit - self.free)
+        else:
+            self.model += weight * (hit - self.model)
 
 
 @dataclass
@@ -46,27 +60,29 @@ class _Held:
     has_model: bool = False  # the model was ever sent this sequence
     traceparent: str = ""
     teacher: list[TeacherRow] = field(default_factory=list)  # for the model's next call
-    alpha_free: float = FIRST_ALPHA_FREE
-    alpha_model: float = FIRST_ALPHA_MODEL
+    acceptance: _Acceptance = field(default_factory=_Acceptance)
+    num_weighed: int = 0   # AUTO rounds that had a lookup and the model to choose from
 
-    def take(self, item: DraftItem) -> None:
+    def take(self, item: DraftItem, replica: _Acceptance | None) -> None:
         """The loop's view: tokens[:committed_len] + the item's new tokens; first learn
-        how many of the last proposal's drafts the loop kept."""
+        how many of the last proposal's drafts the loop kept, into this request's and the
+        `replica`'s estimates (None: the new tokens are not all committed — drafting
+        ahead sends this round's drafts as if accepted)."""
         context = self.tokens[:item.committed_len] + item.new_token_ids
-        self._learn(context)
+        if replica is not None:
+            self._learn(context, replica)
         self.tokens, self.num_context = context, len(context)
         self.model_len = min(self.model_len, item.committed_len, len(context) - 1)
         self.traceparent = self.traceparent or item.traceparent
 
-    def _learn(self, context: list[int]) -> None:
+    def _learn(self, context: list[int], replica: _Acceptance) -> None:
         seen = context[self.num_context:]
-        for j, hit in _tested(self.tokens[self.num_context:], seen):
-            if j < self.num_free:
-                self.alpha_free += ALPHA_WEIGHT * (hit - self.alpha_free)
-            else:
-                self.alpha_model += ALPHA_WEIGHT * (hit - self.alpha_model)
-        for _, hit in _tested(self.shadow, seen):
-            self.alpha_free += ALPHA_WEIGHT * (hit - self.alpha_free)
+        tested = [(j < self.num_free, hit)
+                  for j, hit in _tested(self.tokens[self.num_context:], seen)]
+        tested += [(True, hit) for _, hit in _tested(self.shadow, seen)]
+        for is_free, hit in tested:
+            self.acceptance.observe(is_free, hit, ALPHA_WEIGHT)
+            replica.observe(is_free, hit, REPLICA_ALPHA_WEIGHT)
         self.shadow = []
 
 
@@ -96,6 +112,7 @@ class ProposerMix:
         self.corpus = corpus if corpus is not None else SuffixCorpus()
         self._vocab_size = vocab_size
         self._held: dict[object, _Held] = {}
+        self.acceptance = _Acceptance()  # the replica's: where new requests start from
         # the replica's cost model, once measured (None: the model's time is not weighed)
         self.cost: Callable[[], CostModel | None] = lambda: None
 
@@ -128,7 +145,7 @@ class ProposerMix:
 
     def submit(self, items: list[DraftItem], device: torch.device,
                beside_target: bool = False) -> PendingProposal:
-        plans, is_miss = self._plan(items)
+        plans, is_miss = self._plan(items, learn=not beside_target)
         asked = [p for p in plans if p.model_item is not None]
         pending = (self.model.submit([p.model_item for p in asked], device, beside_target)
                    if asked else None)
@@ -158,7 +175,7 @@ class ProposerMix:
         """Whether requests of `kind` (None: the default) never wait for the model."""
         return self.model is None or (kind or self.default).is_model_free
 
-    def _plan(self, items: list[DraftItem]) -> tuple[list[_Plan], list[bool]]:
+    def _plan(self, items: list[DraftItem], learn: bool) -> tuple[list[_Plan], list[bool]]:
         plans, is_miss = [], []
         for item in items:
             if not item.is_active:  # nothing to draft or take in this round
@@ -167,14 +184,14 @@ class ProposerMix:
                 continue
             held = self._held.get(item.seq_id)
             if held is None:
-                held = self._held[item.seq_id] = _Held()
+                held = self._held[item.seq_id] = _Held(acceptance=replace(self.acceptance))
             miss = item.committed_len > len(held.tokens)
             is_miss.append(miss)
             plan = _Plan(item, held)
             plans.append(plan)
             if miss:
                 continue
-            held.take(item)
+            held.take(item, self.acceptance if learn else None)
             if self.model is not None and not self.kind_of(item).is_model_free:
                 held.teacher += item.teacher
             if item.prefill_only:
@@ -208,20 +225,34 @@ class ProposerMix:
 
     def _weigh(self, plans: list[_Plan]) -> None:
         """AUTO rounds with a lookup and a model that could draft: keep the option with
-        the most expected tokens per second (lookup alone, lookup + model, model alone)."""
+        the most expected tokens per second (lookup alone, lookup + model, model alone).
+        The model's round trip and its positions up to the round's largest γ are paid
+        once per round: a row whose lookup won while others still call the model is
+        weighed again with only what it would add."""
         cost = self.cost()
         auto = [p for p in plans if p.model_max and p.free
                 and self.kind_of(p.item) is ProposerKind.AUTO]
-        if not auto:
-            self._make_model_items(plans)
-            return
-        batch = sum(1 + p.item.gamma for p in plans if p.item.gamma)
-        verify_s = float(cost.verify_seconds(batch)) if cost else 1.0
-        for p in auto:
-            looked_up = p.free
-            p.free, p.model_gamma = _best_option(p, verify_s, cost)
-            p.free_kind = p.free_kind if p.free else ""
-            p.held.shadow = [] if p.free else looked_up
+        if auto:
+            batch = sum(1 + p.item.gamma for p in plans if p.item.gamma)
+            verify_s = float(cost.verify_seconds(batch)) if cost else 1.0
+            looked_up = {id(p): p.free for p in auto}
+            choosing = {id(p) for p in auto}
+            others = max((p.model_gamma for p in plans if id(p) not in choosing), default=0)
+            for p in auto:
+                p.held.num_weighed += 1
+                p.free, p.model_gamma = _best_option(p, verify_s, _draft_cost(cost, others))
+                if p.held.num_weighed % EXPLORE_EVERY == 0:
+                    # the model's acceptance where a lookup exists is only learnt by trying
+                    # it there: the rounds without a lookup are the hard ones
+                    p.free, p.model_gamma = [], p.model_max
+            largest = max(p.model_gamma for p in plans)
+            for p in auto:
+                if largest and not p.model_gamma and p.free:
+                    p.free, p.model_gamma = _best_option(p, verify_s,
+                                                         _draft_cost(cost, largest))
+            for p in auto:
+                p.free_kind = p.free_kind if p.free else ""
+                p.held.shadow = [] if p.free else looked_up[id(p)]
         self._make_model_items(plans)
 
     def _make_model_items(self, plans: list[_Plan]) -> None:
@@ -305,21 +336,33 @@ class ProposerMix:
         return drafted.with_rows(missed, self.model.draft(retries, device))
 
 
-def _best_option(p: _Plan, verify_s: float, cost: CostModel | None) -> tuple[list[int], int]:
-    """(looked-up tokens, model γ) of the option with the most expected tokens per second."""
+def _draft_cost(cost: CostModel | None, paid_up_to: int) -> Callable[[int], float]:
+    """Seconds the model adds to a round by drafting n tokens for one more row, when the
+    round already has the model draft up to γ `paid_up_to` (0: not called at all)."""
+    def seconds(n: int) -> float:
+        if not cost or not n:
+            return 0.0
+        if not paid_up_to:
+            return float(cost.draft_seconds(n, n))
+        return (cost.draft_per_token_s * n
+                + cost.draft_per_position_s * max(0, n - paid_up_to))
+    return seconds
+
+
+def _best_option(p: _Plan, verify_s: float, draft_s: Callable[[int], float]
+                 ) -> tuple[list[int], int]:
+    """(looked-up tokens, model γ) of the option with the most expected tokens per second.
+    `p.free` is the lookup's whole proposal (the first pass may have cut it)."""
     free, held = p.free, p.held
     k = len(free)
-
-    def draft_s(n: int) -> float:
-        return float(cost.draft_seconds(n, n)) if cost and n else 0.0
-
-    free_tokens = _expected(held.alpha_free, k)
-    chain_tokens = free_tokens + held.alpha_free ** k * _expected(held.alpha_model,
-                                                                  p.model_gamma)
+    chained = max(0, p.model_max - k)
+    alpha = held.acceptance
+    free_tokens = _expected(alpha.free, k)
+    chain_tokens = free_tokens + alpha.free ** k * _expected(alpha.model, chained)
     options = [((1 + free_tokens) / verify_s, (free, 0)),
-               ((1 + chain_tokens) / (verify_s + draft_s(p.model_gamma)),
-                (free, p.model_gamma)),  # the same as the lookup alone when it fills γ
-               ((1 + _expected(held.alpha_model, p.model_max)) /
+               ((1 + chain_tokens) / (verify_s + draft_s(chained)),
+                (free, chained)),  # the same as the lookup alone when it fills γ
+               ((1 + _expected(alpha.model, p.model_max)) /
                 (verify_s + draft_s(p.model_max)), ([], p.model_max))]
     return max(options, key=lambda o: o[0])[1]
 

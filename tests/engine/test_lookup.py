@@ -19,7 +19,7 @@ from outrider.engine.lookup import (
     prompt_lookup,
     suffix_lookup,
 )
-from outrider.engine.mix import ProposerMix, _Held
+from outrider.engine.mix import ProposerMix, _Acceptance, _Held
 from outrider.engine.proposer import DraftItem
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
@@ -41,6 +41,10 @@ def test_prompt_lookup_takes_the_longest_ngram_then_the_most_recent():
     # two occurrences of the same n-gram: the most recent
     context = ids(5, 6, 7, 5, 6, 8, 5, 6)
     assert prompt_lookup(context, 3) == [8, 5, 6]
+    # ... unless too few tokens follow it: then the earliest, with the most after it
+    context = ids(1, 2, 3, 4, 5, 9, 1, 2, 7, 1, 2)
+    assert prompt_lookup(context, 4) == [3, 4, 5, 9]
+    assert prompt_lookup(context, 2) == [7, 1]
 
 
 def test_prompt_lookup_needs_min_n_and_stops_at_the_context():
@@ -100,9 +104,10 @@ def test_mix_without_a_model_looks_up_and_learns_what_was_kept():
     assert out.probs is None and out.source(0) == ("ngram", 3)
     # the loop kept 3 and 4 (5 was rejected: 9 came instead): the lookups' acceptance
     # estimate for this request moves toward 2 of 3 tested positions
-    before = mix._held["a"].alpha_free
+    before = mix._held["a"].acceptance.free
     out = mix.draft([item("a", len(context), [3, 4, 9], 3)], CPU)
-    assert mix._held["a"].alpha_free != before
+    assert mix._held["a"].acceptance.free < before  # 2 kept, 1 rejected: 0.7 -> 0.664
+    assert mix.acceptance.free < before  # the replica's too, which new requests start from
     assert out.gammas == [0]  # "4 9" never occurred: nothing to propose
     # a caller that believes the mix holds more than it does gets a MISS
     assert mix.draft([item("a", 50, [1], 2)], CPU).is_miss == [True]
@@ -129,7 +134,7 @@ def test_auto_continues_a_short_lookup_with_the_model(draft_dir):
                                  draft_per_position_s=0.001)
     # a request whose lookups and model have both done well (α 0.9): the chain's ~5.2
     # expected tokens in 22 ms beat the lookup's 4.1 in 20 ms and the model's 5.7 in 26 ms
-    mix._held["c"] = _Held(alpha_free=0.9, alpha_model=0.9)
+    mix._held["c"] = _Held(acceptance=_Acceptance(free=0.9, model=0.9))
     out = mix.draft([item("c", 0, [5, 6, 7, 8, 5, 6, 7], 6)], CPU)
     # the lookup gives 8 5 6 7 (4 tokens, SPEC_FACTOR × a 3-token match); the model
     # drafts 2 more after them, from the context + the looked-up tokens
