@@ -22,7 +22,7 @@ from outrider.target_worker.scheduler import Scheduler, SchedulerConfig
 from outrider.core.load import ReplicaLoad
 from outrider.core.policy import Acceptance, GammaPolicy, OnlineCost, RequestState, SpecMode
 from outrider.core.sampling import TokenLogprob
-from outrider.core.sequence import FinishReason, RoundStats, Sequence
+from outrider.core.sequence import FinishReason, Round, RoundStats, Sequence
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.telemetry.metrics import TargetMetrics
 
@@ -193,7 +193,7 @@ class TargetEngine:
         seq = handle.seq
         gamma, accepted, free_kind, num_free = seq.last_round
         version = self.decoder.draft_version(seq)
-        self._learn(handle, gamma, accepted)
+        self._learn(handle, seq.last_round)
         logprobs = seq.logprobs[len(seq.logprobs) - len(tokens):] if seq.logprobs else []
         stats = RoundStats(gamma, accepted, heat, version, free_kind, num_free)
         self._deliver(handle, Chunk(tokens, [stats], logprobs=logprobs,
@@ -235,7 +235,15 @@ class TargetEngine:
                               timing.draft_tokens, timing.draft_s)
             self.policy.cost = self.cost.model
 
-    def _learn(self, handle: Handle, gamma: int, accepted: int) -> None:
+    def _learn(self, handle: Handle, last: Round) -> None:
+        """The round into the request's and the replica's acceptance estimates. They size
+        the draft model's γ for requests it drafts for: its tokens teach them, the lookups'
+        (free, capped by their matches, docs/DESIGN.md §2.8) only for model-free requests."""
+        gamma, accepted, _, num_free = last
+        if num_free and not handle.spec.draft_free:
+            if accepted < num_free or gamma == num_free:
+                return  # the model's part of the round was never tested, or there was none
+            gamma, accepted = gamma - num_free, accepted - num_free
         if gamma:
             handle.spec.acceptance.update(gamma, accepted)
             self.acceptance.update(gamma, accepted)

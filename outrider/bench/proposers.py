@@ -254,10 +254,7 @@ def run(args) -> int:
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(table(results))
     print(json.dumps(report["lookup_cost"]))
-    for t in report["targets"]:
-        print(f"{'met ' if t['met'] else 'MISS'} {t['target']} (c={t.get('concurrency')}): "
-              f"{t['value']:.3g} vs {t['threshold']:.3g}" if t["value"] is not None else
-              f"---- {t['target']}: not measured")
+    serving.print_targets(report["targets"])
     return 0
 
 

@@ -207,6 +207,14 @@ def target(name: str, value: float | None, threshold: float, higher_is_better: b
             "higher_is_better": higher_is_better, "met": met, **where}
 
 
+def print_targets(targets: list[dict]) -> None:
+    """One line per target: met or MISS, its value against its threshold."""
+    for t in targets:
+        print(f"{'met ' if t['met'] else 'MISS'} {t['target']} (c={t.get('concurrency')}): "
+              f"{t['value']:.3g} vs {t['threshold']:.3g}" if t["value"] is not None else
+              f"---- {t['target']}: not measured")
+
+
 def batch1_targets(rows: list[dict]) -> list[dict]:
     """Batch 1, greedy code: auto ≥ 2.0x off, achieved/bound ≥ 0.85, ITL ≤ 0.55x off."""
     auto = find_row(rows, workload="code", sampling="greedy", mode="auto", concurrency=1)

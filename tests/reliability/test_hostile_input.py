@@ -568,15 +568,18 @@ def test_http_random_json_and_bytes(live, expected_background):
 
 
 # -- clients that stall or leave -------------------------------------------------------------
-# γ = 8 makes a long request slow (each round drafts 8 tokens on the draft replica): 8 of
-# them at once need ~10 s on 2 cores, so they are still running when the clients that
-# stalled leave (at ~3 s), and their leaving is what stops them
+# γ = 8 makes a long request slow (each round drafts 8 tokens on the draft replica; the
+# draft model proposes, not the lookups, which copy the repetitive output of the random
+# test model for free): 8 of them at once need ~10 s on 2 cores, so they are still
+# running when the clients that stalled leave (at ~3 s), and their leaving is what stops
+# them
 LONG_GAMMA = 8
 LONG = gp.GenerateRequest(token_ids=gp.TokenIds(ids=[5, 6, 7]),
                           sampling=gp.SamplingOptions(max_tokens=450, temperature=0.0,
                                                       ignore_eos=True),
                           speculation=gp.SpeculationOptions(mode=gp.SPECULATION_MODE_FIXED,
-                                                            gamma_max=LONG_GAMMA))
+                                                            gamma_max=LONG_GAMMA),
+                          proposer="model")
 
 
 def test_grpc_clients_that_stop_reading(live, expected_background):
@@ -636,7 +639,8 @@ def test_http_sse_client_that_stops_reading_then_disconnects(live, expected_back
     host, port = live.http.split(":")
     body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 450,
                        "temperature": 0, "ignore_eos": True, "stream": True,
-                       "speculation": "fixed", "gamma": LONG_GAMMA}).encode()
+                       "speculation": "fixed", "gamma": LONG_GAMMA,
+                       "proposer": "model"}).encode()
     live.workers.wait_idle()
     before = generated_tokens(live)
     sockets = []
