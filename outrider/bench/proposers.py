@@ -13,9 +13,9 @@ packages installed beside Outrider, never in the repository or the demo pair's d
           "Quote it:" and its first words)
   plain   plain code (the first --prompt-tokens tokens of a file), 1, 8 and 32 streams,
           --max-tokens tokens
-Systems: `outrider serve` once, each outrider-KIND its requests' `proposer` field
-(auto, model, ngram, suffix); vllm-ngram (`method: ngram`, prompt lookup 2..5) and
-vllm-draftN (`method: draft_model`), each its own `vllm serve`. Servers take turns, the
+Systems, each its own server: outrider-KIND is `outrider serve --proposer KIND` (auto,
+model, ngram, suffix); vllm-ngram (`method: ngram`, prompt lookup 2..5) and vllm-draft
+(`method: draft_model`, --gamma tokens) are `vllm serve`. Servers take turns, the
 order reversed on odd rounds; a cell is the mean over rounds (every round kept). The
 lookups' own cost is timed in this process over the copy prompts.
 """
@@ -122,21 +122,24 @@ def lookup_cost(tokenizer, prompts: list[str], gamma: int) -> dict:
 # -- one round ---------------------------------------------------------------------------------
 def run_round(args, order: list[str], files: dict[str, Path], out_dir: Path, log,
               reverse: bool) -> dict:
-    """Every server in `order`, and on the outrider server every kind (reversed too on
-    odd rounds: the first system a server measures runs on its coldest caches)."""
+    """Every server in `order`; "outrider" is one `outrider serve --proposer KIND` per
+    kind (reversed too on odd rounds), as a user would start it: a replica's estimates
+    (acceptance per proposer, its cost model) learn from what it serves, so kinds sharing
+    one server would be measured on each other's history."""
     results: dict[str, dict[str, dict]] = {}
     for server in order:
-        log(f"{server}: starting")
-        if server == "outrider":
-            with versus.outrider_server(args, ("--proposer", "auto")) as url:
-                for kind in OUTRIDER_KINDS[::-1] if reverse else OUTRIDER_KINDS:
-                    results[f"outrider-{kind}"] = measure(args, url, files, out_dir,
-                                                          f"outrider-{kind}", {"proposer": kind},
-                                                          log)
-            continue
-        with _vllm(args, server) as url:
-            results[server] = measure(args, url, files, out_dir, server, None, log)
+        kinds = OUTRIDER_KINDS[::-1] if reverse else OUTRIDER_KINDS
+        for system in [f"outrider-{k}" for k in kinds] if server == "outrider" else [server]:
+            log(f"{system}: starting")
+            with _server(args, system) as url:
+                results[system] = measure(args, url, files, out_dir, system, log)
     return results
+
+
+def _server(args, system: str):
+    if system.startswith("outrider-"):
+        return versus.outrider_server(args, ("--proposer", system.removeprefix("outrider-")))
+    return _vllm(args, system)
 
 
 def _vllm(args, server: str):
@@ -148,19 +151,19 @@ def _vllm(args, server: str):
 
 
 def measure(args, url: str, files: dict[str, Path], out_dir: Path, system: str,
-            body: dict | None, log) -> dict[str, dict]:
+            log) -> dict[str, dict]:
     vllm = versus.vllm_command(args.vllm)
     # a warm-up long enough for the replica's online cost model to settle
     versus.bench_serve(vllm, url, args.target, files["warmup"], 4, 16, 64, out_dir,
-                       f"warmup-{system}", body)
+                       f"warmup-{system}")
     cells = {"copy-c1": versus.cell(versus.bench_serve(
         vllm, url, args.target, files["copy"], 1, args.copy_prompts, args.copy_tokens,
-        out_dir, f"{system}-copy", body))}
+        out_dir, f"{system}-copy"))}
     for c in PLAIN_LEVELS:
         cells[f"plain-c{c}"] = versus.cell(versus.bench_serve(
             vllm, url, args.target, files[f"plain-{c}"], c,
             versus.num_requests(c, args.requests_per_stream), args.max_tokens, out_dir,
-            f"{system}-plain", body))
+            f"{system}-plain"))
     log(f"{system}: " + ", ".join(f"{k} {v['tokens_per_s']:.0f} tok/s"
                                   for k, v in cells.items()))
     return cells

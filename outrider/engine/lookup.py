@@ -16,7 +16,7 @@ round by `outrider bench --proposers` (BENCHMARKS.md).
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 import numpy as np
 
@@ -24,8 +24,8 @@ NGRAM_MIN, NGRAM_MAX = 2, 5
 MAX_MATCH = 32         # suffix tokens compared at most
 MIN_SUFFIX_MATCH = 2   # shorter matches propose nothing
 SPEC_FACTOR = 2        # a suffix match of m tokens proposes at most 2m
-CORPUS_TOKENS = 1 << 16  # tokens of finished sequences the suffix corpus keeps
-KEY_LEN = 2            # the corpus is indexed by its 2-grams ...
+CORPUS_TOKENS = 1 << 15  # tokens of finished sequences the suffix corpus keeps (~6 MB)
+KEY_LEN = 2            # the corpus is indexed by its 2-grams (packed in one int) ...
 HITS_PER_KEY = 16      # ... keeping each one's most recent positions
 
 
@@ -72,7 +72,9 @@ class SuffixCorpus:
         self.max_tokens = max_tokens
         self.num_tokens = 0
         self._docs: OrderedDict[int, np.ndarray] = OrderedDict()  # id -> tokens [n]
-        self._index: dict[tuple[int, ...], deque[tuple[int, int]]] = {}
+        # a 2-gram (a << 32 | b) -> its newest positions (doc id << 32 | end), oldest
+        # first: ints and plain lists, the smallest Python holds them in
+        self._index: dict[int, list[int]] = {}
         self._next_id = 0
 
     def add(self, tokens: list[int]) -> None:
@@ -82,11 +84,10 @@ class SuffixCorpus:
         self._docs[doc_id] = np.asarray(tokens, dtype=np.int64)
         self.num_tokens += len(tokens)
         for end in range(KEY_LEN - 1, len(tokens) - 1):  # the last token has no follower
-            key = tuple(tokens[end - KEY_LEN + 1:end + 1])
-            hits = self._index.get(key)
-            if hits is None:
-                hits = self._index[key] = deque(maxlen=HITS_PER_KEY)
-            hits.append((doc_id, end))
+            hits = self._index.setdefault(tokens[end - 1] << 32 | tokens[end], [])
+            hits.append(doc_id << 32 | end)
+            if len(hits) > HITS_PER_KEY:
+                del hits[0]
         while self.num_tokens > self.max_tokens:
             self._drop_oldest()
 
@@ -95,14 +96,12 @@ class SuffixCorpus:
         self.num_tokens -= len(doc)
         tokens = doc.tolist()
         for end in range(KEY_LEN - 1, len(tokens) - 1):
-            key = tuple(tokens[end - KEY_LEN + 1:end + 1])
+            key = tokens[end - 1] << 32 | tokens[end]
             hits = self._index.get(key)
             if hits is None:
                 continue
-            kept = [h for h in hits if h[0] != doc_id]
-            if kept:
-                self._index[key] = deque(kept, maxlen=HITS_PER_KEY)
-            else:
+            hits[:] = [h for h in hits if h >> 32 != doc_id]
+            if not hits:
                 del self._index[key]
 
     def match(self, context: np.ndarray) -> tuple[int, np.ndarray]:
@@ -111,7 +110,9 @@ class SuffixCorpus:
         if len(context) < KEY_LEN:
             return 0, context[:0]
         best_len, best = 0, context[:0]
-        for doc_id, end in reversed(self._index.get(tuple(context[-KEY_LEN:].tolist()), ())):
+        last = context[-KEY_LEN:].tolist()
+        for hit in reversed(self._index.get(last[0] << 32 | last[1], ())):
+            doc_id, end = hit >> 32, hit & 0xFFFFFFFF
             text = self._docs[doc_id]
             length = _match_back(context, text, end)
             if length > best_len:

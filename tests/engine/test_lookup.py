@@ -81,9 +81,9 @@ def test_suffix_corpus_stays_within_its_token_budget_and_forgets_what_it_dropped
     assert corpus.num_tokens <= 100
     # the index holds only positions in the documents kept, at most HITS_PER_KEY per key
     kept = set(corpus._docs)
-    assert all(doc in kept for hits in corpus._index.values() for doc, _ in hits)
+    assert all(hit >> 32 in kept for hits in corpus._index.values() for hit in hits)
     assert all(len(hits) <= HITS_PER_KEY for hits in corpus._index.values())
-    assert not any(key[0] == 1000 for key in corpus._index)  # the first document is gone
+    assert not any(key >> 32 == 1000 for key in corpus._index)  # the first document is gone
     # the newest document answers
     assert suffix_lookup(ids(42, 1, 2, 3), 1, corpus) == [2029]
 

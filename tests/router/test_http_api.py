@@ -65,6 +65,12 @@ def test_completion_equals_the_grpc_api_and_carries_speculation_usage(system, oa
     assert sum(spec["accepted_per_position"]) == spec["accepted_tokens"]
     assert spec["mean_accepted_len"] == pytest.approx(
         (spec["accepted_tokens"] + spec["rounds"]) / spec["rounds"])
+    assert sum(p["draft_tokens"] for p in spec["by_proposer"].values()) == spec["draft_tokens"]
+    # a request may name what proposes (an extra body field): the same greedy text
+    ngram = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0.0,
+                                   extra_body={"ignore_eos": True, "proposer": "ngram"})
+    assert ngram.choices[0].text == choice.text
+    assert set(ngram.usage.model_extra["speculation"]["by_proposer"]) <= {"ngram"}
 
 
 def test_streamed_completion_equals_unary(oai):
@@ -129,6 +135,7 @@ BAD = [
     (dict(echo=True, logprobs=2), openai.BadRequestError, "logprobs"),
     (dict(extra_body={"bogus": 1}), openai.BadRequestError, "bogus"),
     (dict(extra_body={"gamma": 99}), openai.BadRequestError, "gamma"),
+    (dict(extra_body={"proposer": "lookahead"}), openai.BadRequestError, "proposer"),
     (dict(stop=["x"] * 1000), openai.BadRequestError, "stop"),
     (dict(model="no-such-model"), openai.NotFoundError, None),
 ]

@@ -168,6 +168,7 @@ BAD_INPUTS = [
     (dict(request_id="bad id with spaces"), "INVALID_ARGUMENT", "request_id"),
     (dict(tag="no/slashes"), "INVALID_ARGUMENT", "tag"),
     (dict(gamma_max=99), "INVALID_ARGUMENT", "speculation.gamma_max"),
+    (dict(proposer="lookahead"), "INVALID_ARGUMENT", "proposer"),
     (dict(prompt=[7] * 5000), "INVALID_ARGUMENT", "prompt"),  # longer than the context
 ]
 
@@ -182,6 +183,25 @@ def test_bad_input_gets_its_status_and_names_the_field(system, fields, code, nam
         c.generate(prompt, **{"max_tokens": 4, **fields})
     assert err.value.code.name == code
     assert named in err.value.message
+
+
+def test_a_request_chooses_what_proposes_and_greedy_output_stays_the_targets(system):
+    """DESIGN §2.8: the per-request proposer reaches the replica; each kind proposes only
+    its own tokens (AUTO: the suffix lookup and the draft model); the text is the same."""
+    router_a, _, _ = system
+    allowed = {"model": {"draft_model"}, "ngram": {"ngram"}, "suffix": {"suffix"},
+               "auto": {"suffix", "draft_model"}}
+    with client(router_a) as c:
+        results = {kind: c.generate(PROMPT, max_tokens=48, temperature=0.0, ignore_eos=True,
+                                    speculation="fixed", gamma_max=4, proposer=kind,
+                                    include_rounds=True) for kind in allowed}
+    assert len({r.token_ids for r in results.values()}) == 1
+    for kind, r in results.items():
+        assert set(r.speculation.by_proposer) <= allowed[kind], (kind, r.speculation)
+        assert sum(d for d, _ in r.speculation.by_proposer.values()) == r.speculation.draft_tokens
+        assert sum(x.num_free for x in r.rounds) == sum(
+            r.speculation.by_proposer.get(k, (0, 0))[0] for k in ("ngram", "suffix"))
+    assert results["model"].speculation.by_proposer["draft_model"][0] > 0
 
 
 def test_unknown_speculation_mode_and_missing_prompt(system):
