@@ -23,6 +23,7 @@ from outrider.core.load import ReplicaLoad
 from outrider.core.policy import Acceptance, GammaPolicy, OnlineCost, RequestState, SpecMode
 from outrider.core.sampling import TokenLogprob
 from outrider.core.sequence import FinishReason, Round, RoundStats, Sequence
+from outrider.core.stats import model_part
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.telemetry.metrics import TargetMetrics
 
@@ -241,9 +242,10 @@ class TargetEngine:
         (free, capped by their matches, docs/DESIGN.md §2.8) only for model-free requests."""
         gamma, accepted, _, num_free = last
         if num_free and not handle.spec.draft_free:
-            if accepted < num_free or gamma == num_free:
-                return  # the model's part of the round was never tested, or there was none
-            gamma, accepted = gamma - num_free, accepted - num_free
+            modelled = model_part(gamma, accepted, num_free)
+            if modelled is None:
+                return
+            gamma, accepted = modelled
         if gamma:
             handle.spec.acceptance.update(gamma, accepted)
             self.acceptance.update(gamma, accepted)

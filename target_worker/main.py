@@ -149,7 +149,6 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
     policy = GammaPolicy(PolicyConfig(MAX_GAMMA, cfg.hot_heat, cfg.cool_heat), cost)
     metrics = TargetMetrics(group.runner.model_name)
     engine = TargetEngine(decoder, cfg.sched, policy, metrics)
-    proposer.cost = lambda: engine.policy.cost  # the model's time, as the steps measure it
     metrics.watch_load(engine.load)
     metrics.watch_prefix_cache(group.runner.blocks)
     if cfg.metrics_port is not None:

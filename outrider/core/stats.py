@@ -35,6 +35,17 @@ def by_proposer(gamma: int, num_accepted: int, free_kind: str, num_free: int
     return out
 
 
+def model_part(gamma: int, num_accepted: int, num_free: int) -> tuple[int, int] | None:
+    """A round's (γ, accepted) as the draft model saw them when its first `num_free`
+    proposals were looked up: its drafts follow theirs, so they were tested only when
+    every looked-up token was kept. None: the model's part was never tested, or empty."""
+    if not num_free:
+        return gamma, num_accepted
+    if num_accepted < num_free or gamma == num_free:
+        return None
+    return gamma - num_free, num_accepted - num_free
+
+
 @dataclass
 class AcceptanceCounts:
     tested: list[int]
@@ -81,7 +92,9 @@ class SpecStats:
         self.num_accepted_tokens += num_accepted
         _add(self.drafted_per_position, [1] * num_draft)
         _add(self.accepted_per_position, [int(j < num_accepted) for j in range(num_draft)])
-        self.counts.add_round(num_draft, num_accepted)
+        modelled = model_part(num_draft, num_accepted, num_free)
+        if modelled:  # the γ policy sizes the draft model's γ from these (§2.8)
+            self.counts.add_round(*modelled)
 
     def merge(self, other: SpecStats) -> None:
         self.num_rounds += other.num_rounds

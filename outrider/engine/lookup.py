@@ -17,6 +17,7 @@ round by `outrider bench --proposers` (BENCHMARKS.md).
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,15 +30,23 @@ KEY_LEN = 2            # the corpus is indexed by its 2-grams (packed in one int
 HITS_PER_KEY = 16      # ... keeping each one's most recent positions
 
 
+class Lookup(NamedTuple):
+    """A lookup's proposal and the length of the context suffix it matched (how much
+    evidence it has: longer matches are accepted more often)."""
+
+    tokens: list[int]
+    match_len: int = 0
+
+
 def prompt_lookup(context: np.ndarray, max_tokens: int, min_n: int = NGRAM_MIN,
-                  max_n: int = NGRAM_MAX) -> list[int]:
+                  max_n: int = NGRAM_MAX) -> Lookup:
     """Up to `max_tokens` tokens that followed the most recent earlier occurrence of the
     longest n-gram (min_n <= n <= max_n) ending `context` [L] int64."""
     ends, length = _suffix_matches(context, context[:-1], max_n)
     if not len(ends) or length.max() < min_n or max_tokens <= 0:
-        return []
+        return Lookup([])
     end = _pick(ends[length == length.max()], len(context), max_tokens)
-    return context[end + 1:end + 1 + max_tokens].tolist()
+    return Lookup(context[end + 1:end + 1 + max_tokens].tolist(), int(length.max()))
 
 
 def _pick(ends: np.ndarray, context_len: int, wanted: int) -> int:
@@ -127,7 +136,7 @@ def _match_back(context: np.ndarray, text: np.ndarray, end: int) -> int:
     return int(np.cumprod(same).sum())
 
 
-def suffix_lookup(context: np.ndarray, max_tokens: int, corpus: SuffixCorpus) -> list[int]:
+def suffix_lookup(context: np.ndarray, max_tokens: int, corpus: SuffixCorpus) -> Lookup:
     """Up to `max_tokens` tokens that followed the longest suffix of `context` [L] found
     in the context itself or in `corpus`, at most SPEC_FACTOR × its length."""
     ends, length = _suffix_matches(context, context[:-1], MAX_MATCH)
@@ -137,6 +146,6 @@ def suffix_lookup(context: np.ndarray, max_tokens: int, corpus: SuffixCorpus) ->
            else context[:0])
     corpus_len, corpus_next = corpus.match(context)
     match_len, follow = (own_len, own) if own_len >= corpus_len else (corpus_len, corpus_next)
-    if match_len < MIN_SUFFIX_MATCH:
-        return []
-    return follow[:min(max_tokens, SPEC_FACTOR * match_len)].tolist()
+    if match_len < MIN_SUFFIX_MATCH or max_tokens <= 0:
+        return Lookup([])
+    return Lookup(follow[:min(max_tokens, SPEC_FACTOR * match_len)].tolist(), match_len)

@@ -8,23 +8,21 @@ replica's default); for AUTO, each round looks up first and then takes, of
   the lookup alone (no draft time, no round trip),
   the lookup continued by the model (the model drafts past the looked-up tokens),
   the model alone,
-the one with the most expected tokens per second: expected tokens from the request's
-acceptance of each kind (learnt from what the loop committed after each proposal),
-seconds from the replica's cost model (verify time of the batch + the model's draft
-time). Looked-up tokens are point masses (q one-hot), so verification stays exact.
+by which is likelier to be kept: the request's acceptance of the lookup at the length
+of suffix it matched against its acceptance of the model, both learnt from what the loop
+committed after each proposal (`_choice`). Looked-up tokens are point masses (q one-hot),
+so verification stays exact.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
-from outrider.core.policy import CostModel
 from outrider.core.sequence import ProposerKind, TeacherRow
-from outrider.engine.lookup import SuffixCorpus, prompt_lookup, suffix_lookup
+from outrider.engine.lookup import Lookup, SuffixCorpus, prompt_lookup, suffix_lookup
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal, Proposer, dense_q
 
 EMPTY_CORPUS = SuffixCorpus(max_tokens=0)  # holds nothing: a lookup in the context alone
@@ -33,18 +31,32 @@ ALPHA_WEIGHT = 0.2          # EWMA weight of a tested position, in a request's e
 REPLICA_ALPHA_WEIGHT = 0.02  # ... in the replica's, where new requests start from
 
 
+MATCH_BUCKETS = 8  # lookups' acceptance is kept by match length: 1, 2, ..., 8 or more
+
+
 @dataclass
 class _Acceptance:
-    """P(a proposal is kept | the ones before it were), per proposer: an EWMA."""
+    """P(a proposal is kept | the ones before it were), per proposer: an EWMA; the
+    lookups' by the length of the context suffix they matched (the evidence they had)."""
 
-    free: float = 0.7   # the lookups'
+    # the lookups', by match length; a start that trusts longer matches more
+    free: list[float] = field(default_factory=lambda: [0.3, 0.4, 0.5, 0.55, 0.6, 0.65,
+                                                       0.7, 0.75])
     model: float = 0.7  # the draft model's (the γ policy's own start)
 
-    def observe(self, is_free: bool, hit: float, weight: float) -> None:
-        if is_free:
-            self.free += weight * (hit - self.free)
+    def of_lookup(self, match_len: int) -> float:
+        return self.free[min(max(match_len, 1), MATCH_BUCKETS) - 1]
+
+    def observe(self, match_len: int, hit: float, weight: float) -> None:
+        """A tested position: looked up after a `match_len` match, or (0) the model's."""
+        if match_len:
+            k = min(match_len, MATCH_BUCKETS) - 1
+            self.free[k] += weight * (hit - self.free[k])
         else:
             self.model += weight * (hit - self.model)
+
+    def copy(self) -> _Acceptance:
+        return _Acceptance(list(self.free), self.model)
 
 
 @dataclass
@@ -54,6 +66,8 @@ class _Held:
     tokens: list[int] = field(default_factory=list)  # context + the last proposal
     num_context: int = 0   # tokens[num_context:] are the last proposal's drafts
     num_free: int = 0      # ... of which the first num_free were looked up
+    free_match: int = 0    # ... after a match of this many tokens
+    shadow_match: int = 0  # the match behind `shadow`:
     shadow: list[int] = field(default_factory=list)  # a lookup not proposed (AUTO chose
     # the model alone): what followed tells how it would have done, at no cost
     model_len: int = 0     # the prefix of tokens the draft model holds
@@ -77,12 +91,12 @@ class _Held:
 
     def _learn(self, context: list[int], replica: _Acceptance) -> None:
         seen = context[self.num_context:]
-        tested = [(j < self.num_free, hit)
+        tested = [(self.free_match if j < self.num_free else 0, hit)
                   for j, hit in _tested(self.tokens[self.num_context:], seen)]
-        tested += [(True, hit) for _, hit in _tested(self.shadow, seen)]
-        for is_free, hit in tested:
-            self.acceptance.observe(is_free, hit, ALPHA_WEIGHT)
-            replica.observe(is_free, hit, REPLICA_ALPHA_WEIGHT)
+        tested += [(self.shadow_match, hit) for _, hit in _tested(self.shadow, seen)]
+        for match_len, hit in tested:
+            self.acceptance.observe(match_len, hit, ALPHA_WEIGHT)
+            replica.observe(match_len, hit, REPLICA_ALPHA_WEIGHT)
         self.shadow = []
 
 
@@ -94,6 +108,7 @@ class _Plan:
     held: _Held | None  # None: an item with nothing to do this round
     free_kind: str = ""
     free: list[int] = field(default_factory=list)
+    free_match: int = 0   # the suffix the lookup matched, in tokens
     model_max: int = 0    # the most the model may draft (γ, its context permitting)
     model_gamma: int = 0
     model_item: DraftItem | None = None
@@ -113,8 +128,6 @@ class ProposerMix:
         self._vocab_size = vocab_size
         self._held: dict[object, _Held] = {}
         self.acceptance = _Acceptance()  # the replica's: where new requests start from
-        # the replica's cost model, once measured (None: the model's time is not weighed)
-        self.cost: Callable[[], CostModel | None] = lambda: None
 
     # -- Proposer ----------------------------------------------------------------------------
     @property
@@ -184,7 +197,7 @@ class ProposerMix:
                 continue
             held = self._held.get(item.seq_id)
             if held is None:
-                held = self._held[item.seq_id] = _Held(acceptance=replace(self.acceptance))
+                held = self._held[item.seq_id] = _Held(acceptance=self.acceptance.copy())
             miss = item.committed_len > len(held.tokens)
             is_miss.append(miss)
             plan = _Plan(item, held)
@@ -207,7 +220,8 @@ class ProposerMix:
         kind, gamma, held = self.kind_of(plan.item), plan.item.gamma, plan.held
         if kind is not ProposerKind.MODEL:
             lookup = ProposerKind.NGRAM if kind is ProposerKind.NGRAM else ProposerKind.SUFFIX
-            plan.free = self._look_up(lookup, held.tokens, gamma, plan.item.params.is_greedy)
+            plan.free, plan.free_match = self._look_up(lookup, held.tokens, gamma,
+                                                       plan.item.params.is_greedy)
             plan.free_kind = lookup.value if plan.free else ""
         if kind is ProposerKind.MODEL or kind is ProposerKind.AUTO:
             room = self.model.max_model_len - len(held.tokens) if self.model else 0
@@ -215,7 +229,7 @@ class ProposerMix:
             plan.model_gamma = max(0, min(gamma - len(plan.free), room))
 
     def _look_up(self, kind: ProposerKind, tokens: list[int], gamma: int,
-                 with_corpus: bool) -> list[int]:
+                 with_corpus: bool) -> Lookup:
         """The lookup's proposal; a sampled request's (with_corpus False) comes from its
         own tokens only, so its seed gives the same sample whatever else was served."""
         context = np.asarray(tokens, dtype=np.int64)
@@ -224,35 +238,19 @@ class ProposerMix:
         return suffix_lookup(context, gamma, self.corpus if with_corpus else EMPTY_CORPUS)
 
     def _weigh(self, plans: list[_Plan]) -> None:
-        """AUTO rounds with a lookup and a model that could draft: keep the option with
-        the most expected tokens per second (lookup alone, lookup + model, model alone).
-        The model's round trip and its positions up to the round's largest γ are paid
-        once per round: a row whose lookup won while others still call the model is
-        weighed again with only what it would add."""
-        cost = self.cost()
-        auto = [p for p in plans if p.model_max and p.free
-                and self.kind_of(p.item) is ProposerKind.AUTO]
-        if auto:
-            batch = sum(1 + p.item.gamma for p in plans if p.item.gamma)
-            verify_s = float(cost.verify_seconds(batch)) if cost else 1.0
-            looked_up = {id(p): p.free for p in auto}
-            choosing = {id(p) for p in auto}
-            others = max((p.model_gamma for p in plans if id(p) not in choosing), default=0)
-            for p in auto:
+        """AUTO rounds with a lookup and a model that could draft (`_choice`)."""
+        for p in plans:
+            if p.model_max and p.free and self.kind_of(p.item) is ProposerKind.AUTO:
+                looked_up = p.free
                 p.held.num_weighed += 1
-                p.free, p.model_gamma = _best_option(p, verify_s, _draft_cost(cost, others))
                 if p.held.num_weighed % EXPLORE_EVERY == 0:
                     # the model's acceptance where a lookup exists is only learnt by trying
                     # it there: the rounds without a lookup are the hard ones
                     p.free, p.model_gamma = [], p.model_max
-            largest = max(p.model_gamma for p in plans)
-            for p in auto:
-                if largest and not p.model_gamma and p.free:
-                    p.free, p.model_gamma = _best_option(p, verify_s,
-                                                         _draft_cost(cost, largest))
-            for p in auto:
+                else:
+                    p.free, p.model_gamma = _choice(p)
                 p.free_kind = p.free_kind if p.free else ""
-                p.held.shadow = [] if p.free else looked_up[id(p)]
+                p.held.shadow, p.held.shadow_match = ([] if p.free else looked_up), p.free_match
         self._make_model_items(plans)
 
     def _make_model_items(self, plans: list[_Plan]) -> None:
@@ -296,7 +294,7 @@ class ProposerMix:
             sources.append((p.free_kind, len(p.free)))
             if p.held is not None and not miss:
                 p.held.tokens = p.held.tokens[:p.held.num_context] + ids
-                p.held.num_free = len(p.free)
+                p.held.num_free, p.held.free_match = len(p.free), p.free_match
         out = Proposal.of_rows(rows, self.vocab_size, device, sources) if any(
             ids for ids, _ in rows) else Proposal.empty(len(plans), device)
         out.is_miss = is_miss
@@ -336,35 +334,17 @@ class ProposerMix:
         return drafted.with_rows(missed, self.model.draft(retries, device))
 
 
-def _draft_cost(cost: CostModel | None, paid_up_to: int) -> Callable[[int], float]:
-    """Seconds the model adds to a round by drafting n tokens for one more row, when the
-    round already has the model draft up to γ `paid_up_to` (0: not called at all)."""
-    def seconds(n: int) -> float:
-        if not cost or not n:
-            return 0.0
-        if not paid_up_to:
-            return float(cost.draft_seconds(n, n))
-        return (cost.draft_per_token_s * n
-                + cost.draft_per_position_s * max(0, n - paid_up_to))
-    return seconds
-
-
-def _best_option(p: _Plan, verify_s: float, draft_s: Callable[[int], float]
-                 ) -> tuple[list[int], int]:
-    """(looked-up tokens, model γ) of the option with the most expected tokens per second.
-    `p.free` is the lookup's whole proposal (the first pass may have cut it)."""
-    free, held = p.free, p.held
-    k = len(free)
-    chained = max(0, p.model_max - k)
-    alpha = held.acceptance
-    free_tokens = _expected(alpha.free, k)
-    chain_tokens = free_tokens + alpha.free ** k * _expected(alpha.model, chained)
-    options = [((1 + free_tokens) / verify_s, (free, 0)),
-               ((1 + chain_tokens) / (verify_s + draft_s(chained)),
-                (free, chained)),  # the same as the lookup alone when it fills γ
-               ((1 + _expected(alpha.model, p.model_max)) /
-                (verify_s + draft_s(p.model_max)), ([], p.model_max))]
-    return max(options, key=lambda o: o[0])[1]
+def _choice(p: _Plan) -> tuple[list[int], int]:
+    """(looked-up tokens, model γ) for an AUTO round with both at hand. The lookup leads
+    when its tokens are at least as likely kept as the model's (its estimate at this
+    match length against the request's model estimate): alone when it fills the round
+    (no draft call), else continued by the model; otherwise the model drafts alone.
+    Expected tokens decide, not a time model: drafting ahead (§2.5) hides the model's
+    time in small batches, and in large ones the γ policy turns speculation off."""
+    alpha = p.held.acceptance
+    if alpha.of_lookup(p.free_match) < alpha.model:
+        return [], p.model_max
+    return p.free, max(0, p.model_max - len(p.free))
 
 
 def _tested(proposed: list[int], committed: list[int]) -> list[tuple[int, float]]:
@@ -376,7 +356,3 @@ def _tested(proposed: list[int], committed: list[int]) -> list[tuple[int, float]
             for j in range(min(kept + 1, len(proposed), len(committed)))]
 
 
-def _expected(alpha: float, n: int) -> float:
-    """Expected accepted tokens of n proposals, each kept with probability alpha given
-    the ones before it were."""
-    return sum(alpha ** j for j in range(1, n + 1))

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from outrider.cluster.spec import SpecError, load_spec, parse_spec
+
 from outrider.core.sequence import ProposerKind
 
 

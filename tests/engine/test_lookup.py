@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from outrider.core.policy import CostModel
 from outrider.core.sampling import SamplingParams
 from outrider.core.sequence import ProposerKind
 from outrider.engine.drafter import Drafter
@@ -19,7 +18,7 @@ from outrider.engine.lookup import (
     prompt_lookup,
     suffix_lookup,
 )
-from outrider.engine.mix import ProposerMix, _Acceptance, _Held
+from outrider.engine.mix import EXPLORE_EVERY, ProposerMix, _Acceptance, _Held
 from outrider.engine.proposer import DraftItem
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
@@ -37,21 +36,21 @@ def test_prompt_lookup_takes_the_longest_ngram_then_the_most_recent():
     # "1 2 3" occurs at 0 (followed by 10 11) and "2 3" at 6 (followed by 20 21): the
     # longer match wins although it is older
     context = ids(1, 2, 3, 10, 11, 9, 2, 3, 20, 21, 1, 2, 3)
-    assert prompt_lookup(context, 2) == [10, 11]
+    assert prompt_lookup(context, 2).tokens == [10, 11]
     # two occurrences of the same n-gram: the most recent
     context = ids(5, 6, 7, 5, 6, 8, 5, 6)
-    assert prompt_lookup(context, 3) == [8, 5, 6]
+    assert prompt_lookup(context, 3).tokens == [8, 5, 6]
     # ... unless too few tokens follow it: then the earliest, with the most after it
     context = ids(1, 2, 3, 4, 5, 9, 1, 2, 7, 1, 2)
-    assert prompt_lookup(context, 4) == [3, 4, 5, 9]
-    assert prompt_lookup(context, 2) == [7, 1]
+    assert prompt_lookup(context, 4).tokens == [3, 4, 5, 9]
+    assert prompt_lookup(context, 2).tokens == [7, 1]
 
 
 def test_prompt_lookup_needs_min_n_and_stops_at_the_context():
-    assert prompt_lookup(ids(4, 9, 9, 9, 4), 3) == []          # a 1-gram match only
-    assert prompt_lookup(ids(1, 2, 3, 1, 2), 8) == [3, 1, 2]  # what followed, up to the end
-    assert prompt_lookup(ids(1, 2, 1, 2), 0) == []
-    assert prompt_lookup(ids(7), 4) == []
+    assert prompt_lookup(ids(4, 9, 9, 9, 4), 3).tokens == []          # a 1-gram match only
+    assert prompt_lookup(ids(1, 2, 3, 1, 2), 8).tokens == [3, 1, 2]  # what followed, up to the end
+    assert prompt_lookup(ids(1, 2, 1, 2), 0).tokens == []
+    assert prompt_lookup(ids(7), 4).tokens == []
 
 
 # -- suffix matching --------------------------------------------------------------------------
@@ -59,19 +58,18 @@ def test_prompt_lookup_needs_min_n_and_stops_at_the_context():
 def test_suffix_lookup_proposes_at_most_spec_factor_times_the_match():
     # the context's suffix "8 9" (2 tokens) matches at 0: at most 4 tokens follow
     context = ids(8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9)
-    assert suffix_lookup(context, 16, SuffixCorpus()) == [1, 2, 3, 4][:SPEC_FACTOR * 2]
-    assert suffix_lookup(context, 3, SuffixCorpus()) == [1, 2, 3]
-    assert suffix_lookup(ids(1, 2, 3, 4), 4, SuffixCorpus()) == []  # nothing repeats
+    assert suffix_lookup(context, 16, SuffixCorpus()).tokens == [1, 2, 3, 4][:SPEC_FACTOR * 2]
+    assert suffix_lookup(context, 3, SuffixCorpus()).tokens == [1, 2, 3]
+    assert suffix_lookup(ids(1, 2, 3, 4), 4, SuffixCorpus()).tokens == []  # nothing repeats
 
 
 def test_suffix_lookup_finds_the_longest_match_in_the_corpus():
     corpus = SuffixCorpus()
     corpus.add([50, 1, 2, 3, 4, 60, 61, 62])  # "1 2 3 4" then 60 61 62
     corpus.add([2, 3, 4, 70, 71])             # "2 3 4" then 70: a shorter match, newer
-    assert suffix_lookup(ids(9, 1, 2, 3, 4), 3, corpus) == [60, 61, 62]
+    assert suffix_lookup(ids(9, 1, 2, 3, 4), 3, corpus).tokens == [60, 61, 62]
     # the sequence's own occurrence wins a tie with the corpus
-    assert suffix_lookup(ids(3, 4, 80, 81, 2, 3, 4), 2, corpus)[:1] in ([80], [60], [70])
-    assert suffix_lookup(ids(2, 3, 4, 80, 81, 2, 3, 4), 2, corpus) == [80, 81]
+    assert suffix_lookup(ids(2, 3, 4, 80, 81, 2, 3, 4), 2, corpus).tokens == [80, 81]
 
 
 def test_suffix_corpus_stays_within_its_token_budget_and_forgets_what_it_dropped():
@@ -85,7 +83,7 @@ def test_suffix_corpus_stays_within_its_token_budget_and_forgets_what_it_dropped
     assert all(len(hits) <= HITS_PER_KEY for hits in corpus._index.values())
     assert not any(key >> 32 == 1000 for key in corpus._index)  # the first document is gone
     # the newest document answers
-    assert suffix_lookup(ids(42, 1, 2, 3), 1, corpus) == [2029]
+    assert suffix_lookup(ids(42, 1, 2, 3), 1, corpus).tokens == [2029]
 
 
 # -- the mix -----------------------------------------------------------------------------------
@@ -104,10 +102,13 @@ def test_mix_without_a_model_looks_up_and_learns_what_was_kept():
     assert out.probs is None and out.source(0) == ("ngram", 3)
     # the loop kept 3 and 4 (5 was rejected: 9 came instead): the lookups' acceptance
     # estimate for this request moves toward 2 of 3 tested positions
-    before = mix._held["a"].acceptance.free
+    before = mix._held["a"].acceptance.of_lookup(2)  # "1 2" matched: 2 tokens
     out = mix.draft([item("a", len(context), [3, 4, 9], 3)], CPU)
-    assert mix._held["a"].acceptance.free < before  # 2 kept, 1 rejected: 0.7 -> 0.664
-    assert mix.acceptance.free < before  # the replica's too, which new requests start from
+    # tested: kept, kept, rejected; EWMA weight 0.2 for the request, 0.02 for the replica
+    assert mix._held["a"].acceptance.of_lookup(2) == pytest.approx(
+        ((before + 0.2 * (1 - before)) * 0.8 + 0.2) * 0.8)
+    assert mix.acceptance.of_lookup(2) == pytest.approx(  # where new requests start
+        ((before + 0.02 * (1 - before)) * 0.98 + 0.02) * 0.98)
     assert out.gammas == [0]  # "4 9" never occurred: nothing to propose
     # a caller that believes the mix holds more than it does gets a MISS
     assert mix.draft([item("a", 50, [1], 2)], CPU).is_miss == [True]
@@ -127,27 +128,33 @@ def test_mix_model_requests_never_look_up_and_free_requests_never_draft(llama_di
     assert mix.is_model_free(ProposerKind.NGRAM) and not mix.is_model_free(None)
 
 
-def test_auto_continues_a_short_lookup_with_the_model(draft_dir):
+def test_auto_leads_with_a_lookup_it_trusts_and_lets_the_model_continue(draft_dir):
     model = Drafter(ModelRunner(RunnerConfig(str(draft_dir), kv_cache_mb=16)))
     mix = ProposerMix(model, model.vocab_size)
-    mix.cost = lambda: CostModel(verify_base_s=0.02, verify_per_token_s=0.0,
-                                 draft_per_position_s=0.001)
-    # a request whose lookups and model have both done well (α 0.9): the chain's ~5.2
-    # expected tokens in 22 ms beat the lookup's 4.1 in 20 ms and the model's 5.7 in 26 ms
-    mix._held["c"] = _Held(acceptance=_Acceptance(free=0.9, model=0.9))
-    out = mix.draft([item("c", 0, [5, 6, 7, 8, 5, 6, 7], 6)], CPU)
-    # the lookup gives 8 5 6 7 (4 tokens, SPEC_FACTOR × a 3-token match); the model
-    # drafts 2 more after them, from the context + the looked-up tokens
+    context = [5, 6, 7, 8, 5, 6, 7]  # "5 6 7" matched (3 tokens): 8 5 6 7 follow
+    # a request whose lookups are kept more often than the model's drafts: the lookup
+    # leads and the model drafts 2 more after it, from the context + the looked-up tokens
+    mix._held["c"] = _Held(acceptance=_Acceptance(free=[0.9] * 8, model=0.6))
+    out = mix.draft([item("c", 0, context, 6)], CPU)
     assert out.source(0) == ("suffix", 4) and out.gammas == [6]
     assert out.token_ids[0, :4].tolist() == [8, 5, 6, 7]
     assert out.probs is None  # greedy: point masses throughout
     assert model.runner.blocks.seq_len("c") == 7 + 4 + 1  # the context, lookups, 1 draft
-    # a draft model that costs far more than it wins: the lookup alone
-    mix.cost = lambda: CostModel(verify_base_s=0.001, verify_per_token_s=0.0,
-                                 draft_per_position_s=1.0)
-    out = mix.draft([item("d", 0, [5, 6, 7, 8, 5, 6, 7], 6)], CPU)
+    # ... alone when it fills the round: no draft call
+    mix._held["f"] = _Held(acceptance=_Acceptance(free=[0.9] * 8, model=0.6))
+    out = mix.draft([item("f", 0, context, 4)], CPU)
     assert out.source(0) == ("suffix", 4) and out.gammas == [4]
-    assert not model.runner.blocks.has("d")
+    assert not model.runner.blocks.has("f")
+    # a request whose model does better than its lookups at this match length: the model
+    mix._held["m"] = _Held(acceptance=_Acceptance(free=[0.9, 0.9, 0.5] + [0.9] * 5,
+                                                  model=0.8))
+    out = mix.draft([item("m", 0, context, 6)], CPU)
+    assert out.source(0) == ("", 0) and out.gammas == [6]
+    assert mix._held["m"].shadow == [8, 5, 6, 7]  # scored against what follows, for free
+    # every EXPLORE_EVERY-th round with a choice tries the model, however the lookup does
+    held = mix._held["x"] = _Held(acceptance=_Acceptance(free=[0.9] * 8, model=0.1))
+    held.num_weighed = EXPLORE_EVERY - 1
+    assert mix.draft([item("x", 0, context, 6)], CPU).source(0) == ("", 0)
 
 
 @pytest.mark.parametrize("kind", ["ngram", "suffix", "auto"])
