@@ -35,12 +35,13 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from outrider import paths
 from outrider.bench import common
 from outrider.bench.versus import package_sources
+from outrider.flags import PROPOSERS
 from outrider.launch import redis_server
 
 DEFAULT_OUT = "results/adapt.json"
@@ -56,6 +57,8 @@ class Served:
     tokens_per_s: float
     version: int         # the draft version serving when it ended
     training_share: float  # of the request's polls, the share with a round training
+    rounds: int = 0      # speculative rounds (tokens per round: its tokens / rounds)
+    by_proposer: dict = field(default_factory=dict)  # method -> (drafted, kept)
 
 
 class DraftWatch:
@@ -124,7 +127,8 @@ def serve_stream(client, watch: DraftWatch, texts: list[str], args, log,
         version, share = watch.between(start, time.monotonic())
         results.append(Served(i, served, g.speculation.draft_tokens,
                               g.speculation.accepted_tokens, g.timings.tokens_per_s,
-                              version, share))
+                              version, share, g.speculation.rounds,
+                              g.speculation.by_proposer))
         if i % WINDOW == WINDOW - 1:
             window = results[-WINDOW:]
             log(f"{served} tokens: acceptance {_acceptance(window):.3f}, "
@@ -173,7 +177,22 @@ def summary(results: list[Served], points: list[dict], baseline: list[Served],
         "acceptance_while_training": train_acc, "acceptance_between_rounds": idle_acc,
         "requests_while_training": len(training), "requests_between_rounds": len(idle),
         "acceptance_by_version": {str(v): _acceptance([r for r in results if r.version == v])
-                                  for v in sorted({r.version for r in results})}}
+                                  for v in sorted({r.version for r in results})},
+        # accepted tokens per round, the whole stream (what --proposer changes, §2.8)
+        "accepted_per_round": (sum(r.accepted for r in results)
+                               / max(1, sum(r.rounds for r in results))),
+        "by_proposer": _by_proposer(results)}
+
+
+def _by_proposer(results: list[Served]) -> dict[str, list[int]]:
+    """method -> [drafted, accepted] over the stream."""
+    out: dict[str, list[int]] = {}
+    for r in results:
+        for method, (drafted, kept) in r.by_proposer.items():
+            totals = out.setdefault(method, [0, 0])
+            totals[0] += drafted
+            totals[1] += kept
+    return out
 
 
 def plot(points: list[dict], path: Path) -> str:
@@ -210,6 +229,8 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
                         help="stop after this many output tokens (adapt)")
     parser.add_argument("--minutes", type=float, default=30.0,
                         help="or after this long (adapt)")
+    parser.add_argument("--adapt-proposer", choices=PROPOSERS, default="auto",
+                        help="the served system's --proposer (adapt; default: auto)")
     parser.add_argument("--probe", type=int, default=200,
                         help="windows held back from the stream: shipped against learnt "
                              "weights on the same prompts (adapt)")
@@ -233,6 +254,7 @@ def run(args) -> int:
     points = curves(results)
     report = {"machine": common.machine(), "command": common.command_line(),
               "config": {"served_tokens": args.served_tokens, "minutes": args.minutes,
+                         "proposer": args.adapt_proposer,
                          "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                          "gamma": args.gamma, "prompts": len(texts), "probe": len(probe)},
               "summary": summary(results, points, baseline),
@@ -258,7 +280,8 @@ def serve_system(args, texts: list[str], adapt: bool, log, limit: int,
     from outrider.state import RedisStore
 
     cfg = LocalSystemConfig(args.target, args.draft, gamma=args.gamma, grpc_port=0,
-                            metrics=True, adapt=adapt, redis_url=redis_url)
+                            metrics=True, adapt=adapt, redis_url=redis_url,
+                            proposer=args.adapt_proposer)
     with local_system(cfg) as system, Client(system.router, timeout_s=600) as client, \
             DraftWatch(system.metrics["draft-0"]) as watch:
         results = serve_stream(client, watch, texts, args, log, limit)

@@ -250,7 +250,9 @@ def test_redis_killed_and_restarted_empty_while_routers_serve(llama_dir, redis_s
     the shared journal (idempotent replay from the other router) and the acceptance
     statistics work again."""
     expected = reference_greedy(llama_dir, REDIS_PROMPTS, REDIS_TOKENS)
-    greedy = dict(temperature=0.0, ignore_eos=True, speculation="fixed", gamma_max=2)
+    # the draft model drafts: the shared acceptance statistics are its own (DESIGN §2.8)
+    greedy = dict(temperature=0.0, ignore_eos=True, speculation="fixed", gamma_max=2,
+                  proposer="model")
     sys_ = redis_system
     redis_server, target, workers = sys_.redis, sys_.target, sys_.workers
     with Client(sys_.router_a, timeout_s=120) as a, Client(sys_.router_b, timeout_s=120) as b:

@@ -121,8 +121,9 @@ def test_two_routers_share_replicas_statistics_and_rate_limits(system, redis_url
     with client(router_a) as a, client(router_b) as b:
         _wait(lambda: [r.address for r in b.status().replicas] == [target])
         assert [r.address for r in a.status().replicas] == [target]
+        # the shared statistics are the draft model's (§2.8): it drafts every round
         done = b.generate(PROMPT, max_tokens=12, temperature=0.0, tag="shared-stats",
-                          speculation="fixed", gamma_max=2)
+                          speculation="fixed", gamma_max=2, proposer="model")
         assert done.replica == target  # B routes to the replica A registered
         stats_a = [x for x in a.status(tag="shared-stats").acceptance]
         stats_b = [x for x in b.status(tag="shared-stats").acceptance]
