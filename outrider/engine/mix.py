@@ -82,17 +82,25 @@ class _Held:
         how many of the last proposal's drafts the loop kept, into this request's and the
         `replica`'s estimates (None: the new tokens are not all committed — drafting
         ahead sends this round's drafts as if accepted)."""
-        context = self.tokens[:item.committed_len] + item.new_token_ids
+        drafts = self.tokens[self.num_context:]  # in place: no copy of the context a round
+        del self.tokens[item.committed_len:]
+        self.tokens.extend(item.new_token_ids)
         if replica is not None:
-            self._learn(context, replica)
-        self.tokens, self.num_context = context, len(context)
-        self.model_len = min(self.model_len, item.committed_len, len(context) - 1)
+            self._learn(drafts, self.tokens[self.num_context:], replica)
+        self.num_context = len(self.tokens)
+        self.model_len = min(self.model_len, item.committed_len, self.num_context - 1)
         self.traceparent = self.traceparent or item.traceparent
 
-    def _learn(self, context: list[int], replica: _Acceptance) -> None:
-        seen = context[self.num_context:]
+    def propose(self, ids: list[int], num_free: int, free_match: int) -> None:
+        """The round's proposal after the context (the first num_free looked up)."""
+        del self.tokens[self.num_context:]
+        self.tokens.extend(ids)
+        self.num_free, self.free_match = num_free, free_match
+
+    def _learn(self, drafts: list[int], seen: list[int], replica: _Acceptance) -> None:
+        """`drafts`: the last proposal; `seen`: what the loop committed after them."""
         tested = [(self.free_match if j < self.num_free else 0, hit)
-                  for j, hit in _tested(self.tokens[self.num_context:], seen)]
+                  for j, hit in _tested(drafts, seen)]
         tested += [(self.shadow_match, hit) for _, hit in _tested(self.shadow, seen)]
         for match_len, hit in tested:
             self.acceptance.observe(match_len, hit, ALPHA_WEIGHT)
@@ -106,6 +114,7 @@ class _Plan:
 
     item: DraftItem
     held: _Held | None  # None: an item with nothing to do this round
+    kind: ProposerKind = ProposerKind.AUTO  # as this round runs it (ProposerMix.kind_of)
     free_kind: str = ""
     free: list[int] = field(default_factory=list)
     free_match: int = 0   # the suffix the lookup matched, in tokens
@@ -200,24 +209,25 @@ class ProposerMix:
                 held = self._held[item.seq_id] = _Held(acceptance=self.acceptance.copy())
             miss = item.committed_len > len(held.tokens)
             is_miss.append(miss)
-            plan = _Plan(item, held)
+            plan = _Plan(item, held, self.kind_of(item))
             plans.append(plan)
             if miss:
                 continue
             held.take(item, self.acceptance if learn else None)
-            if self.model is not None and not self.kind_of(item).is_model_free:
+            if self.model is not None and not plan.kind.is_model_free:
                 held.teacher += item.teacher
             if item.prefill_only:
-                plan.model_item = self._warm_item(item, held)
+                plan.model_item = self._warm_item(plan)
             elif item.gamma:
                 self._choose(plan)
         self._weigh(plans)
+        self._make_model_items(plans)
         return plans, is_miss
 
     def _choose(self, plan: _Plan) -> None:
         """The looked-up tokens a round starts with (AUTO, NGRAM, SUFFIX) and how many the
         model drafts after them (AUTO, MODEL)."""
-        kind, gamma, held = self.kind_of(plan.item), plan.item.gamma, plan.held
+        kind, gamma, held = plan.kind, plan.item.gamma, plan.held
         if kind is not ProposerKind.MODEL:
             lookup = ProposerKind.NGRAM if kind is ProposerKind.NGRAM else ProposerKind.SUFFIX
             plan.free, plan.free_match = self._look_up(lookup, held.tokens, gamma,
@@ -240,7 +250,7 @@ class ProposerMix:
     def _weigh(self, plans: list[_Plan]) -> None:
         """AUTO rounds with a lookup and a model that could draft (`_choice`)."""
         for p in plans:
-            if p.model_max and p.free and self.kind_of(p.item) is ProposerKind.AUTO:
+            if p.model_max and p.free and p.kind is ProposerKind.AUTO:
                 looked_up = p.free
                 p.held.num_weighed += 1
                 if p.held.num_weighed % EXPLORE_EVERY == 0:
@@ -251,7 +261,6 @@ class ProposerMix:
                     p.free, p.model_gamma = _choice(p)
                 p.free_kind = p.free_kind if p.free else ""
                 p.held.shadow, p.held.shadow_match = ([] if p.free else looked_up), p.free_match
-        self._make_model_items(plans)
 
     def _make_model_items(self, plans: list[_Plan]) -> None:
         for p in plans:
@@ -264,11 +273,12 @@ class ProposerMix:
                                        teacher=held.teacher)
                 held.teacher = []
 
-    def _warm_item(self, item: DraftItem, held: _Held) -> DraftItem | None:
+    def _warm_item(self, plan: _Plan) -> DraftItem | None:
         """A prefill for the model: AUTO and MODEL requests draft from it next round."""
-        if self.model is None or self.kind_of(item).is_model_free:
+        if self.model is None or plan.kind.is_model_free:
             return None
-        return replace(item, committed_len=held.model_len,
+        held = plan.held
+        return replace(plan.item, committed_len=held.model_len,
                        new_token_ids=held.tokens[held.model_len:],
                        traceparent="" if held.has_model else held.traceparent)
 
@@ -293,8 +303,7 @@ class ProposerMix:
             rows.append((ids, q))
             sources.append((p.free_kind, len(p.free)))
             if p.held is not None and not miss:
-                p.held.tokens = p.held.tokens[:p.held.num_context] + ids
-                p.held.num_free, p.held.free_match = len(p.free), p.free_match
+                p.held.propose(ids, len(p.free), p.free_match)
         out = Proposal.of_rows(rows, self.vocab_size, device, sources) if any(
             ids for ids, _ in rows) else Proposal.empty(len(plans), device)
         out.is_miss = is_miss
