@@ -1,7 +1,7 @@
 """Load and soak: many concurrent streams through router + target + draft for
 a bounded time, then the processes must hold nothing and must not have grown.
 
-    OUTRIDER_SOAK_S=45 OUTRIDER_SOAK_STREAMS=32 .venv/bin/python -m pytest -s \
+    OUTRIDER_SOAK_S=90 OUTRIDER_SOAK_STREAMS=32 .venv/bin/python -m pytest -s \
         tests/reliability/test_soak.py
 
 Each stream loops over a mix: greedy gRPC streams (AUTO, FIXED or OFF; tokens checked
@@ -35,7 +35,10 @@ from tests.reliability._support import RedisServer, Workers, record, reference_g
 
 pytestmark = pytest.mark.slow
 
-SOAK_S = float(os.environ.get("OUTRIDER_SOAK_S", "45"))
+# 90 s in CI: growth is measured from 30 s, past most of the target's first-minute fill
+# (a 45 s run measured from 15 s: the target grew 4.5-6.0 % with the draft model proposing
+# or the lookups, 3.0 % from 30 s of a 90 s run)
+SOAK_S = float(os.environ.get("OUTRIDER_SOAK_S", "90"))
 STREAMS = int(os.environ.get("OUTRIDER_SOAK_STREAMS", "32"))
 # the router's store in a Redis of the test's own (OUTRIDER_SOAK_REDIS=0: in the router).
 # Without Redis the router keeps each request's journal in memory for journal_ttl_s
