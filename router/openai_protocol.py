@@ -5,7 +5,8 @@ with logprobs) are accepted only at their neutral values, so a client never gets
 answer that silently ignored what it asked for; unknown fields are refused. vLLM's
 sampling extensions and Outrider's own options ride along (send them with the openai
 package's `extra_body`): top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids, speculation, gamma, tag, request_id."""
+stop_token_ids, speculation, gamma, tag, request_id, proposer, and vLLM's
+structured_outputs (OpenAI's response_format is honoured too)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,58 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict | bool = Field(alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is needed with type json_schema, and only then")
+        return self
+
+    def constraint(self) -> dict:
+        if self.type == "json_schema":
+            return {"json_schema": self.json_schema.schema_}
+        return {"json_object": True} if self.type == "json_object" else {}
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` extra body: one constraint."""
+
+    json_: dict | bool | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool | None = None  # JSON; unset: Outrider's default (compact)
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if len(self._given()) != 1:
+            raise ValueError(f"give exactly one of json, json_object, regex, choice, "
+                             f"grammar (got {len(self._given())})")
+        return self
+
+    def _given(self) -> dict:
+        given = {"json_schema": self.json_, "json_object": self.json_object or None,
+                 "regex": self.regex, "choice": self.choice, "grammar": self.grammar}
+        return {k: v for k, v in given.items() if v is not None}
+
+    def constraint(self) -> dict:
+        whitespace = {"whitespace_flexible": True} if self.disable_any_whitespace is False else {}
+        return {**self._given(), **whitespace}
+
+
 class _GenerationRequest(_Strict):
     model: str
     max_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
@@ -103,6 +156,23 @@ class _GenerationRequest(_Strict):
     tag: str = ""
     request_id: str | None = None
     proposer: ProposerKind | None = None  # an extra field: what proposes (§2.8)
+    # structured outputs (§3.8): OpenAI's response_format, or vLLM's structured_outputs
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise BodyFieldError("structured_outputs", "give it or response_format, not both")
+        return self
+
+    @property
+    def constraint(self) -> dict:
+        """build_request's constraint options."""
+        for given in (self.response_format, self.structured_outputs):
+            if given is not None:
+                return given.constraint()
+        return {}
 
     @field_validator("suffix", check_fields=False)
     @classmethod
@@ -146,7 +216,7 @@ class _GenerationRequest(_Strict):
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             logit_bias=bias, logprobs=self.num_logprobs, speculation=self.speculation,
             gamma_max=self.gamma, tag=self.tag, request_id=_choice_id(request_id, i, self.n),
-            proposer=self.proposer.value if self.proposer else "")
+            proposer=self.proposer.value if self.proposer else "", **self.constraint)
             for i in range(self.n)]
 
 
@@ -235,7 +305,11 @@ HTTP_FIELD = {"sampling.max_tokens": "max_tokens", "sampling.temperature": "temp
               "sampling.stop_token_ids": "stop_token_ids", "sampling.stop": "stop",
               "text": "prompt", "token_ids.ids": "prompt", "prompt": "prompt",
               "speculation.gamma_max": "gamma", "speculation.mode": "speculation",
-              "request_id": "request_id", "tag": "tag", "proposer": "proposer"}
+              "request_id": "request_id", "tag": "tag", "proposer": "proposer",
+              **{f"sampling.structured_output.{kind}": param for kind, param in (
+                  ("json_schema", "response_format"), ("json_object", "response_format"),
+                  ("regex", "structured_outputs"), ("choice", "structured_outputs"),
+                  ("grammar", "structured_outputs"))}}
 _FIELD_AT_START = re.compile(r"^([a-z_]+(?:\.[a-z_0-9]+)*)")
 
 

@@ -28,6 +28,7 @@ from outrider.router.telemetry import RequestTelemetry, RouterTelemetry
 from outrider.router.text_stream import TextStream
 from outrider.router.validate import Job, ValidationError, validate
 
+from outrider.core.grammar import Grammars
 from outrider.core.policy import MAX_QUEUED_PER_REPLICA, Acceptance, SpecMode
 from outrider.core.sampling import sampling_to_proto
 from outrider.core.stats import SpecStats
@@ -105,6 +106,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                  auth: Authenticator, limits: ServiceLimits = ServiceLimits(),
                  telemetry: RouterTelemetry | None = None) -> None:
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
+        # structured outputs are compiled here before any replica sees them (§3.8)
+        self.grammars = Grammars(tokenizer.path, tokenizer.vocab_size, ())
         self.telemetry = telemetry or RouterTelemetry("")
         self.store, self.replicas, self.auth, self.limits = store, replicas, auth, limits
         self._priors: dict[tuple[str, str], tuple[float, list[float]]] = {}
@@ -187,7 +190,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     # -- admission ---------------------------------------------------------------------------
     def _admit(self, request, context) -> tuple[Job, Journal]:
         try:
-            job = validate(request, self.tokenizer, self.max_model_len)
+            job = validate(request, self.tokenizer, self.max_model_len, self.grammars)
         except ValidationError as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         self.authorize(context, job.tag)

@@ -49,13 +49,16 @@ class RequestTelemetry:
         self.started = time.perf_counter()
         self.last_token_at: float | None = None
         self.outcome = "CANCELLED"  # unless it finishes or is refused
+        self.constraint = ""  # the kind of its structured output, if any
 
     def admitted(self, job) -> None:
+        so = job.params.structured_output
+        self.constraint = so.kind if so is not None else ""
         self.span.set_attributes({
             **request_attributes(self.owner.model_name, job.params, job.request_id),
             "gen_ai.usage.input_tokens": len(job.prompt_ids),
             "outrider.spec.mode": job.mode.value, "outrider.spec.gamma_max": job.gamma_max,
-            "outrider.tag": job.tag})
+            "outrider.tag": job.tag, "outrider.structured_output": self.constraint})
 
     def traceparent(self) -> str:
         """The trace context work done for this request elsewhere joins."""
@@ -90,6 +93,9 @@ class RequestTelemetry:
         self.outcome = "OK"
         self.metrics.e2e.observe(time.perf_counter() - self.started)
         self.metrics.finished(finish_reason)
+        if self.constraint:
+            self.metrics.structured(self.constraint, stats.num_draft_tokens,
+                                    stats.num_accepted_tokens)
         self.live.request_done()
         self.span.set_attributes({**spec_attributes(stats),
                                   "gen_ai.response.finish_reasons": [finish_reason],

@@ -6,11 +6,13 @@ import hashlib
 import re
 import secrets
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from outrider.core.grammar import Grammars
 from outrider.core.policy import MAX_GAMMA, SpecMode
 from outrider.core.sampling import MAX_SEED, SamplingError, SamplingParams
 from outrider.core.sequence import ProposerKind
+from outrider.core.structured import StructuredOutput, StructuredOutputError
 from outrider.core.tokenizer import Tokenizer
 from outrider.v1 import generate_pb2 as gp
 
@@ -45,9 +47,12 @@ class Job:
     proposer: str = ""      # ProposerKind ("": the replica's --proposer)
 
 
-def validate(req: gp.GenerateRequest, tokenizer: Tokenizer, max_model_len: int) -> Job:
+def validate(req: gp.GenerateRequest, tokenizer: Tokenizer, max_model_len: int,
+             grammars: Grammars) -> Job:
     prompt_ids = _prompt_ids(req, tokenizer)
     params, stop = _sampling(req.sampling, tokenizer.vocab_size, max_model_len)
+    if req.sampling.HasField("structured_output"):
+        params = replace(params, structured_output=_structured(req.sampling, grammars))
     spec = req.speculation
     if spec.mode not in MODES:
         raise ValidationError(f"speculation.mode: unknown value {spec.mode}")
@@ -130,6 +135,18 @@ def _sampling(s: gp.SamplingOptions, vocab: int,
     except SamplingError as exc:
         raise ValidationError(f"sampling.{exc}") from None
     return params, tuple(s.stop)
+
+
+def _structured(s: gp.SamplingOptions, grammars: Grammars) -> StructuredOutput | None:
+    """The constraint, compiled here first: one that does not compile never reaches a
+    replica (compiling is cached per grammar, and llguidance bounds its work)."""
+    try:
+        so = StructuredOutput.from_proto(s.structured_output)
+        if so is not None:
+            grammars.check(so)
+    except StructuredOutputError as exc:
+        raise ValidationError(f"sampling.{exc}") from None
+    return so
 
 
 def _or(msg, name: str, default: float) -> float:

@@ -235,6 +235,8 @@ class TargetEngine:
             self.cost.observe(timing.batch_tokens, timing.verify_s, timing.max_gamma,
                               timing.draft_tokens, timing.draft_s)
             self.policy.cost = self.cost.model
+            if timing.mask_s and self.metrics:
+                self.metrics.mask_seconds.observe(timing.mask_s)
 
     def _learn(self, handle: Handle, last: Round) -> None:
         """The round into the request's and the replica's acceptance estimates. They size

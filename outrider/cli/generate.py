@@ -57,6 +57,18 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="print each token's logprob and its K likeliest alternatives "
                         "(with --json)")
+    constraint = p.add_mutually_exclusive_group()  # structured outputs (docs/API.md)
+    constraint.add_argument("--json-schema", metavar="SCHEMA",
+                            help="the output is JSON matching this JSON Schema (text, or @FILE)")
+    constraint.add_argument("--json-object", action="store_true",
+                            help="the output is a JSON object")
+    constraint.add_argument("--regex", help="the output matches this regular expression")
+    constraint.add_argument("--choice", action="append", default=None,
+                            help="the output is one of these strings (repeatable)")
+    constraint.add_argument("--grammar", metavar="GRAMMAR",
+                            help="the output matches this Lark or GBNF grammar (text, or @FILE)")
+    p.add_argument("--whitespace-flexible", action="store_true",
+                   help="JSON output may hold any whitespace (default: compact)")
 
 
 def cmd_generate(args) -> int:
@@ -117,13 +129,37 @@ def _local_engine(args):
 
 
 def _sampling_params(args):
+    from outrider.client.request import structured_output
     from outrider.core.sampling import SamplingParams
+    from outrider.core.structured import StructuredOutput, StructuredOutputError
 
     options = _sampling_options(args)
     # SamplingParams (frozen) takes tuples where the SDK takes a dict and a list
     options.update(logit_bias=tuple(sorted(options["logit_bias"].items())),
                    stop_token_ids=tuple(options["stop_token_ids"]))
-    return SamplingParams(**options)
+    try:
+        constraint = structured_output(**_constraint_options(args))
+        so = StructuredOutput.from_proto(constraint) if constraint is not None else None
+    except (StructuredOutputError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    return SamplingParams(**options, structured_output=so)
+
+
+def _constraint_options(args) -> dict:
+    """The output constraint flags as the SDK's keyword options (@FILE read)."""
+    return dict(json_schema=_text_or_file(args.json_schema), json_object=args.json_object,
+                regex=args.regex, choice=args.choice, grammar=_text_or_file(args.grammar),
+                whitespace_flexible=args.whitespace_flexible)
+
+
+def _text_or_file(value: str | None) -> str | None:
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        with open(value[1:]) as f:
+            return f.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read {value[1:]}: {exc.strerror}") from None
 
 
 def _sampling_options(args) -> dict:
@@ -164,7 +200,7 @@ def _generate_remote(args, prompt: str):
 
     options = dict(_sampling_options(args), stop=args.stop, tag=args.tag,
                    speculation=_speculation_mode(args), gamma_max=args.gamma or 0,
-                   proposer=args.proposer or "")
+                   proposer=args.proposer or "", **_constraint_options(args))
     tls = Tls(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca or args.tls_cert else None
     with Client(args.address, tls=tls, timeout_s=args.timeout) as client:
         stream = client.stream(prompt, **options)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from outrider.v1 import generate_pb2 as gp
 
 MODES = {"auto": gp.SPECULATION_MODE_AUTO, "off": gp.SPECULATION_MODE_OFF,
@@ -17,11 +19,18 @@ def build_request(prompt: str | list[int], *, max_tokens: int | None = None,
                   min_p: float | None = None, repetition_penalty: float | None = None,
                   frequency_penalty: float | None = None, presence_penalty: float | None = None,
                   logit_bias: dict[int, float] | None = None, min_tokens: int = 0,
-                  logprobs: int | None = None, proposer: str = "") -> gp.GenerateRequest:
+                  logprobs: int | None = None, proposer: str = "",
+                  json_schema: dict | bool | str | None = None, json_object: bool = False,
+                  regex: str | None = None, choice: list[str] | None = None,
+                  grammar: str | None = None,
+                  whitespace_flexible: bool = False) -> gp.GenerateRequest:
     """A GenerateRequest; options left None take the router's defaults (16 tokens,
     temperature 1, no top-k/top-p/min-p, no penalties, a random seed, no logprobs).
     logprobs=k returns each token's log-probability and its k likeliest alternatives.
-    proposer: "auto", "model", "ngram" or "suffix" ("": the replica's choice)."""
+    proposer: "auto", "model", "ngram" or "suffix" ("": the replica's choice).
+    At most one constraint on the output (docs/API.md "Structured outputs"): json_schema
+    (a dict or JSON text), json_object, regex, choice (the output is one of the strings)
+    or grammar (Lark or GBNF); whitespace_flexible lets JSON hold any whitespace."""
     if speculation not in MODES:
         raise ValueError(f"speculation must be one of {sorted(MODES)}, got {speculation!r}")
     sampling = gp.SamplingOptions(stop=list(stop), ignore_eos=ignore_eos)
@@ -41,6 +50,11 @@ def build_request(prompt: str | list[int], *, max_tokens: int | None = None,
                 setattr(sampling, name, value)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"{name}: {exc}") from None
+    constraint = structured_output(json_schema=json_schema, json_object=json_object, regex=regex,
+                                   choice=choice, grammar=grammar,
+                                   whitespace_flexible=whitespace_flexible)
+    if constraint is not None:
+        sampling.structured_output.CopyFrom(constraint)
     req = gp.GenerateRequest(sampling=sampling, request_id=request_id, tag=tag,
                              include_rounds=include_rounds, proposer=proposer,
                              speculation=gp.SpeculationOptions(mode=MODES[speculation],
@@ -50,6 +64,32 @@ def build_request(prompt: str | list[int], *, max_tokens: int | None = None,
     else:
         _set_ids(req.token_ids.ids, prompt, "prompt")
     return req
+
+
+def structured_output(*, json_schema: dict | bool | str | None = None, json_object: bool = False,
+                      regex: str | None = None, choice: list[str] | None = None,
+                      grammar: str | None = None,
+                      whitespace_flexible: bool = False) -> gp.StructuredOutput | None:
+    """The one constraint given (None: none); more than one is a ValueError."""
+    given = {name: value for name, value in (
+        ("json_schema", json_schema), ("json_object", json_object or None), ("regex", regex),
+        ("choice", choice), ("grammar", grammar)) if value is not None}
+    if len(given) > 1:
+        raise ValueError(f"give at most one output constraint, not {' and '.join(given)}")
+    if not given:
+        return None
+    (kind, value), = given.items()
+    msg = gp.StructuredOutput(whitespace_flexible=whitespace_flexible)
+    if kind == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value)
+    try:
+        if kind == "choice":
+            msg.choice.choices.extend(value)
+        else:
+            setattr(msg, kind, value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{kind}: {exc}") from None
+    return msg
 
 
 def _set_ids(field, ids, name: str) -> None:

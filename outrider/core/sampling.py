@@ -8,9 +8,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from outrider.core.structured import StructuredOutput, StructuredOutputError
 from outrider.v1 import generate_pb2 as gp
 from outrider.v1 import worker_pb2 as pb
+
+if TYPE_CHECKING:  # the SDK imports this module and installs without numpy
+    import numpy as np
 
 MAX_SEED = 2**63 - 1
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy: logits / T would overflow
@@ -40,6 +45,7 @@ class SamplingParams:
     min_tokens: int = 0       # EOS and stop_token_ids are held back until this many
     logprobs: int | None = None  # None: none; k: the chosen token's and the k likeliest
     eos_token_ids: tuple[int, ...] = ()  # the model's, set by the engine (min_tokens)
+    structured_output: StructuredOutput | None = None  # the grammar the output must match
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -89,7 +95,8 @@ class SamplingParams:
     def reads_history(self) -> bool:
         """Whether the processed logits depend on the tokens before the row."""
         return (self.repetition_penalty != 1 or self.frequency_penalty != 0
-                or self.presence_penalty != 0 or self.min_tokens > 0)
+                or self.presence_penalty != 0 or self.min_tokens > 0
+                or self.structured_output is not None)
 
     @property
     def changes_logits(self) -> bool:
@@ -122,6 +129,7 @@ class History:
     token_ids: Sequence[int]  # prompt + committed output (shared by a sequence's rows)
     prompt_len: int
     drafted: tuple[int, ...] = ()  # then the round's draft tokens before this row
+    allowed: np.ndarray | None = None  # [words] int32: the grammar's next tokens (§3.8)
 
     @property
     def num_output(self) -> int:
@@ -148,7 +156,9 @@ def sampling_to_proto(params: SamplingParams, seed: int | None) -> pb.Sampling:
         min_p=params.min_p, repetition_penalty=params.repetition_penalty,
         frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
         logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens,
-        held_back_ids=params.held_back_ids if params.min_tokens else ())
+        held_back_ids=params.held_back_ids if params.min_tokens else (),
+        structured_output=(params.structured_output.to_proto()
+                           if params.structured_output is not None else None))
 
 
 def sampling_from_proto(msg: pb.Sampling, **fields) -> tuple[SamplingParams, int | None]:
@@ -159,11 +169,16 @@ def sampling_from_proto(msg: pb.Sampling, **fields) -> tuple[SamplingParams, int
     if "stop_token_ids" not in fields:  # a draft replica: it never stops a sequence
         fields.update(stop_token_ids=tuple(msg.held_back_ids),
                       max_tokens=max(SamplingParams.max_tokens, msg.min_tokens))
+    try:
+        structured = StructuredOutput.from_proto(msg.structured_output)
+    except StructuredOutputError as exc:
+        raise SamplingError(str(exc)) from None
     params = SamplingParams(
         temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0, seed=seed,
         min_p=msg.min_p, repetition_penalty=msg.repetition_penalty or 1.0,
         frequency_penalty=msg.frequency_penalty, presence_penalty=msg.presence_penalty,
-        logit_bias=tuple(sorted(msg.logit_bias.items())), min_tokens=msg.min_tokens, **fields)
+        logit_bias=tuple(sorted(msg.logit_bias.items())), min_tokens=msg.min_tokens,
+        structured_output=structured, **fields)
     return params, seed
 
 

@@ -20,6 +20,7 @@ class Tokenizer:
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"{model_dir}: no tokenizer.json")
+        self.path = path
         try:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as exc:  # the Rust side raises plain Exception subclasses

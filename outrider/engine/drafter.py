@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from outrider.core.grammar import Grammars
 from outrider.core.sampling import History
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal
 from outrider.engine.runner import ForwardRequest, ModelRunner
@@ -54,6 +55,8 @@ class Drafter:
         self._proposed: dict[object, tuple[int, list[int]]] = {}  # (position, draft tokens)
         self.num_evicted = 0
         self.num_misses = 0
+        self.grammars = Grammars.for_model(runner.cfg.model_dir, runner.vocab_size,
+                                           runner.model_config.eos_token_ids)
 
     @property
     def vocab_size(self) -> int:
@@ -73,6 +76,8 @@ class Drafter:
         tokens = self.token_ids.pop(seq_id, None)
         num_committed, prompt_len = self._committed.pop(seq_id, (0, 0))
         self._proposed.pop(seq_id, None)
+        if self.grammars is not None:
+            self.grammars.release(seq_id)
         teacher = self._teacher.pop(seq_id, {})
         if self.on_served is not None and tokens:
             self.on_served(tokens[:num_committed], prompt_len, teacher)
@@ -259,8 +264,19 @@ class Drafter:
         """Each row's tokens for the processors that read them (None: no row's do)."""
         if not any(items[i].params.reads_history for i in rows):
             return None
-        return [History(self.token_ids[items[i].seq_id], items[i].prompt_len,
-                        tuple(drafted[i])) for i in rows]
+        return [self._history(items[i], drafted[i]) for i in rows]
+
+    def _history(self, item: DraftItem, drafted: list[int]) -> History:
+        """A constrained row allows what its grammar allows after the committed tokens and
+        the drafts before it (docs/DESIGN.md §3.8); a draft without a tokenizer.json
+        drafts unconstrained (verification still keeps only what the grammar allows)."""
+        tokens = self.token_ids[item.seq_id]
+        so, allowed = item.params.structured_output, None
+        if so is not None and self.grammars is not None:
+            committed = self._committed[item.seq_id][0]
+            allowed = self.grammars.next_mask(item.seq_id, so,
+                                              tokens[item.prompt_len:committed], drafted)
+        return History(tokens, item.prompt_len, tuple(drafted), allowed)
 
     @staticmethod
     def _pick(logits: torch.Tensor, items: list[DraftItem], histories: list[History] | None,

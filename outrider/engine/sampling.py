@@ -5,13 +5,14 @@ Every distribution the engine samples from or verifies against comes from
 request's processors, temperature and truncation. Greedy is the point mass on the argmax
 of the processed logits, so greedy and sampled requests share one verification path.
 
-The processors, in vLLM's order: logit_bias and min_tokens, then the repetition,
-frequency and presence penalties, then temperature (1 for greedy), then min_p, top-k and
-top-p. The penalties look at the tokens before the row: prompt + output for the
-repetition penalty, output only for frequency and presence. In a speculative round the
-output before row j includes the round's draft tokens 0..j-1, on the draft and on the
-target alike, so p and q are each the distribution of the token at that position given
-that history, and rejection sampling stays exact.
+The processors, in vLLM's order: the grammar's mask (structured outputs), logit_bias and
+min_tokens, then the repetition, frequency and presence penalties, then temperature (1 for
+greedy), then min_p, top-k and top-p. The penalties look at the tokens before the row:
+prompt + output for the repetition penalty, output only for frequency and presence; the
+grammar's mask is that of the state after them. In a speculative round the output before
+row j includes the round's draft tokens 0..j-1, on the draft and on the target alike, so
+p and q are each the distribution of the token at that position given that history, and
+rejection sampling stays exact.
 
 Randomness is a pure function of (seed, absolute position, purpose): output does not
 depend on batch composition, on how many tokens a round accepted, or on which replica
@@ -25,6 +26,7 @@ import math
 import numpy as np
 import torch
 
+from outrider.core.grammar import allowed_tokens
 from outrider.core.sampling import History, SamplingParams, TokenLogprob
 
 # -- logits processing --------------------------------------------------------------------------
@@ -76,8 +78,11 @@ def probs_of(processed: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
 
 def _apply_processors(logits: torch.Tensor, params: list[SamplingParams],
                       histories: list[History] | None) -> torch.Tensor:
-    """logit_bias, min_tokens, then the penalties, in place; logits: [num_rows, vocab]."""
+    """The grammar's mask, logit_bias, min_tokens, then the penalties, in place;
+    logits: [num_rows, vocab]."""
     vocab, device = logits.shape[-1], logits.device
+    if histories is not None:
+        _mask_grammar(logits, histories)
     bias = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias if t < vocab]
     if bias:
         rows, ids, values = zip(*bias)
@@ -98,6 +103,18 @@ def _apply_processors(logits: torch.Tensor, params: list[SamplingParams],
     if rows:
         _penalize(logits, rows, params, [histories[i] for i in rows])
     return logits
+
+
+def _mask_grammar(logits: torch.Tensor, histories: list[History]) -> None:
+    """-inf, in place, for the tokens each constrained row's grammar does not allow next
+    (History.allowed, computed by outrider/core/grammar.py over the same tokens)."""
+    rows = [i for i, h in enumerate(histories) if h.allowed is not None]
+    if not rows:
+        return
+    masks = np.stack([histories[i].allowed for i in rows])  # [len(rows), words]
+    allowed = torch.from_numpy(allowed_tokens(masks, logits.shape[-1])).to(logits.device)
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, -math.inf)
 
 
 def _penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
@@ -199,7 +216,9 @@ def token_logprobs(processed: torch.Tensor, token_ids: torch.Tensor,
     k = max(num_top, default=0)
     top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
     top_lp, top_ids = top_lp.tolist(), top_ids.long().tolist()
-    return [TokenLogprob(int(t), lp, tuple(zip(ids[:n], lps[:n])))
+    # alternatives a row cannot emit (-inf: truncated or outside its grammar) are left out
+    return [TokenLogprob(int(t), lp, tuple((i, v) for i, v in zip(ids[:n], lps[:n])
+                                           if v != -math.inf))
             for t, lp, ids, lps, n in zip(token_ids.tolist(), chosen, top_ids, top_lp, num_top)]
 
 

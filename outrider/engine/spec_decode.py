@@ -31,8 +31,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from outrider.core.grammar import Grammars
 from outrider.core.sampling import MAX_SEED, History, SamplingParams
 from outrider.core.sequence import FinishReason, Round, Sequence
+from outrider.core.structured import StructuredOutputError
 from outrider.engine.block_manager import OutOfBlocksError
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal, Proposer, dense_q
 from outrider.engine.rejection import (
@@ -65,6 +67,7 @@ class StepTiming:
     max_gamma: int      # the largest γ the draft model drafted (looked-up tokens cost none)
     draft_tokens: int   # tokens the draft model drafted
     draft_s: float      # time the step waited for the proposer
+    mask_s: float = 0.0  # time computing grammar masks for its verification rows (§3.8)
 
 
 @dataclass
@@ -112,6 +115,7 @@ class Step:
     logits: torch.Tensor | None = None       # [sum over ready rows of (γ_i + 1), vocab]
     draft_s: float = 0.0
     verify_s: float = 0.0
+    mask_s: float = 0.0
 
     @property
     def ready(self) -> list[Row]:
@@ -122,7 +126,7 @@ class Step:
         gammas = [r.gamma for r in self.rows]
         drafted = [r.gamma - r.source[1] for r in self.rows]
         return StepTiming(sum(r.feed for r in self.rows) + sum(gammas), self.verify_s,
-                          max(drafted, default=0), sum(drafted), self.draft_s)
+                          max(drafted, default=0), sum(drafted), self.draft_s, self.mask_s)
 
 
 class SpeculativeDecoder:
@@ -145,6 +149,8 @@ class SpeculativeDecoder:
         self.max_model_len = min(target.max_model_len, kv_capacity)
         self._ahead: dict[int, DraftAhead] = {}  # seq id -> drafted during its last round
         self._next_id = 0
+        self.grammars = Grammars.for_model(target.cfg.model_dir, target.vocab_size,
+                                           sorted(self.eos_token_ids))
 
     # -- requests --------------------------------------------------------------------------
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams,
@@ -166,10 +172,23 @@ class SpeculativeDecoder:
             resumed = f" (+{len(resume_ids)} resumed)" if resume_ids else ""
             raise RequestError(f"prompt has {len(prompt_ids)} tokens{resumed}; the model's "
                                f"context is {self.max_model_len}")
+        self._check_structured(params)
         seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
         params = replace(params, eos_token_ids=tuple(sorted(self.eos_token_ids)))
         self._next_id += 1
         return Sequence(self._next_id, [*prompt_ids, *resume_ids], len(prompt_ids), params, seed)
+
+    def _check_structured(self, params: SamplingParams) -> None:
+        so = params.structured_output
+        if so is None:
+            return
+        if self.grammars is None:
+            raise RequestError(f"{so.field}: the target's model folder has no tokenizer.json "
+                               f"to build grammars with")
+        try:
+            self.grammars.check(so)
+        except StructuredOutputError as exc:
+            raise RequestError(str(exc)) from None
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
                  gamma: int) -> list[Sequence]:
@@ -200,6 +219,8 @@ class SpeculativeDecoder:
     def release(self, seq: Sequence) -> None:
         self.target.blocks.free(seq.seq_id)
         self._ahead.pop(seq.seq_id, None)
+        if self.grammars is not None:
+            self.grammars.release(seq.seq_id)
         if self.drafter is not None:
             self.drafter.release(seq.seq_id)
 
@@ -232,9 +253,9 @@ class SpeculativeDecoder:
         step = self._schedule(seqs, gammas, chunk_lens)
         self._propose(step)
         self._verify(step)
-        self.last_timing = step.timing
         if step.ready:
             self._commit(step)
+        self.last_timing = step.timing  # after the commit: it times the grammar masks
         return [r.committed for r in step.rows]
 
     def _schedule(self, seqs: list[Sequence], gammas: list[int],
@@ -432,8 +453,10 @@ class SpeculativeDecoder:
         histories = None
         if any(r.seq.params.reads_history for r in ready):
             drafts = draft_ids.tolist()
-            histories = [History(r.seq.token_ids, r.seq.prompt_len, tuple(drafts[r.index][:j]))
-                         for r in ready for j in range(r.gamma + 1)]
+            begun = time.perf_counter()
+            histories = [h for r in ready for h in self._histories(r, drafts[r.index][:r.gamma])]
+            if any(r.seq.params.structured_output for r in ready):
+                step.mask_s = time.perf_counter() - begun
         processed = processed_logits(step.logits, params, histories)  # [sum(γ_i + 1), vocab]
         if all(r.seq.params.is_greedy for r in ready):
             argmax = _pad_rows(processed.argmax(-1), num_rows, width)  # [n, width]
@@ -449,6 +472,16 @@ class SpeculativeDecoder:
             position_uniforms(seeds, [p[:-1] for p in positions], STREAM_ACCEPT),
             position_uniforms(seeds, positions, STREAM_SAMPLE))
         return result, processed
+
+    def _histories(self, row: Row, drafted: list[int]) -> list[History]:
+        """Its verification rows' histories: row j follows the round's drafted[:j], and a
+        constrained sequence's row allows what its grammar allows there (§3.8)."""
+        seq = row.seq
+        so = seq.params.structured_output
+        masks = ([None] * (len(drafted) + 1) if so is None else self.grammars.row_masks(
+            seq.seq_id, so, seq.token_ids[seq.prompt_len:], drafted))
+        return [History(seq.token_ids, seq.prompt_len, tuple(drafted[:j]), mask)
+                for j, mask in enumerate(masks)]
 
     def _commit_row(self, row: Row, num_verified_ok: int, tokens: list[int]) -> list[int]:
         """Commit a round: accepted proposals + the recovered or bonus token. With a bonus-

@@ -59,6 +59,9 @@ SPEC_DRAFT_TOKENS_BY_VERSION = Counter("outrider:spec_decode_draft_tokens_by_ver
 SPEC_ACCEPTED_BY_VERSION = Counter("outrider:spec_decode_accepted_tokens_by_version",
                                    "Draft tokens accepted, by the draft's weights version",
                                    [*ENGINE, "draft_version"])
+GRAMMAR_MASK_SECONDS = Histogram("outrider_grammar_mask_seconds", "Time a step spent on "
+                                 "its constrained rows' grammar masks", ENGINE,
+                                 buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1))
 GENERATION_TOKENS = Counter("vllm:generation_tokens", "Tokens generated", ENGINE)
 PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Prompt tokens admitted", ENGINE)
 SPEC_GAMMA = Histogram("outrider_spec_gamma", "γ chosen per sequence per round",
@@ -96,6 +99,13 @@ UNREAD = Counter("outrider_router_streams_unread", "Streams cancelled because th
                  "stopped reading (backpressure)", MODEL)
 MIGRATIONS = Counter("outrider_request_migrations", "Requests moved to another replica after "
                      "a failure", MODEL)
+STRUCTURED = Counter("outrider_structured_requests", "Requests finished under an output "
+                     "constraint, by kind", [*MODEL, "kind"])
+STRUCTURED_DRAFT_TOKENS = Counter("outrider_structured_draft_tokens", "Draft tokens proposed "
+                                  "to constrained requests, by kind", [*MODEL, "kind"])
+STRUCTURED_ACCEPTED_TOKENS = Counter("outrider_structured_accepted_tokens", "Draft tokens "
+                                     "accepted in constrained requests, by kind",
+                                     [*MODEL, "kind"])
 
 # -- draft replicas -----------------------------------------------------------------------
 DRAFT_PROPOSALS = Counter("outrider_draft_proposals", "Sequences drafted for", MODEL)
@@ -163,6 +173,7 @@ class TargetMetrics:
                            for p in range(MAX_POSITIONS)]
         self.generation_tokens = GENERATION_TOKENS.labels(**self.labels)
         self.prompt_tokens = PROMPT_TOKENS.labels(**self.labels)
+        self.mask_seconds = GRAMMAR_MASK_SECONDS.labels(**self.labels)
         # children bound once: record_round runs per sequence per round
         self._gamma = {m: SPEC_GAMMA.labels(**self.labels, mode=m)
                        for m in ("auto", "off", "fixed")}
@@ -235,6 +246,12 @@ class RouterMetrics:
 
     def finished(self, reason: str) -> None:
         REQUEST_SUCCESS.labels(self.model, reason).inc()
+
+    def structured(self, kind: str, draft_tokens: int, accepted_tokens: int) -> None:
+        """A constrained request finished: its kind and what speculation did for it."""
+        STRUCTURED.labels(self.model, kind).inc()
+        STRUCTURED_DRAFT_TOKENS.labels(self.model, kind).inc(draft_tokens)
+        STRUCTURED_ACCEPTED_TOKENS.labels(self.model, kind).inc(accepted_tokens)
 
     def answered(self, code: str, api: str) -> None:
         REQUESTS.labels(self.model, code, api).inc()

@@ -33,7 +33,7 @@ SPEC_MODE_OFF: SpecMode
 SPEC_MODE_FIXED: SpecMode
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "held_back_ids")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "held_back_ids", "structured_output")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class Sampling(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HELD_BACK_IDS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -63,7 +64,8 @@ class Sampling(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     min_tokens: int
     held_back_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., held_back_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    structured_output: _generate_pb2.StructuredOutput
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., held_back_ids: _Optional[_Iterable[int]] = ..., structured_output: _Optional[_Union[_generate_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class ProposeSequence(_message.Message):
     __slots__ = ("seq_id", "committed_len", "new_token_ids", "gamma", "sampling", "q_format", "traceparent", "prefill_only", "prompt_len", "teacher")

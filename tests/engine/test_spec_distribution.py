@@ -1,7 +1,8 @@
 """Must show 5: with a real draft and target, sampling with speculation gives the
 target-only distribution of the generated tokens (two-sample tests), with the request's
-logits processors (repetition, frequency and presence penalties, logit_bias, min_p,
-top-k, top-p) applied to p and q over the same history, drafts included.
+logits processors (a grammar's mask, repetition, frequency and presence penalties,
+logit_bias, min_p, top-k, top-p) applied to p and q over the same history, drafts
+included.
 
 Every request generates MAX_TOKENS tokens. The 1st comes from the prefill step, which never
 speculates; rounds speculate from the 2nd on. MAX_TOKENS = 10 lets a γ = 8 round run whole
@@ -29,6 +30,7 @@ history are all detected at the same threshold.
 
 from __future__ import annotations
 
+import re
 import zlib
 from collections import Counter
 
@@ -40,6 +42,8 @@ import outrider.engine.spec_decode as spec_decode_module
 from outrider.core.sampling import History, SamplingParams
 from outrider.core.sequence import ProposerKind
 from outrider.core.stats import SpecStats
+from outrider.core.structured import StructuredOutput
+from outrider.core.tokenizer import Tokenizer
 from outrider.engine.drafter import Drafter
 from outrider.engine.mix import ProposerMix
 from outrider.engine.runner import ModelRunner, RunnerConfig
@@ -280,6 +284,32 @@ def test_lookup_speculative_sampling_matches_target_distribution(samples, kind):
     reference = samples.target_only_with(LOOKUP_CONFIG)
     pvalues = comparisons([tuple(s.output_ids) for s in seqs], reference)
     assert not failures(pvalues), failures(pvalues)
+
+
+# letters and spaces only: the grammar masks p at every verification row and the draft's
+# q at every drafted position, after the round's drafts before it (docs/DESIGN.md §3.8)
+CONSTRAINED_CONFIG = dict(temperature=1.0, presence_penalty=0.2,
+                          structured_output=StructuredOutput("regex", "[a-z ]+"))
+
+
+@pytest.mark.slow
+def test_constrained_speculative_sampling_matches_target_distribution(samples, llama_dir):
+    """With overlap (the bonus position verifies a drafted candidate under the mask
+    after the round's drafts), a history penalty, and EOS ignored (after EOS a complete
+    grammar allows only EOS)."""
+    decoder = samples.decoder(4, True)
+    constrained = generate(decoder, 4, seed_base("constrained"), **CONSTRAINED_CONFIG)
+    tokenizer = Tokenizer(llama_dir)
+    outside = [t for t in (tokenizer.decode(list(s)) for s in constrained)
+               if not re.fullmatch("[a-z ]*", t)]  # EOS may come (the regex may end)
+    assert not outside, outside[:5]
+    reference = samples.target_only_with(CONSTRAINED_CONFIG)
+    pvalues = comparisons(constrained, reference)
+    assert not failures(pvalues), failures(pvalues)
+    # the mask changes the distribution: without it the test would compare nothing new
+    unconstrained = samples.target_only_with(
+        {k: v for k, v in CONSTRAINED_CONFIG.items() if k != "structured_output"})
+    assert len(failures(comparisons(reference, unconstrained))) >= MAX_TOKENS
 
 
 # -- power ----------------------------------------------------------------------------------

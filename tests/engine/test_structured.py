@@ -1,0 +1,247 @@
+"""Structured outputs in the engine (docs/DESIGN.md §3.8), on the shipped demo pair: the
+grammar masks the target's p at every verification row (after the drafts before it) and
+the draft's q at every drafted position; a drafted token outside the grammar is rejected,
+never emitted. Greedy output with speculation is the constrained target's alone, whatever
+proposes; every finished output matches its constraint; one cut by max_tokens is a valid
+prefix."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from outrider import paths
+from outrider.core.grammar import Grammars, allowed_tokens
+from outrider.core.sampling import SamplingParams
+from outrider.core.sequence import FinishReason, ProposerKind
+from outrider.core.stats import SpecStats
+from outrider.core.structured import StructuredOutput, StructuredOutputError
+from outrider.core.tokenizer import Tokenizer
+from outrider.engine.drafter import Drafter
+from outrider.engine.mix import ProposerMix
+from outrider.engine.runner import ModelRunner, RunnerConfig
+from outrider.engine.spec_decode import RequestError, SpeculativeDecoder
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "size", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "size": {"type": "integer"},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                  "maxItems": 3}}}
+DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-[0-3]\d"
+CHOICES = ("alpha", "beta", "gamma delta")
+SUM_GRAMMAR = 'start: num (" + " num)*\nnum: /[1-9][0-9]?/'
+CONSTRAINTS = {
+    "json_schema": StructuredOutput("json_schema", json.dumps(SCHEMA)),
+    "json_object": StructuredOutput("json_object"),
+    "regex": StructuredOutput("regex", DATE),
+    "choice": StructuredOutput("choice", CHOICES),
+    "grammar": StructuredOutput("grammar", SUM_GRAMMAR),
+}
+PROMPTS = ["def load(path):\n    config = ", "The date of the release was ", "import os\n"]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer(paths.demo_target_dir())
+
+
+@pytest.fixture(scope="module")
+def target() -> ModelRunner:
+    return ModelRunner(RunnerConfig(str(paths.demo_target_dir()), kv_cache_mb=64))
+
+
+@pytest.fixture(scope="module")
+def drafter() -> Drafter:
+    return Drafter(ModelRunner(RunnerConfig(str(paths.demo_draft_dir()), kv_cache_mb=64)))
+
+
+def decoder_for(target, drafter, kind: ProposerKind) -> SpeculativeDecoder:
+    model = drafter if kind in (ProposerKind.MODEL, ProposerKind.AUTO) else None
+    return SpeculativeDecoder(target, ProposerMix(model, target.vocab_size, kind),
+                              overlap_max_seqs=2)
+
+
+def run(decoder, tokenizer, so, gamma: int, temperature: float = 0.0, seed: int = 0):
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=seed + i,
+                             structured_output=so) for i in range(len(PROMPTS))]
+    seqs = decoder.generate([tokenizer.encode(p) for p in PROMPTS], params, gamma=gamma)
+    assert decoder.target.blocks.num_used_blocks == 0
+    assert not decoder.grammars._sequences  # every finished sequence let its matcher go
+    return seqs
+
+
+def check_output(name: str, seq, tokenizer) -> None:
+    """A stopped output matches its constraint whole; a cut one is a prefix the grammar
+    allows."""
+    output = seq.output_ids
+    if seq.finish_reason is FinishReason.LENGTH:
+        grammars = Grammars(tokenizer.path, tokenizer.vocab_size, [0])
+        mask = grammars.next_mask("check", CONSTRAINTS[name], output, ())
+        assert allowed_tokens(mask[None], tokenizer.vocab_size).any(), (name, output)
+        assert not grammars._sequences["check"].is_broken, (name, tokenizer.decode(output))
+        return
+    assert seq.finish_reason is FinishReason.STOP and output[-1] == 0, seq.finish_reason
+    text = tokenizer.decode(output[:-1])
+    if name == "json_schema":
+        value = json.loads(text)
+        assert set(value) == {"name", "size", "tags"} and isinstance(value["size"], int)
+        assert len(value["name"]) <= 12 and set(value["tags"]) <= {"a", "b"}
+    elif name == "json_object":
+        assert isinstance(json.loads(text), dict)
+    elif name == "regex":
+        assert re.fullmatch(DATE, text), text
+    elif name == "choice":
+        assert text in CHOICES, text
+    else:
+        assert re.fullmatch(r"[1-9][0-9]?( \+ [1-9][0-9]?)*", text), text
+
+
+@pytest.mark.parametrize("kind", [ProposerKind.MODEL, ProposerKind.NGRAM, ProposerKind.SUFFIX])
+@pytest.mark.parametrize("name", list(CONSTRAINTS))
+def test_greedy_with_speculation_is_the_constrained_target_alone(target, drafter, tokenizer,
+                                                                  name, kind):
+    """The lookups propose without the grammar, so their tokens outside it are rejected
+    in verification; the model drafts inside it."""
+    decoder = decoder_for(target, drafter, kind)
+    alone = run(decoder, tokenizer, CONSTRAINTS[name], gamma=0)
+    speculative = run(decoder, tokenizer, CONSTRAINTS[name], gamma=4)
+    assert [s.output_ids for s in speculative] == [s.output_ids for s in alone]
+    for seq in speculative:
+        check_output(name, seq, tokenizer)
+    stats = SpecStats()
+    for s in speculative:
+        stats.merge(s.stats)
+    if kind is ProposerKind.MODEL:  # the drafts were counted, and many kept
+        assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > 0, stats
+
+
+@pytest.mark.parametrize("name", list(CONSTRAINTS))
+def test_sampled_outputs_match_their_constraint(target, drafter, tokenizer, name):
+    decoder = decoder_for(target, drafter, ProposerKind.MODEL)
+    for seq in run(decoder, tokenizer, CONSTRAINTS[name], gamma=4, temperature=0.9, seed=7):
+        check_output(name, seq, tokenizer)
+        assert seq.stats.num_draft_tokens > 0
+
+
+def test_unconstrained_outputs_would_not_match(target, drafter, tokenizer):
+    """Without this the constrained tests could pass on outputs the model gives anyway."""
+    decoder = decoder_for(target, drafter, ProposerKind.MODEL)
+    outputs = [tokenizer.decode(s.output_ids) for s in run(decoder, tokenizer, None, gamma=4)]
+    assert not any(re.fullmatch(DATE, o) or o in CHOICES for o in outputs), outputs
+
+
+def test_a_resumed_sequence_continues_under_its_grammar(target, drafter, tokenizer):
+    """The matcher is rebuilt from the committed tokens (a failover resume)."""
+    decoder = decoder_for(target, drafter, ProposerKind.MODEL)
+    so = CONSTRAINTS["json_schema"]
+    params = SamplingParams(max_tokens=MAX_TOKENS, structured_output=so)
+    prompt = tokenizer.encode(PROMPTS[0])
+    whole = decoder.generate([prompt], params, gamma=4)[0].output_ids
+    seq = decoder.new_sequence(prompt, params, resume_ids=whole[:9])
+    while not seq.is_finished:
+        decoder.step([seq], [4])
+    assert seq.output_ids == whole
+
+
+def test_logprobs_are_after_the_mask(target, drafter, tokenizer, grammars):
+    """Alternatives the grammar forbids are not reported (no -inf in an answer)."""
+    decoder = decoder_for(target, drafter, ProposerKind.MODEL)
+    so = CONSTRAINTS["choice"]
+    params = SamplingParams(max_tokens=8, logprobs=20, structured_output=so)
+    seq = decoder.generate([tokenizer.encode(PROMPTS[1])], params, gamma=4)[0]
+    allowed = set(allowed_tokens(fresh_mask(grammars, so, [])[None],
+                                 tokenizer.vocab_size)[0].nonzero()[0].tolist())
+    first = {t for t, _ in seq.logprobs[0].top}
+    assert first and first <= allowed and len(first) == min(20, len(allowed)), (first, allowed)
+    assert all(np.isfinite(lp) for entry in seq.logprobs for _, lp in entry.top)
+
+
+def test_a_constraint_that_does_not_compile_is_refused(target, drafter):
+    decoder = decoder_for(target, drafter, ProposerKind.MODEL)
+    for so, problem in ((StructuredOutput("regex", "[a-"), "structured_output.regex"),
+                        (StructuredOutput("grammar", "start: nowhere"),
+                         "structured_output.grammar"),
+                        (StructuredOutput("json_schema", "{not json"),
+                         "structured_output.json_schema")):
+        with pytest.raises(RequestError, match=re.escape(problem)):
+            decoder.new_sequence([1, 2, 3], SamplingParams(structured_output=so))
+
+
+def test_bad_constraints_are_named():
+    for kwargs, problem in ((dict(kind="xml"), "kind must be one of"),
+                            (dict(kind="choice", value=()), "structured_output.choice"),
+                            (dict(kind="choice", value=("a", "")), "a choice is empty"),
+                            (dict(kind="regex", value=""), "structured_output.regex is empty"),
+                            (dict(kind="grammar", value="x" * 70_000), "at most")):
+        with pytest.raises(StructuredOutputError, match=re.escape(problem)):
+            StructuredOutput(**kwargs)
+
+
+# -- the masks themselves ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer) -> Grammars:
+    return Grammars(tokenizer.path, tokenizer.vocab_size, [0])
+
+
+def fresh_mask(grammars: Grammars, so: StructuredOutput, tokens: list[int]) -> np.ndarray:
+    """The mask after `tokens`, from a matcher that never rolled back."""
+    key = object()
+    try:
+        return grammars.next_mask(key, so, tokens, ())
+    finally:
+        grammars.release(key)
+
+
+def test_row_masks_follow_the_drafts_and_roll_back(grammars, tokenizer):
+    """Rows agree with fresh matchers over many rounds of a sequence, each round's
+    drafts partly valid, partly outside the grammar, partly taken back."""
+    so = CONSTRAINTS["json_schema"]
+    text = '{"name":"ab","size":12,"tags":["a","b"]}'
+    valid = tokenizer.encode(text)
+    rng = np.random.default_rng(0)
+    for committed in range(0, len(valid) - 2, 3):
+        output = valid[:committed]
+        drafted = valid[committed:committed + 3] + [int(rng.integers(tokenizer.vocab_size))]
+        masks = grammars.row_masks("seq", so, output, drafted)
+        for j in range(len(drafted) + 1):
+            prefix = output + drafted[:j]
+            if j <= 3 and committed + j <= len(valid):
+                np.testing.assert_array_equal(masks[j], fresh_mask(grammars, so, prefix))
+        # the drafter's row after the drafts, on the same matcher
+        np.testing.assert_array_equal(grammars.next_mask("seq", so, output, drafted[:2]),
+                                      fresh_mask(grammars, so, output + drafted[:2]))
+    grammars.release("seq")
+
+
+def test_a_token_outside_the_grammar_masks_itself_out(grammars, tokenizer):
+    so = CONSTRAINTS["choice"]
+    bad = tokenizer.encode("zzz")[0]
+    masks = grammars.row_masks("seq", so, [], [bad, bad])
+    allowed = allowed_tokens(masks, tokenizer.vocab_size)
+    assert not allowed[0, bad]  # the row that verifies it refuses it
+    assert allowed[1:].nonzero()[1].tolist() == [0, 0]  # rows after it: never used
+    grammars.release("seq")
+
+
+def test_committed_tokens_outside_the_grammar_end_the_output(grammars, tokenizer):
+    so = CONSTRAINTS["regex"]
+    masks = grammars.row_masks("seq", so, tokenizer.encode("hello"), [])
+    assert allowed_tokens(masks, tokenizer.vocab_size)[0].nonzero()[0].tolist() == [0]
+    grammars.release("seq")
+
+
+def test_a_finished_grammar_allows_only_eos(grammars, tokenizer):
+    """Also after EOS itself, and after EOS drafted twice (ignore_eos: EOS goes on)."""
+    beta = tokenizer.encode("beta")
+    mask = grammars.next_mask("seq", CONSTRAINTS["choice"], beta, ())
+    assert allowed_tokens(mask[None], tokenizer.vocab_size)[0].nonzero()[0].tolist() == [0]
+    masks = grammars.row_masks("seq", CONSTRAINTS["choice"], beta, [0, 0, 0])
+    assert allowed_tokens(masks, tokenizer.vocab_size).nonzero()[1].tolist() == [0] * 4
+    masks = grammars.row_masks("seq", CONSTRAINTS["choice"], [*beta, 0, 0], [0])
+    assert allowed_tokens(masks, tokenizer.vocab_size).nonzero()[1].tolist() == [0] * 2
+    grammars.release("seq")
