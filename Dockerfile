@@ -45,9 +45,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     OUTRIDER_MODELS_DIR=/app/models
 
-# wget: KubeRay's readiness/liveness probes of Ray pods call it.
+# wget: KubeRay's readiness/liveness probes of Ray pods call it. libjemalloc2: the router
+# runs on it (outrider/allocator.py).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends wget \
+ && apt-get install -y --no-install-recommends wget libjemalloc2 \
  && rm -rf /var/lib/apt/lists/*
 
 # torch first, alone and pinned, so nothing later can pull another build (roles that

@@ -22,10 +22,12 @@ $(STAMP): pyproject.toml setup.py
 	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e '.[all,test,dev]'
 	touch $(STAMP)
 
-# Debian packages the system tests start for real (each binary is named as its package).
+# Debian packages the system tests start for real (each binary is named as its package),
+# and jemalloc, which the router runs on when the system has it (outrider/allocator.py).
 SYSTEM_BINARIES := redis-server prometheus chromium
 system-deps:
 	@missing=""; for b in $(SYSTEM_BINARIES); do command -v $$b >/dev/null || missing="$$missing $$b"; done; \
+	ldconfig -p 2>/dev/null | grep -q 'libjemalloc\.so\.2' || missing="$$missing libjemalloc2"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing$$missing (apt)"; \
 	  install="apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null"; \

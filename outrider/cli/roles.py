@@ -37,8 +37,10 @@ def cmd_target_worker(args) -> int:
 
 
 def cmd_router(args) -> int:
+    from outrider.allocator import run_on_jemalloc
     from outrider.router.main import RouterConfig, serve
 
+    run_on_jemalloc()
     serve(RouterConfig.from_args(args), cluster_token())
     return 0
 
