@@ -12,9 +12,10 @@ from outrider.local_system import LocalSystemConfig, local_system
 
 
 @contextmanager
-def demo_system(api_key: str):
+def demo_system(api_key: str, metrics: bool = False):
+    """metrics: /metrics on every process (`running.metrics`)."""
     cfg = LocalSystemConfig(str(paths.demo_target_dir()), str(paths.demo_draft_dir()),
-                            grpc_port=0, http_port=0)
+                            grpc_port=0, http_port=0, metrics=metrics)
     with local_system(cfg, env={"OUTRIDER_API_KEYS": api_key}) as running:
         yield running
 

@@ -17,9 +17,8 @@ from outrider.router.service import Refused
 
 from outrider import paths
 from outrider.client import Client
-from outrider.local_system import LocalSystemConfig, local_system
 from tests.reliability._support import wait_until
-from tests.router.demo_system import openai_client
+from tests.router.demo_system import demo_system, openai_client
 from tests.scraping import scrape, total
 
 pytestmark = pytest.mark.slow
@@ -32,11 +31,9 @@ GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def system():
-    """demo_system's, with /metrics on every process (what the replica did for a client
-    that left is read there)."""
-    cfg = LocalSystemConfig(str(paths.demo_target_dir()), str(paths.demo_draft_dir()),
-                            grpc_port=0, http_port=0, metrics=True)
-    with local_system(cfg, env={"OUTRIDER_API_KEYS": KEY}) as running:
+    """With /metrics on every process (what the replica did for a client that left is
+    read there)."""
+    with demo_system(KEY, metrics=True) as running:
         yield running
 
 

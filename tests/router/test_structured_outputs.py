@@ -12,10 +12,8 @@ import re
 import openai
 import pytest
 
-from outrider import paths
 from outrider.client import Client, InvalidRequestError
-from outrider.local_system import LocalSystemConfig, local_system
-from tests.router.demo_system import openai_client
+from tests.router.demo_system import demo_system, openai_client
 from tests.scraping import scrape, total
 
 pytestmark = pytest.mark.slow
@@ -36,9 +34,7 @@ SPECULATE = {"speculation": "fixed", "gamma": 4}
 
 @pytest.fixture(scope="module")
 def system():
-    cfg = LocalSystemConfig(str(paths.demo_target_dir()), str(paths.demo_draft_dir()),
-                            grpc_port=0, http_port=0, metrics=True)
-    with local_system(cfg, env={"OUTRIDER_API_KEYS": KEY}) as running:
+    with demo_system(KEY, metrics=True) as running:
         yield running
 
 
