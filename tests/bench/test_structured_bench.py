@@ -1,0 +1,267 @@
+"""The structured-outputs benchmark's pure parts (outrider.bench.structured): the output
+checkers, the constraint set compiling with Outrider's own checker, requests built per
+endpoint, vLLM's counters read, rounds merged, targets judged, and the `outrider bench
+--structured` flag. No server and no vLLM runs here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from llguidance import LLMatcher
+
+from outrider import paths
+from outrider.bench import structured
+from outrider.bench.structured import CONSTRAINTS, PERSON, READING, TASK, Constraint
+from outrider.cli import build_parser
+from outrider.cli.bench import _chosen_benchmark
+from outrider.core.grammar import Grammars
+from outrider.core.structured import StructuredOutput
+from outrider.core.tokenizer import Tokenizer
+
+BY_NAME = {c.name: c for c in CONSTRAINTS}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer(str(paths.demo_target_dir()))
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    return Grammars(tokenizer.path, tokenizer.vocab_size, [0])
+
+
+def structured_output(c: Constraint) -> StructuredOutput:
+    value = {"json_schema": json.dumps(c.value), "choice": tuple(c.value or ()),
+             "json_object": ""}.get(c.kind, c.value)
+    return StructuredOutput(c.kind, value)
+
+
+# -- the checkers ------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", [{"name": "bob", "age": 30}, {"name": "", "age": 0},
+                                   {"name": "x" * 16, "age": 120}])
+def test_the_schema_checker_accepts_what_the_schema_allows(value):
+    assert structured.schema_problems(value, PERSON) == []
+
+
+@pytest.mark.parametrize("value,words", [
+    ({"name": "bob"}, "'age' missing"),
+    ({"name": "bob", "age": 3, "email": "b@x"}, "'email' not allowed"),
+    ({"name": "bob", "age": True}, "$.age: not integer"),       # a bool is no integer
+    ({"name": "bob", "age": 3.5}, "$.age: not integer"),
+    ({"name": "bob", "age": 121}, "out of range"),
+    ({"name": "bob", "age": -1}, "out of range"),
+    ({"name": "x" * 17, "age": 1}, "longer than 16"),
+    (["bob", 30], "$: not object"),
+])
+def test_the_schema_checker_names_what_breaks_it(value, words):
+    problems = structured.schema_problems(value, PERSON)
+    assert any(words in p for p in problems), problems
+
+
+def test_nested_objects_arrays_enums_and_optional_fields_are_checked():
+    good = {"title": "fix", "meta": {"tags": ["bug", "docs"], "done": False}}
+    assert structured.schema_problems(good, TASK) == []
+    too_many = {"title": "fix", "meta": {"tags": ["bug"] * 4, "done": False}}
+    assert structured.schema_problems(too_many, TASK) == ["$.meta.tags: more than 3 items"]
+    bad_tag = {"title": "fix", "meta": {"tags": ["bug", "wat"], "done": 1}}
+    assert structured.schema_problems(bad_tag, TASK) == [
+        "$.meta.tags[1]: 'wat' not in the enum", "$.meta.done: not boolean"]
+    assert structured.schema_problems({"value": 3}, READING) == []        # unit optional
+    assert structured.schema_problems({"value": -2.5, "unit": "kg"}, READING) == []
+    assert structured.schema_problems({"value": 1e4, "unit": "m"}, READING)
+    assert structured.schema_problems({"value": 1, "unit": "ft"}, READING)
+    with pytest.raises(ValueError, match="pattern"):   # never a half-checked schema
+        structured.schema_problems("a", {"type": "string", "pattern": "a"})
+
+
+def test_outputs_are_checked_by_their_kind():
+    valid = structured.is_valid
+    assert valid(BY_NAME["person"], '{"name":"a","age":1}')
+    assert not valid(BY_NAME["person"], '{"name":"a","age":1')        # not JSON
+    assert valid(BY_NAME["object"], "{}") and not valid(BY_NAME["object"], "[]")
+    assert valid(BY_NAME["date"], "2024-02-29")
+    assert not valid(BY_NAME["date"], "2024-13-01") and not valid(BY_NAME["date"], "2024-02-29x")
+    assert valid(BY_NAME["email"], "a.b_c@site.org") and not valid(BY_NAME["email"], "a@b.io")
+    assert valid(BY_NAME["method"], "PUT") and not valid(BY_NAME["method"], "PUTS")
+    assert valid(BY_NAME["assignment"], "max_len = 512")
+    assert not valid(BY_NAME["assignment"], "x = 12345")
+
+
+def test_a_verdict_counts_only_finished_outputs_as_valid_or_invalid():
+    person = BY_NAME["person"]
+    assert structured.verdict(person, {"text": "{", "finish_reason": "length"}) == "length"
+    assert structured.verdict(person, {"text": "{", "finish_reason": "stop"}) == "invalid"
+    assert structured.verdict(person, {"error": "BadRequestError: no"}) == "error"
+    records = [{"verdict": v} for v in ("valid", "valid", "invalid", "length", "error")]
+    assert structured.count_verdicts(records) == {"total": 5, "valid": 2, "invalid": 1,
+                                                  "length": 1, "error": 1}
+
+
+# -- the constraint set ------------------------------------------------------------------------
+def test_every_constraint_compiles_with_outriders_checker(grammars):
+    assert {c.kind for c in CONSTRAINTS} == {"json_schema", "json_object", "regex", "choice",
+                                             "grammar"}
+    for c in CONSTRAINTS:
+        grammars.check(structured_output(c))
+        assert len(c.prompts) == 3
+
+
+def test_the_grammars_python_regex_accepts_what_the_grammar_does(tokenizer, grammars):
+    so = structured_output(BY_NAME["assignment"])
+    assert "::=" in so.value   # GBNF, converted by Outrider as vLLM reads it natively
+    for text in ("abc = 12", "a = True", "abcdefgh = 1234", "ab_c = None", "abcdefghi = 1",
+                 "x = 12345", "A = 1", "x = 1x", "x= 1"):
+        matcher = LLMatcher(grammars.tokenizer, so.grammar, log_level=0)
+        grammar_says = (matcher.consume_tokens(tokenizer.encode(text))
+                        and matcher.is_accepting() and not matcher.is_error())
+        assert bool(grammar_says) == structured.is_valid(BY_NAME["assignment"], text), text
+
+
+def test_requests_go_to_their_endpoint_with_or_without_the_constraint():
+    greedy = {"temperature": 0.0}
+    endpoint, body = structured.request_of(BY_NAME["task"], "p", True, 96, greedy)
+    assert endpoint == "chat" and body["messages"] == [{"role": "user", "content": "p"}]
+    assert body["response_format"]["json_schema"] == {"name": "task", "schema": TASK,
+                                                      "strict": True}
+    _, body = structured.request_of(BY_NAME["object"], "p", True, 96, greedy)
+    assert body["response_format"] == {"type": "json_object"}
+    endpoint, body = structured.request_of(BY_NAME["method"], "p", True, 96, greedy)
+    assert endpoint == "completions" and body["prompt"] == "p"
+    assert body["extra_body"] == {"structured_outputs": {"choice": ["GET", "POST", "PUT",
+                                                                    "DELETE"]}}
+    for c in CONSTRAINTS:   # unconstrained: the same request, no constraint
+        _, body = structured.request_of(c, "p", False, 96, greedy)
+        assert "response_format" not in body and "extra_body" not in body
+        assert body["max_tokens"] == 96 and body["temperature"] == 0.0
+    items = structured.items_of(CONSTRAINTS, 2)
+    assert len(items) == 2 * len(CONSTRAINTS) and items[1] == (CONSTRAINTS[0],
+                                                               CONSTRAINTS[0].prompts[1])
+
+
+def test_throughput_requests_are_new_to_the_server_and_warm_up_is_no_measured_request():
+    sets = structured.cell_documents(str(paths.demo_target_dir()), 24)
+    assert len(sets) == len(structured.MODES)
+    assert all({level: len(d) for level, d in docs.items()} == structured.THROUGHPUT_REQUESTS
+               for docs in sets)
+    every = [d for docs in sets for ds in docs.values() for d in ds]
+    assert len(set(every)) == len(every)             # no level or mode repeats another's
+    first_round, second_round = (structured.rotated_documents(sets, r) for r in (0, 1))
+    assert [first_round[m] for m in structured.MODES] == sets       # each mode its own set,
+    assert all(second_round[m] != first_round[m] for m in structured.MODES)  # another later
+    documents = first_round["constrained"]
+    items = structured.throughput_items(documents[8])
+    assert len({p for _, p in items}) == len(items) == 32
+    assert {c.kind for c, _ in items} == set(structured.THROUGHPUT_KINDS)
+    first, prompt = items[0]
+    assert first.name == "person" and prompt == f"{documents[8][0]}\n\n{first.prompts[0]}"
+    measured = {p for c in CONSTRAINTS for p in c.prompts} | {p for _, p in items}
+    assert not measured & set(structured.WARMUP_PROMPTS.values())
+
+
+# -- acceptance and throughput figures ---------------------------------------------------------
+VLLM_METRICS = """# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="demo-target"} 120.0
+vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="demo-target"} 8.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="demo-target"} 64.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 40.0
+"""
+
+
+def test_vllms_counters_are_read_and_acceptance_taken_from_usage_or_them():
+    assert structured.parse_counters(VLLM_METRICS) == {"draft_tokens": 128.0,
+                                                       "accepted_tokens": 64.0}
+    assert structured.parse_counters("vllm:num_requests_running 0\n") is None
+    usage = [{"speculation": {"draft_tokens": 10, "accepted_tokens": 7}},
+             {"speculation": {"draft_tokens": 10, "accepted_tokens": 5}}, {"error": "x"}]
+    assert structured.acceptance(usage, None, None)["rate"] == pytest.approx(0.6)
+    before, after = {"draft_tokens": 100, "accepted_tokens": 50}, {"draft_tokens": 140,
+                                                                     "accepted_tokens": 80}
+    counted = structured.acceptance([{"speculation": None}], before, after)
+    assert counted["rate"] == pytest.approx(0.75) and counted["source"] == "metrics"
+    assert structured.acceptance([{}], None, None)["rate"] is None
+    split = [{"speculation": {"draft_tokens": 12, "accepted_tokens": 6, "by_proposer": {
+                 "draft_model": {"draft_tokens": 8, "accepted_tokens": 6},
+                 "suffix": {"draft_tokens": 4, "accepted_tokens": 0}}}},
+             {"speculation": {"draft_tokens": 8, "accepted_tokens": 2, "by_proposer": {
+                 "draft_model": {"draft_tokens": 8, "accepted_tokens": 2}}}}]
+    kinds = structured.acceptance(split, None, None)["by_proposer"]
+    assert kinds["draft_model"]["rate"] == pytest.approx(0.5) and kinds["suffix"]["rate"] == 0
+
+
+def test_a_cell_gives_tokens_per_second_and_the_median_tpot():
+    records = [{"start": 0.0, "end": 1.0, "ttft": 0.1, "tokens": 10, "chunks": 4},  # 100 ms
+               {"start": 0.0, "end": 0.5, "ttft": 0.1, "tokens": 5, "chunks": 2},   # a token
+               {"start": 1.0, "end": 1.3, "ttft": 0.1, "tokens": 3, "chunks": 3},
+               {"error": "APIConnectionError"}]
+    cell = structured.summarize(records, 2.0)
+    assert cell["tokens_per_s"] == pytest.approx(9.0) and cell["errors"] == 1
+    assert cell["tpot_ms_p50"] == pytest.approx(100.0)
+    assert cell["per_token_rate"] == pytest.approx(10.0)
+    assert cell["first_error"] == "APIConnectionError"
+    assert cell["tokens_per_chunk"] == pytest.approx(2.0)
+
+
+# -- rounds and targets ------------------------------------------------------------------------
+def system_round(invalid: int, rates: tuple[float, float], per_token: tuple[float, float],
+                 tokens_per_s: float = 100.0) -> dict:
+    counts = {"total": 10, "valid": 10 - invalid, "invalid": invalid, "length": 0, "error": 0}
+    spec = {mode: {"draft_tokens": 100, "accepted_tokens": int(100 * rate), "rate": rate,
+                   "source": "usage.speculation"}
+            for mode, rate in zip(("constrained", "unconstrained"), rates)}
+    cell = {mode: {"requests": 8, "errors": 0, "tokens_per_s": tokens_per_s,
+                   "tpot_ms_p50": 1e3 / rate, "per_token_rate": rate, "first_error": None}
+            for mode, rate in zip(structured.MODES, [*per_token, per_token[0]])}
+    return {"validity": {"greedy": counts, "sampled": dict(counts)},
+            "acceptance": {"greedy": spec, "sampled": spec},
+            "throughput": {"c1": cell, "c8": cell}}
+
+
+def test_rounds_merge_counts_summed_tokens_pooled_and_figures_averaged():
+    rounds = [{"outrider": system_round(0, (0.7, 0.6), (200, 210), 100)},
+              {"outrider": system_round(1, (0.5, 0.6), (220, 210), 300)}]
+    merged = structured.merge_rounds(rounds)["outrider"]
+    assert merged["validity"]["greedy"]["invalid"] == 1
+    assert merged["validity"]["greedy"]["total"] == 20
+    assert merged["acceptance"]["greedy"]["constrained"]["rate"] == pytest.approx(0.6)
+    assert merged["acceptance"]["greedy"]["constrained"]["rate_rounds"] == [0.7, 0.5]
+    cell = merged["throughput"]["c8"]["constrained"]
+    assert cell["tokens_per_s"] == pytest.approx(200) and cell["per_token_rate"] == 210
+    assert cell["tokens_per_s_rounds"] == [100, 300]
+
+
+def test_targets_are_judged_for_outrider():
+    results = structured.merge_rounds([{"outrider": system_round(0, (0.7, 0.6), (190, 200)),
+                                        "vllm-draft": system_round(3, (0.1, 0.2), (1, 2))}])
+    judged = {(t["target"], t.get("concurrency")): t for t in structured.targets(results)}
+    validity = judged[("Outrider: invalid outputs among finished (stop) ones", None)]
+    assert validity["value"] == 0 and validity["met"]     # vLLM's invalid ones are not judged
+    greedy = judged[("Outrider greedy: acceptance constrained over unconstrained", None)]
+    assert greedy["value"] == pytest.approx(0.7 / 0.6) and greedy["met"]
+    for mode in ("constrained", "permissive"):  # permissive: the same rate as constrained
+        name = f"Outrider: {mode} per-token rate (1/TPOT p50) over unconstrained"
+        assert judged[(name, 1)]["value"] == pytest.approx(0.95) and judged[(name, 1)]["met"]
+    worse = structured.merge_rounds([{"outrider": system_round(2, (0.5, 0.6), (170, 200))}])
+    assert not any(t["met"] for t in structured.targets(worse))
+    ratios = structured.comparison(results)["outrider_over_vllm"]["c1"]["constrained"]
+    assert ratios["per_token_rate"] == pytest.approx(190) and ratios["tokens_per_s"] == 1.0
+    assert structured.targets({"vllm-draft": results["vllm-draft"]}) == []
+    assert "| outrider | greedy | 10 | 10 | 0 | 0 | 0 |" in structured.table(results)
+
+
+# -- the command line --------------------------------------------------------------------------
+def test_the_bench_flag_picks_the_structured_benchmark():
+    args = build_parser().parse_args(["bench", "--structured"])
+    assert _chosen_benchmark(args) is structured
+    assert args.structured_systems == "outrider,vllm-draft" and args.structured_prompts == 3
+    assert args.rounds == 2 and args.max_tokens == 96
+    with pytest.raises(SystemExit, match="needs --vllm"):   # vllm-draft without vLLM
+        structured.chosen_systems(args)
+    alone = build_parser().parse_args(["bench", "--structured", "--structured-systems",
+                                       "outrider"])
+    assert structured.chosen_systems(alone) == ["outrider"]
+    both = build_parser().parse_args(["bench", "--structured", "--vllm", "/x"])
+    assert _chosen_benchmark(both) is structured
+    assert structured.chosen_systems(both) == ["outrider", "vllm-draft"]
