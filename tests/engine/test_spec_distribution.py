@@ -359,10 +359,10 @@ def test_detects_a_target_that_forgets_the_rounds_drafts(samples, monkeypatch):
     allows; the grid's tests must see that."""
     rows_with_drafts = 0
 
-    def without_drafts(token_ids, prompt_len, drafted=()):
+    def without_drafts(token_ids, prompt_len, drafted=(), allowed=None):
         nonlocal rows_with_drafts
         rows_with_drafts += bool(drafted)
-        return History(token_ids, prompt_len)
+        return History(token_ids, prompt_len, allowed=allowed)
 
     monkeypatch.setattr(spec_decode_module, "History", without_drafts)
     config = "truncated-penalties-bias"
