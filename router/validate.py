@@ -6,7 +6,7 @@ import hashlib
 import re
 import secrets
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from outrider.core.grammar import Grammars
 from outrider.core.policy import MAX_GAMMA, SpecMode
@@ -50,9 +50,7 @@ class Job:
 def validate(req: gp.GenerateRequest, tokenizer: Tokenizer, max_model_len: int,
              grammars: Grammars) -> Job:
     prompt_ids = _prompt_ids(req, tokenizer)
-    params, stop = _sampling(req.sampling, tokenizer.vocab_size, max_model_len)
-    if req.sampling.HasField("structured_output"):
-        params = replace(params, structured_output=_structured(req.sampling, grammars))
+    params, stop = _sampling(req.sampling, tokenizer.vocab_size, max_model_len, grammars)
     spec = req.speculation
     if spec.mode not in MODES:
         raise ValidationError(f"speculation.mode: unknown value {spec.mode}")
@@ -104,8 +102,8 @@ def _prompt_ids(req: gp.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
     return ids
 
 
-def _sampling(s: gp.SamplingOptions, vocab: int,
-              max_model_len: int) -> tuple[SamplingParams, tuple[str, ...]]:
+def _sampling(s: gp.SamplingOptions, vocab: int, max_model_len: int,
+              grammars: Grammars) -> tuple[SamplingParams, tuple[str, ...]]:
     if len(s.stop) > MAX_STOP_STRINGS:
         raise ValidationError(f"sampling.stop has {len(s.stop)} strings; the limit is "
                               f"{MAX_STOP_STRINGS}")
@@ -131,7 +129,8 @@ def _sampling(s: gp.SamplingOptions, vocab: int,
             min_p=s.min_p, repetition_penalty=_or(s, "repetition_penalty", 1.0),
             frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
             logit_bias=tuple(sorted(s.logit_bias.items())), min_tokens=s.min_tokens,
-            logprobs=s.logprobs if s.HasField("logprobs") else None)
+            logprobs=s.logprobs if s.HasField("logprobs") else None,
+            structured_output=_structured(s, grammars))
     except SamplingError as exc:
         raise ValidationError(f"sampling.{exc}") from None
     return params, tuple(s.stop)
@@ -141,7 +140,7 @@ def _structured(s: gp.SamplingOptions, grammars: Grammars) -> StructuredOutput |
     """The constraint, compiled here first: one that does not compile never reaches a
     replica (compiling is cached per grammar, and llguidance bounds its work)."""
     try:
-        so = StructuredOutput.from_proto(s.structured_output)
+        so = StructuredOutput.from_proto(s.structured_output)  # None when not set
         if so is not None:
             grammars.check(so)
     except StructuredOutputError as exc:

@@ -74,7 +74,7 @@ THROUGHPUT_REQUESTS = {1: 12, 8: 32}
 SETTLE_S = 10
 SCHEMA_KEYWORDS = ("type", "enum", "required", "properties", "additionalProperties",
                    "items", "maxItems", "maxLength", "minimum", "maximum")
-# vLLM's Prometheus counters (a `_total` suffix is added by the client library)
+# vLLM's Prometheus counters (their samples are named with `_total`)
 VLLM_SPEC_COUNTERS = {"draft_tokens": "vllm:spec_decode_num_draft_tokens",
                       "accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
 
@@ -350,15 +350,15 @@ def spec_counters(url: str) -> dict | None:
 def parse_counters(text: str) -> dict | None:
     """vLLM's draft and accepted token counters, each summed over its labels; None
     unless both are there."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {f"{counter}_total": key for key, counter in VLLM_SPEC_COUNTERS.items()}
     sums: dict[str, float] = {}
-    for line in text.splitlines():
-        found = re.match(r"^([A-Za-z_:][\w:]*)(\{.*\})?\s+(\S+)", line)
-        if not found:
-            continue
-        name = found.group(1).removesuffix("_total")
-        for key, counter in VLLM_SPEC_COUNTERS.items():
-            if name == counter:
-                sums[key] = sums.get(key, 0.0) + float(found.group(3))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                key = wanted[sample.name]
+                sums[key] = sums.get(key, 0.0) + sample.value
     return sums if len(sums) == len(VLLM_SPEC_COUNTERS) else None
 
 

@@ -85,16 +85,16 @@ class Grammars:
     def release(self, seq_key: object) -> None:
         self._sequences.pop(seq_key, None)
 
-    def row_masks(self, seq_key: object, so: StructuredOutput, output: Sequence[int],
-                  drafted: Sequence[int]) -> np.ndarray:
-        """[len(drafted) + 1, words]: row j allows what may follow output + drafted[:j].
-        After a drafted token the matcher cannot take, rows allow only EOS: either its
-        own row refused it (verification rejects it, and the rows after are never used)
-        or the grammar was complete and it was EOS (then only EOS may follow, as `_fill`
-        says of a finished grammar)."""
+    def row_masks(self, seq_key: object, so: StructuredOutput, token_ids: Sequence[int],
+                  prompt_len: int, drafted: Sequence[int]) -> np.ndarray:
+        """[len(drafted) + 1, words]: row j allows what may follow the output
+        (token_ids[prompt_len:]) + drafted[:j]. After a drafted token the matcher cannot
+        take, rows allow only EOS: either its own row refused it (verification rejects it,
+        and the rows after are never used) or the grammar was complete and it was EOS (then
+        only EOS may follow, as `_fill` says of a finished grammar)."""
         tracked = self._tracked(seq_key, so)
         masks = np.tile(self._eos_only, (len(drafted) + 1, 1))
-        self._sync(tracked, output, ())
+        self._sync(tracked, token_ids, prompt_len, ())
         self._fill(tracked, masks[0])
         for j, token in enumerate(drafted):
             if tracked.is_broken or not tracked.matcher.try_consume_tokens([token]):
@@ -103,13 +103,13 @@ class Grammars:
             self._fill(tracked, masks[j + 1])
         return masks
 
-    def next_mask(self, seq_key: object, so: StructuredOutput, output: Sequence[int],
-                  drafted: Sequence[int]) -> np.ndarray:
-        """[words]: what may follow output + drafted (a drafter's row); only EOS after
+    def next_mask(self, seq_key: object, so: StructuredOutput, token_ids: Sequence[int],
+                  prompt_len: int, drafted: Sequence[int]) -> np.ndarray:
+        """[words]: what may follow the output + drafted (a drafter's row); only EOS after
         tokens the matcher cannot take (as `row_masks`)."""
         tracked = self._tracked(seq_key, so)
         mask = self._eos_only.copy()
-        if self._sync(tracked, output, drafted) == len(drafted):
+        if self._sync(tracked, token_ids, prompt_len, drafted) == len(drafted):
             self._fill(tracked, mask)
         return mask
 
@@ -119,15 +119,19 @@ class Grammars:
             tracked = self._sequences[seq_key] = _Tracked(self._prototype(so).deep_copy())
         return tracked
 
-    def _sync(self, tracked: _Tracked, output: Sequence[int], drafted: Sequence[int]) -> int:
-        """Brings the matcher to output + drafted (output only grows; a sequence whose
-        output changed under it starts again); returns how many drafted it consumed."""
-        firm = tracked.firm
-        if len(output) < firm or (firm and output[firm - 1] != tracked.held[firm - 1]):
+    def _sync(self, tracked: _Tracked, token_ids: Sequence[int], prompt_len: int,
+              drafted: Sequence[int]) -> int:
+        """Brings the matcher to the output + drafted, reading only the output it has not
+        seen (called per round and per drafted token: the output is never copied whole).
+        The output only grows; a sequence whose output changed under it starts again.
+        Returns how many drafted it consumed."""
+        firm, num_output = tracked.firm, len(token_ids) - prompt_len
+        if num_output < firm or (firm and token_ids[prompt_len + firm - 1]
+                                 != tracked.held[firm - 1]):
             tracked.matcher.reset()
             tracked.held, tracked.firm, tracked.is_broken = [], 0, False
             firm = 0
-        wanted = [*output[firm:], *drafted]
+        wanted = [*token_ids[prompt_len + firm:], *drafted]
         have = tracked.held[firm:]
         same = next((i for i, (a, b) in enumerate(zip(have, wanted)) if a != b),
                     min(len(have), len(wanted)))
@@ -136,11 +140,11 @@ class Grammars:
             del tracked.held[firm + same:]
         consumed = tracked.matcher.try_consume_tokens(wanted[same:]) if not tracked.is_broken else 0
         tracked.held += wanted[same:same + consumed]
-        num_output = len(output) - firm
-        if same + consumed < num_output:
+        new_output = num_output - firm
+        if same + consumed < new_output:
             tracked.is_broken = True  # committed tokens outside the grammar: end it
-        tracked.firm = min(len(output), len(tracked.held))
-        return max(0, same + consumed - num_output)
+        tracked.firm = min(num_output, len(tracked.held))
+        return max(0, same + consumed - new_output)
 
     def _fill(self, tracked: _Tracked, row: np.ndarray) -> None:
         if tracked.is_broken:
@@ -150,12 +154,3 @@ class Grammars:
         if not row.any():  # nothing allowed (the grammar is done and EOS is ignored)
             row[:] = self._eos_only
 
-
-def allowed_tokens(masks: np.ndarray, vocab_size: int) -> np.ndarray:
-    """Packed masks [rows, words] int32 -> [rows, vocab_size] bool (ids past the masks'
-    vocabulary are not allowed)."""
-    bits = np.unpackbits(np.ascontiguousarray(masks).view(np.uint8), axis=-1, bitorder="little")
-    allowed = np.zeros((len(masks), vocab_size), dtype=bool)
-    width = min(vocab_size, bits.shape[-1])
-    allowed[:, :width] = bits[:, :width]
-    return allowed

@@ -270,12 +270,10 @@ class Drafter:
         """A constrained row allows what its grammar allows after the committed tokens and
         the drafts before it (docs/DESIGN.md §3.8); a draft without a tokenizer.json
         drafts unconstrained (verification still keeps only what the grammar allows)."""
-        tokens = self.token_ids[item.seq_id]
+        tokens = self.token_ids[item.seq_id]  # the committed context while drafting
         so, allowed = item.params.structured_output, None
         if so is not None and self.grammars is not None:
-            committed = self._committed[item.seq_id][0]
-            allowed = self.grammars.next_mask(item.seq_id, so,
-                                              tokens[item.prompt_len:committed], drafted)
+            allowed = self.grammars.next_mask(item.seq_id, so, tokens, item.prompt_len, drafted)
         return History(tokens, item.prompt_len, tuple(drafted), allowed)
 
     @staticmethod

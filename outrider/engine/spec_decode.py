@@ -479,7 +479,7 @@ class SpeculativeDecoder:
         seq = row.seq
         so = seq.params.structured_output
         masks = ([None] * (len(drafted) + 1) if so is None else self.grammars.row_masks(
-            seq.seq_id, so, seq.token_ids[seq.prompt_len:], drafted))
+            seq.seq_id, so, seq.token_ids, seq.prompt_len, drafted))
         return [History(seq.token_ids, seq.prompt_len, tuple(drafted[:j]), mask)
                 for j, mask in enumerate(masks)]
 

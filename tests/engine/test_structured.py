@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from outrider import paths
-from outrider.core.grammar import Grammars, allowed_tokens
+from outrider.core.grammar import Grammars
 from outrider.core.sampling import SamplingParams
 from outrider.core.sequence import FinishReason, ProposerKind
 from outrider.core.stats import SpecStats
@@ -42,6 +42,13 @@ CONSTRAINTS = {
 }
 PROMPTS = ["def load(path):\n    config = ", "The date of the release was ", "import os\n"]
 MAX_TOKENS = 40
+
+
+def allowed_tokens(masks: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Packed masks [rows, words] int32 (bit t of word t // 32: token t) -> [rows, vocab]
+    bool."""
+    bits = np.unpackbits(np.ascontiguousarray(masks).view(np.uint8), axis=-1, bitorder="little")
+    return bits[:, :vocab_size].astype(bool)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +87,7 @@ def check_output(name: str, seq, tokenizer) -> None:
     output = seq.output_ids
     if seq.finish_reason is FinishReason.LENGTH:
         grammars = Grammars(tokenizer.path, tokenizer.vocab_size, [0])
-        mask = grammars.next_mask("check", CONSTRAINTS[name], output, ())
+        mask = grammars.next_mask("check", CONSTRAINTS[name], output, 0, ())
         assert allowed_tokens(mask[None], tokenizer.vocab_size).any(), (name, output)
         assert not grammars._sequences["check"].is_broken, (name, tokenizer.decode(output))
         return
@@ -192,7 +199,7 @@ def fresh_mask(grammars: Grammars, so: StructuredOutput, tokens: list[int]) -> n
     """The mask after `tokens`, from a matcher that never rolled back."""
     key = object()
     try:
-        return grammars.next_mask(key, so, tokens, ())
+        return grammars.next_mask(key, so, tokens, 0, ())
     finally:
         grammars.release(key)
 
@@ -207,13 +214,13 @@ def test_row_masks_follow_the_drafts_and_roll_back(grammars, tokenizer):
     for committed in range(0, len(valid) - 2, 3):
         output = valid[:committed]
         drafted = valid[committed:committed + 3] + [int(rng.integers(tokenizer.vocab_size))]
-        masks = grammars.row_masks("seq", so, output, drafted)
+        masks = grammars.row_masks("seq", so, output, 0, drafted)
         for j in range(len(drafted) + 1):
             prefix = output + drafted[:j]
             if j <= 3 and committed + j <= len(valid):
                 np.testing.assert_array_equal(masks[j], fresh_mask(grammars, so, prefix))
         # the drafter's row after the drafts, on the same matcher
-        np.testing.assert_array_equal(grammars.next_mask("seq", so, output, drafted[:2]),
+        np.testing.assert_array_equal(grammars.next_mask("seq", so, output, 0, drafted[:2]),
                                       fresh_mask(grammars, so, output + drafted[:2]))
     grammars.release("seq")
 
@@ -221,7 +228,7 @@ def test_row_masks_follow_the_drafts_and_roll_back(grammars, tokenizer):
 def test_a_token_outside_the_grammar_masks_itself_out(grammars, tokenizer):
     so = CONSTRAINTS["choice"]
     bad = tokenizer.encode("zzz")[0]
-    masks = grammars.row_masks("seq", so, [], [bad, bad])
+    masks = grammars.row_masks("seq", so, [], 0, [bad, bad])
     allowed = allowed_tokens(masks, tokenizer.vocab_size)
     assert not allowed[0, bad]  # the row that verifies it refuses it
     assert allowed[1:].nonzero()[1].tolist() == [0, 0]  # rows after it: never used
@@ -230,7 +237,7 @@ def test_a_token_outside_the_grammar_masks_itself_out(grammars, tokenizer):
 
 def test_committed_tokens_outside_the_grammar_end_the_output(grammars, tokenizer):
     so = CONSTRAINTS["regex"]
-    masks = grammars.row_masks("seq", so, tokenizer.encode("hello"), [])
+    masks = grammars.row_masks("seq", so, tokenizer.encode("hello"), 0, [])
     assert allowed_tokens(masks, tokenizer.vocab_size)[0].nonzero()[0].tolist() == [0]
     grammars.release("seq")
 
@@ -238,10 +245,10 @@ def test_committed_tokens_outside_the_grammar_end_the_output(grammars, tokenizer
 def test_a_finished_grammar_allows_only_eos(grammars, tokenizer):
     """Also after EOS itself, and after EOS drafted twice (ignore_eos: EOS goes on)."""
     beta = tokenizer.encode("beta")
-    mask = grammars.next_mask("seq", CONSTRAINTS["choice"], beta, ())
+    mask = grammars.next_mask("seq", CONSTRAINTS["choice"], beta, 0, ())
     assert allowed_tokens(mask[None], tokenizer.vocab_size)[0].nonzero()[0].tolist() == [0]
-    masks = grammars.row_masks("seq", CONSTRAINTS["choice"], beta, [0, 0, 0])
+    masks = grammars.row_masks("seq", CONSTRAINTS["choice"], beta, 0, [0, 0, 0])
     assert allowed_tokens(masks, tokenizer.vocab_size).nonzero()[1].tolist() == [0] * 4
-    masks = grammars.row_masks("seq", CONSTRAINTS["choice"], [*beta, 0, 0], [0])
+    masks = grammars.row_masks("seq", CONSTRAINTS["choice"], [*beta, 0, 0], 0, [0])
     assert allowed_tokens(masks, tokenizer.vocab_size).nonzero()[1].tolist() == [0] * 2
     grammars.release("seq")
