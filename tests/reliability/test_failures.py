@@ -1,7 +1,8 @@
 """docs/DESIGN.md §6 failures, injected into live processes on loopback:
 
-- a draft replica SIGKILLed mid-generation: its sequences go on with γ = 0, and the
-  same requests speculate again once a draft is restarted on the same port;
+- a draft replica SIGKILLed mid-generation: its sequences (`proposer: model`) go on
+  with γ = 0, and the same requests speculate again once a draft is restarted on the
+  same port;
 - a target replica SIGKILLed under seeded sampling with a fixed γ: the request resumes
   on the other replica and reproduces the uninterrupted run token for token;
 - the shared Redis killed and restarted empty, or frozen, under load: every request
@@ -83,8 +84,10 @@ FINISHING_TOKENS = 700    # these requests run to the end
 LONG_TOKENS = 3000        # this one outlives the draft's restart, then is cancelled
 LONG_PROMPT = [42, 17, 250, 3]
 LONG_CHECKED = 1500       # its tokens checked against the reference (a prefix)
+# the draft model alone: `auto` would go on looking up while no draft answers, and a
+# suffix match from the earlier streams would stand in for the restarted draft
 FIXED = dict(temperature=0.0, ignore_eos=True, speculation="fixed", gamma_max=4,
-             include_rounds=True)
+             include_rounds=True, proposer="model")
 
 
 def test_draft_killed_mid_generation_then_restarted_on_its_port(long_target_dir, long_draft_dir):

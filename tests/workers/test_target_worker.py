@@ -248,18 +248,20 @@ def test_draft_killed_and_restarted_mid_generation(tmp_path, tokenizer_dir):
                    for i, p in enumerate(prompts(4, seed=3))]
         draft_proc.kill()
         draft_proc.wait()
-        tokens.extend(next(stream).token_ids)  # served with γ = 0 meanwhile
+        tokens.extend(next(stream).token_ids)  # served without model drafts meanwhile
         with outrider_process(*draft_args, token=TOKEN):
             time.sleep(3)  # the target's next tries at the draft now reach the new process
             for chunk in stream:
                 tokens.extend(chunk.token_ids)
                 rounds_after_restart.extend(chunk.rounds)
-                if any(r.gamma for r in chunk.rounds):  # the draft is back: company may go
+                if any(r.gamma > r.num_free for r in chunk.rounds):  # the draft is back
                     for call in company:
                         call.cancel()
     assert tokens == expected
-    # the new draft process serves: (a loaded machine may still set it aside at times)
-    assert any(r.gamma > 0 and r.num_accepted > 0 for r in rounds_after_restart)
+    # the new draft process serves (a loaded machine may still set it aside at times);
+    # looked-up proposals do not count: `auto` makes them with no draft at all
+    assert any(r.gamma > r.num_free and r.num_accepted > r.num_free
+               for r in rounds_after_restart)
 
 
 def test_dense_q_over_torch_distributed(llama_dir, draft_dir):
