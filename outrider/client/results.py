@@ -16,8 +16,9 @@ class Round:
     num_accepted: int
     heat: float           # the replica's batch heat when γ was chosen
     draft_version: int = 0  # the draft weights' version that drafted (online distillation)
-    free_kind: str = ""   # the first num_free proposals were looked up ("ngram", "suffix"),
-    num_free: int = 0     # the rest drafted by the draft model
+    # the first num_free were looked up ("ngram", "suffix") or forced by the grammar
+    free_kind: str = ""   # ("grammar"), the rest drafted by the draft model
+    num_free: int = 0
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class SpeculationStats:
     mean_accepted_len: float        # tokens per round (accepted + 1)
     drafted_per_position: tuple[int, ...]
     accepted_per_position: tuple[int, ...]
-    # method ("draft_model", "ngram", "suffix") -> (draft tokens, accepted tokens)
+    # method ("draft_model", "ngram", "suffix", "grammar") -> (draft tokens, accepted tokens)
     by_proposer: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     @classmethod

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from outrider.v1 import generate_pb2 as gp
 
 MODEL_METHOD = "draft_model"  # the draft model's name among the proposers (vLLM's)
+GRAMMAR_METHOD = "grammar"  # tokens a request's grammar forces, proposed for free (§3.8)
 
 
 def _add(total: list[int], values: list[int]) -> None:
@@ -77,7 +78,7 @@ class SpecStats:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     counts: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts([], []))
-    # the totals per proposer ("draft_model", "ngram", "suffix"): [drafted, accepted]
+    # the totals per proposer ("draft_model", "ngram", "suffix", "grammar"): [drafted, accepted]
     by_proposer: dict[str, list[int]] = field(default_factory=dict)
 
     def record(self, num_draft: int, num_accepted: int, free_kind: str = "",

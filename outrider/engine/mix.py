@@ -10,8 +10,10 @@ replica's default); for AUTO, each round looks up first and then takes, of
   the model alone,
 by which is likelier to be kept: the request's acceptance of the lookup at the length
 of suffix it matched against its acceptance of the model, both learnt from what the loop
-committed after each proposal (`_choice`). Looked-up tokens are point masses (q one-hot),
-so verification stays exact.
+committed after each proposal (`_choice`). Tokens a constrained request's grammar forces
+(DraftItem.forced: a schema's next key, say) lead the round whatever its kind, and the
+model continues after them. Looked-up and forced tokens are point masses (q one-hot), so
+verification stays exact.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from outrider.core.sequence import ProposerKind, TeacherRow
+from outrider.core.stats import GRAMMAR_METHOD
 from outrider.engine.lookup import Lookup, SuffixCorpus, prompt_lookup, suffix_lookup
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal, Proposer, dense_q
 
@@ -65,8 +68,9 @@ class _Held:
 
     tokens: list[int] = field(default_factory=list)  # context + the last proposal
     num_context: int = 0   # tokens[num_context:] are the last proposal's drafts
-    num_free: int = 0      # ... of which the first num_free were looked up
+    num_free: int = 0      # ... of which the first num_free were looked up or forced
     free_match: int = 0    # ... after a match of this many tokens
+    free_forced: bool = False  # ... forced by the grammar: no choice, nothing to learn
     shadow_match: int = 0  # the match behind `shadow`:
     shadow: list[int] = field(default_factory=list)  # a lookup not proposed (AUTO chose
     # the model alone): what followed tells how it would have done, at no cost
@@ -91,16 +95,19 @@ class _Held:
         self.model_len = min(self.model_len, item.committed_len, self.num_context - 1)
         self.traceparent = self.traceparent or item.traceparent
 
-    def propose(self, ids: list[int], num_free: int, free_match: int) -> None:
-        """The round's proposal after the context (the first num_free looked up)."""
+    def propose(self, ids: list[int], num_free: int, free_match: int,
+                free_forced: bool) -> None:
+        """The round's proposal after the context (the first num_free looked up, or
+        forced by the grammar)."""
         del self.tokens[self.num_context:]
         self.tokens.extend(ids)
-        self.num_free, self.free_match = num_free, free_match
+        self.num_free, self.free_match, self.free_forced = num_free, free_match, free_forced
 
     def _learn(self, drafts: list[int], seen: list[int], replica: _Acceptance) -> None:
         """`drafts`: the last proposal; `seen`: what the loop committed after them."""
         tested = [(self.free_match if j < self.num_free else 0, hit)
-                  for j, hit in _tested(drafts, seen)]
+                  for j, hit in _tested(drafts, seen)
+                  if j >= self.num_free or not self.free_forced]
         tested += [(self.shadow_match, hit) for _, hit in _tested(self.shadow, seen)]
         for match_len, hit in tested:
             self.acceptance.observe(match_len, hit, ALPHA_WEIGHT)
@@ -225,18 +232,22 @@ class ProposerMix:
         return plans, is_miss
 
     def _choose(self, plan: _Plan) -> None:
-        """The looked-up tokens a round starts with (AUTO, NGRAM, SUFFIX) and how many the
-        model drafts after them (AUTO, MODEL)."""
+        """The tokens a round starts with: forced by the grammar (any kind; on top of γ),
+        else looked up (AUTO, NGRAM, SUFFIX, within γ); and how many the model drafts after
+        them (AUTO, MODEL)."""
         kind, gamma, held = plan.kind, plan.item.gamma, plan.held
-        if kind is not ProposerKind.MODEL:
+        if plan.item.forced:
+            plan.free, plan.free_kind = list(plan.item.forced), GRAMMAR_METHOD
+        elif kind is not ProposerKind.MODEL:
             lookup = ProposerKind.NGRAM if kind is ProposerKind.NGRAM else ProposerKind.SUFFIX
             plan.free, plan.free_match = self._look_up(lookup, held.tokens, gamma,
                                                        plan.item.params.is_greedy)
             plan.free_kind = lookup.value if plan.free else ""
         if kind is ProposerKind.MODEL or kind is ProposerKind.AUTO:
             room = self.model.max_model_len - len(held.tokens) if self.model else 0
+            looked_up = 0 if plan.free_kind == GRAMMAR_METHOD else len(plan.free)
             plan.model_max = max(0, min(gamma, room))
-            plan.model_gamma = max(0, min(gamma - len(plan.free), room))
+            plan.model_gamma = max(0, min(gamma - looked_up, room - len(plan.free)))
 
     def _look_up(self, kind: ProposerKind, tokens: list[int], gamma: int,
                  with_corpus: bool) -> Lookup:
@@ -250,7 +261,8 @@ class ProposerMix:
     def _weigh(self, plans: list[_Plan]) -> None:
         """AUTO rounds with a lookup and a model that could draft (`_choice`)."""
         for p in plans:
-            if p.model_max and p.free and p.kind is ProposerKind.AUTO:
+            if (p.model_max and p.free and p.kind is ProposerKind.AUTO
+                    and p.free_kind != GRAMMAR_METHOD):
                 looked_up = p.free
                 p.held.num_weighed += 1
                 if p.held.num_weighed % EXPLORE_EVERY == 0:
@@ -303,7 +315,8 @@ class ProposerMix:
             rows.append((ids, q))
             sources.append((p.free_kind, len(p.free)))
             if p.held is not None and not miss:
-                p.held.propose(ids, len(p.free), p.free_match)
+                p.held.propose(ids, len(p.free), p.free_match,
+                               p.free_kind == GRAMMAR_METHOD)
         out = Proposal.of_rows(rows, self.vocab_size, device, sources) if any(
             ids for ids, _ in rows) else Proposal.empty(len(plans), device)
         out.is_miss = is_miss

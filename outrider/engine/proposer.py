@@ -38,6 +38,8 @@ class DraftItem:
     # the target's top-k at committed positions (an adapting draft learns from them)
     teacher: list[TeacherRow] = field(default_factory=list)
     proposer: str = ""          # the request's ProposerKind ("": the replica's default)
+    # tokens the request's grammar forces after new_token_ids: free drafts (§3.8)
+    forced: list[int] = field(default_factory=list)
 
     @property
     def is_active(self) -> bool:

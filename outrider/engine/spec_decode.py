@@ -32,8 +32,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from outrider.core.grammar import Grammars
+from outrider.core.policy import MAX_GAMMA
 from outrider.core.sampling import MAX_SEED, History, SamplingParams
 from outrider.core.sequence import FinishReason, Round, Sequence
+from outrider.core.stats import GRAMMAR_METHOD
 from outrider.core.structured import StructuredOutputError
 from outrider.engine.block_manager import OutOfBlocksError
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal, Proposer, dense_q
@@ -78,6 +80,11 @@ class DraftAhead:
     token_ids: list[int]        # [n]
     probs: torch.Tensor | None  # [n, vocab] q they were drafted from (None: point masses)
     source: tuple[str, int] = ("", 0)  # the first n were looked up (Proposal.source)
+
+    @property
+    def num_forced(self) -> int:
+        """Its first tokens a grammar forced: on top of the next round's γ (§3.8)."""
+        return self.source[1] if self.source[0] == GRAMMAR_METHOD else 0
 
 
 @dataclass
@@ -284,6 +291,7 @@ class SpeculativeDecoder:
         proposal = (self._draft([r.seq for r in step.rows], to_draft) if any(to_draft)
                     else Proposal.empty(len(step.rows), self.target.device))
         if any(aheads):
+            asked = [g + a.num_forced if a else g for a, g in zip(aheads, asked)]
             drafted = [(a.token_ids[:g], None if a.probs is None else a.probs[:g])
                        for a, g in zip(aheads, asked) if a]
             sources = [(a.source[0], min(a.source[1], g)) for a, g in zip(aheads, asked) if a]
@@ -348,19 +356,34 @@ class SpeculativeDecoder:
                 s.draft_len = len(s.token_ids) + g - 1
         return out
 
-    @staticmethod
-    def _draft_item(seq: Sequence, gamma: int, drafts: list[int] = ()) -> DraftItem:
+    def _draft_item(self, seq: Sequence, gamma: int, drafts: list[int] = ()) -> DraftItem:
         """Draft after the committed tokens (+ `drafts`, assumed accepted). The draft must
         be sent at least the last token: drafting needs its logits."""
         num_committed = len(seq.token_ids)
         start = min(seq.draft_len, num_committed + len(drafts) - 1)
         new = seq.token_ids[start:] + list(drafts[max(0, start - num_committed):])
-        teacher = []
+        teacher, forced = [], []
         if gamma:  # the target's top-k rows go with the sequence's next Propose
             teacher, seq.teacher = seq.teacher, []
+            forced = self._forced(seq, gamma, drafts)
         return DraftItem(seq.seq_id, start, new if gamma else [], gamma, seq.params, seq.seed,
                          traceparent=seq.traceparent if start == 0 else "",
-                         prompt_len=seq.prompt_len, teacher=teacher, proposer=seq.proposer)
+                         prompt_len=seq.prompt_len, teacher=teacher, proposer=seq.proposer,
+                         forced=forced)
+
+    def _forced(self, seq: Sequence, gamma: int, drafts: list[int]) -> list[int]:
+        """What a constrained sequence's grammar forces after its tokens + `drafts`: free
+        drafts on top of the round's γ (they are kept with probability ~1 and cost one
+        verification row each), as far as its room and MAX_GAMMA allow."""
+        so = seq.params.structured_output
+        if so is None:
+            return []
+        room = min(self.clip_gamma(seq, 1 << 30) - len(drafts), MAX_GAMMA) - gamma
+        if room <= 0:
+            return []
+        forced = self.grammars.forced_tokens(seq.seq_id, so, seq.token_ids, seq.prompt_len,
+                                             drafts)
+        return forced[:room]
 
     @staticmethod
     def _prefill_item(seq: Sequence) -> DraftItem:

@@ -37,9 +37,10 @@ ENGINE = ["model_name", "engine"]
 MODEL = ["model_name"]
 
 # -- target replicas (vLLM's engine metrics) ----------------------------------------------
-# by proposer: method "draft_model", "ngram" or "suffix" (a round's first proposal's, for
-# num_drafts; a round whose lookup the model continued counts its tokens under both)
-METHODS = ("draft_model", "ngram", "suffix")
+# by proposer: method "draft_model", "ngram", "suffix" or "grammar" (tokens a grammar forced)
+# (a round's first proposal's, for num_drafts; a round whose looked-up or forced tokens the
+# model continued counts its tokens under both)
+METHODS = ("draft_model", "ngram", "suffix", "grammar")
 SPEC_DRAFTS = Counter("vllm:spec_decode_num_drafts", "Speculative rounds verified",
                       [*ENGINE, "method"])
 SPEC_DRAFT_TOKENS = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed",

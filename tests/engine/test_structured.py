@@ -252,3 +252,33 @@ def test_a_finished_grammar_allows_only_eos(grammars, tokenizer):
     masks = grammars.row_masks("seq", CONSTRAINTS["choice"], [*beta, 0, 0], 0, [0])
     assert allowed_tokens(masks, tokenizer.vocab_size).nonzero()[1].tolist() == [0] * 2
     grammars.release("seq")
+
+
+def test_the_grammar_forces_what_has_one_way_on(grammars, tokenizer):
+    """A schema's opening and its next key are forced; drafted tokens count as taken
+    (without becoming output); nothing is forced in free text or after a refused token."""
+    so = CONSTRAINTS["json_schema"]
+    assert tokenizer.decode(grammars.forced_tokens("seq", so, [], 0)) == '{"name":'
+    named = tokenizer.encode('{"name":"x"')
+    assert tokenizer.decode(grammars.forced_tokens("seq", so, named, 0)) == ',"size":'
+    assert tokenizer.decode(grammars.forced_tokens("seq", so, [], 0, named)) == ',"size":'
+    assert grammars.forced_tokens("seq", so, tokenizer.encode('{"name":"'), 0) == []
+    assert grammars.forced_tokens("seq", so, [], 0, tokenizer.encode("zzz")) == []
+    grammars.release("seq")
+
+
+def test_forced_tokens_are_proposed_on_top_of_gamma(target, drafter, tokenizer):
+    """They lead rounds whatever proposes, beyond the model's γ (rounds longer than γ),
+    counted as the grammar's; the output is still the constrained target's alone."""
+    so = CONSTRAINTS["json_schema"]
+    for kind in (ProposerKind.MODEL, ProposerKind.NGRAM):
+        decoder = decoder_for(target, drafter, kind)
+        alone = run(decoder, tokenizer, so, gamma=0)
+        speculative = run(decoder, tokenizer, so, gamma=2)
+        assert [s.output_ids for s in speculative] == [s.output_ids for s in alone]
+        stats = SpecStats()
+        for s in speculative:
+            stats.merge(s.stats)
+        forced, kept = stats.by_proposer["grammar"]
+        assert forced >= 3 * len(PROMPTS) and kept >= forced // 2, stats.by_proposer
+        assert len(stats.drafted_per_position) > 2, stats  # a round proposed more than γ
