@@ -23,6 +23,10 @@ import numpy as np
 MAX_GAMMA = 16  # the most draft tokens a request may ask for per round
 # requests a router queues on one replica; the replica keeps a handler thread for each
 MAX_QUEUED_PER_REPLICA = 256
+# estimates that put every AUTO request at γ = 0 are only corrected by drafting: after this
+# many such steps in a row (the batch not hot), one step probes
+PROBE_AFTER = 16
+PROBE_REQUESTS = 4  # ... with γ = 1 for at most this many AUTO requests
 
 
 class SpecMode(Enum):
@@ -172,6 +176,7 @@ class GammaPolicy:
     cost: CostModel
     is_speculating: bool = True
     history: list[tuple[float, int]] = field(default_factory=list)  # (heat, mean γ)
+    steps_off: int = 0  # steps in a row that speculated for no AUTO request, not hot
 
     def observe_heat(self, heat: float) -> bool:
         """Hysteresis: off at hot_heat, on again only at cool_heat."""
@@ -188,10 +193,32 @@ class GammaPolicy:
         auto = [i for i, r in enumerate(requests) if r.mode is SpecMode.AUTO]
         if speculating and auto:
             self._maximise_goodput(requests, gammas, auto)
+            self._probe_when_off(requests, gammas, auto)
+        elif not speculating:
+            self.steps_off = 0
         if requests:
             self.history.append((heat, sum(gammas) / len(gammas)))
             del self.history[:-1000]
         return gammas
+
+    def _probe_when_off(self, requests, gammas: list[int], auto: list[int]) -> None:
+        """A replica whose estimates say no AUTO request should draft never drafts
+        again, so they never learn otherwise: a few unlucky rounds at start-up, or one
+        slow Propose (a draft compiling a grammar) scaling the draft's cost up, kept
+        speculation off for whole runs. After PROBE_AFTER such steps one step drafts a
+        single token (γ = 1, the cheapest test of α_0, which decides whether speculating
+        pays) for up to PROBE_REQUESTS of them; what it finds teaches the requests', the
+        replica's and the cost model's estimates. At most one Propose in PROBE_AFTER
+        steps is spent, and none while the batch is hot."""
+        if any(gammas[i] for i in auto):
+            self.steps_off = 0
+            return
+        self.steps_off += 1
+        if self.steps_off < PROBE_AFTER:
+            return
+        self.steps_off = 0
+        for i in [i for i in auto if requests[i].gamma_cap > 0][:PROBE_REQUESTS]:
+            gammas[i] = 1
 
     def _override(self, r: RequestState) -> int:
         if r.mode is SpecMode.FIXED:

@@ -8,6 +8,8 @@ import random
 import pytest
 
 from outrider.core.policy import (
+    PROBE_AFTER,
+    PROBE_REQUESTS,
     Acceptance,
     CostModel,
     GammaPolicy,
@@ -153,3 +155,25 @@ def test_a_request_at_gamma_zero_drifts_back_to_what_the_replica_sees():
     for _ in range(10):
         acc.drift([0.8, 0.6])
     assert acc.alphas == pytest.approx([0.8, 0.6], abs=1e-3)
+
+
+def test_a_replica_that_never_drafts_probes_once_in_a_while():
+    """Estimates at γ = 0 for every AUTO request are re-tested: after PROBE_AFTER such
+    steps one step drafts one token for up to PROBE_REQUESTS of them (never a FIXED or
+    OFF one, nor one with no room), and the count starts again."""
+    p = policy()
+    reqs = [request(0.0) for _ in range(PROBE_REQUESTS + 2)]
+    reqs[0].gamma_cap = 0
+    reqs.append(request(0.0, mode=SpecMode.OFF))
+    steps = [p.choose(0.1, reqs) for _ in range(2 * PROBE_AFTER)]
+    probes = [k for k, gammas in enumerate(steps) if any(gammas)]
+    assert probes == [PROBE_AFTER - 1, 2 * PROBE_AFTER - 1]
+    assert steps[probes[0]] == [0] + [1] * PROBE_REQUESTS + [0, 0]
+
+
+def test_no_probe_while_hot_or_while_something_drafts():
+    p = policy(hot_heat=0.9, cool_heat=0.7)
+    off = [request(0.0) for _ in range(3)]
+    assert not any(any(p.choose(0.95, off)) for _ in range(3 * PROBE_AFTER))
+    mixed = [request(0.0), request(0.95)]  # the second drafts every step: no probe needed
+    assert all(p.choose(0.1, mixed)[0] == 0 for _ in range(3 * PROBE_AFTER))
