@@ -228,7 +228,11 @@ class TargetEngine:
             handle = self._by_seq[seq.seq_id]
             handle.spec.gamma_cap = self.decoder.clip_gamma(seq, handle.gamma_limit)
             states.append(handle.spec)
-        return {s.seq_id: g for s, g in zip(seqs, self.policy.choose(heat, states))}
+        gammas = self.policy.choose(heat, states)
+        probed = set(self.policy.probed)  # a probe tests the model: no lookup stands in
+        for i, (seq, state) in enumerate(zip(seqs, states)):
+            seq.probes_model = i in probed and not state.draft_free
+        return {s.seq_id: g for s, g in zip(seqs, gammas)}
 
     def _observe_cost(self, timing) -> None:
         if timing is not None:

@@ -177,6 +177,7 @@ class GammaPolicy:
     is_speculating: bool = True
     history: list[tuple[float, int]] = field(default_factory=list)  # (heat, mean γ)
     steps_off: int = 0  # steps in a row that speculated for no AUTO request, not hot
+    probed: list[int] = field(default_factory=list)  # the last choice's probed requests
 
     def observe_heat(self, heat: float) -> bool:
         """Hysteresis: off at hot_heat, on again only at cool_heat."""
@@ -190,6 +191,7 @@ class GammaPolicy:
         """γ for every running request this round."""
         speculating = self.observe_heat(heat)
         gammas = [self._override(r) for r in requests]
+        self.probed = []
         auto = [i for i, r in enumerate(requests) if r.mode is SpecMode.AUTO]
         if speculating and auto:
             self._maximise_goodput(requests, gammas, auto)
@@ -207,9 +209,10 @@ class GammaPolicy:
         slow Propose (a draft compiling a grammar) scaling the draft's cost up, kept
         speculation off for whole runs. After PROBE_AFTER such steps one step drafts a
         single token (γ = 1, the cheapest test of α_0, which decides whether speculating
-        pays) for up to PROBE_REQUESTS of them; what it finds teaches the requests', the
-        replica's and the cost model's estimates. At most one Propose in PROBE_AFTER
-        steps is spent, and none while the batch is hot."""
+        pays) for up to PROBE_REQUESTS of them (`probed`: their proposer must be the
+        model, since a lookup's round teaches the model's estimates nothing); what it finds
+        teaches the requests', the replica's and the cost model's estimates. At most one
+        Propose in PROBE_AFTER steps is spent, and none while the batch is hot."""
         if any(gammas[i] for i in auto):
             self.steps_off = 0
             return
@@ -217,7 +220,8 @@ class GammaPolicy:
         if self.steps_off < PROBE_AFTER:
             return
         self.steps_off = 0
-        for i in [i for i in auto if requests[i].gamma_cap > 0][:PROBE_REQUESTS]:
+        self.probed = [i for i in auto if requests[i].gamma_cap > 0][:PROBE_REQUESTS]
+        for i in self.probed:
             gammas[i] = 1
 
     def _override(self, r: RequestState) -> int:

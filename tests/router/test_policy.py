@@ -169,6 +169,9 @@ def test_a_replica_that_never_drafts_probes_once_in_a_while():
     probes = [k for k, gammas in enumerate(steps) if any(gammas)]
     assert probes == [PROBE_AFTER - 1, 2 * PROBE_AFTER - 1]
     assert steps[probes[0]] == [0] + [1] * PROBE_REQUESTS + [0, 0]
+    assert p.probed == list(range(1, PROBE_REQUESTS + 1))  # the last step probed them
+    p.choose(0.1, reqs)
+    assert p.probed == []
 
 
 def test_no_probe_while_hot_or_while_something_drafts():
