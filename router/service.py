@@ -26,7 +26,7 @@ from outrider.router.replicas import ReplicaSet
 from outrider.router.target_link import StreamUnread
 from outrider.router.telemetry import RequestTelemetry, RouterTelemetry
 from outrider.router.text_stream import TextStream
-from outrider.router.validate import Job, ValidationError, validate
+from outrider.router.validate import STRUCTURED_TAG, Job, ValidationError, validate
 
 from outrider.core.grammar import Grammars
 from outrider.core.policy import MAX_QUEUED_PER_REPLICA, Acceptance, SpecMode
@@ -150,7 +150,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             stats, reachable = {}, False
         acceptance = [gp.AcceptanceStats(model_pair=pair, tag=tag, tested_per_position=c.tested,
                                          accepted_per_position=c.accepted)
-                      for (pair, tag), c in stats.items() if not request.tag or tag == request.tag]
+                      for (pair, tag), c in stats.items()
+                      if not request.tag or tag in (request.tag, request.tag + STRUCTURED_TAG)]
         return gp.RouterStatus(replicas=replicas, acceptance=acceptance,
                                is_store_reachable=reachable)
 
@@ -310,7 +311,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     def _pick(self, job: Job, tried: set[str]):
         deadline = time.monotonic() + self.limits.replica_wait_s
         while True:
-            acceptance = Acceptance(self._prior(self._pair_hint(), job.tag))
+            acceptance = Acceptance(self._prior(self._pair_hint(), job.stats_tag))
             replica = self.replicas.pick(acceptance, tried, self.limits.max_waiting,
                                          job.prompt_ids, job.params.max_tokens, job.request_id)
             if replica is not None:
@@ -384,8 +385,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             resume_output_ids=progress.output_ids, sampling=sampling_to_proto(p, p.seed),
             max_tokens=p.max_tokens, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
             spec_mode=TARGET_MODES[job.mode], gamma=job.gamma_max,
-            acceptance_prior=self._prior(progress.model_pair, job.tag), logprobs=p.logprobs,
-            proposer=job.proposer)
+            acceptance_prior=self._prior(progress.model_pair, job.stats_tag),
+            logprobs=p.logprobs, proposer=job.proposer)
 
     def _delta(self, progress: Progress, text: str, rounds) -> gp.GenerateResponse:
         consumed = progress.text.num_tokens
@@ -435,7 +436,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             self.store.journal_finish(job.request_id, record, self.limits.journal_ttl_s)
             counts = progress.stats.counts
             if counts.tested and progress.model_pair:
-                self.store.add_acceptance(progress.model_pair, job.tag, counts)
+                self.store.add_acceptance(progress.model_pair, job.stats_tag, counts)
         except StoreUnavailable:
             pass
 

@@ -24,6 +24,7 @@ MAX_PROMPT_CHARS = 1 << 20
 DEFAULT_MAX_TOKENS = 16
 NAME_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 TAG_RE = re.compile(r"[A-Za-z0-9_.-]{0,64}")
+STRUCTURED_TAG = "+structured"  # constrained requests' statistics (no client tag has a +)
 MODES = {gp.SPECULATION_MODE_AUTO: SpecMode.AUTO, gp.SPECULATION_MODE_OFF: SpecMode.OFF,
          gp.SPECULATION_MODE_FIXED: SpecMode.FIXED}
 
@@ -45,6 +46,12 @@ class Job:
     fingerprint: str        # same request id + different fingerprint = a different request
     resume_from: int = 0    # output tokens the client has (a stream resumed, §9.4)
     proposer: str = ""      # ProposerKind ("": the replica's --proposer)
+
+    @property
+    def stats_tag(self) -> str:
+        """The tag its acceptance is counted and looked up under: constrained outputs
+        apart (a grammar changes what the draft gets right), as `<tag>+structured`."""
+        return self.tag + STRUCTURED_TAG if self.params.structured_output else self.tag
 
 
 def validate(req: gp.GenerateRequest, tokenizer: Tokenizer, max_model_len: int,

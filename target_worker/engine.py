@@ -21,7 +21,7 @@ from outrider.target_worker.scheduler import Scheduler, SchedulerConfig
 
 from outrider.core.load import ReplicaLoad
 from outrider.core.policy import Acceptance, GammaPolicy, OnlineCost, RequestState, SpecMode
-from outrider.core.sampling import TokenLogprob
+from outrider.core.sampling import SamplingParams, TokenLogprob
 from outrider.core.sequence import FinishReason, Round, RoundStats, Sequence
 from outrider.core.stats import model_part
 from outrider.engine.spec_decode import SpeculativeDecoder
@@ -80,8 +80,11 @@ class TargetEngine:
         self.scheduler = Scheduler(sched_cfg, decoder.target.blocks, decoder.admit, self._preempt)
         self.policy = policy
         self.cost = OnlineCost(policy.cost)  # the policy's model, kept true by every step
-        # what the replica has seen, for requests that bring no acceptance estimate
-        self.acceptance = Acceptance([0.7] * policy.cfg.gamma_max, policy.cfg.ewma_weight)
+        # what the replica has seen, for requests that bring no acceptance estimate:
+        # constrained outputs apart (a grammar changes what the draft gets right)
+        self._acceptance = {constrained: Acceptance([0.7] * policy.cfg.gamma_max,
+                                                    policy.cfg.ewma_weight)
+                            for constrained in (False, True)}
         self._inbox: queue.Queue[Handle] = queue.Queue()
         self._handles: dict[str, Handle] = {}
         self._by_seq: dict[int, Handle] = {}
@@ -242,6 +245,10 @@ class TargetEngine:
             if timing.mask_s and self.metrics:
                 self.metrics.mask_seconds.observe(timing.mask_s)
 
+    def acceptance_for(self, params: SamplingParams) -> Acceptance:
+        """The replica's estimate for requests like this: constrained or not."""
+        return self._acceptance[params.structured_output is not None]
+
     def _learn(self, handle: Handle, last: Round) -> None:
         """The round into the request's and the replica's acceptance estimates. They size
         the draft model's γ for requests it drafts for: its tokens teach them, the lookups'
@@ -252,11 +259,12 @@ class TargetEngine:
             if modelled is None:
                 return
             gamma, accepted = modelled
+        replica = self.acceptance_for(handle.seq.params)
         if gamma:
             handle.spec.acceptance.update(gamma, accepted)
-            self.acceptance.update(gamma, accepted)
+            replica.update(gamma, accepted)
         elif handle.spec.mode is SpecMode.AUTO and self.policy.is_speculating:
-            handle.spec.acceptance.drift(self.acceptance.alphas)
+            handle.spec.acceptance.drift(replica.alphas)
 
     def _finish(self, handle: Handle, reason: FinishReason, error: str = "") -> None:
         self.scheduler.remove(handle.seq)

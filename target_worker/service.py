@@ -326,7 +326,8 @@ class TargetService(worker_pb2_grpc.TargetServicer):
         mode = SPEC_MODES[request.spec_mode]
         default = self.auto_gamma_max if mode == SpecMode.AUTO else self.default_gamma
         gamma = request.gamma or default  # FIXED: γ; AUTO: γ_max
-        prior = list(request.acceptance_prior) or list(self.engine.acceptance.alphas)
+        prior = (list(request.acceptance_prior)
+                 or list(self.engine.acceptance_for(params).alphas))
         drafter = self.engine.decoder.drafter
         spec = RequestState(Acceptance(prior, self.engine.policy.cfg.ewma_weight), mode,
                             fixed_gamma=gamma, draft_free=isinstance(drafter, ProposerMix)

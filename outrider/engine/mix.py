@@ -81,15 +81,15 @@ class _Held:
     acceptance: _Acceptance = field(default_factory=_Acceptance)
     num_weighed: int = 0   # AUTO rounds that had a lookup and the model to choose from
 
-    def take(self, item: DraftItem, replica: _Acceptance | None) -> None:
+    def take(self, item: DraftItem, learn: bool, replica: _Acceptance | None) -> None:
         """The loop's view: tokens[:committed_len] + the item's new tokens; first learn
         how many of the last proposal's drafts the loop kept, into this request's and the
-        `replica`'s estimates (None: the new tokens are not all committed — drafting
-        ahead sends this round's drafts as if accepted)."""
+        `replica`'s estimates (None: only this request's). Not `learn`: the new tokens are
+        not all committed — drafting ahead sends this round's drafts as if accepted."""
         drafts = self.tokens[self.num_context:]  # in place: no copy of the context a round
         del self.tokens[item.committed_len:]
         self.tokens.extend(item.new_token_ids)
-        if replica is not None:
+        if learn:
             self._learn(drafts, self.tokens[self.num_context:], replica)
         self.num_context = len(self.tokens)
         self.model_len = min(self.model_len, item.committed_len, self.num_context - 1)
@@ -103,7 +103,7 @@ class _Held:
         self.tokens.extend(ids)
         self.num_free, self.free_match, self.free_forced = num_free, free_match, free_forced
 
-    def _learn(self, drafts: list[int], seen: list[int], replica: _Acceptance) -> None:
+    def _learn(self, drafts: list[int], seen: list[int], replica: _Acceptance | None) -> None:
         """`drafts`: the last proposal; `seen`: what the loop committed after them."""
         tested = [(self.free_match if j < self.num_free else 0, hit)
                   for j, hit in _tested(drafts, seen)
@@ -111,7 +111,8 @@ class _Held:
         tested += [(self.shadow_match, hit) for _, hit in _tested(self.shadow, seen)]
         for match_len, hit in tested:
             self.acceptance.observe(match_len, hit, ALPHA_WEIGHT)
-            replica.observe(match_len, hit, REPLICA_ALPHA_WEIGHT)
+            if replica is not None:
+                replica.observe(match_len, hit, REPLICA_ALPHA_WEIGHT)
         self.shadow = []
 
 
@@ -220,7 +221,10 @@ class ProposerMix:
             plans.append(plan)
             if miss:
                 continue
-            held.take(item, self.acceptance if learn else None)
+            # a constrained request's lookups ignore its grammar: its outcomes would
+            # teach other requests that lookups fail
+            held.take(item, learn, None if item.params.structured_output is not None
+                      else self.acceptance)
             if self.model is not None and not plan.kind.is_model_free:
                 held.teacher += item.teacher
             if item.prefill_only:

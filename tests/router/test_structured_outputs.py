@@ -130,6 +130,19 @@ def test_metrics_count_constrained_requests_and_mask_time(system, sdk):
     assert total(scrape(target), "outrider_grammar_mask_seconds_count") > masks_before
 
 
+def test_constrained_requests_keep_their_own_acceptance_statistics(sdk):
+    """A grammar changes what the draft gets right: constrained requests are counted (and
+    start from) `<tag>+structured`, unconstrained ones their tag; status(tag) shows both."""
+    sdk.generate("Pick: ", max_tokens=8, temperature=0.0, choice=CHOICES, tag="stats-split",
+                 speculation="fixed", gamma_max=4)
+    tags = {a.tag for a in sdk.status(tag="stats-split").acceptance}
+    assert tags == {"stats-split+structured"}
+    sdk.generate("def f(x):\n", max_tokens=8, temperature=0.0, tag="stats-split",
+                 speculation="fixed", gamma_max=4)
+    tags = {a.tag for a in sdk.status(tag="stats-split").acceptance}
+    assert tags == {"stats-split", "stats-split+structured"}
+
+
 BAD = [
     (dict(extra_body={"structured_outputs": {"regex": "[a-"}}), "structured_outputs",
      "unclosed character class"),
