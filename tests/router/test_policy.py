@@ -158,20 +158,22 @@ def test_a_request_at_gamma_zero_drifts_back_to_what_the_replica_sees():
 
 
 def test_a_replica_that_never_drafts_probes_once_in_a_while():
-    """Estimates at γ = 0 for every AUTO request are re-tested: after PROBE_AFTER such
-    steps one step drafts one token for up to PROBE_REQUESTS of them (never a FIXED or
-    OFF one, nor one with no room), and the count starts again."""
+    """Estimates at γ = 0 for every AUTO request of a small batch are re-tested: after
+    PROBE_AFTER such steps one step drafts one token for each (never a FIXED or OFF one,
+    nor one with no room), and the count starts again. A larger batch does not probe."""
     p = policy()
-    reqs = [request(0.0) for _ in range(PROBE_REQUESTS + 2)]
+    reqs = [request(0.0) for _ in range(PROBE_REQUESTS)]
     reqs[0].gamma_cap = 0
     reqs.append(request(0.0, mode=SpecMode.OFF))
     steps = [p.choose(0.1, reqs) for _ in range(2 * PROBE_AFTER)]
     probes = [k for k, gammas in enumerate(steps) if any(gammas)]
     assert probes == [PROBE_AFTER - 1, 2 * PROBE_AFTER - 1]
-    assert steps[probes[0]] == [0] + [1] * PROBE_REQUESTS + [0, 0]
-    assert p.probed == list(range(1, PROBE_REQUESTS + 1))  # the last step probed them
+    assert steps[probes[0]] == [0] + [1] * (PROBE_REQUESTS - 1) + [0]
+    assert p.probed == list(range(1, PROBE_REQUESTS))  # the last step probed them
     p.choose(0.1, reqs)
     assert p.probed == []
+    larger = [request(0.0) for _ in range(PROBE_REQUESTS + 1)]
+    assert not any(any(p.choose(0.1, larger)) for _ in range(3 * PROBE_AFTER))
 
 
 def test_no_probe_while_hot_or_while_something_drafts():
