@@ -116,7 +116,7 @@ class Grammars:
     def forced_tokens(self, seq_key: object, so: StructuredOutput, token_ids: Sequence[int],
                       prompt_len: int, drafted: Sequence[int] = ()) -> list[int]:
         """The tokens the grammar forces after the output + drafted (the tokenized bytes
-        no other choice can lead to, e.g. a schema's next key): free drafts (§3.8). None
+        no other choice can lead to, e.g. a schema's next key): free drafts (§3.8); none
         after tokens the matcher cannot take."""
         tracked = self._tracked(seq_key, so)
         if self._sync(tracked, token_ids, prompt_len, drafted) < len(drafted) \

@@ -130,6 +130,11 @@ class _Plan:
     model_gamma: int = 0
     model_item: DraftItem | None = None
 
+    @property
+    def is_forced(self) -> bool:
+        """Its free tokens are the grammar's: on top of γ, no choice to weigh or learn."""
+        return self.free_kind == GRAMMAR_METHOD
+
 
 class ProposerMix:
     """Proposer over the lookups and an optional draft model (Proposer protocol)."""
@@ -249,7 +254,7 @@ class ProposerMix:
             plan.free_kind = lookup.value if plan.free else ""
         if kind is ProposerKind.MODEL or kind is ProposerKind.AUTO:
             room = self.model.max_model_len - len(held.tokens) if self.model else 0
-            looked_up = 0 if plan.free_kind == GRAMMAR_METHOD else len(plan.free)
+            looked_up = 0 if plan.is_forced else len(plan.free)
             plan.model_max = max(0, min(gamma, room))
             plan.model_gamma = max(0, min(gamma - looked_up, room - len(plan.free)))
 
@@ -265,8 +270,7 @@ class ProposerMix:
     def _weigh(self, plans: list[_Plan]) -> None:
         """AUTO rounds with a lookup and a model that could draft (`_choice`)."""
         for p in plans:
-            if (p.model_max and p.free and p.kind is ProposerKind.AUTO
-                    and p.free_kind != GRAMMAR_METHOD):
+            if p.model_max and p.free and p.kind is ProposerKind.AUTO and not p.is_forced:
                 looked_up = p.free
                 p.held.num_weighed += 1
                 if p.held.num_weighed % EXPLORE_EVERY == 0:
@@ -319,8 +323,7 @@ class ProposerMix:
             rows.append((ids, q))
             sources.append((p.free_kind, len(p.free)))
             if p.held is not None and not miss:
-                p.held.propose(ids, len(p.free), p.free_match,
-                               p.free_kind == GRAMMAR_METHOD)
+                p.held.propose(ids, len(p.free), p.free_match, p.is_forced)
         out = Proposal.of_rows(rows, self.vocab_size, device, sources) if any(
             ids for ids, _ in rows) else Proposal.empty(len(plans), device)
         out.is_miss = is_miss
