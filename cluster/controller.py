@@ -147,7 +147,8 @@ class Controller:
         pair = self.spec.pair
         return RunnerConfig(model_dir=model_dir, device=pair.device, dtype=pair.dtype, tp=tp,
                             kv_cache_mb=pair.kv_cache_mb, threads=pair.threads,
-                            prefix_caching=pair.prefix_caching, compile=pair.compile)
+                            prefix_caching=pair.prefix_caching, compile=pair.compile,
+                            prepared_rows=pair.max_batch_tokens)
 
     def _target_config(self, runner, draft_addresses: list[str]):
         from outrider.target_worker.main import TargetWorkerConfig

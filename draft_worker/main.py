@@ -42,6 +42,8 @@ class DraftWorkerConfig:
     target_cpus: str | None = None     # a co-located target's cores (overlap)
     prefix_caching: bool = RunnerConfig.prefix_caching
     compile: bool = RunnerConfig.compile
+    prepared_rows: int = 512           # its forwards: a row per drafting sequence, and
+    #                                    the context's new tokens (RunnerConfig)
     adapt: bool = False                # online distillation on the traffic it drafts for
     distill: DistillConfig = DistillConfig()
     adapt_redis: str | None = None     # share versions: one replica of the pair trains
@@ -104,7 +106,8 @@ def start(cfg: DraftWorkerConfig, token: str | None) -> Running:
     credentials = cluster_tls.server_credentials()  # before loading: a bad setup fails fast
     runner_cfg = RunnerConfig(cfg.model_dir, device=cfg.device, dtype=cfg.dtype,
                               kv_cache_mb=cfg.kv_cache_mb, threads=cfg.threads,
-                              prefix_caching=cfg.prefix_caching, compile=cfg.compile)
+                              prefix_caching=cfg.prefix_caching, compile=cfg.compile,
+                              prepared_rows=cfg.prepared_rows)
     set_cpu_threads(runner_cfg)
     runner = ModelRunner(runner_cfg)
     channel = DenseChannel(cfg.dist_address, DRAFT_RANK) if cfg.dist_address else None

@@ -58,7 +58,7 @@ class TargetWorkerConfig:
         runner = RunnerConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
                               tp=args.tp, kv_cache_mb=args.kv_cache_mb, threads=args.threads,
                               prefix_caching=args.enable_prefix_caching,
-                              compile=args.compile)
+                              compile=args.compile, prepared_rows=args.max_batch_tokens)
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                 max_batch_tokens=args.max_batch_tokens)
         return cls(runner, sched, tuple(args.draft_address), args.gamma, args.host, args.port,

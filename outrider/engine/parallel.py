@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from outrider.engine.compiled import onednn_linear, packed_linear
+from outrider.engine.compiled import onednn_linear, onednn_rows, packed_linear
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,20 @@ class PackedForCPU:
         if self.weight_packed is not None and (x.shape[0] > 1 or self.weight_t is None):
             return packed_linear(x, self.weight_packed, self.out_features)
         return x @ self.weight_t if self.weight_t is not None else F.linear(x, self.weight)
+
+
+def prepare_cpu_linears(model: nn.Module, max_rows: int) -> None:
+    """Multiply each prepacked weight shape once at every row count oneDNN will see up to
+    `max_rows` (onednn_rows), so that a serving replica builds its primitives at start:
+    its memory is then flat whatever the load, and no step pays for building one."""
+    packed = {(tuple(m.weight_packed.shape), m.weight_packed.dtype): m.weight_packed
+              for m in model.modules()
+              if isinstance(m, PackedForCPU) and m.weight_packed is not None}
+    row_counts = sorted({onednn_rows(rows) for rows in range(1, max_rows + 1)})
+    with torch.no_grad():
+        for (shape, dtype), weight in packed.items():  # shape: [out, in]
+            for rows in row_counts:
+                onednn_linear(torch.zeros(rows, shape[1], dtype=dtype), weight)
 
 
 SMALL_LAYER = 1 << 20  # fp32 weights this small also keep an [in, out] copy for single rows

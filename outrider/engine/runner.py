@@ -20,7 +20,7 @@ from outrider.engine.block_manager import BlockManager
 from outrider.engine.compiled import CompiledForward
 from outrider.engine.model import CausalLM
 from outrider.engine.model_config import ModelConfig, ModelConfigError, parse_dtype
-from outrider.engine.parallel import PackedForCPU, TPGroup
+from outrider.engine.parallel import PackedForCPU, TPGroup, prepare_cpu_linears
 
 
 @dataclass(frozen=True)
@@ -36,10 +36,14 @@ class RunnerConfig:
     prefix_caching: bool = True  # share the KV of common prefixes (block_manager.py)
     compile: bool = False       # the forward as one compiled graph (compiled.py); off:
     #                             it measured no faster on CPU (BENCHMARKS.md)
+    prepared_rows: int = 0      # CPU: the linears prepared at start for every forward
+    #                             of up to this many tokens (serving replicas; 0: none)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.kv_cache_mb <= 0 or self.max_model_len < 1:
             raise ValueError("block_size, kv_cache_mb and max_model_len must be positive")
+        if self.prepared_rows < 0:
+            raise ValueError("prepared_rows must be >= 0")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 
@@ -66,6 +70,8 @@ class ModelRunner:
         self.dtype = _resolve_dtype(cfg, self.model_config)
         self.max_model_len = min(cfg.max_model_len, self.model_config.max_position_embeddings)
         self.model = self._served(self.build_model())
+        if self.device.type == "cpu" and cfg.prepared_rows:
+            prepare_cpu_linears(self.model, cfg.prepared_rows)
         self.kv_caches, num_blocks = self._allocate_kv()
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_caching)
         self.warm_up_s = 0.0  # compiling the forward at start
