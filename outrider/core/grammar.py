@@ -124,6 +124,12 @@ class Grammars:
             return []
         return tracked.matcher.compute_ff_tokens()
 
+    def allowed_len(self, seq_key: object, so: StructuredOutput, token_ids: Sequence[int],
+                    prompt_len: int, drafted: Sequence[int]) -> int:
+        """How many of `drafted` the grammar takes, in order, after the output."""
+        tracked = self._tracked(seq_key, so)
+        return 0 if tracked.is_broken else self._sync(tracked, token_ids, prompt_len, drafted)
+
     def _tracked(self, seq_key: object, so: StructuredOutput) -> _Tracked:
         tracked = self._sequences.get(seq_key)
         if tracked is None:

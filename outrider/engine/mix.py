@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from outrider.core.grammar import Grammars
 from outrider.core.sequence import ProposerKind, TeacherRow
 from outrider.core.stats import GRAMMAR_METHOD
 from outrider.engine.lookup import Lookup, SuffixCorpus, prompt_lookup, suffix_lookup
@@ -34,6 +35,8 @@ ALPHA_WEIGHT = 0.2          # EWMA weight of a tested position, in a request's e
 REPLICA_ALPHA_WEIGHT = 0.02  # ... in the replica's, where new requests start from
 
 
+LOOKUP_KEY = "lookup"  # with a sequence's id, the grammars' key of its lookups' matcher
+#                       (its context holds drafts sent as accepted: not the loop's output)
 MATCH_BUCKETS = 8  # lookups' acceptance is kept by match length: 1, 2, ..., 8 or more
 
 
@@ -141,7 +144,7 @@ class ProposerMix:
 
     def __init__(self, model: Proposer | None, vocab_size: int,
                  default: ProposerKind = ProposerKind.AUTO,
-                 corpus: SuffixCorpus | None = None) -> None:
+                 corpus: SuffixCorpus | None = None, grammars: Grammars | None = None) -> None:
         if model is not None and model.vocab_size != vocab_size:
             raise ValueError(f"draft and target have different vocabularies "
                              f"({model.vocab_size} vs {vocab_size} tokens)")
@@ -150,6 +153,7 @@ class ProposerMix:
         self._vocab_size = vocab_size
         self._held: dict[object, _Held] = {}
         self.acceptance = _Acceptance()  # the replica's: where new requests start from
+        self.grammars = grammars  # the target's: constrained requests' lookups keep to them
 
     # -- Proposer ----------------------------------------------------------------------------
     @property
@@ -188,6 +192,8 @@ class ProposerMix:
 
     def release(self, seq_id) -> bool:
         held = self._held.pop(seq_id, None)
+        if self.grammars is not None:
+            self.grammars.release((LOOKUP_KEY, seq_id))
         if held is None:
             return False
         self.corpus.add(held.tokens[:held.num_context])
@@ -226,8 +232,8 @@ class ProposerMix:
             plans.append(plan)
             if miss:
                 continue
-            # a constrained request's lookups ignore its grammar: its outcomes would
-            # teach other requests that lookups fail
+            # a constrained request's lookups are cut by its grammar: their outcomes
+            # would teach other requests what only holds under it
             held.take(item, learn, None if item.params.structured_output is not None
                       else self.acceptance)
             if self.model is not None and not plan.kind.is_model_free:
@@ -251,6 +257,7 @@ class ProposerMix:
             lookup = ProposerKind.NGRAM if kind is ProposerKind.NGRAM else ProposerKind.SUFFIX
             plan.free, plan.free_match = self._look_up(lookup, held.tokens, gamma,
                                                        plan.item.params.is_greedy)
+            plan.free = self._within_grammar(plan.item, held.tokens, plan.free)
             plan.free_kind = lookup.value if plan.free else ""
         if kind is ProposerKind.MODEL or kind is ProposerKind.AUTO:
             room = self.model.max_model_len - len(held.tokens) if self.model else 0
@@ -266,6 +273,17 @@ class ProposerMix:
         if kind is ProposerKind.NGRAM:
             return prompt_lookup(context, gamma)
         return suffix_lookup(context, gamma, self.corpus if with_corpus else EMPTY_CORPUS)
+
+    def _within_grammar(self, item: DraftItem, context: list[int],
+                        looked_up: list[int]) -> list[int]:
+        """A constrained request's lookup up to the first token its grammar refuses: the
+        lookups know no grammar, and a refused token would end the round there (the model
+        drafts under the grammar, after what is kept)."""
+        so = item.params.structured_output
+        if so is None or not looked_up or self.grammars is None:
+            return looked_up
+        return looked_up[:self.grammars.allowed_len((LOOKUP_KEY, item.seq_id), so, context,
+                                                    item.prompt_len, looked_up)]
 
     def _weigh(self, plans: list[_Plan]) -> None:
         """AUTO rounds with a lookup and a model that could draft (`_choice`)."""

@@ -38,6 +38,7 @@ from outrider.core.sequence import FinishReason, ProposerKind, Round, Sequence
 from outrider.core.stats import GRAMMAR_METHOD
 from outrider.core.structured import StructuredOutputError
 from outrider.engine.block_manager import OutOfBlocksError
+from outrider.engine.mix import ProposerMix
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal, Proposer, dense_q
 from outrider.engine.rejection import (
     RejectionResult,
@@ -158,6 +159,8 @@ class SpeculativeDecoder:
         self._next_id = 0
         self.grammars = Grammars.for_model(target.cfg.model_dir, target.vocab_size,
                                            sorted(self.eos_token_ids))
+        if isinstance(drafter, ProposerMix) and drafter.grammars is None:
+            drafter.grammars = self.grammars  # its lookups keep to constrained requests'
 
     # -- requests --------------------------------------------------------------------------
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams,

@@ -12,6 +12,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from outrider import paths
 from outrider.core.grammar import Grammars
@@ -22,6 +23,7 @@ from outrider.core.structured import StructuredOutput, StructuredOutputError
 from outrider.core.tokenizer import Tokenizer
 from outrider.engine.drafter import Drafter
 from outrider.engine.mix import ProposerMix
+from outrider.engine.proposer import DraftItem
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import RequestError, SpeculativeDecoder
 
@@ -33,6 +35,7 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
 DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-[0-3]\d"
 CHOICES = ("alpha", "beta", "gamma delta")
 SUM_GRAMMAR = 'start: num (" + " num)*\nnum: /[1-9][0-9]?/'
+CPU = torch.device("cpu")
 CONSTRAINTS = {
     "json_schema": StructuredOutput("json_schema", json.dumps(SCHEMA)),
     "json_object": StructuredOutput("json_object"),
@@ -282,3 +285,22 @@ def test_forced_tokens_are_proposed_on_top_of_gamma(target, drafter, tokenizer):
         forced, kept = stats.by_proposer["grammar"]
         assert forced >= 3 * len(PROMPTS) and kept >= forced // 2, stats.by_proposer
         assert len(stats.drafted_per_position) > 2, stats  # a round proposed more than γ
+
+
+def test_a_lookup_keeps_to_the_grammar(grammars, tokenizer):
+    """The n-gram lookup would copy " 1234" and the line after it; under a regex of a
+    number the mix proposes the number and stops where the grammar refuses the newline
+    (and the model, if any, drafts from there)."""
+    so = StructuredOutput("regex", r" \d+")
+    prompt = tokenizer.encode("x = 1234\ny = 5\nx =")
+    params = SamplingParams(temperature=0.0, structured_output=so)
+    proposed = {}
+    for name, mix_grammars in (("with", grammars), ("without", None)):
+        mix = ProposerMix(None, tokenizer.vocab_size, ProposerKind.NGRAM, grammars=mix_grammars)
+        out = mix.draft([DraftItem(name, 0, prompt, 6, params, seed=0,
+                                   prompt_len=len(prompt))], CPU)
+        proposed[name] = tokenizer.decode(out.token_ids[0, :out.gammas[0]].tolist())
+        mix.release(name)
+    assert proposed["without"].startswith(" 1234\n")  # what the lookup alone copies
+    assert proposed["with"] == " 1234"
+    assert not grammars._sequences  # the lookups' matcher went with its sequence
