@@ -22,7 +22,7 @@ from outrider.target_worker.scheduler import Scheduler, SchedulerConfig
 from outrider.core.load import ReplicaLoad
 from outrider.core.policy import Acceptance, GammaPolicy, OnlineCost, RequestState, SpecMode
 from outrider.core.sampling import SamplingParams, TokenLogprob
-from outrider.core.sequence import FinishReason, Round, RoundStats, Sequence
+from outrider.core.sequence import FinishReason, ProposerKind, Round, RoundStats, Sequence
 from outrider.core.stats import model_part
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.telemetry.metrics import TargetMetrics
@@ -232,9 +232,12 @@ class TargetEngine:
             handle.spec.gamma_cap = self.decoder.clip_gamma(seq, handle.gamma_limit)
             states.append(handle.spec)
         gammas = self.policy.choose(heat, states)
-        probed = set(self.policy.probed)  # a probe tests the model: no lookup stands in
+        # a probe tests the model (no lookup stands in); a lookup round stands in for it
+        chosen = {**{i: ProposerKind.MODEL for i in self.policy.probed},
+                  **{i: ProposerKind.SUFFIX for i in self.policy.looked_up}}
         for i, (seq, state) in enumerate(zip(seqs, states)):
-            seq.probes_model = i in probed and not state.draft_free
+            kind = chosen.get(i)
+            seq.round_proposer = kind.value if kind and not state.draft_free else ""
         return {s.seq_id: g for s, g in zip(seqs, gammas)}
 
     def _observe_cost(self, timing) -> None:

@@ -329,8 +329,10 @@ class TargetService(worker_pb2_grpc.TargetServicer):
         prior = (list(request.acceptance_prior)
                  or list(self.engine.acceptance_for(params).alphas))
         drafter = self.engine.decoder.drafter
+        mix = drafter if isinstance(drafter, ProposerMix) else None
         spec = RequestState(Acceptance(prior, self.engine.policy.cfg.ewma_weight), mode,
-                            fixed_gamma=gamma, draft_free=isinstance(drafter, ProposerMix)
-                            and drafter.is_model_free(kind))
+                            fixed_gamma=gamma,
+                            draft_free=mix is not None and mix.is_model_free(kind),
+                            looks_up=mix is not None and mix.stands_in_for_model(kind, params))
         return Handle(request.request_id or uuid.uuid4().hex, seq, spec, sink=sink,
                       gamma_limit=gamma)

@@ -168,6 +168,7 @@ class RequestState:
     fixed_gamma: int = 0
     gamma_cap: int = 1 << 30  # what the request may still use (tokens left, context)
     draft_free: bool = False  # its proposals are looked up: no draft time (ngram, suffix)
+    looks_up: bool = False    # the model drafts for it, and a lookup may stand in (AUTO)
 
 
 @dataclass
@@ -178,6 +179,7 @@ class GammaPolicy:
     history: list[tuple[float, int]] = field(default_factory=list)  # (heat, mean γ)
     steps_off: int = 0  # steps in a row that speculated for no AUTO request, not hot
     probed: list[int] = field(default_factory=list)  # the last choice's probed requests
+    looked_up: list[int] = field(default_factory=list)  # ... and those given lookup rounds
 
     def observe_heat(self, heat: float) -> bool:
         """Hysteresis: off at hot_heat, on again only at cool_heat."""
@@ -191,11 +193,12 @@ class GammaPolicy:
         """γ for every running request this round."""
         speculating = self.observe_heat(heat)
         gammas = [self._override(r) for r in requests]
-        self.probed = []
+        self.probed, self.looked_up = [], []
         auto = [i for i, r in enumerate(requests) if r.mode is SpecMode.AUTO]
         if speculating and auto:
             self._maximise_goodput(requests, gammas, auto)
             self._probe_when_off(requests, gammas, auto)
+            self._look_up_when_off(requests, gammas, auto)
         elif not speculating:
             self.steps_off = 0
         if requests:
@@ -227,6 +230,27 @@ class GammaPolicy:
         self.probed = [i for i in auto if requests[i].gamma_cap > 0]
         for i in self.probed:
             gammas[i] = 1
+
+    def _look_up_when_off(self, requests, gammas: list[int], auto: list[int]) -> None:
+        """AUTO requests the model would not draft for (γ = 0: its acceptance or its time
+        does not pay) may still look up, which costs verification rows and no draft time:
+        seen in 1-stream runs where a slow draft kept γ at 0 while the suffix lookup's
+        tokens were kept ~90 %. Those that can (`looks_up`) get the γ that draft-free
+        positions at their estimate would earn beside the rest of the batch, and their
+        round proposes a lookup alone (`looked_up`: nothing where nothing matches). The
+        model's estimate stands in for the lookup's, which depends on the match the round
+        finds; it is lower where lookups are kept (in those runs, 0.6 against 0.9)."""
+        off = [i for i in auto
+               if gammas[i] == 0 and requests[i].looks_up and i not in self.probed]
+        if not off:
+            return
+        as_free = [replace(r, draft_free=True) if i in off else r
+                   for i, r in enumerate(requests)]
+        trial = list(gammas)
+        self._maximise_goodput(as_free, trial, off)
+        self.looked_up = [i for i in off if trial[i]]
+        for i in self.looked_up:
+            gammas[i] = trial[i]
 
     def _override(self, r: RequestState) -> int:
         if r.mode is SpecMode.FIXED:

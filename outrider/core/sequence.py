@@ -87,7 +87,9 @@ class Sequence:      # tests compared all fields pairwise (3 % of a 32-stream st
     num_cached_tokens: int | None = None  # prompt positions the prefix cache gave it, once known
     teacher: list[TeacherRow] = field(default_factory=list)  # top-k rows not yet sent to the draft
     proposer: str = ""  # its ProposerKind ("": the replica's default)
-    probes_model: bool = False  # this round tests the draft model (the γ policy's probe)
+    # this round's proposer where the γ policy chose it ("": `proposer`): the model for
+    # its probe, the suffix lookup for its lookup rounds (§4.4)
+    round_proposer: str = ""
 
     @property
     def output_ids(self) -> list[int]:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from outrider.core.grammar import Grammars
+from outrider.core.sampling import SamplingParams
 from outrider.core.sequence import ProposerKind, TeacherRow
 from outrider.core.stats import GRAMMAR_METHOD
 from outrider.engine.lookup import Lookup, SuffixCorpus, prompt_lookup, suffix_lookup
@@ -211,6 +212,12 @@ class ProposerMix:
         if kind is ProposerKind.AUTO and self.model is not None and not item.params.is_greedy:
             return ProposerKind.MODEL
         return kind
+
+    def stands_in_for_model(self, kind: ProposerKind | None, params: SamplingParams) -> bool:
+        """Whether a lookup may take the model's place in rounds of requests of `kind`
+        (None: the default): AUTO's greedy ones, when there is a model (`kind_of`)."""
+        return (self.model is not None and params.is_greedy
+                and (kind or self.default) is ProposerKind.AUTO)
 
     def is_model_free(self, kind: ProposerKind | None) -> bool:
         """Whether requests of `kind` (None: the default) never wait for the model."""

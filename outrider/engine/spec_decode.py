@@ -34,7 +34,7 @@ import torch
 from outrider.core.grammar import Grammars
 from outrider.core.policy import MAX_GAMMA
 from outrider.core.sampling import MAX_SEED, History, SamplingParams
-from outrider.core.sequence import FinishReason, ProposerKind, Round, Sequence
+from outrider.core.sequence import FinishReason, Round, Sequence
 from outrider.core.stats import GRAMMAR_METHOD
 from outrider.core.structured import StructuredOutputError
 from outrider.engine.block_manager import OutOfBlocksError
@@ -372,7 +372,7 @@ class SpeculativeDecoder:
         return DraftItem(seq.seq_id, start, new if gamma else [], gamma, seq.params, seq.seed,
                          traceparent=seq.traceparent if start == 0 else "",
                          prompt_len=seq.prompt_len, teacher=teacher,
-                         proposer=ProposerKind.MODEL.value if seq.probes_model else seq.proposer,
+                         proposer=seq.round_proposer or seq.proposer,
                          forced=forced)
 
     def _forced(self, seq: Sequence, gamma: int, drafts: list[int]) -> list[int]:

@@ -157,18 +157,21 @@ def test_auto_leads_with_a_lookup_it_trusts_and_lets_the_model_continue(draft_di
     assert mix.draft([item("x", 0, context, 6)], CPU).source(0) == ("", 0)
 
 
-def test_a_probe_round_asks_the_model_whatever_the_requests_kind(llama_dir, draft_dir):
+def test_the_policys_rounds_ask_their_proposer_whatever_the_requests_kind(llama_dir,
+                                                                          draft_dir):
     """The γ policy's probe (docs/DESIGN.md §4.4) tests the draft model: its round's item
-    names the model, so AUTO cannot serve it from a lookup; other rounds keep the
-    request's kind."""
+    names the model, so AUTO cannot serve it from a lookup; its lookup rounds name the
+    suffix lookup; other rounds keep the request's kind."""
     target = ModelRunner(RunnerConfig(str(llama_dir), kv_cache_mb=32))
     model = Drafter(ModelRunner(RunnerConfig(str(draft_dir), kv_cache_mb=16)))
     decoder = SpeculativeDecoder(target, ProposerMix(model, target.vocab_size))
     seq = decoder.new_sequence([11, 12, 13, 14] * 4, SamplingParams(max_tokens=8))
     seq.proposer = "suffix"
     assert decoder._draft_item(seq, 1).proposer == "suffix"
-    seq.probes_model = True
+    seq.round_proposer = "model"
     assert decoder._draft_item(seq, 1).proposer == "model"
+    seq.proposer, seq.round_proposer = "", "suffix"
+    assert decoder._draft_item(seq, 1).proposer == "suffix"
     decoder.release(seq)
 
 

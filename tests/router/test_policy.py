@@ -182,3 +182,21 @@ def test_no_probe_while_hot_or_while_something_drafts():
     assert not any(any(p.choose(0.95, off)) for _ in range(3 * PROBE_AFTER))
     mixed = [request(0.0), request(0.95)]  # the second drafts every step: no probe needed
     assert all(p.choose(0.1, mixed)[0] == 0 for _ in range(3 * PROBE_AFTER))
+
+
+def test_requests_the_model_would_not_draft_for_look_up_instead():
+    """A draft too slow to pay at this acceptance keeps γ = 0 for the model; a request a
+    lookup may stand in for gets draft-free positions (`looked_up`), which cost
+    verification rows only; none while hot, and the probe still tests the model."""
+    slow_draft = CostModel(verify_base_s=0.010, verify_per_token_s=0.0005,
+                           draft_per_position_s=0.02, draft_rtt_s=0.01)
+    p = policy(slow_draft, hot_heat=0.9, cool_heat=0.7)
+    reqs = [request(0.7, looks_up=True), request(0.7), request(0.7, mode=SpecMode.OFF)]
+    gammas = p.choose(0.1, reqs)
+    assert gammas[0] > 0 and gammas[1:] == [0, 0] and p.looked_up == [0]
+    assert p.choose(0.95, reqs) == [0, 0, 0] and p.looked_up == []
+    p = policy(slow_draft)
+    steps = [(p.choose(0.1, reqs), list(p.probed), list(p.looked_up))
+             for _ in range(PROBE_AFTER)]
+    assert steps[-1] == ([1, 1, 0], [0, 1], [])  # the probe: the model for both
+    assert all(looked == [0] for _, _, looked in steps[:-1])
