@@ -46,6 +46,8 @@ from outrider.v1 import generate_pb2 as gp
 PASSED_HEADERS = {"authorization", "traceparent", "tracestate"}
 # messages a generation may have waiting for its HTTP client: beyond, it waits, so a
 # client that stops reading leaves its chunks unread at the link (backpressure there)
+SSE_DONE = "data: [DONE]\n\n"
+GRACEFUL_STOP_S = 5  # what uvicorn waits for open requests to end when the router stops
 STREAM_BUFFER = 64
 LOGPROB_FLOOR = -9999.0
 DASHBOARD_HTML = (Path(__file__).parent / "dashboard.html").read_text()
@@ -387,12 +389,14 @@ async def _sse(service, view, response_id: str, first, events, calls: list[HttpC
             pending = await anext(events, None)
         if view.body.include_usage:
             yield chunk([], usage=usage(finals))
-    except Refused as refusal:  # after the first token: reported in the stream
-        yield f"data: {json.dumps(error_body(refusal))}\n\n"
+    except Refused as refusal:  # after the first token: reported in the stream, the end in
+        # the same write (a stopping router closes its connections once they wrote it)
+        yield f"data: {json.dumps(error_body(refusal))}\n\n{SSE_DONE}"
+        return
     finally:
         for call in calls:
             call.cancel()
-    yield "data: [DONE]\n\n"
+    yield SSE_DONE
 
 
 async def _merged(service: GenerationService, pool: ThreadPoolExecutor,
@@ -553,14 +557,14 @@ def _request_id(request: Request, index: int) -> str | None:
 def start_http(app: FastAPI, host: str, port: int, tls_cert: str | None = None,
                tls_key: str | None = None, tls_client_ca: str | None = None,
                header_timeout_s: float = HttpBounds.header_timeout_s,
-               ) -> tuple[uvicorn.Server, int]:
-    """uvicorn in a daemon thread; returns (server, bound port) once it listens. With
-    `tls_client_ca`, clients must present a certificate it signed (mTLS)."""
+               ) -> tuple[uvicorn.Server, threading.Thread, int]:
+    """uvicorn in a daemon thread; returns (server, its thread, bound port) once it
+    listens. With `tls_client_ca`, clients must present a certificate it signed (mTLS)."""
     mtls = {"ssl_ca_certs": tls_client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED} \
         if tls_client_ca else {}
     server = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, log_level="warning", ssl_certfile=tls_cert,
-        ssl_keyfile=tls_key, timeout_graceful_shutdown=5,
+        ssl_keyfile=tls_key, timeout_graceful_shutdown=GRACEFUL_STOP_S,
         http=protocol_with_header_deadline(header_timeout_s), **mtls))
     thread = threading.Thread(target=server.run, name="http", daemon=True)
     thread.start()
@@ -569,4 +573,4 @@ def start_http(app: FastAPI, host: str, port: int, tls_cert: str | None = None,
         if not thread.is_alive() or time.monotonic() > deadline:
             raise OSError(f"the HTTP API could not listen on {host}:{port}")
         time.sleep(0.02)
-    return server, server.servers[0].sockets[0].getsockname()[1]
+    return server, thread, server.servers[0].sockets[0].getsockname()[1]

@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 from outrider.router.auth import Authenticator
 from outrider.router.chat_template import ChatTemplate
-from outrider.router.http_api import HttpSettings, build_app, start_http
+from outrider.router.http_api import GRACEFUL_STOP_S, HttpSettings, build_app, start_http
 from outrider.router.http_guard import HttpBounds
 from outrider.router.replicas import ROUTING, ReplicaSet
 from outrider.router.service import GenerationService, ServiceLimits
@@ -194,16 +194,19 @@ def _start_http(cfg: RouterConfig, service: GenerationService, max_model_len: in
     app = build_app(service, HttpSettings(name, max_model_len, cfg.limits.max_running,
                                           cfg.max_prompts, cfg.http_bounds),
                     ChatTemplate.from_dir(cfg.model_dir))
-    server, port = start_http(app, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key,
+    server, thread, port = start_http(app, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key,
                               cfg.tls_client_ca, cfg.http_bounds.header_timeout_s)
     scheme = "https" if cfg.tls_cert else "http"
     print(f"router: OpenAI-compatible HTTP API at {scheme}://{cfg.host}:{port}/v1 "
           f"(model {name!r})", flush=True)
 
     def stop() -> None:
-        """Open streams end with an error event and `[DONE]`, then uvicorn stops."""
+        """Open streams end with an error event and `[DONE]`, then uvicorn stops: it
+        waits for them to be written (its graceful timeout bounds the wait), since the
+        process ends with this call and its daemon thread."""
         app.state.streams.end_all("the router is shutting down: retry on another router")
         server.should_exit = True
+        thread.join(timeout=GRACEFUL_STOP_S + 1)
     return stop
 
 

@@ -81,7 +81,7 @@ def read_stream(client: Client, prompt, log: StreamLog, stop: threading.Event | 
 # -- draft replica SIGKILL ----------------------------------------------------------------------
 DRAFT_PROMPTS = [[11, 23, 5, 87, 140, 9], [5, 6, 7], [100, 200, 31, 4]]
 FINISHING_TOKENS = 700    # these requests run to the end
-LONG_TOKENS = 3000        # this one outlives the draft's restart, then is cancelled
+LONG_TOKENS = 4000        # this one outlives the draft's restart, then is cancelled
 LONG_PROMPT = [42, 17, 250, 3]
 LONG_CHECKED = 1500       # its tokens checked against the reference (a prefix)
 # the draft model alone: `auto` would go on looking up while no draft answers, and a

@@ -97,8 +97,9 @@ def test_streaming_and_unary_agree(system):
     assert len(parts) > 2 and streamed.finish_reason == whole.finish_reason != ""
     assert "".join(p.text for p in parts) == streamed.text == whole.text
     assert [t for p in parts for t in p.token_ids] == list(whole.token_ids)
-    assert streamed.usage == whole.usage  # (AUTO may choose other γ the second time)
-    assert sum(len(p.rounds) for p in parts) == whole.speculation.rounds
+    assert streamed.usage == whole.usage  # (AUTO may choose other γ the second time, and
+    # the second may look up the first's tokens: its rounds are its own)
+    assert sum(len(p.rounds) for p in parts) == streamed.speculation.rounds
     assert all(r.heat >= 0 for p in parts for r in p.rounds)
     assert 0 < streamed.timings.ttft_s <= streamed.timings.total_s
 
