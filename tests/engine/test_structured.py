@@ -304,3 +304,16 @@ def test_a_lookup_keeps_to_the_grammar(grammars, tokenizer):
     assert proposed["without"].startswith(" 1234\n")  # what the lookup alone copies
     assert proposed["with"] == " 1234"
     assert not grammars._sequences  # the lookups' matcher went with its sequence
+
+
+def test_the_draft_compiles_a_grammar_as_it_takes_in_the_context(drafter, tokenizer):
+    """Not in the sequence's first drafting round, whose time the target's cost model
+    weighs (a compile there scaled the draft's estimated time up)."""
+    so = StructuredOutput("regex", r"[a-f]{3,9} # warm")  # compiled nowhere else here
+    params = SamplingParams(temperature=0.0, structured_output=so)
+    prompt = tokenizer.encode("colour = ")
+    assert so.key not in drafter.grammars._compiled
+    out = drafter.draft([DraftItem("warm", 0, prompt, 0, params, seed=0, prefill_only=True,
+                                   prompt_len=len(prompt))], CPU)
+    assert out.is_miss == [False] and so.key in drafter.grammars._compiled
+    drafter.release("warm")
