@@ -44,10 +44,10 @@ from outrider.telemetry.metrics import exposition
 from outrider.v1 import generate_pb2 as gp
 
 PASSED_HEADERS = {"authorization", "traceparent", "tracestate"}
-# messages a generation may have waiting for its HTTP client: beyond, it waits, so a
-# client that stops reading leaves its chunks unread at the link (backpressure there)
 SSE_DONE = "data: [DONE]\n\n"
 GRACEFUL_STOP_S = 5  # what uvicorn waits for open requests to end when the router stops
+# messages a generation may have waiting for its HTTP client: beyond, it waits, so a
+# client that stops reading leaves its chunks unread at the link (backpressure there)
 STREAM_BUFFER = 64
 LOGPROB_FLOOR = -9999.0
 DASHBOARD_HTML = (Path(__file__).parent / "dashboard.html").read_text()

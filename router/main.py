@@ -194,8 +194,9 @@ def _start_http(cfg: RouterConfig, service: GenerationService, max_model_len: in
     app = build_app(service, HttpSettings(name, max_model_len, cfg.limits.max_running,
                                           cfg.max_prompts, cfg.http_bounds),
                     ChatTemplate.from_dir(cfg.model_dir))
-    server, thread, port = start_http(app, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key,
-                              cfg.tls_client_ca, cfg.http_bounds.header_timeout_s)
+    server, thread, port = start_http(app, cfg.host, cfg.http_port, cfg.tls_cert,
+                                      cfg.tls_key, cfg.tls_client_ca,
+                                      cfg.http_bounds.header_timeout_s)
     scheme = "https" if cfg.tls_cert else "http"
     print(f"router: OpenAI-compatible HTTP API at {scheme}://{cfg.host}:{port}/v1 "
           f"(model {name!r})", flush=True)

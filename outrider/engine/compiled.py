@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.fx.experimental._config
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from outrider.engine.attention import AttentionMetadata, paged_attention
@@ -79,7 +80,7 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]
     padded = onednn_rows(rows)
     if padded > rows:
-        x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))  # [padded, in]
+        x = F.pad(x, (0, 0, 0, padded - rows))  # [padded, in]
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")[:rows]
 
 

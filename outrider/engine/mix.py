@@ -208,16 +208,19 @@ class ProposerMix:
         request alone (§3.5), not on what else the replica served or on timing: sampled
         AUTO requests draft with the model when there is one (and look up in their own
         tokens only when there is not, `_look_up`)."""
-        kind = ProposerKind(item.proposer) if item.proposer else self.default
-        if kind is ProposerKind.AUTO and self.model is not None and not item.params.is_greedy:
+        return self._runs_as(ProposerKind(item.proposer) if item.proposer else None,
+                             item.params)
+
+    def _runs_as(self, kind: ProposerKind | None, params: SamplingParams) -> ProposerKind:
+        kind = kind or self.default
+        if kind is ProposerKind.AUTO and self.model is not None and not params.is_greedy:
             return ProposerKind.MODEL
         return kind
 
     def stands_in_for_model(self, kind: ProposerKind | None, params: SamplingParams) -> bool:
         """Whether a lookup may take the model's place in rounds of requests of `kind`
-        (None: the default): AUTO's greedy ones, when there is a model (`kind_of`)."""
-        return (self.model is not None and params.is_greedy
-                and (kind or self.default) is ProposerKind.AUTO)
+        (None: the default): those that run as AUTO beside a model (`kind_of`)."""
+        return self.model is not None and self._runs_as(kind, params) is ProposerKind.AUTO
 
     def is_model_free(self, kind: ProposerKind | None) -> bool:
         """Whether requests of `kind` (None: the default) never wait for the model."""
