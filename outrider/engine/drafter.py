@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from outrider.core.grammar import Grammars
-from outrider.core.sampling import History
+from outrider.core.sampling import History, SamplingParams
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal
 from outrider.engine.runner import ForwardRequest, ModelRunner
 from outrider.engine.sampling import (
@@ -231,7 +231,8 @@ class Drafter:
     def _draft_tokens(self, items: list[DraftItem], gammas: list[int], is_prefilled: list[bool],
                       device: torch.device):
         """The drafting chain; prefill-only items ride along in its first forward (KV
-        only, no logits)."""
+        only, no logits). A row stops after a token that would end its output (`gammas`
+        is cut to what each row drafted): what follows it could never be emitted."""
         max_gamma = max(gammas, default=0)
         drafted: list[list[int]] = [[] for _ in items]
         probs_out = None
@@ -243,8 +244,11 @@ class Drafter:
                     for it, done in zip(items, is_prefilled) if done]
         if prefills and not max_gamma:
             self.runner.forward(prefills)
+        stops, stopped = [self._stops(it.params) for it in items], set()
         for j in range(max_gamma):
-            rows = [i for i, g in enumerate(gammas) if g > j]
+            rows = [i for i, g in enumerate(gammas) if g > j and i not in stopped]
+            if not rows:
+                break
             requests = []
             for i in rows:
                 it = items[i]
@@ -256,19 +260,31 @@ class Drafter:
                                        self._histories(items, rows, drafted), j)
             for i, token in zip(rows, tokens.tolist()):
                 drafted[i].append(token)
+                if token in stops[i]:
+                    stopped.add(i)
             if probs_out is None:
                 continue
             if probs is None:  # greedy: q is the point mass on the drafted token
                 probs_out[rows, j, tokens.to(device)] = 1.0
             else:
                 probs_out[rows, j] = probs.to(device)
-        for it, d in zip(items, drafted):  # the KV holds all but the last draft token
-            if d:
+        for i, (it, d) in enumerate(zip(items, drafted)):  # the KV holds all but the last
+            if d:                                             # draft token
                 self._proposed[it.seq_id] = (len(self.token_ids[it.seq_id]), d)
                 self.token_ids[it.seq_id] += d[:-1]
+            if i in stopped:  # give back the positions reserved for the rest of its γ
+                gammas[i] = len(d)
+                blocks.rollback(it.seq_id, len(self.token_ids[it.seq_id]))
         token_ids = torch.tensor([d + [0] * (max_gamma - len(d)) for d in drafted],
                                  dtype=torch.long, device=device).view(len(items), max_gamma)
         return token_ids, probs_out
+
+    def _stops(self, params: SamplingParams) -> frozenset[int]:
+        """The tokens that end an output: EOS unless ignored, and the stop tokens (a draft
+        replica is sent the latter only under min_tokens; a missed one costs only a longer
+        proposal, which verification cuts)."""
+        eos = () if params.ignore_eos else self.runner.model_config.eos_token_ids
+        return frozenset((*eos, *params.stop_token_ids))
 
     def _histories(self, items: list[DraftItem], rows: list[int],
                    drafted: list[list[int]]) -> list[History] | None:

@@ -303,6 +303,7 @@ class SpeculativeDecoder:
                                           Proposal.of_rows(drafted, self.target.vocab_size,
                                                            self.target.device, sources))
             self.num_ahead_rounds += len(drafted)
+        proposal = self._with_openings(step.rows, proposal)
         step.draft_ids, step.draft_probs = proposal.token_ids, proposal.probs
         step.drafts = [ids[:g] for ids, g in zip(proposal.token_ids.tolist(), proposal.gammas)]
         for r, g in zip(step.rows, proposal.gammas):
@@ -310,6 +311,19 @@ class SpeculativeDecoder:
             r.source = proposal.source(r.index)
         step.draft_s = time.perf_counter() - start
         self._start_background(step)
+
+    def _with_openings(self, rows: list[Row], proposal: Proposal) -> Proposal:
+        """A constrained request's first round proposes what its grammar forces from the
+        start (a schema's `{"name":`), verified with its prefill: its first chunk holds
+        them, a round sooner. No draft call: the draft takes in the context meanwhile."""
+        openings = {r.index: self._forced(r.seq, 0, []) for r in rows
+                    if r.is_first and r.wanted}
+        openings = {i: ids for i, ids in openings.items() if ids}
+        if not openings:
+            return proposal
+        return proposal.with_rows(list(openings), Proposal.of_rows(
+            [(ids, None) for ids in openings.values()], self.target.vocab_size,
+            self.target.device, [(GRAMMAR_METHOD, len(ids)) for ids in openings.values()]))
 
     def _verify(self, step: Step) -> None:
         """The target forward; then what the draft did meanwhile: prefills taken in, and
@@ -406,9 +420,10 @@ class SpeculativeDecoder:
         # the same token as a fresh argmax, but not the same *sample* (the same
         # distribution), and a seed's output must not depend on the batch's size
         rows = step.rows
-        for r in rows:
-            r.ahead_gamma = r.gamma if self.overlap_sampled or r.seq.params.is_greedy else 0
-        if sum(r.gamma > 0 for r in rows) > self.overlap_max_seqs:
+        for r in rows:  # (a first row's proposals are its grammar's opening: §3.8)
+            drafts_ahead = not r.is_first and (self.overlap_sampled or r.seq.params.is_greedy)
+            r.ahead_gamma = r.gamma if drafts_ahead else 0
+        if sum(r.gamma > 0 and not r.is_first for r in rows) > self.overlap_max_seqs:
             for r in rows:
                 r.ahead_gamma = 0
         if not any(r.ahead_gamma or r.warms_draft for r in rows):
@@ -517,8 +532,6 @@ class SpeculativeDecoder:
         seq, gamma = row.seq, row.gamma
         num_accepted = min(num_verified_ok, gamma)
         base = len(seq.token_ids)
-        seq.stats.record(gamma, num_accepted, *row.source)
-        seq.last_round = Round(gamma, num_accepted, *row.source)
         committed = []
         for token in tokens[:num_accepted + 1]:
             seq.token_ids.append(token)
@@ -526,6 +539,8 @@ class SpeculativeDecoder:
             seq.finish_reason = self._finish_reason(seq, token)
             if seq.is_finished:
                 break
+        seq.last_round = _round_of(row, num_accepted, len(committed))
+        seq.stats.record(*seq.last_round)
         # the KV of the tokens before the emitted one is final (the emitted token is
         # fed next round); the draft rolls back to `draft_len` itself when it drafts next
         blocks = self.target.blocks
@@ -579,6 +594,18 @@ class SpeculativeDecoder:
             first = len(r.seq.token_ids) - len(r.committed)
             r.seq.teacher += [(first + j, tuple(next(ids)), tuple(next(logprobs)))
                               for j in range(len(r.committed))]
+
+
+def _round_of(row: Row, num_accepted: int, num_committed: int) -> Round:
+    """The round as its statistics count it. An output that ended at an accepted proposal
+    (EOS, a stop token, a finished grammar) ends the round there: the proposals after it
+    were never a chance to be kept (a draft past a grammar's end proposes EOS again and
+    again, and counting those as kept would inflate acceptance)."""
+    gamma, (kind, num_free) = row.gamma, row.source
+    if num_committed <= num_accepted:
+        gamma = num_accepted = num_committed
+    num_free = min(num_free, gamma)
+    return Round(gamma, num_accepted, kind if num_free else "", num_free)
 
 
 def _committed_rows(ready: list[Row], which: Iterable[int]) -> list[int]:

@@ -75,3 +75,19 @@ def test_no_eviction_when_it_cannot_make_room(drafter):
     too_long = [1] * (drafter.runner.blocks.num_blocks * 4 + 1)
     out = drafter.draft([item("huge", 0, too_long)])
     assert out.gammas == [0] and drafter.runner.blocks.has("a") and drafter.num_evicted == 0
+
+
+def test_a_row_stops_drafting_at_a_token_that_ends_its_output(drafter):
+    full = drafter.draft([item("a", 0, CONTEXT, gamma=6)]).token_ids[0].tolist()
+    stop_at = next(j for j in range(1, 6) if full[j] not in full[:j])
+    stops = SamplingParams(stop_token_ids=(full[stop_at],))
+    out = drafter.draft([DraftItem("b", 0, CONTEXT, 6, stops, seed=1),
+                         item("c", 0, CONTEXT, gamma=6)])
+    assert out.gammas == [stop_at + 1, 6]   # the other row drafts its whole γ
+    assert out.token_ids[0, :stop_at + 1].tolist() == full[:stop_at + 1]
+    assert out.token_ids[1].tolist() == full
+    # the positions reserved past the stop are given back: the KV holds the drafts but
+    # the last, and the next round syncs as usual
+    assert drafter.runner.blocks.seq_len("b") == len(CONTEXT) + stop_at
+    again = drafter.draft([DraftItem("b", len(CONTEXT), [full[0]], 3, GREEDY, seed=1)])
+    assert again.token_ids[0].tolist() == full[1:4]

@@ -17,7 +17,7 @@ import torch
 from outrider import paths
 from outrider.core.grammar import Grammars
 from outrider.core.sampling import SamplingParams
-from outrider.core.sequence import FinishReason, ProposerKind
+from outrider.core.sequence import FinishReason, ProposerKind, Round
 from outrider.core.stats import SpecStats
 from outrider.core.structured import StructuredOutput, StructuredOutputError
 from outrider.core.tokenizer import Tokenizer
@@ -25,7 +25,7 @@ from outrider.engine.drafter import Drafter
 from outrider.engine.mix import ProposerMix
 from outrider.engine.proposer import DraftItem
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.engine.spec_decode import RequestError, SpeculativeDecoder
+from outrider.engine.spec_decode import RequestError, Row, SpeculativeDecoder, _round_of
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "size", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -285,6 +285,41 @@ def test_forced_tokens_are_proposed_on_top_of_gamma(target, drafter, tokenizer):
         forced, kept = stats.by_proposer["grammar"]
         assert forced >= 3 * len(PROMPTS) and kept >= forced // 2, stats.by_proposer
         assert len(stats.drafted_per_position) > 2, stats  # a round proposed more than γ
+
+
+def test_the_first_round_proposes_the_grammars_opening(target, drafter, tokenizer):
+    """A schema's opening (`{"name":"`) is forced: the first round verifies it with the
+    prefill, so the first chunk holds it (no draft call: the draft takes in the context
+    meanwhile). Not while speculation is off (γ 0); the output is the target's alone."""
+    decoder = decoder_for(target, drafter, ProposerKind.MODEL)
+    prompt = tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(max_tokens=MAX_TOKENS, structured_output=CONSTRAINTS["json_schema"])
+    chunks = [tokens for _, tokens in decoder.stream(prompt, params, gamma=4)]
+    first = chunks[0]
+    assert tokenizer.decode(first).startswith('{"name":"') and len(first) > 2, first
+    opening = len(first) - 1
+    alone = decoder.generate([prompt], params, gamma=0)[0]
+    assert [t for c in chunks for t in c] == alone.output_ids
+    assert len(next(decoder.stream(prompt, params, gamma=0))[1]) == 1
+    seq = decoder.new_sequence(prompt, params)
+    decoder.step([seq], [4])
+    assert seq.last_round == Round(opening, opening, "grammar", opening)
+    decoder.release(seq)
+
+
+def test_a_round_counts_only_what_the_output_could_hold():
+    """Proposals after the token that ends an output (EOS, a stop token, a finished
+    grammar's EOS drafted again and again) were never a chance to be kept: the round
+    ends there for its statistics."""
+    row = Row(0, seq=None, feed=1, is_ready=True, is_first=False, wanted=6, gamma=6,
+              source=("grammar", 2))
+    assert _round_of(row, 6, 7) == Round(6, 6, "grammar", 2)     # ended at the bonus
+    assert _round_of(row, 2, 3) == Round(6, 2, "grammar", 2)     # rejected at row 2
+    assert _round_of(row, 6, 3) == Round(3, 3, "grammar", 2)     # ended at proposal 3
+    assert _round_of(row, 4, 1) == Round(1, 1, "grammar", 1)     # ... at the first
+    looked_up = Row(0, seq=None, feed=1, is_ready=True, is_first=False, wanted=6, gamma=5,
+                    source=("suffix", 5))
+    assert _round_of(looked_up, 5, 2) == Round(2, 2, "suffix", 2)
 
 
 def test_a_lookup_keeps_to_the_grammar(grammars, tokenizer):
