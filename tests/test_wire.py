@@ -40,3 +40,16 @@ def test_unset_seed_stays_unset():
     params, seed = sampling_from_proto(pb.Sampling(temperature=0.8, seed=0))
     assert seed == 0 and params.seed == 0
     assert SamplingParams(temperature=0.8).seed is None
+
+
+def test_a_draft_replica_learns_what_ends_the_output():
+    """EOS unless the request ignores it, and the stop ids: the draft holds them back
+    under min_tokens and stops a row after one (docs/DESIGN.md §2.6)."""
+    from outrider.core.sampling import sampling_to_proto
+
+    sent = SamplingParams(stop_token_ids=(7, 9), eos_token_ids=(0,))
+    drafts_with, _ = sampling_from_proto(sampling_to_proto(sent, seed=1))
+    assert drafts_with.held_back_ids == (0, 7, 9)
+    ignoring = SamplingParams(stop_token_ids=(7,), eos_token_ids=(0,), ignore_eos=True)
+    drafts_with, _ = sampling_from_proto(sampling_to_proto(ignoring, seed=1))
+    assert drafts_with.held_back_ids == (7,)

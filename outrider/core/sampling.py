@@ -109,7 +109,8 @@ class SamplingParams:
 
     @property
     def held_back_ids(self) -> tuple[int, ...]:
-        """Tokens min_tokens holds back: the stop tokens and, unless ignored, EOS."""
+        """The tokens that end an output: the stop tokens and, unless ignored, EOS
+        (min_tokens holds them back; a draft row stops after one)."""
         eos = () if self.ignore_eos else self.eos_token_ids
         return tuple(sorted({*self.stop_token_ids, *eos}))
 
@@ -156,7 +157,7 @@ def sampling_to_proto(params: SamplingParams, seed: int | None) -> pb.Sampling:
         min_p=params.min_p, repetition_penalty=params.repetition_penalty,
         frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
         logit_bias=dict(params.logit_bias), min_tokens=params.min_tokens,
-        held_back_ids=params.held_back_ids if params.min_tokens else (),
+        held_back_ids=params.held_back_ids,
         structured_output=(params.structured_output.to_proto()
                            if params.structured_output is not None else None))
 
@@ -164,7 +165,8 @@ def sampling_to_proto(params: SamplingParams, seed: int | None) -> pb.Sampling:
 def sampling_from_proto(msg: pb.Sampling, **fields) -> tuple[SamplingParams, int | None]:
     """SamplingParams (validated: raises SamplingError naming the field) and the seed
     (None when the sender left it unset). Without stop_token_ids in `fields` (a draft
-    replica), the held-back ids stand in for them: min_tokens is all they are for."""
+    replica), the held-back ids stand in for them: they are what ends the output, which
+    the draft needs for min_tokens and to stop drafting a row."""
     seed = msg.seed if msg.HasField("seed") else None
     if "stop_token_ids" not in fields:  # a draft replica: it never stops a sequence
         fields.update(stop_token_ids=tuple(msg.held_back_ids),

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from outrider.core.grammar import Grammars
-from outrider.core.sampling import History, SamplingParams
+from outrider.core.sampling import History
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal
 from outrider.engine.runner import ForwardRequest, ModelRunner
 from outrider.engine.sampling import (
@@ -244,7 +244,7 @@ class Drafter:
                     for it, done in zip(items, is_prefilled) if done]
         if prefills and not max_gamma:
             self.runner.forward(prefills)
-        stops, stopped = [self._stops(it.params) for it in items], set()
+        stops, stopped = [frozenset(it.params.held_back_ids) for it in items], set()
         for j in range(max_gamma):
             rows = [i for i, g in enumerate(gammas) if g > j and i not in stopped]
             if not rows:
@@ -278,13 +278,6 @@ class Drafter:
         token_ids = torch.tensor([d + [0] * (max_gamma - len(d)) for d in drafted],
                                  dtype=torch.long, device=device).view(len(items), max_gamma)
         return token_ids, probs_out
-
-    def _stops(self, params: SamplingParams) -> frozenset[int]:
-        """The tokens that end an output: EOS unless ignored, and the stop tokens (a draft
-        replica is sent the latter only under min_tokens; a missed one costs only a longer
-        proposal, which verification cuts)."""
-        eos = () if params.ignore_eos else self.runner.model_config.eos_token_ids
-        return frozenset((*eos, *params.stop_token_ids))
 
     def _histories(self, items: list[DraftItem], rows: list[int],
                    drafted: list[list[int]]) -> list[History] | None:
