@@ -43,9 +43,10 @@ class ChatTemplate:
                    if k.endswith("_token") and isinstance(v, str | dict)}
         return cls(source, special)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
         try:
-            return self._template.render(messages=messages,
+            return self._template.render(messages=messages, tools=tools,
                                          add_generation_prompt=add_generation_prompt,
                                          **self._special)
         except TemplateError as exc:

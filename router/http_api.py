@@ -36,6 +36,7 @@ from outrider.router.openai_protocol import (
 from outrider.router.refusal import Refused
 from outrider.router.service import GenerationService
 from outrider.router.target_link import UNREAD, UNREAD_TIMEOUT_S
+from outrider.router.tool_calls import ForcedCalls
 from outrider.router.validate import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -175,8 +176,8 @@ def build_app(service: GenerationService, settings: HttpSettings,
                           f"model {settings.model_name!r} has no chat template; "
                           "use /v1/completions")
         prompt_ids = _refusing(lambda: service.tokenizer.encode(chat_template.render(
-            [m.model_dump(exclude_none=True) | {"content": m.text()} for m in body.messages],
-            body.add_generation_prompt)))
+            [m.for_template() for m in body.messages], body.add_generation_prompt,
+            body.offered_tools)))
         # OpenAI's chat default: as many tokens as the context has room for
         max_tokens = body.completion_limit or max(1, settings.max_model_len - len(prompt_ids))
         requests = _refusing(lambda: body.generate_requests(prompt_ids, max_tokens,
@@ -211,6 +212,10 @@ class _View:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def blame(self, refusal: Refused) -> Refused:
+        """The refusal as this endpoint's caller should read it."""
+        return refusal
 
 
 def _json_logprob(value: float) -> float:
@@ -264,27 +269,47 @@ class CompletionView(_View):
 
 
 class ChatView(_View):
-    """How /v1/chat/completions shows choices."""
+    """How /v1/chat/completions shows choices: text, or the tool calls it forced."""
 
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+
+    def __init__(self, model: str, body: ChatCompletionRequest, tokenizer) -> None:
+        super().__init__(model, body, tokenizer)
+        self.calls = None if body.forced_call is None else ForcedCalls(body.forced_call)
 
     def echoed(self, index: int, service: GenerationService) -> str:
         return ""
 
+    def blame(self, refusal: Refused) -> Refused:
+        """A forced call's schema is made of its tools' parameters: a refusal of the
+        schema names them."""
+        field, _, why = refusal.message.partition(": ")
+        if self.calls is None or field != "sampling.structured_output.json_schema":
+            return refusal
+        return Refused(refusal.code, f"tools: a function's parameters: {why}", param="tools")
+
     def choice(self, index: int, text: str, finish_reason: str | None,
                logprobs: list[gp.TokenLogprob] = ()) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": self.logprobs(index, logprobs),
+        message = {"role": "assistant", "content": text}
+        if self.calls is not None:
+            message, finish_reason = self.calls.message(index, text, finish_reason)
+        return {"index": index, "message": message, "logprobs": self.logprobs(index, logprobs),
                 "finish_reason": finish_reason or None}
 
     def first_delta(self, index: int) -> dict | None:
-        return {"index": index, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None}
+        delta = ({"role": "assistant", "content": ""} if self.calls is None
+                 else self.calls.first_delta(index))
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
 
     def delta(self, index: int, text: str, finish_reason: str | None,
-              logprobs: list[gp.TokenLogprob] = ()) -> dict:
-        return {"index": index, "delta": {"content": text} if text else {},
-                "logprobs": self.logprobs(index, logprobs),
+              logprobs: list[gp.TokenLogprob] = ()) -> dict | None:
+        """None: nothing to show yet (a 'required' call shows once it is whole)."""
+        delta = {"content": text} if text else {}
+        if self.calls is not None:
+            delta, finish_reason = self.calls.delta(index, text, finish_reason)
+        if delta is None and not logprobs:
+            return None
+        return {"index": index, "delta": delta or {}, "logprobs": self.logprobs(index, logprobs),
                 "finish_reason": finish_reason or None}
 
     def logprobs(self, index: int, logprobs: list[gp.TokenLogprob]) -> dict | None:
@@ -333,7 +358,7 @@ async def _respond(service, pool, request: Request, requests: list[gp.GenerateRe
     try:
         first = await anext(events)  # refusals before any token become HTTP errors
     except Refused as refusal:
-        return error_response(refusal)
+        return error_response(view.blame(refusal))
     if stream:
         sse = _sse(service, view, response_id, first, events, calls, len(requests))
         return StreamingResponse(sse, media_type="text/event-stream",
@@ -384,8 +409,10 @@ async def _sse(service, view, response_id: str, first, events, calls: list[HttpC
             index, msg = pending
             if msg.finish_reason:
                 finals[index] = msg
-            if msg.text or msg.finish_reason or msg.logprobs:
-                yield chunk([view.delta(index, msg.text, msg.finish_reason, msg.logprobs)])
+            delta = (view.delta(index, msg.text, msg.finish_reason, msg.logprobs)
+                     if msg.text or msg.finish_reason or msg.logprobs else None)
+            if delta is not None:
+                yield chunk([delta])
             pending = await anext(events, None)
         if view.body.include_usage:
             yield chunk([], usage=usage(finals))

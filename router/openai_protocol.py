@@ -10,6 +10,7 @@ structured_outputs (OpenAI's response_format is honoured too)."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Literal
 
@@ -249,6 +250,38 @@ class CompletionRequest(_GenerationRequest):
         return list(p)
 
 
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; unset: any object
+    strict: bool | None = None      # a forced call's arguments always keep to it
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ContentPart(_Strict):
     type: Literal["text"]
     text: str
@@ -258,11 +291,28 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None           # a tool's answer: to which call
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict:
+        """As chat templates read a message (Hugging Face's convention: a call's
+        arguments as an object where they are JSON)."""
+        out = self.model_dump(exclude_none=True) | {"content": self.text()}
+        for call in out.get("tool_calls", []):
+            call["function"]["arguments"] = _json_or_text(call["function"]["arguments"])
+        return out
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -271,6 +321,64 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
+    # tool calls a request forces ("required" or a named function) are structured
+    # outputs (§3.8); "auto" needs a parser of the model's own call format: refused
+    tools: Annotated[list[ChatTool], Field(min_length=1)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_possible(self):
+        choice, names = self.tool_choice, [t.function.name for t in self.tools or []]
+        if not names:
+            if choice not in (None, "none"):
+                raise BodyFieldError("tool_choice", "needs tools to choose from")
+            return self
+        if len(set(names)) < len(names):
+            raise BodyFieldError("tools", "name a function twice")
+        if choice in (None, "auto"):
+            raise BodyFieldError("tool_choice", "'auto' (the default with tools) needs a "
+                                 "parser of the model's tool-call format, which Outrider "
+                                 "has not: give 'required', a named function, or 'none'")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise BodyFieldError("tool_choice", f"names function {choice.function.name!r}, "
+                                 "which tools do not hold")
+        if self.forced_call is not None and super().constraint:
+            raise BodyFieldError("tool_choice", "forces a tool call, whose JSON is the "
+                                 "output's constraint: drop response_format / "
+                                 "structured_outputs")
+        return self
+
+    @property
+    def forced_call(self) -> str | None:
+        """The function a request forces, "" for any of its tools ('required'), None
+        when it forces none."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "" if self.tool_choice == "required" else None
+
+    @property
+    def offered_tools(self) -> list[dict] | None:
+        """The tools the chat template shows the model ('none': none)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    @property
+    def constraint(self) -> dict:
+        forced = self.forced_call
+        if forced is None:
+            return super().constraint
+        parameters = {t.function.name: t.function.parameters or {"type": "object"}
+                      for t in self.tools}
+        if forced:
+            return {"json_schema": parameters[forced]}
+        calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+             "properties": {"name": {"const": name}, "parameters": schema}}
+            for name, schema in parameters.items()]}}
+        return {"json_schema": calls | ({"maxItems": 1} if self.parallel_tool_calls is False
+                                        else {})}
 
     @field_validator("top_logprobs")
     @classmethod

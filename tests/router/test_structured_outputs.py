@@ -178,3 +178,118 @@ def test_a_bad_constraint_over_grpc_names_the_field_and_serving_goes_on(sdk):
     with pytest.raises(InvalidRequestError, match=r"sampling\.structured_output\.json_schema"):
         sdk.generate("x", max_tokens=4, json_schema={"type": "array", "uniqueItems": True})
     assert sdk.generate("x", max_tokens=4, choice=["ok"]).text == "ok"
+
+
+# -- tool calls a request forces ---------------------------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "additionalProperties": False,
+                   "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 12},
+                                  "unit": {"type": "string", "enum": ["c", "f"]}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"],
+    "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}}}}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def valid_call(call) -> bool:
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_time":
+        return arguments in ({"zone": "utc"}, {"zone": "cet"})
+    return (call.function.name == "get_weather" and set(arguments) == {"city", "unit"}
+            and len(arguments["city"]) <= 12 and arguments["unit"] in ("c", "f"))
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), SAMPLED], ids=["greedy", "T0.9"])
+def test_a_named_tool_choice_is_a_call_with_valid_arguments(oai, sampling):
+    """The arguments keep to the function's parameters: they are the output's schema."""
+    for seed in range(2):
+        done = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=96,
+                                           tools=[WEATHER, CLOCK], tool_choice=NAMED, seed=seed,
+                                           extra_body=SPECULATE, **sampling)
+        choice = done.choices[0]
+        assert choice.finish_reason == "stop" and choice.message.content is None, choice
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_") and valid_call(call)
+        assert done.usage.model_extra["speculation"]["draft_tokens"] > 0
+
+
+def test_required_tool_calls_are_one_or_more_of_the_tools(oai):
+    request = dict(model=MODEL, messages=MESSAGES, max_tokens=200, tools=[WEATHER, CLOCK],
+                   tool_choice="required", temperature=0.0, extra_body=SPECULATE)
+    single = oai.chat.completions.create(parallel_tool_calls=False, **request).choices[0]
+    assert single.finish_reason == "tool_calls" and single.message.content is None, single
+    assert len(single.message.tool_calls) == 1 and valid_call(single.message.tool_calls[0])
+    choice = oai.chat.completions.create(**request).choices[0]
+    if choice.finish_reason == "tool_calls":
+        calls = choice.message.tool_calls
+        assert calls and all(valid_call(c) for c in calls)
+        assert len({c.id for c in calls}) == len(calls)
+    else:  # the small model may list calls until max_tokens: cut, and honest about it
+        assert choice.finish_reason == "length" and choice.message.tool_calls is None
+        assert choice.message.content.startswith('[{"name":"get_')
+
+
+@pytest.mark.parametrize("tool_choice", [NAMED, "required"])
+def test_a_streamed_tool_call_adds_up_to_the_unary_one(oai, tool_choice):
+    """Deltas as OpenAI streams them: a named call's id and name first, its arguments as
+    they come; 'required' calls whole once the list is."""
+    request = dict(model=MODEL, messages=MESSAGES, max_tokens=200, tools=[WEATHER, CLOCK],
+                   tool_choice=tool_choice, parallel_tool_calls=False, temperature=0.0)
+    unary = oai.chat.completions.create(**request).choices[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in oai.chat.completions.create(stream=True, **request):
+        delta = chunk.choices[0].delta
+        assert not delta.content
+        for part in delta.tool_calls or []:
+            call = calls.setdefault(part.index, {"id": part.id, "name": "", "arguments": ""})
+            call["name"] += part.function.name or ""
+            call["arguments"] += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == unary.finish_reason
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in unary.message.tool_calls]
+    assert all(c["id"].startswith("call_") for c in calls.values())
+
+
+def test_a_conversation_goes_on_after_a_tool_answers(oai):
+    """An assistant's earlier call and the tool's answer are accepted as history."""
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    done = oai.chat.completions.create(model=MODEL, messages=history, max_tokens=8,
+                                       tools=[CLOCK], tool_choice="none", temperature=0.0)
+    assert done.choices[0].message.tool_calls is None
+    assert done.choices[0].finish_reason in ("stop", "length")
+
+
+BAD_TOOLS = [
+    (dict(tools=[WEATHER]), "auto"),                      # auto, the default with tools
+    (dict(tools=[WEATHER], tool_choice="auto"), "auto"),
+    (dict(tool_choice="required"), "needs tools"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+     "'nope'"),
+    (dict(tools=[WEATHER], tool_choice=NAMED,
+          response_format={"type": "json_object"}), "drop response_format"),
+]
+
+
+@pytest.mark.parametrize("fields,words", BAD_TOOLS, ids=[str(i) for i in range(len(BAD_TOOLS))])
+def test_a_tool_choice_that_cannot_be_honoured_is_a_400_naming_it(oai, fields, words):
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **fields)
+    body = err.value.body
+    assert body["param"] == "tool_choice" and words in body["message"], body
+
+
+def test_parameters_that_do_not_compile_are_a_400_naming_the_tools(oai):
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}
+    for tool_choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
+                                        tools=[broken], tool_choice=tool_choice)
+        body = err.value.body
+        assert body["param"] == "tools" and "wat" in body["message"], body
