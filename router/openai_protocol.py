@@ -280,6 +280,7 @@ class ToolCall(_Strict):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = None  # a streamed call's place: clients may send it back
 
 
 class ContentPart(_Strict):
@@ -311,7 +312,7 @@ class ChatMessage(_Strict):
 def _json_or_text(text: str):
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # (JSON nested deeper than Python recurses)
         return text
 
 
@@ -347,6 +348,9 @@ class ChatCompletionRequest(_GenerationRequest):
             raise BodyFieldError("tool_choice", "forces a tool call, whose JSON is the "
                                  "output's constraint: drop response_format / "
                                  "structured_outputs")
+        if self.forced_call is not None and (self.stops or self.stop_token_ids):
+            raise BodyFieldError("stop", "would cut the JSON of the tool call that "
+                                 "tool_choice forces: drop stop / stop_token_ids")
         return self
 
     @property
@@ -373,12 +377,8 @@ class ChatCompletionRequest(_GenerationRequest):
                       for t in self.tools}
         if forced:
             return {"json_schema": parameters[forced]}
-        calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-            {"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-             "properties": {"name": {"const": name}, "parameters": schema}}
-            for name, schema in parameters.items()]}}
-        return {"json_schema": calls | ({"maxItems": 1} if self.parallel_tool_calls is False
-                                        else {})}
+        return {"json_schema": _calls_schema(parameters, self.parallel_tool_calls is False)}
+
 
     @field_validator("top_logprobs")
     @classmethod
@@ -394,6 +394,46 @@ class ChatCompletionRequest(_GenerationRequest):
     @property
     def completion_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+def _calls_schema(parameters: dict[str, dict], one: bool) -> dict:
+    """A list (of one, or at least one) of {"name", "parameters"} calls, an alternative
+    per function. Each function's definitions move to the root, named after it, since
+    its `$ref`s point from the root (`#/$defs/x` -> `#/$defs/<function>.x`)."""
+    definitions, alternatives = {}, []
+    for name, schema in parameters.items():
+        schema, moved = _hoisted(schema, name)
+        definitions |= moved
+        alternatives.append({"type": "object", "additionalProperties": False,
+                             "required": ["name", "parameters"],
+                             "properties": {"name": {"const": name}, "parameters": schema}})
+    calls = {"type": "array", "minItems": 1, "items": {"anyOf": alternatives}}
+    return calls | ({"maxItems": 1} if one else {}) | (
+        {"$defs": definitions} if definitions else {})
+
+
+def _hoisted(schema: dict, name: str) -> tuple[dict, dict]:
+    """(the schema without its definitions, its definitions named `<name>.<key>`), its
+    references rewritten to match."""
+    own = {**schema.get("$defs", {}), **schema.get("definitions", {})}
+    if not own:
+        return schema, {}
+    rest = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+    rename = lambda value: _renamed_refs(value, name)  # noqa: E731
+    return rename(rest), {f"{name}.{key}": rename(value) for key, value in own.items()}
+
+
+def _renamed_refs(value, name: str):
+    if isinstance(value, list):
+        return [_renamed_refs(v, name) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {k: _renamed_refs(v, name) for k, v in value.items()}
+    ref = value.get("$ref")
+    for prefix in ("#/$defs/", "#/definitions/"):
+        if isinstance(ref, str) and ref.startswith(prefix):
+            out["$ref"] = f"#/$defs/{name}.{ref.removeprefix(prefix)}"
+    return out
 
 
 def _choice_id(request_id: str | None, i: int, n: int) -> str:

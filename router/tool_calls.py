@@ -25,7 +25,7 @@ class ForcedCalls:
         if calls is None:
             return {"role": "assistant", "content": text}, finish_reason
         return ({"role": "assistant", "content": None,
-                 "tool_calls": [self._call(index, k, name, arguments)
+                 "tool_calls": [self._call(index, k, name, arguments, streamed=False)
                                 for k, (name, arguments) in enumerate(calls)]},
                 self._finish(finish_reason))
 
@@ -43,26 +43,39 @@ class ForcedCalls:
         self._texts[index] = self._texts.get(index, "") + text
         if not finish_reason:
             return None, finish_reason
-        message, finish_reason = self.message(index, self._texts.pop(index), finish_reason)
-        message.pop("role")
-        return message, finish_reason
+        text = self._texts.pop(index)
+        calls = self._parsed(text)
+        if calls is None:
+            return {"content": text}, finish_reason
+        return ({"tool_calls": [self._call(index, k, name, arguments)
+                                for k, (name, arguments) in enumerate(calls)]},
+                self._finish(finish_reason))
 
     def _parsed(self, text: str) -> list[tuple[str, str]] | None:
         """[(function, arguments as JSON text)]; None: not a whole list of calls."""
         if self.function:
             return [(self.function, text)]
-        try:
-            calls = json.loads(text)
-        except ValueError:
+        try:  # (the grammar shaped it; a list cut by max_tokens is no JSON)
+            return [(c["name"], _compact(c["parameters"])) for c in json.loads(text)]
+        except (ValueError, RecursionError, TypeError, KeyError):
             return None
-        return [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
 
     def _finish(self, finish_reason: str) -> str:
         # OpenAI: a call the model chose ('required') ends with "tool_calls", a named
         # function's with "stop"
         return "tool_calls" if finish_reason == "stop" and not self.function else finish_reason
 
-    def _call(self, index: int, k: int, name: str, arguments: str) -> dict:
+    def _call(self, index: int, k: int, name: str, arguments: str,
+              streamed: bool = True) -> dict:
+        """Call k of choice `index`; a message's calls carry no `index` (OpenAI's do not,
+        and clients send the message back as it came)."""
         call_id = self._ids.setdefault((index, k), f"call_{uuid.uuid4().hex[:24]}")
-        return {"index": k, "id": call_id, "type": "function",
+        call = {"id": call_id, "type": "function",
                 "function": {"name": name, "arguments": arguments}}
+        return {"index": k, **call} if streamed else call
+
+
+def _compact(value) -> str:
+    """JSON as the grammar writes it (no spaces); a number too large for a float, which
+    would come out as Infinity, raises ValueError."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)

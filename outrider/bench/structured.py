@@ -40,6 +40,10 @@ Per system and round:
                source file, each level and mode its own, the modes' sets rotated between
                rounds), since Outrider's suffix proposer keeps the replica's finished
                greedy sequences and would replay a repeat
+  tool calls   chat requests with TOOLS whose tool_choice forces a call (a named function,
+               "required"), greedy and sampled: every call's arguments checked against its
+               function's parameters (vLLM serves them only with a tool-call parser:
+               VLLM_TOOL_FLAGS)
 JSON whitespace is each server's default: Outrider compact, vLLM any (config records it).
 Rounds merge as: validity counts summed, acceptance from the summed tokens, throughput the
 mean (every round's value kept).
@@ -151,6 +155,24 @@ MODES = ("constrained", "unconstrained", "permissive")
 PERMISSIVE = r"[\s\S]*"
 
 
+# tool calls a request forces (chat `tool_choice`), each choice over every TOOL_PROMPTS
+# message, greedy and sampled; vLLM takes them only with a tool-call parser (VLLM_TOOL_FLAGS)
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 12},
+                                  "unit": {"type": "string", "enum": ["c", "f"]}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"],
+    "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}}}}}
+TOOLS = (WEATHER, CLOCK)
+TOOL_CHOICES = {"named": {"type": "function", "function": {"name": "get_weather"}},
+                "required": "required"}
+TOOL_PROMPTS = ("What is the weather in Paris?", "Weather for Oslo, in fahrenheit.",
+                "Look up the weather.", "What time is it in Berlin?")
+VLLM_TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+
+
 def items_of(constraints, num_prompts: int) -> list[tuple[Constraint, str]]:
     """(constraint, prompt) pairs: the first `num_prompts` prompts of each constraint."""
     return [(c, p) for c in constraints for p in c.prompts[:num_prompts]]
@@ -237,6 +259,25 @@ def verdict(constraint: Constraint, record: dict) -> str:
     if record["finish_reason"] != "stop":
         return record["finish_reason"] or "none"
     return "valid" if is_valid(constraint, record["text"]) else "invalid"
+
+
+def tool_call_verdict(record: dict) -> str:
+    """valid (finished with calls, each a tool's with arguments its parameters take),
+    invalid, length (cut before the calls were whole) or error."""
+    if "error" in record:
+        return "error"
+    calls = record["tool_calls"]
+    if record["finish_reason"] not in ("stop", "tool_calls"):
+        return record["finish_reason"] or "none"
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for name, arguments in calls:
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            return "invalid"
+        if name not in by_name or schema_problems(value, by_name[name]):
+            return "invalid"
+    return "valid" if calls else "invalid"
 
 
 def count_verdicts(records: list[dict]) -> dict:
@@ -337,6 +378,33 @@ def run_pass(client, items, constrained: bool, sampling: str, max_tokens: int) -
             record["verdict"] = verdict(constraint, record)
         records.append(record)
     return records
+
+
+def measure_tool_calls(client, max_tokens: int) -> dict:
+    """Per tool choice and sampling ("named greedy", ...): the verdicts of its calls."""
+    import openai
+
+    out = {}
+    for choice_name, choice in TOOL_CHOICES.items():
+        for sampling in SAMPLINGS:
+            records = []
+            for i, prompt in enumerate(TOOL_PROMPTS):
+                seed = {"seed": SEED + i} if sampling != "greedy" else {}
+                try:
+                    done = client.chat.completions.create(
+                        model=versus.SERVED_NAME, messages=[{"role": "user", "content": prompt}],
+                        max_tokens=max_tokens, tools=list(TOOLS), tool_choice=choice,
+                        **SAMPLINGS[sampling], **seed)
+                except openai.APIError as e:
+                    records.append({"verdict": "error", "error": str(e)[:400]})
+                    continue
+                first = done.choices[0]
+                record = {"finish_reason": first.finish_reason, "tool_calls": [
+                    (c.function.name, c.function.arguments)
+                    for c in first.message.tool_calls or []]}
+                records.append({**record, "verdict": tool_call_verdict(record)})
+            out[f"{choice_name} {sampling}"] = count_verdicts(records)
+    return out
 
 
 def spec_counters(url: str) -> dict | None:
@@ -481,7 +549,7 @@ def run_round(args, order: list[str], documents: dict[str, dict[int, list[str]]]
 def server(args, system: str):
     if system == "outrider":
         return versus.outrider_server(args)
-    return versus.vllm_server(args, with_draft=True)
+    return versus.vllm_server(args, with_draft=True, extra=VLLM_TOOL_FLAGS)
 
 
 def measure(args, url: str, system: str, documents: dict[str, dict[int, list[str]]], log,
@@ -496,6 +564,8 @@ def measure(args, url: str, system: str, documents: dict[str, dict[int, list[str
     items = {mode: {level: throughput_items(docs) for level, docs in by_level.items()}
              for mode, by_level in documents.items()}
     out["throughput"] = measure_throughput(client, items, args.max_tokens, reverse)
+    out["tool_calls"] = measure_tool_calls(client, args.max_tokens)
+    log(f"{system}: tool calls {out['tool_calls']}")
     log(f"{system}: throughput " + ", ".join(
         f"{level} {mode} {cell['tokens_per_s']:.0f} tok/s {cell['per_token_rate'] or 0:.0f}/s"
         for level, cells in out["throughput"].items() for mode, cell in cells.items()))
@@ -521,7 +591,8 @@ def warm_up_request(constraint: Constraint, constrained: bool) -> tuple[str, dic
 def merge_rounds(rounds: list[dict[str, dict]]) -> dict[str, dict]:
     return {system: {"validity": merge_validity([r[system]["validity"] for r in rounds]),
                      "acceptance": merge_acceptance([r[system]["acceptance"] for r in rounds]),
-                     "throughput": merge_throughput([r[system]["throughput"] for r in rounds])}
+                     "throughput": merge_throughput([r[system]["throughput"] for r in rounds]),
+                     "tool_calls": merge_validity([r[system]["tool_calls"] for r in rounds])}
             for system in rounds[0]}
 
 
@@ -590,6 +661,9 @@ def targets(results: dict[str, dict]) -> list[dict]:
         return []
     invalid = sum(v["invalid"] for v in outrider["validity"].values())
     out = [serving.target("Outrider: invalid outputs among finished (stop) ones", invalid, 0,
+                          higher_is_better=False),
+           serving.target("Outrider: invalid tool calls among finished ones",
+                          sum(v["invalid"] for v in outrider["tool_calls"].values()), 0,
                           higher_is_better=False)]
     for sampling, modes in outrider["acceptance"].items():
         out.append(serving.target(f"Outrider {sampling}: acceptance constrained over "
@@ -635,6 +709,12 @@ def table(results: dict[str, dict]) -> str:
     for system, r in results.items():
         for sampling, v in r["validity"].items():
             lines.append(f"| {system} | {sampling} | {v['total']} | {v['valid']} | "
+                         f"{v['invalid']} | {v['length']} | {v['error']} |")
+    lines += ["", "| system | tool choice | calls | valid | invalid | cut by length | errors |",
+              "|---|---|---|---|---|---|---|"]
+    for system, r in results.items():
+        for choice, v in r["tool_calls"].items():
+            lines.append(f"| {system} | {choice} | {v['total']} | {v['valid']} | "
                          f"{v['invalid']} | {v['length']} | {v['error']} |")
     lines += ["", "| system | sampling | acceptance constrained | unconstrained | "
               "draft model's: constrained | unconstrained |", "|---|---|---|---|---|---|"]
@@ -703,7 +783,9 @@ def config_of(args, systems: list[str]) -> dict:
             "client": "openai package: JSON via chat completions response_format, the others "
                       "via /v1/completions extra_body structured_outputs; throughput streamed "
                       "with include_usage, greedy, EOS honoured",
-            "json_whitespace": "each server's default (Outrider: compact; vLLM: any)"}
+            "json_whitespace": "each server's default (Outrider: compact; vLLM: any)",
+            "tool_calls": {"tools": list(TOOLS), "tool_choices": TOOL_CHOICES,
+                           "prompts": list(TOOL_PROMPTS), "vllm_flags": list(VLLM_TOOL_FLAGS)}}
 
 
 def cell_documents(target: str, tokens: int) -> list[dict[int, list[str]]]:

@@ -96,7 +96,7 @@ class Row:
     seq: Sequence
     feed: int              # pending tokens it feeds the target this step
     is_ready: bool         # they are all its pending tokens: it verifies and commits now
-    is_first: bool         # no output yet: its first token comes without speculating
+    is_first: bool         # no output yet: its first token comes without drafting
     wanted: int            # γ asked for, clipped to what it may still emit (0 unless ready)
     gamma: int = 0         # tokens proposed
     source: tuple[str, int] = ("", 0)  # the first of them were looked up (Proposal.source)
@@ -256,8 +256,9 @@ class SpeculativeDecoder:
         chunk_lens caps how many pending tokens a sequence feeds the target this step
         (chunked prefill); a sequence whose pending tokens do not all fit only advances
         its prefill: no draft, no sampling, nothing committed. A request's first token
-        comes from its prefill step without speculating (time to first token), while the
-        draft takes the context in the background: the next round drafts at once. A
+        comes from its prefill step without drafting (time to first token; a grammar's
+        opening is proposed with it), while the draft takes the context in the
+        background: the next round drafts at once. A
         resumed or recomputed sequence speculates at once, as the run it continues did
         at that position: a seeded sample must not depend on where a run broke."""
         step = self._schedule(seqs, gammas, chunk_lens)
@@ -316,8 +317,8 @@ class SpeculativeDecoder:
         """A constrained request's first round proposes what its grammar forces from the
         start (a schema's `{"name":`), verified with its prefill: its first chunk holds
         them, a round sooner. No draft call: the draft takes in the context meanwhile."""
-        openings = {r.index: self._forced(r.seq, 0, []) for r in rows
-                    if r.is_first and r.wanted}
+        openings = {r.index: self._forced(r.seq, 0, [])[:r.wanted] for r in rows
+                    if r.is_first and r.wanted}  # (the KV the scheduler reserved: γ)
         openings = {i: ids for i, ids in openings.items() if ids}
         if not openings:
             return proposal
@@ -340,8 +341,9 @@ class SpeculativeDecoder:
         drafted = step.background.result()
         step.draft_s += time.perf_counter() - start
         for r, miss in zip(step.rows, drafted.is_miss):
-            if r.warms_draft and not miss:
-                r.seq.draft_len = r.seq.target_len  # the whole context, as the target holds it
+            if r.warms_draft and not miss:  # the context the target held before this
+                r.seq.draft_len = r.seq.target_len - len(step.drafts[r.index])  # step's
+                # proposals (a grammar's opening), which the draft never took in
         if any(r.ahead_gamma for r in step.rows):
             self._add_bonus_candidates(step, drafted)
 

@@ -160,6 +160,24 @@ def test_throughput_requests_are_new_to_the_server_and_warm_up_is_no_measured_re
     assert not measured & set(structured.WARMUP_PROMPTS.values())
 
 
+def test_a_tool_call_is_valid_when_its_arguments_keep_to_its_function():
+    weather = ("get_weather", '{"city":"Oslo","unit":"c"}')
+    verdict = structured.tool_call_verdict
+    assert verdict({"finish_reason": "stop", "tool_calls": [weather]}) == "valid"
+    assert verdict({"finish_reason": "tool_calls",
+                    "tool_calls": [weather, ("get_time", '{"zone":"utc"}')]}) == "valid"
+    for calls in ([("get_weather", '{"city":"Oslo"}')],              # a required key missing
+                  [("get_weather", '{"city":"Oslo","unit":"k"}')],  # outside the enum
+                  [("get_weather", '"b.g.g"')],                     # not an object
+                  [("get_weather", '{"city":')],                    # not JSON
+                  [("get_date", '{}')],                             # no such tool
+                  []):                                              # no call at all
+        assert verdict({"finish_reason": "stop", "tool_calls": calls}) == "invalid", calls
+    assert verdict({"finish_reason": "length", "tool_calls": [("get_weather", '{"ci')]}) \
+        == "length"
+    assert verdict({"error": "BadRequestError"}) == "error"
+
+
 # -- acceptance and throughput figures ---------------------------------------------------------
 VLLM_METRICS = """# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
 # TYPE vllm:spec_decode_num_draft_tokens_total counter
@@ -216,7 +234,8 @@ def system_round(invalid: int, rates: tuple[float, float], per_token: tuple[floa
             for mode, rate in zip(structured.MODES, [*per_token, per_token[0]])}
     return {"validity": {"greedy": counts, "sampled": dict(counts)},
             "acceptance": {"greedy": spec, "sampled": spec},
-            "throughput": {"c1": cell, "c8": cell}}
+            "throughput": {"c1": cell, "c8": cell},
+            "tool_calls": {"named greedy": dict(counts), "required sampled": dict(counts)}}
 
 
 def test_rounds_merge_counts_summed_tokens_pooled_and_figures_averaged():
@@ -238,6 +257,7 @@ def test_targets_are_judged_for_outrider():
     judged = {(t["target"], t.get("concurrency")): t for t in structured.targets(results)}
     validity = judged[("Outrider: invalid outputs among finished (stop) ones", None)]
     assert validity["value"] == 0 and validity["met"]     # vLLM's invalid ones are not judged
+    assert judged[("Outrider: invalid tool calls among finished ones", None)]["met"]
     greedy = judged[("Outrider greedy: acceptance constrained over unconstrained", None)]
     assert greedy["value"] == pytest.approx(0.7 / 0.6) and greedy["met"]
     for mode in ("constrained", "permissive"):  # permissive: the same rate as constrained

@@ -301,10 +301,16 @@ def test_the_first_round_proposes_the_grammars_opening(target, drafter, tokenize
     alone = decoder.generate([prompt], params, gamma=0)[0]
     assert [t for c in chunks for t in c] == alone.output_ids
     assert len(next(decoder.stream(prompt, params, gamma=0))[1]) == 1
-    seq = decoder.new_sequence(prompt, params)
-    decoder.step([seq], [4])
+    # the draft took in the prompt, not the opening: the sequence says so, so its next
+    # Propose is no MISS (a mix keeps its own count: the model alone shows it)
+    alone_with_model = SpeculativeDecoder(target, drafter, overlap_max_seqs=2)
+    seq = alone_with_model.new_sequence(prompt, params)
+    alone_with_model.step([seq], [4])
     assert seq.last_round == Round(opening, opening, "grammar", opening)
-    decoder.release(seq)
+    misses = drafter.num_misses
+    alone_with_model.step([seq], [4])
+    assert drafter.num_misses == misses and seq.last_round.gamma > 0
+    alone_with_model.release(seq)
 
 
 def test_a_round_counts_only_what_the_output_could_hold():

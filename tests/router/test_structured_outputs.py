@@ -255,15 +255,45 @@ def test_a_streamed_tool_call_adds_up_to_the_unary_one(oai, tool_choice):
 
 
 def test_a_conversation_goes_on_after_a_tool_answers(oai):
-    """An assistant's earlier call and the tool's answer are accepted as history."""
+    """An assistant's earlier call and the tool's answer are accepted as history: written
+    by hand, or the returned message sent back as the openai package sends it; arguments
+    too deep to parse are still only text."""
     history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function",
-         "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}]},
+         "function": {"name": "get_time", "arguments": "[" * 50_000}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
     done = oai.chat.completions.create(model=MODEL, messages=history, max_tokens=8,
                                        tools=[CLOCK], tool_choice="none", temperature=0.0)
     assert done.choices[0].message.tool_calls is None
     assert done.choices[0].finish_reason in ("stop", "length")
+    called = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=96,
+                                         tools=[CLOCK], tool_choice="required",
+                                         parallel_tool_calls=False, temperature=0.0)
+    message = called.choices[0].message
+    answered = [*MESSAGES, message, {"role": "tool", "tool_call_id": message.tool_calls[0].id,
+                                     "content": "12:00"}]
+    done = oai.chat.completions.create(model=MODEL, messages=answered, max_tokens=8,
+                                       tools=[CLOCK], tool_choice="none", temperature=0.0)
+    assert done.choices[0].finish_reason in ("stop", "length")
+
+
+def test_parameters_with_definitions_are_called_whichever_the_choice(oai):
+    """Schemas as pydantic writes them: `$ref`s into `$defs` (each function's own,
+    moved to the root of a 'required' list's schema under its name)."""
+    place = {"type": "object", "additionalProperties": False, "required": ["city"],
+             "properties": {"city": {"type": "string", "maxLength": 8}}}
+    tools = [{"type": "function", "function": {"name": f, "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["where"],
+        "properties": {"where": {"$ref": "#/$defs/Place"}}, "$defs": {"Place": place}}}}
+        for f in ("go", "stay")]
+    for tool_choice in ("required", {"type": "function", "function": {"name": "stay"}}):
+        done = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=96,
+                                           tools=tools, tool_choice=tool_choice,
+                                           parallel_tool_calls=False, temperature=0.0)
+        (call,) = done.choices[0].message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        assert call.function.name in ("go", "stay") and set(arguments) == {"where"}
+        assert set(arguments["where"]) == {"city"} and len(arguments["where"]["city"]) <= 8
 
 
 BAD_TOOLS = [
@@ -274,6 +304,7 @@ BAD_TOOLS = [
      "'nope'"),
     (dict(tools=[WEATHER], tool_choice=NAMED,
           response_format={"type": "json_object"}), "drop response_format"),
+    (dict(tools=[WEATHER], tool_choice=NAMED, stop=["unit"]), "would cut the JSON"),
 ]
 
 
@@ -282,7 +313,7 @@ def test_a_tool_choice_that_cannot_be_honoured_is_a_400_naming_it(oai, fields, w
     with pytest.raises(openai.BadRequestError) as err:
         oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **fields)
     body = err.value.body
-    assert body["param"] == "tool_choice" and words in body["message"], body
+    assert body["param"] in ("tool_choice", "stop") and words in body["message"], body
 
 
 def test_parameters_that_do_not_compile_are_a_400_naming_the_tools(oai):
