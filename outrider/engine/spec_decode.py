@@ -304,7 +304,7 @@ class SpeculativeDecoder:
                                           Proposal.of_rows(drafted, self.target.vocab_size,
                                                            self.target.device, sources))
             self.num_ahead_rounds += len(drafted)
-        proposal = self._with_openings(step.rows, proposal)
+        proposal = self._within_kv(step.rows, self._with_openings(step.rows, proposal))
         step.draft_ids, step.draft_probs = proposal.token_ids, proposal.probs
         step.drafts = [ids[:g] for ids, g in zip(proposal.token_ids.tolist(), proposal.gammas)]
         for r, g in zip(step.rows, proposal.gammas):
@@ -325,6 +325,19 @@ class SpeculativeDecoder:
         return proposal.with_rows(list(openings), Proposal.of_rows(
             [(ids, None) for ids in openings.values()], self.target.vocab_size,
             self.target.device, [(GRAMMAR_METHOD, len(ids)) for ids in openings.values()]))
+
+    def _within_kv(self, rows: list[Row], proposal: Proposal) -> Proposal:
+        """Forced tokens ride on top of γ, past the KV the scheduler reserved (each row's
+        fed tokens + γ): when the cache cannot hold them all, each row keeps its first γ
+        proposals, and the rest wait for a round with room."""
+        blocks = self.target.blocks
+        if sum(blocks.blocks_needed(r.seq.seq_id, r.feed + g)
+               for r, g in zip(rows, proposal.gammas)) <= blocks.num_free_blocks:
+            return proposal
+        gammas = [min(g, r.wanted) for r, g in zip(rows, proposal.gammas)]
+        num_free = [min(n, g) for n, g in zip(proposal.num_free, gammas)]
+        return Proposal(proposal.token_ids, proposal.probs, gammas, proposal.is_miss,
+                        num_free, proposal.free_kinds)
 
     def _verify(self, step: Step) -> None:
         """The target forward; then what the draft did meanwhile: prefills taken in, and

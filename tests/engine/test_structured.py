@@ -313,6 +313,33 @@ def test_the_first_round_proposes_the_grammars_opening(target, drafter, tokenize
     alone_with_model.release(seq)
 
 
+def test_forced_tokens_past_the_reserved_kv_wait_when_the_cache_is_full(target, drafter,
+                                                                        tokenizer):
+    """Forced tokens ride on top of γ, past the KV the scheduler reserved (the fed tokens
+    + γ): with no room beyond that, the round keeps its first γ proposals instead of
+    failing every sequence in the step; the output is the target's alone."""
+    small = ModelRunner(RunnerConfig(str(paths.demo_target_dir()), block_size=4,
+                                     kv_cache_mb=1))
+    decoder = SpeculativeDecoder(small, ProposerMix(drafter, small.vocab_size,
+                                                    ProposerKind.MODEL), overlap_max_seqs=2)
+    one_way = StructuredOutput("choice", ("alpha beta gamma delta epsilon zeta eta theta",))
+    params = SamplingParams(max_tokens=MAX_TOKENS, structured_output=one_way)
+    prompt = tokenizer.encode(PROMPTS[1])
+    alone = decoder.generate([prompt], params, gamma=0)[0].output_ids
+    seq = decoder.new_sequence(prompt, params)
+    decoder.step([seq], [1])
+    blocks = small.blocks  # leave exactly what the scheduler would reserve: feed + γ
+    blocks.append("filler", (blocks.num_free_blocks - blocks.blocks_needed(
+        seq.seq_id, seq.num_pending + 1)) * blocks.block_size)
+    assert len(decoder._forced(seq, 1, [])) > 1   # more than γ is forced next
+    decoder.step([seq], [1])
+    assert seq.last_round.gamma == 1
+    blocks.free("filler")
+    while not seq.is_finished:
+        decoder.step([seq], [1])
+    assert seq.output_ids == alone
+
+
 def test_a_round_counts_only_what_the_output_could_hold():
     """Proposals after the token that ends an output (EOS, a stop token, a finished
     grammar's EOS drafted again and again) were never a chance to be kept: the round
