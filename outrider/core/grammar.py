@@ -50,7 +50,8 @@ class Grammars:
         self._compiling = threading.Lock()  # requests are checked on any thread
         self._sequences: dict[object, _Tracked] = {}
         eos = np.zeros(self.num_words * 32, dtype=bool)
-        eos[[t for t in eos_token_ids if t < vocab_size]] = True
+        self._eos_ids = sorted({t for t in eos_token_ids if t < vocab_size})
+        eos[self._eos_ids] = True
         self._eos_only = np.packbits(eos, bitorder="little").view(np.int32)  # [words]
 
     @classmethod
@@ -123,6 +124,17 @@ class Grammars:
                 or tracked.is_broken:
             return []
         return tracked.matcher.compute_ff_tokens()
+
+    def forced_end(self, seq_key: object, so: StructuredOutput, token_ids: Sequence[int],
+                   prompt_len: int) -> int | None:
+        """The EOS token when it alone may follow the output (the grammar is complete and
+        takes nothing more), else None; None too with several EOS tokens, between which the
+        target chooses."""
+        tracked = self._tracked(seq_key, so)
+        self._sync(tracked, token_ids, prompt_len, ())
+        if len(self._eos_ids) != 1 or tracked.is_broken or not tracked.matcher.is_stopped():
+            return None
+        return self._eos_ids[0]
 
     def allowed_len(self, seq_key: object, so: StructuredOutput, token_ids: Sequence[int],
                     prompt_len: int, drafted: Sequence[int]) -> int:

@@ -369,6 +369,8 @@ class SpeculativeDecoder:
             r.committed = self._commit_row(r, k, tokens)
         self._note_logprobs(ready, processed)
         self._note_teacher(ready, step.logits)
+        for r in ready:
+            self._end_complete_grammar(r)
 
     # -- propose ---------------------------------------------------------------------------
     def _draft(self, seqs: list[Sequence], gammas: list[int]) -> Proposal:
@@ -571,6 +573,26 @@ class SpeculativeDecoder:
         elif row.ahead is not None:
             self._ahead[seq.seq_id] = row.ahead
         return committed
+
+    def _end_complete_grammar(self, row: Row) -> None:
+        """A constrained sequence whose grammar now takes its EOS alone commits it here: the
+        target's next row would be that point mass, whatever the sampling, so the round it
+        would take (a whole round when the grammar's last token was a bonus or recovered
+        one) is saved (§3.8). Not while min_tokens holds EOS back, with ignore_eos, or
+        with logprobs (an EOS's logprob is a verification row's)."""
+        seq = row.seq
+        params = seq.params
+        if (seq.is_finished or params.structured_output is None or params.ignore_eos
+                or params.logprobs is not None or seq.num_output < params.min_tokens):
+            return
+        eos = self.grammars.forced_end(seq.seq_id, params.structured_output, seq.token_ids,
+                                       seq.prompt_len)
+        if eos is None:
+            return
+        seq.token_ids.append(eos)
+        row.committed.append(eos)
+        seq.finish_reason = FinishReason.STOP
+        self.release(seq)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         is_eos = token in self.eos_token_ids and not seq.params.ignore_eos

@@ -152,7 +152,7 @@ def test_throughput_requests_are_new_to_the_server_and_warm_up_is_no_measured_re
     assert all(second_round[m] != first_round[m] for m in structured.MODES)  # another later
     documents = first_round["constrained"]
     items = structured.throughput_items(documents[8])
-    assert len({p for _, p in items}) == len(items) == 32
+    assert len({p for _, p in items}) == len(items) == structured.THROUGHPUT_REQUESTS[8]
     assert {c.kind for c, _ in items} == set(structured.THROUGHPUT_KINDS)
     first, prompt = items[0]
     assert first.name == "person" and prompt == f"{documents[8][0]}\n\n{first.prompts[0]}"
@@ -222,16 +222,43 @@ def test_a_cell_gives_tokens_per_second_and_the_median_tpot():
     assert cell["tokens_per_chunk"] == pytest.approx(2.0)
 
 
+def test_matched_requests_are_as_long_as_the_constrained_ones_in_either_order(monkeypatch):
+    sent = []
+
+    def recorded(client, endpoint, body):   # each output as long as max_tokens, less 3
+        sent.append(("extra_body" in body or "response_format" in body, body["max_tokens"]))
+        return {"start": 0.0, "end": 1.0, "ttft": 0.1, "tokens": body["max_tokens"] - 3,
+                "chunks": 2}
+
+    monkeypatch.setattr(structured, "stream", recorded)
+    monkeypatch.setattr(structured, "LEVELS", (1,))
+    items = structured.throughput_items([f"doc {i}" for i in range(6)])
+    for reverse in (False, True):
+        sent.clear()
+        cells = structured.measure_throughput(None, {m: {1: items} for m in structured.MODES},
+                                              96, reverse)["c1"]
+        assert cells["constrained"]["output_tokens"] == [93] * 6
+        assert cells["matched"]["output_tokens"] == [90] * 6     # capped at 93 each
+        assert cells["unconstrained"]["output_tokens"] == [93] * 6
+        # constrained ones carry a constraint (permissive its any-text regex), 6 requests each
+        modes = structured.MODE_ORDERS[reverse]
+        assert [c for c, _ in sent[::6]] == [m in ("constrained", "permissive") for m in modes]
+
+
 # -- rounds and targets ------------------------------------------------------------------------
 def system_round(invalid: int, rates: tuple[float, float], per_token: tuple[float, float],
-                 tokens_per_s: float = 100.0) -> dict:
+                 tokens_per_s: tuple[float, float] = (100.0, 100.0)) -> dict:
+    """rates: acceptance constrained, unconstrained; per_token and tokens_per_s: constrained
+    (permissive alike), matched (unconstrained alike)."""
     counts = {"total": 10, "valid": 10 - invalid, "invalid": invalid, "length": 0, "error": 0}
     spec = {mode: {"draft_tokens": 100, "accepted_tokens": int(100 * rate), "rate": rate,
                    "source": "usage.speculation"}
             for mode, rate in zip(("constrained", "unconstrained"), rates)}
-    cell = {mode: {"requests": 8, "errors": 0, "tokens_per_s": tokens_per_s,
-                   "tpot_ms_p50": 1e3 / rate, "per_token_rate": rate, "first_error": None}
-            for mode, rate in zip(structured.MODES, [*per_token, per_token[0]])}
+    cell = {mode: {"requests": 8, "errors": 0, "tokens_per_s": tokens_per_s[side],
+                   "mean_tokens": 17.0, "tpot_ms_p50": 1e3 / per_token[side],
+                   "per_token_rate": per_token[side], "first_error": None,
+                   "output_tokens": [17] * 8}
+            for mode, side in zip(structured.MODES, (0, 1, 1, 0))}
     return {"validity": {"greedy": counts, "sampled": dict(counts)},
             "acceptance": {"greedy": spec, "sampled": spec},
             "throughput": {"c1": cell, "c8": cell},
@@ -239,8 +266,8 @@ def system_round(invalid: int, rates: tuple[float, float], per_token: tuple[floa
 
 
 def test_rounds_merge_counts_summed_tokens_pooled_and_figures_averaged():
-    rounds = [{"outrider": system_round(0, (0.7, 0.6), (200, 210), 100)},
-              {"outrider": system_round(1, (0.5, 0.6), (220, 210), 300)}]
+    rounds = [{"outrider": system_round(0, (0.7, 0.6), (200, 210), (100, 100))},
+              {"outrider": system_round(1, (0.5, 0.6), (220, 210), (300, 100))}]
     merged = structured.merge_rounds(rounds)["outrider"]
     assert merged["validity"]["greedy"]["invalid"] == 1
     assert merged["validity"]["greedy"]["total"] == 20
@@ -249,24 +276,29 @@ def test_rounds_merge_counts_summed_tokens_pooled_and_figures_averaged():
     cell = merged["throughput"]["c8"]["constrained"]
     assert cell["tokens_per_s"] == pytest.approx(200) and cell["per_token_rate"] == 210
     assert cell["tokens_per_s_rounds"] == [100, 300]
+    assert "output_tokens" not in cell and "first_error" not in cell   # no figures
 
 
 def test_targets_are_judged_for_outrider():
-    results = structured.merge_rounds([{"outrider": system_round(0, (0.7, 0.6), (190, 200)),
-                                        "vllm-draft": system_round(3, (0.1, 0.2), (1, 2))}])
+    results = structured.merge_rounds([{
+        "outrider": system_round(0, (0.7, 0.6), (190, 200), (95, 100)),
+        "vllm-draft": system_round(3, (0.1, 0.2), (1, 2), (95, 1))}])
     judged = {(t["target"], t.get("concurrency")): t for t in structured.targets(results)}
     validity = judged[("Outrider: invalid outputs among finished (stop) ones", None)]
     assert validity["value"] == 0 and validity["met"]     # vLLM's invalid ones are not judged
     assert judged[("Outrider: invalid tool calls among finished ones", None)]["met"]
     greedy = judged[("Outrider greedy: acceptance constrained over unconstrained", None)]
     assert greedy["value"] == pytest.approx(0.7 / 0.6) and greedy["met"]
-    for mode in ("constrained", "permissive"):  # permissive: the same rate as constrained
-        name = f"Outrider: {mode} per-token rate (1/TPOT p50) over unconstrained"
+    for name in ("Outrider: constrained throughput (tok/s) over unconstrained of the same "
+                 "lengths", "Outrider: permissive per-token rate (1/TPOT p50) over unconstrained"):
         assert judged[(name, 1)]["value"] == pytest.approx(0.95) and judged[(name, 1)]["met"]
-    worse = structured.merge_rounds([{"outrider": system_round(2, (0.5, 0.6), (170, 200))}])
+    worse = structured.merge_rounds([{"outrider": system_round(2, (0.5, 0.6), (170, 200),
+                                                               (85, 100))}])
     assert not any(t["met"] for t in structured.targets(worse))
     ratios = structured.comparison(results)["outrider_over_vllm"]["c1"]["constrained"]
     assert ratios["per_token_rate"] == pytest.approx(190) and ratios["tokens_per_s"] == 1.0
+    same_work = structured.comparison(results)["constrained_over_matched"]["outrider"]["c8"]
+    assert same_work["tokens_per_s"] == pytest.approx(0.95)
     assert structured.targets({"vllm-draft": results["vllm-draft"]}) == []
     assert "| outrider | greedy | 10 | 10 | 0 | 0 | 0 |" in structured.table(results)
 

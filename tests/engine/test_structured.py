@@ -313,6 +313,32 @@ def test_the_first_round_proposes_the_grammars_opening(target, drafter, tokenize
     alone_with_model.release(seq)
 
 
+def test_a_complete_grammar_ends_the_output_in_the_round_that_completes_it(target, drafter,
+                                                                            tokenizer):
+    """Once the grammar takes EOS alone, EOS is committed with the token that completed
+    it: no round of its own (one would be a whole target forward for a known token). With
+    logprobs the EOS stays the target's row; with ignore_eos the output goes on. The
+    output is the target's alone."""
+    decoder = decoder_for(target, drafter, ProposerKind.MODEL)
+    prompt = tokenizer.encode("DEBUG = ")
+    boolean = StructuredOutput("choice", ("True", "False", "None"))
+    params = SamplingParams(max_tokens=8, structured_output=boolean)
+    chunks = [tokens for _, tokens in decoder.stream(prompt, params, gamma=0)]
+    assert len(chunks[-1]) == 2 and chunks[-1][-1] == 0, chunks     # one token a round
+    assert all(len(c) == 1 for c in chunks[:-1]), chunks
+    with_logprobs = SamplingParams(max_tokens=8, structured_output=boolean, logprobs=2)
+    assert [c for _, c in decoder.stream(prompt, with_logprobs, gamma=0)] == [
+        *chunks[:-1], chunks[-1][:1], [0]]
+    going_on = SamplingParams(max_tokens=8, structured_output=boolean, ignore_eos=True)
+    assert decoder.generate([prompt], going_on, gamma=0)[0].num_output == 8
+    for name, so in CONSTRAINTS.items():   # speculating: never a round for EOS alone
+        for text in PROMPTS:
+            params = SamplingParams(max_tokens=MAX_TOKENS, structured_output=so)
+            rounds = [c for _, c in decoder.stream(tokenizer.encode(text), params, gamma=4)]
+            assert [0] not in rounds, (name, text, rounds)
+    assert decoder.target.blocks.num_used_blocks == 0 and not decoder.grammars._sequences
+
+
 def test_forced_tokens_past_the_reserved_kv_wait_when_the_cache_is_full(target, drafter,
                                                                         tokenizer):
     """Forced tokens ride on top of γ, past the KV the scheduler reserved (the fed tokens
