@@ -502,7 +502,8 @@ def measure_cell(client, items, level: int, mode: str, max_tokens: int,
                  lengths: list[int | None] | None = None) -> dict:
     """The items' requests, greedy, over `level` concurrent streams, in a MODES mode;
     request i at most lengths[i] tokens where given (an errored one's: max_tokens)."""
-    caps = [n or max_tokens for n in lengths] if lengths else [max_tokens] * len(items)
+    caps = ([max_tokens if n is None else max(n, 1) for n in lengths] if lengths
+            else [max_tokens] * len(items))
     requests = [request_of(c, p, mode == "constrained", cap, SAMPLINGS["greedy"])
                 for (c, p), cap in zip(items, caps)]
     if mode == "permissive":  # any text: the same tokens as unconstrained, through the mask

@@ -93,7 +93,7 @@ def _apply_processors(logits: torch.Tensor, params: list[SamplingParams],
     if histories is None:
         raise ValueError("penalties and min_tokens need the history of each row")
     held = [(row, t) for row, (p, h) in enumerate(zip(params, histories))
-            if h.num_output < p.min_tokens for t in p.held_back_ids if t < vocab]
+            if _holds_back(p, h) for t in p.held_back_ids if t < vocab]
     if held:
         rows, ids = zip(*held)
         logits[torch.tensor(rows, device=device), torch.tensor(ids, device=device)] = -math.inf
@@ -102,6 +102,18 @@ def _apply_processors(logits: torch.Tensor, params: list[SamplingParams],
     if rows:
         _penalize(logits, rows, params, [histories[i] for i in rows])
     return logits
+
+
+def _holds_back(params: SamplingParams, history: History) -> bool:
+    """min_tokens holds the ending tokens back, but not on a row whose grammar allows
+    nothing else: the constraint is complete, and a valid output must end there (held
+    back, no token would be left to choose)."""
+    if history.num_output >= params.min_tokens:
+        return False
+    if history.allowed is None:
+        return True
+    bits = np.unpackbits(history.allowed.view(np.uint8), bitorder="little")
+    return not set(bits.nonzero()[0].tolist()) <= set(params.held_back_ids)
 
 
 def _mask_grammar(logits: torch.Tensor, histories: list[History]) -> None:

@@ -369,8 +369,11 @@ class SpeculativeDecoder:
             r.committed = self._commit_row(r, k, tokens)
         self._note_logprobs(ready, processed)
         self._note_teacher(ready, step.logits)
+        begun = time.perf_counter()
         for r in ready:
             self._end_complete_grammar(r)
+        if any(r.seq.params.structured_output for r in ready):
+            step.mask_s += time.perf_counter() - begun
 
     # -- propose ---------------------------------------------------------------------------
     def _draft(self, seqs: list[Sequence], gammas: list[int]) -> Proposal:
@@ -578,12 +581,14 @@ class SpeculativeDecoder:
         """A constrained sequence whose grammar now takes its EOS alone commits it here: the
         target's next row would be that point mass, whatever the sampling, so the round it
         would take (a whole round when the grammar's last token was a bonus or recovered
-        one) is saved (§3.8). Not while min_tokens holds EOS back, with ignore_eos, or
-        with logprobs (an EOS's logprob is a verification row's)."""
+        one) is saved (§3.8). min_tokens does not hold it back (engine/sampling.py
+        `_holds_back`). Not with ignore_eos, or with logprobs (an EOS's logprob is a
+        verification row's). The EOS belongs to no round: the sequence's round statistics
+        count what the rounds verified."""
         seq = row.seq
         params = seq.params
         if (seq.is_finished or params.structured_output is None or params.ignore_eos
-                or params.logprobs is not None or seq.num_output < params.min_tokens):
+                or params.logprobs is not None):
             return
         eos = self.grammars.forced_end(seq.seq_id, params.structured_output, seq.token_ids,
                                        seq.prompt_len)

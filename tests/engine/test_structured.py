@@ -317,8 +317,8 @@ def test_a_complete_grammar_ends_the_output_in_the_round_that_completes_it(targe
                                                                             tokenizer):
     """Once the grammar takes EOS alone, EOS is committed with the token that completed
     it: no round of its own (one would be a whole target forward for a known token). With
-    logprobs the EOS stays the target's row; with ignore_eos the output goes on. The
-    output is the target's alone."""
+    logprobs the EOS stays the target's row; with ignore_eos the output goes on; min_tokens
+    does not hold it back (the constraint wins). The output is the target's alone."""
     decoder = decoder_for(target, drafter, ProposerKind.MODEL)
     prompt = tokenizer.encode("DEBUG = ")
     boolean = StructuredOutput("choice", ("True", "False", "None"))
@@ -331,6 +331,16 @@ def test_a_complete_grammar_ends_the_output_in_the_round_that_completes_it(targe
         *chunks[:-1], chunks[-1][:1], [0]]
     going_on = SamplingParams(max_tokens=8, structured_output=boolean, ignore_eos=True)
     assert decoder.generate([prompt], going_on, gamma=0)[0].num_output == 8
+    output = [t for c in chunks for t in c]
+    for temperature in (0.0, 0.9):   # min_tokens past a complete grammar: it ends valid
+        longer = SamplingParams(max_tokens=8, structured_output=boolean, min_tokens=6,
+                                temperature=temperature, seed=3)
+        for gamma in (0, 4):
+            seq = decoder.generate([prompt], longer, gamma=gamma)[0]
+            assert seq.finish_reason is FinishReason.STOP and seq.output_ids[-1] == 0
+            assert tokenizer.decode(seq.output_ids[:-1]) in boolean.value, seq.output_ids
+            if temperature == 0:
+                assert seq.output_ids == output
     for name, so in CONSTRAINTS.items():   # speculating: never a round for EOS alone
         for text in PROMPTS:
             params = SamplingParams(max_tokens=MAX_TOKENS, structured_output=so)
