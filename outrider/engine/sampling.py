@@ -112,8 +112,8 @@ def _holds_back(params: SamplingParams, history: History) -> bool:
         return False
     if history.allowed is None:
         return True
-    bits = np.unpackbits(history.allowed.view(np.uint8), bitorder="little")
-    return not set(bits.nonzero()[0].tolist()) <= set(params.held_back_ids)
+    allowed = np.unpackbits(history.allowed.view(np.uint8), bitorder="little").nonzero()[0]
+    return bool(np.isin(allowed, params.held_back_ids, invert=True).any())
 
 
 def _mask_grammar(logits: torch.Tensor, histories: list[History]) -> None:
