@@ -37,7 +37,8 @@ Per system and round:
                forced EOS tokens would count): output tokens/s, TPOT p50 and the per-token
                rate, 1000 / TPOT p50 ms. The target judges the throughput, constrained
                tokens/s over matched; permissive over unconstrained (per token) is the
-               machinery's own cost on the same text.
+               machinery's own cost on the same text. Each pair is measured interleaved,
+               slice by slice (PAIRS), so a drift of the machine's speed falls on both.
                Every request here is new to the server: its prompt opens with a document
                of its own (the first --document-tokens tokens of an installed package's
                source file, each level and mode its own, the modes' sets rotated between
@@ -156,8 +157,13 @@ THROUGHPUT_KINDS = ("json_schema", "regex", "grammar")
 # work); none; and a grammar that allows any text, so its outputs are the unconstrained ones
 # and the ratio is the machinery's own cost
 MODES = ("constrained", "matched", "unconstrained", "permissive")
-# measured in this order, or reversed with "matched" still after "constrained" (its lengths)
-MODE_ORDERS = (MODES, ("permissive", "unconstrained", "constrained", "matched"))
+# each mode is judged against its pair's other (targets), so a pair is measured interleaved:
+# a slice of one, then the same slice of the other, and so on, and a drift of this shared
+# machine's speed (its cells' per-round time swung 50 % within a round) falls on both
+# alike. "matched" follows "constrained" in each slice (its lengths); the pairs' order, and
+# the second pair's within it, are reversed on odd rounds
+PAIRS = (("constrained", "matched"), ("unconstrained", "permissive"))
+SLICE_WAVES = 2  # a slice: this many requests per stream (at 1 stream, 12 slices of 2)
 PERMISSIVE = r"[\s\S]*"
 
 
@@ -498,10 +504,37 @@ def throughput_items(documents: list[str]) -> list[tuple[Constraint, str]]:
     return items
 
 
-def measure_cell(client, items, level: int, mode: str, max_tokens: int,
-                 lengths: list[int | None] | None = None) -> dict:
-    """The items' requests, greedy, over `level` concurrent streams, in a MODES mode;
-    request i at most lengths[i] tokens where given (an errored one's: max_tokens)."""
+def pair_orders(reverse: bool) -> list[tuple[str, str]]:
+    if not reverse:
+        return list(PAIRS)
+    (first, then), (other, its_pair) = PAIRS
+    return [(its_pair, other), (first, then)]
+
+
+def measure_pair(client, items: dict[str, list], level: int, pair: tuple[str, str],
+                 max_tokens: int) -> dict[str, dict]:
+    """Both modes' cells, interleaved by slices of SLICE_WAVES * level requests (PAIRS):
+    each mode's seconds are its slices' wall times; matched request i at most as long as
+    constrained request i."""
+    size = SLICE_WAVES * level
+    records: dict[str, list[dict]] = {mode: [] for mode in pair}
+    seconds = dict.fromkeys(pair, 0.0)
+    for begin in range(0, max(len(items[mode]) for mode in pair), size):
+        for mode in pair:
+            lengths = ([r.get("tokens") for r in records["constrained"][begin:begin + size]]
+                       if mode == "matched" else None)
+            requests = requests_of(items[mode][begin:begin + size], mode, max_tokens, lengths)
+            start = time.perf_counter()
+            with ThreadPoolExecutor(level) as pool:
+                records[mode] += pool.map(lambda r: stream(client, *r), requests)
+            seconds[mode] += time.perf_counter() - start
+    return {mode: summarize(records[mode], seconds[mode]) for mode in pair}
+
+
+def requests_of(items, mode: str, max_tokens: int,
+                lengths: list[int | None] | None = None) -> list[tuple[str, dict]]:
+    """The items' greedy requests in a MODES mode; request i at most lengths[i] tokens
+    where given (an errored one's: max_tokens)."""
     caps = ([max_tokens if n is None else max(n, 1) for n in lengths] if lengths
             else [max_tokens] * len(items))
     requests = [request_of(c, p, mode == "constrained", cap, SAMPLINGS["greedy"])
@@ -509,10 +542,7 @@ def measure_cell(client, items, level: int, mode: str, max_tokens: int,
     if mode == "permissive":  # any text: the same tokens as unconstrained, through the mask
         for _, body in requests:
             body["extra_body"] = {"structured_outputs": {"regex": PERMISSIVE}}
-    start = time.perf_counter()
-    with ThreadPoolExecutor(level) as pool:
-        records = list(pool.map(lambda r: stream(client, *r), requests))
-    return summarize(records, time.perf_counter() - start)
+    return requests
 
 
 def summarize(records: list[dict], wall_s: float) -> dict:
@@ -542,15 +572,14 @@ UNMERGED = ("first_error", "output_tokens")
 
 def measure_throughput(client, items: dict[str, dict[int, list]], max_tokens: int,
                        reverse: bool) -> dict:
-    """Per level, every mode on its own items (the order reversed on odd rounds); matched
-    requests as long as the constrained cell's."""
+    """Per level, every mode on its own items, each pair interleaved (PAIRS; the orders
+    reversed on odd rounds); matched requests as long as the constrained ones."""
     out = {}
     for level in LEVELS:
         cells = out[f"c{level}"] = {}
-        for mode in MODE_ORDERS[reverse]:
-            lengths = cells["constrained"]["output_tokens"] if mode == "matched" else None
-            cells[mode] = measure_cell(client, items[mode][level], level, mode, max_tokens,
-                                       lengths)
+        for pair in pair_orders(reverse):
+            cells.update(measure_pair(client, {mode: items[mode][level] for mode in pair},
+                                      level, pair, max_tokens))
     return out
 
 

@@ -226,7 +226,7 @@ def test_matched_requests_are_as_long_as_the_constrained_ones_in_either_order(mo
     sent = []
 
     def recorded(client, endpoint, body):   # each output as long as max_tokens, less 3
-        sent.append(("extra_body" in body or "response_format" in body, body["max_tokens"]))
+        sent.append((mode_of(body), body["max_tokens"]))
         return {"start": 0.0, "end": 1.0, "ttft": 0.1, "tokens": body["max_tokens"] - 3,
                 "chunks": 2}
 
@@ -240,9 +240,37 @@ def test_matched_requests_are_as_long_as_the_constrained_ones_in_either_order(mo
         assert cells["constrained"]["output_tokens"] == [93] * 6
         assert cells["matched"]["output_tokens"] == [90] * 6     # capped at 93 each
         assert cells["unconstrained"]["output_tokens"] == [93] * 6
-        # constrained ones carry a constraint (permissive its any-text regex), 6 requests each
-        modes = structured.MODE_ORDERS[reverse]
-        assert [c for c, _ in sent[::6]] == [m in ("constrained", "permissive") for m in modes]
+        # each pair interleaved by slices of 2 requests; the pairs' order reversed, and the
+        # second pair's within it, but matched always after its constrained slice
+        pairs = [["constrained", "matched"], ["unconstrained", "permissive"]]
+        if reverse:
+            pairs = [["permissive", "unconstrained"], ["constrained", "matched"]]
+        assert [m for m, _ in sent[::2]] == [m for pair in pairs for _ in range(3) for m in pair]
+        assert [m for m, _ in sent] == [m for m, _ in sent[::2] for _ in range(2)]
+
+
+def mode_of(body: dict) -> str:
+    """The throughput mode a request was sent in, read off its body."""
+    regex = body.get("extra_body", {}).get("structured_outputs", {}).get("regex")
+    if regex == structured.PERMISSIVE:
+        return "permissive"
+    if "response_format" in body or "extra_body" in body:
+        return "constrained"
+    return "unconstrained" if body["max_tokens"] == 96 else "matched"
+
+
+def test_a_pairs_seconds_are_its_own_slices_wall_times(monkeypatch):
+    """Interleaved, each mode's tok/s counts only the time its own slices took."""
+    clock = iter(float(t) for t in range(100))
+    monkeypatch.setattr(structured.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(structured, "stream", lambda client, endpoint, body: {
+        "start": 0.0, "end": 1.0, "ttft": 0.1, "tokens": 10, "chunks": 2})
+    items = structured.throughput_items([f"doc {i}" for i in range(4)])
+    cells = structured.measure_pair(None, {"constrained": items, "matched": items}, 1,
+                                    ("constrained", "matched"), 96)
+    # two slices each, every slice one tick of the clock: 2 s for 40 tokens per mode
+    assert cells["constrained"]["seconds"] == cells["matched"]["seconds"] == 2.0
+    assert cells["matched"]["tokens_per_s"] == 20.0
 
 
 # -- rounds and targets ------------------------------------------------------------------------
