@@ -85,7 +85,12 @@ class DraftAhead:
     @property
     def num_forced(self) -> int:
         """Its first tokens a grammar forced: on top of the next round's γ (§3.8)."""
-        return self.source[1] if self.source[0] == GRAMMAR_METHOD else 0
+        return forced_count(self.source)
+
+
+def forced_count(source: tuple[str, int]) -> int:
+    """Of proposals whose first source[1] came from source[0], those a grammar forced."""
+    return source[1] if source[0] == GRAMMAR_METHOD else 0
 
 
 @dataclass
@@ -100,7 +105,7 @@ class Row:
     wanted: int            # γ asked for, clipped to what it may still emit (0 unless ready)
     gamma: int = 0         # tokens proposed
     source: tuple[str, int] = ("", 0)  # the first of them were looked up (Proposal.source)
-    ahead_gamma: int = 0   # tokens to draft ahead while the target verifies (overlap)
+    ahead_gamma: int = 0   # its γ drafted ahead while the target verifies (overlap)
     num_verified: int = 0  # γ, or γ + 1 with a bonus-position candidate (overlap)
     ahead: DraftAhead | None = None  # next round's drafts, kept if the candidate passes
     committed: list[int] = field(default_factory=list)
@@ -442,7 +447,9 @@ class SpeculativeDecoder:
         rows = step.rows
         for r in rows:  # (a first row's proposals are its grammar's opening: §3.8)
             drafts_ahead = not r.is_first and (self.overlap_sampled or r.seq.params.is_greedy)
-            r.ahead_gamma = r.gamma if drafts_ahead else 0
+            # this round's γ, less the tokens its grammar forced on top of it: the next
+            # round's forced ones come on top again (drafted ahead, they were drafted twice)
+            r.ahead_gamma = r.gamma - forced_count(r.source) if drafts_ahead else 0
         if sum(r.gamma > 0 and not r.is_first for r in rows) > self.overlap_max_seqs:
             for r in rows:
                 r.ahead_gamma = 0
@@ -450,7 +457,7 @@ class SpeculativeDecoder:
             return
         items = [self._prefill_item(r.seq) if r.warms_draft else
                  self._draft_item(r.seq, r.ahead_gamma + 1 if r.ahead_gamma else 0,
-                                  step.drafts[r.index][:r.ahead_gamma])
+                                  step.drafts[r.index] if r.ahead_gamma else [])
                  for r in rows]
         step.background = self.drafter.submit(items, self.target.device, beside_target=True)
 

@@ -287,6 +287,35 @@ def test_forced_tokens_are_proposed_on_top_of_gamma(target, drafter, tokenizer):
         assert len(stats.drafted_per_position) > 2, stats  # a round proposed more than γ
 
 
+def test_a_round_drafts_ahead_its_models_share_not_its_forced_tokens(target, drafter,
+                                                                     tokenizer):
+    """Drafting the next round during verification (overlap) asks the draft for this
+    round's γ less the tokens its grammar forced on top of it, + the bonus-position
+    candidate: the next round's forced tokens come on top of its γ again."""
+    decoder = decoder_for(target, drafter, ProposerKind.MODEL)
+    asked = []
+    submit = decoder.drafter.submit
+
+    def recorded(items, device, beside_target=False):
+        if beside_target:
+            asked.append([it.gamma for it in items])
+        return submit(items, device, beside_target)
+
+    decoder.drafter.submit = recorded
+    params = SamplingParams(max_tokens=MAX_TOKENS, structured_output=CONSTRAINTS["json_schema"])
+    seq = decoder.new_sequence(tokenizer.encode(PROMPTS[0]), params)
+    forced_rounds = 0
+    while not seq.is_finished:
+        asked.clear()
+        decoder.step([seq], [2])
+        gamma, _, kind, num_free = seq.last_round
+        if asked and kind == "grammar" and gamma > num_free:
+            forced_rounds += 1
+            assert asked == [[gamma - num_free + 1]], (seq.last_round, asked)
+    decoder.release(seq)
+    assert forced_rounds, "no round had forced tokens and model drafts"
+
+
 def test_the_first_round_proposes_the_grammars_opening(target, drafter, tokenizer):
     """A schema's opening (`{"name":"`) is forced: the first round verifies it with the
     prefill, so the first chunk holds it (no draft call: the draft takes in the context
