@@ -505,10 +505,9 @@ def throughput_items(documents: list[str]) -> list[tuple[Constraint, str]]:
 
 
 def pair_orders(reverse: bool) -> list[tuple[str, str]]:
-    if not reverse:
-        return list(PAIRS)
-    (first, then), (other, its_pair) = PAIRS
-    return [(its_pair, other), (first, then)]
+    """PAIRS in order, or reversed with the second pair's modes swapped (not the first's:
+    matched needs its constrained slice's lengths)."""
+    return [PAIRS[1][::-1], PAIRS[0]] if reverse else list(PAIRS)
 
 
 def measure_pair(client, items: dict[str, list], level: int, pair: tuple[str, str],
