@@ -603,7 +603,7 @@ class SpeculativeDecoder:
             return
         seq.token_ids.append(eos)
         row.committed.append(eos)
-        seq.finish_reason = FinishReason.STOP
+        seq.finish_reason = self._finish_reason(seq, eos)  # STOP: ignore_eos is off
         self.release(seq)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
