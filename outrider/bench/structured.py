@@ -25,8 +25,8 @@ Per system and round:
                is counted apart, not checked
   acceptance   accepted / draft tokens over the same requests, constrained and
                unconstrained (no constraint given; the two passes' order reversed on odd
-               rounds): Outrider's usage.speculation (per proposer too), vLLM's /metrics
-               counters before and after
+               rounds): Outrider's usage.speculation (per proposer and per constraint
+               too), vLLM's /metrics counters before and after
   throughput   the JSON schemas (chat) and the regexes and grammar (completions), 1 and 8
                concurrent streams, greedy, streamed, EOS honoured, in four modes (MODES):
                constrained; matched (unconstrained, each request as long as the constrained
@@ -63,6 +63,7 @@ import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -445,11 +446,12 @@ def parse_counters(text: str) -> dict | None:
 def acceptance(records: list[dict], before: dict | None, after: dict | None) -> dict:
     """accepted / draft tokens: summed from usage.speculation where the server reports
     it (Outrider), else the counters' growth over the pass (vLLM), else unknown."""
-    reported = [r["speculation"] for r in records if r.get("speculation")]
+    reported = [r for r in records if r.get("speculation")]
     if reported:
-        return {**rate_of(*(sum(s[k] for s in reported) for k in ("draft_tokens",
-                                                                   "accepted_tokens"))),
-                "source": "usage.speculation", "by_proposer": by_proposer(reported)}
+        return {**rate_of(*(sum(r["speculation"][k] for r in reported)
+                            for k in ("draft_tokens", "accepted_tokens"))),
+                "source": "usage.speculation", "by_proposer": by_proposer(reported),
+                "by_constraint": by_constraint(reported)}
     if before and after:
         return {**rate_of(*(after[k] - before[k] for k in ("draft_tokens", "accepted_tokens"))),
                 "source": "metrics"}
@@ -461,15 +463,26 @@ def rate_of(draft, accepted) -> dict:
             "rate": accepted / draft if draft else None}
 
 
-def by_proposer(reported: list[dict]) -> dict:
-    """Per proposer (draft_model, ngram, suffix): AUTO's lookups propose without the
-    grammar (DESIGN §3.8), the draft model inside it, so their rates tell apart."""
+def rates_by(counts: Iterable[tuple[str, int, int]]) -> dict[str, dict]:
+    """(key, draft tokens, accepted tokens) summed per key -> each key's rate_of."""
     sums: dict[str, list[int]] = {}
-    for spec in reported:
-        for kind, x in (spec.get("by_proposer") or {}).items():
-            totals = sums.setdefault(kind, [0, 0])
-            totals[0], totals[1] = totals[0] + x["draft_tokens"], totals[1] + x["accepted_tokens"]
-    return {kind: rate_of(*totals) for kind, totals in sorted(sums.items())}
+    for key, draft, accepted in counts:
+        totals = sums.setdefault(key, [0, 0])
+        totals[0], totals[1] = totals[0] + draft, totals[1] + accepted
+    return {key: rate_of(*totals) for key, totals in sorted(sums.items())}
+
+
+def by_proposer(reported: list[dict]) -> dict:
+    """Per proposer (grammar, draft_model, ngram, suffix): the grammar's tokens are forced,
+    the model drafts inside it and the lookups are cut by it, so their rates tell apart."""
+    return rates_by((kind, x["draft_tokens"], x["accepted_tokens"]) for r in reported
+                    for kind, x in (r["speculation"].get("by_proposer") or {}).items())
+
+
+def by_constraint(reported: list[dict]) -> dict:
+    """Per constraint, over its prompts (constrained or not): where acceptance goes."""
+    return rates_by((r["constraint"], r["speculation"]["draft_tokens"],
+                     r["speculation"]["accepted_tokens"]) for r in reported)
 
 
 def measure_validity(client, url: str, items, max_tokens: int, reverse: bool) -> dict:
@@ -668,15 +681,12 @@ def merge_acceptance(rounds: list[dict]) -> dict:
             merged[sampling][mode] = {**rate_of(draft, accepted),
                                       "rate_rounds": [c["rate"] for c in cells],
                                       "source": cells[0]["source"]}
-            if all("by_proposer" in c for c in cells):
-                merged[sampling][mode]["by_proposer"] = merge_by_proposer(cells)
+            for field in ("by_proposer", "by_constraint"):
+                if all(field in c for c in cells):
+                    merged[sampling][mode][field] = rates_by(
+                        (key, x["draft_tokens"], x["accepted_tokens"])
+                        for c in cells for key, x in c[field].items())
     return merged
-
-
-def merge_by_proposer(cells: list[dict]) -> dict:
-    kinds = sorted({k for c in cells for k in c["by_proposer"]})
-    return {k: rate_of(*(sum(c["by_proposer"].get(k, {}).get(f, 0) for c in cells)
-                         for f in ("draft_tokens", "accepted_tokens"))) for k in kinds}
 
 
 def merge_throughput(rounds: list[dict]) -> dict:
@@ -783,6 +793,7 @@ def table(results: dict[str, dict]) -> str:
             lines.append(f"| {system} | {sampling} | {fmt(con['rate'], 3)} | "
                          f"{fmt(unc['rate'], 3)} | {fmt(model_rate(con), 3)} | "
                          f"{fmt(model_rate(unc), 3)} |")
+    lines += constraint_table(results)
     modes = " / ".join(MODES)
     lines += ["", f"| system | streams | tok/s: {modes} | per stream (1/TPOT): {modes} | "
               "tokens per output: constrained / matched | constrained over matched: tok/s / "
@@ -800,6 +811,24 @@ def table(results: dict[str, dict]) -> str:
                 + fmt(ratio(cells["permissive"]["per_token_rate"],
                             cells["unconstrained"]["per_token_rate"]), 2) + " |")
     return "\n".join(lines)
+
+
+def constraint_table(results: dict[str, dict]) -> list[str]:
+    """Acceptance per constraint, constrained and not, where the server reported it per
+    request (Outrider): which constraints' prompts the grammar helps and which it does not."""
+    rows = []
+    for system, r in results.items():
+        for sampling, a in r["acceptance"].items():
+            con = a["constrained"].get("by_constraint", {})
+            unc = a["unconstrained"].get("by_constraint", {})
+            for name in [c.name for c in CONSTRAINTS if c.name in con]:
+                rate, base = con[name]["rate"], unc.get(name, {}).get("rate")
+                rows.append(f"| {system} | {sampling} | {name} | {con[name]['draft_tokens']} | "
+                            f"{fmt(rate, 3)} | {fmt(base, 3)} | {fmt(ratio(rate, base), 2)} |")
+    if not rows:
+        return []
+    return ["", "| system | sampling | constraint | drafted (constrained) | acceptance "
+            "constrained | unconstrained | ratio |", "|---|---|---|---|---|---|---|", *rows]
 
 
 # -- command line ------------------------------------------------------------------------------

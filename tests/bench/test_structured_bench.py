@@ -192,21 +192,51 @@ def test_vllms_counters_are_read_and_acceptance_taken_from_usage_or_them():
     assert structured.parse_counters(VLLM_METRICS) == {"draft_tokens": 128.0,
                                                        "accepted_tokens": 64.0}
     assert structured.parse_counters("vllm:num_requests_running 0\n") is None
-    usage = [{"speculation": {"draft_tokens": 10, "accepted_tokens": 7}},
-             {"speculation": {"draft_tokens": 10, "accepted_tokens": 5}}, {"error": "x"}]
+    usage = [{"constraint": "date", "speculation": {"draft_tokens": 10, "accepted_tokens": 7}},
+             {"constraint": "date", "speculation": {"draft_tokens": 10, "accepted_tokens": 5}},
+             {"constraint": "date", "error": "x"}]
     assert structured.acceptance(usage, None, None)["rate"] == pytest.approx(0.6)
     before, after = {"draft_tokens": 100, "accepted_tokens": 50}, {"draft_tokens": 140,
                                                                      "accepted_tokens": 80}
     counted = structured.acceptance([{"speculation": None}], before, after)
     assert counted["rate"] == pytest.approx(0.75) and counted["source"] == "metrics"
     assert structured.acceptance([{}], None, None)["rate"] is None
-    split = [{"speculation": {"draft_tokens": 12, "accepted_tokens": 6, "by_proposer": {
+    split = [{"constraint": "date",
+              "speculation": {"draft_tokens": 12, "accepted_tokens": 6, "by_proposer": {
                  "draft_model": {"draft_tokens": 8, "accepted_tokens": 6},
                  "suffix": {"draft_tokens": 4, "accepted_tokens": 0}}}},
-             {"speculation": {"draft_tokens": 8, "accepted_tokens": 2, "by_proposer": {
+             {"constraint": "date",
+              "speculation": {"draft_tokens": 8, "accepted_tokens": 2, "by_proposer": {
                  "draft_model": {"draft_tokens": 8, "accepted_tokens": 2}}}}]
     kinds = structured.acceptance(split, None, None)["by_proposer"]
     assert kinds["draft_model"]["rate"] == pytest.approx(0.5) and kinds["suffix"]["rate"] == 0
+
+
+def test_acceptance_per_constraint_is_summed_over_rounds_and_tabled_beside_unconstrained():
+    """Which constraints' prompts the grammar helps: each constraint's tokens summed over
+    its prompts, then over rounds, constrained beside the same prompts unconstrained."""
+    def record(name, drafted, kept):
+        return {"constraint": name,
+                "speculation": {"draft_tokens": drafted, "accepted_tokens": kept}}
+
+    constrained = structured.acceptance([record("person", 10, 9), record("person", 10, 7),
+                                         record("date", 4, 1), {"constraint": "date"}],
+                                        None, None)
+    assert constrained["by_constraint"]["person"] == {"draft_tokens": 20,
+                                                      "accepted_tokens": 16, "rate": 0.8}
+    assert constrained["by_constraint"]["date"]["rate"] == 0.25
+    unconstrained = structured.acceptance([record("person", 30, 15), record("date", 8, 4)],
+                                          None, None)
+    rounds = [{"outrider": {**system_round(0, (0.7, 0.6), (200, 210)),
+                            "acceptance": {"greedy": {"constrained": constrained,
+                                                      "unconstrained": unconstrained}}}}] * 2
+    merged = structured.merge_rounds(rounds)
+    person = merged["outrider"]["acceptance"]["greedy"]["constrained"]["by_constraint"]["person"]
+    assert person == {"draft_tokens": 40, "accepted_tokens": 32, "rate": 0.8}
+    table = structured.table(merged)
+    assert "| outrider | greedy | person | 40 | 0.800 | 0.500 | 1.60 |" in table
+    assert "| outrider | greedy | date | 8 | 0.250 | 0.500 | 0.50 |" in table
+    assert table.index("| person |") < table.index("| date |")   # the set's order
 
 
 def test_a_cell_gives_tokens_per_second_and_the_median_tpot():
