@@ -239,6 +239,46 @@ def test_acceptance_per_constraint_is_summed_over_rounds_and_tabled_beside_uncon
     assert table.index("| person |") < table.index("| date |")   # the set's order
 
 
+@pytest.mark.parametrize("text, loops", [
+    ("\n#" * 48, True), ("#\n" * 40, True), ("x" * 16, True), ("abc" * 6 + "a", True),
+    ("ab" * 7, False),                                   # too short to tell
+    ("True", False), ('{"name":"Ada","age":36}', False),
+    ("The module is used. The module is used. ", False),  # a unit longer than 4
+])
+def test_a_loop_is_one_short_unit_repeated(text, loops):
+    assert structured.is_loop(text) is loops
+
+
+def test_acceptance_over_text_leaves_out_the_prompts_that_loop_on_either_side():
+    """The same prompts on both sides: a prompt whose output loops constrained or
+    unconstrained leaves both passes; the rest are counted as usual."""
+    def record(prompt, text, drafted, kept):
+        return {"constraint": "person", "prompt": prompt, "text": text,
+                "speculation": {"draft_tokens": drafted, "accepted_tokens": kept}}
+
+    constrained = [record("a", '{"name":"Ada"}', 10, 8), record("b", '{"name":"Bo"}', 10, 2),
+                   record("c", "zz" * 20, 10, 10)]
+    unconstrained = [record("a", "def f(x): return x", 10, 5), record("b", "\n#" * 48, 90, 90),
+                     record("c", "import os", 10, 5)]
+    passes = [constrained, unconstrained]
+    assert structured.acceptance(constrained, None, None)["rate"] == pytest.approx(20 / 30)
+    assert structured.acceptance(unconstrained, None, None)["rate"] == pytest.approx(100 / 110)
+    text_only = [structured.acceptance(structured.with_text(p, passes), None, None)
+                 for p in passes]
+    assert [t["rate"] for t in text_only] == [0.8, 0.5]          # prompt "a" alone
+    rounds = [{"outrider": {**system_round(0, (0.7, 0.6), (200, 210)), "acceptance": {
+        "greedy": {"constrained": {**structured.acceptance(constrained, None, None),
+                                   "with_text": text_only[0]},
+                   "unconstrained": {**structured.acceptance(unconstrained, None, None),
+                                     "with_text": text_only[1]}}}}}] * 2
+    merged = structured.merge_rounds(rounds)
+    cell = merged["outrider"]["acceptance"]["greedy"]["constrained"]["with_text"]
+    assert cell["draft_tokens"] == 20 and cell["rate_rounds"] == [0.8, 0.8]
+    judged = structured.targets(merged)[2]
+    assert judged["value"] == pytest.approx(0.8 / 0.5) and judged["met"]
+    assert "| 0.800 (20) / 0.500 (20) |" in structured.table(merged)
+
+
 def test_a_cell_gives_tokens_per_second_and_the_median_tpot():
     records = [{"start": 0.0, "end": 1.0, "ttft": 0.1, "tokens": 10, "chunks": 4},  # 100 ms
                {"start": 0.0, "end": 0.5, "ttft": 0.1, "tokens": 5, "chunks": 2},   # a token
@@ -310,7 +350,9 @@ def system_round(invalid: int, rates: tuple[float, float], per_token: tuple[floa
     (permissive alike), matched (unconstrained alike)."""
     counts = {"total": 10, "valid": 10 - invalid, "invalid": invalid, "length": 0, "error": 0}
     spec = {mode: {"draft_tokens": 100, "accepted_tokens": int(100 * rate), "rate": rate,
-                   "source": "usage.speculation"}
+                   "source": "usage.speculation",
+                   "with_text": {"draft_tokens": 50, "accepted_tokens": int(50 * rate),
+                                 "rate": rate, "source": "usage.speculation"}}
             for mode, rate in zip(("constrained", "unconstrained"), rates)}
     cell = {mode: {"requests": 8, "errors": 0, "tokens_per_s": tokens_per_s[side],
                    "mean_tokens": 17.0, "tpot_ms_p50": 1e3 / per_token[side],
@@ -345,7 +387,8 @@ def test_targets_are_judged_for_outrider():
     validity = judged[("Outrider: invalid outputs among finished (stop) ones", None)]
     assert validity["value"] == 0 and validity["met"]     # vLLM's invalid ones are not judged
     assert judged[("Outrider: invalid tool calls among finished ones", None)]["met"]
-    greedy = judged[("Outrider greedy: acceptance constrained over unconstrained", None)]
+    greedy = judged[("Outrider greedy: acceptance constrained over unconstrained, prompts "
+                     "whose outputs are text", None)]
     assert greedy["value"] == pytest.approx(0.7 / 0.6) and greedy["met"]
     for name in ("Outrider: constrained throughput (tok/s) over unconstrained of the same "
                  "lengths", "Outrider: permissive per-token rate (1/TPOT p50) over unconstrained"):
