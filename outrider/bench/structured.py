@@ -27,8 +27,8 @@ Per system and round:
                unconstrained (no constraint given; the two passes' order reversed on odd
                rounds): Outrider's usage.speculation (per proposer and per constraint
                too), vLLM's /metrics counters before and after; Outrider's also over the
-               prompts whose outputs, constrained or not, are text, not a loop of one
-               short unit (is_loop): the target judges that one
+               prompts whose outputs, constrained or not, do not loop (one short unit
+               repeated: is_loop), which is what issue 31's target is judged on
   throughput   the JSON schemas (chat) and the regexes and grammar (completions), 1 and 8
                concurrent streams, greedy, streamed, EOS honoured, in four modes (MODES):
                constrained; matched (unconstrained, each request as long as the constrained
@@ -491,7 +491,7 @@ def measure_validity(client, url: str, items, max_tokens: int, reverse: bool) ->
     """Per sampling: the constrained pass's verdicts, and acceptance constrained and
     unconstrained (the two passes' order reversed on odd rounds: a replica's AUTO
     estimates learn from what it served before), over every prompt and over the prompts
-    whose outputs are text (`with_text`)."""
+    whose outputs do not loop (`without_loops`)."""
     out = {"validity": {}, "acceptance": {}, "outputs": []}
     for sampling in SAMPLINGS:
         out["acceptance"][sampling], passes = {}, {}
@@ -505,9 +505,11 @@ def measure_validity(client, url: str, items, max_tokens: int, reverse: bool) ->
             if constrained:
                 out["validity"][sampling] = count_verdicts(records)
                 out["outputs"] += [{"sampling": sampling, **r} for r in records]
+        looping = looping_prompts(passes.values())
         for mode, records in passes.items():
-            out["acceptance"][sampling][mode]["with_text"] = acceptance(
-                with_text(records, passes.values()), None, None)
+            out["acceptance"][sampling][mode]["without_loops"] = acceptance(
+                [r for r in records if (r["constraint"], r["prompt"]) not in looping],
+                None, None)
     return out
 
 
@@ -524,13 +526,12 @@ def is_loop(text: str) -> bool:
         for n in range(1, LOOP_UNIT_CHARS + 1))
 
 
-def with_text(records: list[dict], passes: Iterable[list[dict]]) -> list[dict]:
-    """`records` less the prompts whose output is a loop in any of the `passes`, the same
-    prompts on both sides: against a loop no constrained output can do better, and it
-    tells nothing of speculation under a grammar."""
-    looping = {(r["constraint"], r["prompt"]) for records_ in passes for r in records_
-               if is_loop(r.get("text") or "")}
-    return [r for r in records if (r["constraint"], r["prompt"]) not in looping]
+def looping_prompts(passes: Iterable[list[dict]]) -> set[tuple[str, str]]:
+    """(constraint, prompt) of the outputs that loop in any of the passes: they leave
+    every pass, the same prompts on both sides. Against a loop no constrained output can
+    do better, and it tells nothing of speculation under a grammar."""
+    return {(r["constraint"], r["prompt"]) for records in passes for r in records
+            if is_loop(r.get("text") or "")}
 
 
 # -- throughput --------------------------------------------------------------------------------
@@ -714,8 +715,8 @@ def merge_acceptance_cells(cells: list[dict]) -> dict:
         if all(field in c for c in cells):
             merged[field] = rates_by((key, x["draft_tokens"], x["accepted_tokens"])
                                      for c in cells for key, x in c[field].items())
-    if all("with_text" in c for c in cells):
-        merged["with_text"] = merge_acceptance_cells([c["with_text"] for c in cells])
+    if all("without_loops" in c for c in cells):
+        merged["without_loops"] = merge_acceptance_cells([c["without_loops"] for c in cells])
     return merged
 
 
@@ -743,7 +744,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def targets(results: dict[str, dict]) -> list[dict]:
     """Issue 31's, for Outrider: no invalid finished output; acceptance constrained ≥
-    unconstrained on the prompts whose outputs are text (with_text); at 1 and 8 streams
+    unconstrained on the prompts whose outputs do not loop; at 1 and 8 streams
     the constrained throughput ≥ 0.9x the same requests' unconstrained (matched
     lengths), and the machinery's own cost (permissive per token)."""
     outrider = results.get("outrider")
@@ -756,9 +757,9 @@ def targets(results: dict[str, dict]) -> list[dict]:
                           sum(v["invalid"] for v in outrider["tool_calls"].values()), 0,
                           higher_is_better=False)]
     for sampling, modes in outrider["acceptance"].items():
-        con, unc = (modes[m]["with_text"] for m in ("constrained", "unconstrained"))
+        con, unc = (modes[m]["without_loops"] for m in ("constrained", "unconstrained"))
         out.append(serving.target(f"Outrider {sampling}: acceptance constrained over "
-                                  "unconstrained, prompts whose outputs are text",
+                                  "unconstrained, prompts whose outputs do not loop",
                                   ratio(con["rate"], unc["rate"]), 1.0))
     for level in LEVELS:
         cells = outrider["throughput"][f"c{level}"]
@@ -818,14 +819,14 @@ def table(results: dict[str, dict]) -> str:
             lines.append(f"| {system} | {choice} | {v['total']} | {v['valid']} | "
                          f"{v['invalid']} | {v['length']} | {v['error']} |")
     lines += ["", "| system | sampling | acceptance constrained | unconstrained | "
-              "draft model's: constrained | unconstrained | prompts whose outputs are text: "
+              "draft model's: constrained | unconstrained | prompts whose outputs do not loop: "
               "constrained / unconstrained (drafted) |", "|---|---|---|---|---|---|---|"]
     for system, r in results.items():
         for sampling, a in r["acceptance"].items():
             con, unc = a["constrained"], a["unconstrained"]
-            text = " / ".join(f"{fmt(c.get('with_text', {}).get('rate'), 3)} "
-                              f"({fmt(c.get('with_text', {}).get('draft_tokens'))})"
-                              for c in (con, unc))
+            no_loops = [c.get("without_loops", {}) for c in (con, unc)]
+            text = " / ".join(f"{fmt(c.get('rate'), 3)} ({fmt(c.get('draft_tokens'))})"
+                              for c in no_loops)
             lines.append(f"| {system} | {sampling} | {fmt(con['rate'], 3)} | "
                          f"{fmt(unc['rate'], 3)} | {fmt(model_rate(con), 3)} | "
                          f"{fmt(model_rate(unc), 3)} | {text} |")

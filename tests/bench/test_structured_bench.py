@@ -241,7 +241,8 @@ def test_acceptance_per_constraint_is_summed_over_rounds_and_tabled_beside_uncon
 
 @pytest.mark.parametrize("text, loops", [
     ("\n#" * 48, True), ("#\n" * 40, True), ("x" * 16, True), ("abc" * 6 + "a", True),
-    ("ab" * 7, False),                                   # too short to tell
+    ("ab" * 7, False), ("", False),                       # too short to tell
+    ("abcde" * 4, False),                                # a unit of 5: not short
     ("True", False), ('{"name":"Ada","age":36}', False),
     ("The module is used. The module is used. ", False),  # a unit longer than 4
 ])
@@ -249,7 +250,7 @@ def test_a_loop_is_one_short_unit_repeated(text, loops):
     assert structured.is_loop(text) is loops
 
 
-def test_acceptance_over_text_leaves_out_the_prompts_that_loop_on_either_side():
+def test_acceptance_without_loops_leaves_out_the_prompts_that_loop_on_either_side():
     """The same prompts on both sides: a prompt whose output loops constrained or
     unconstrained leaves both passes; the rest are counted as usual."""
     def record(prompt, text, drafted, kept):
@@ -263,16 +264,18 @@ def test_acceptance_over_text_leaves_out_the_prompts_that_loop_on_either_side():
     passes = [constrained, unconstrained]
     assert structured.acceptance(constrained, None, None)["rate"] == pytest.approx(20 / 30)
     assert structured.acceptance(unconstrained, None, None)["rate"] == pytest.approx(100 / 110)
-    text_only = [structured.acceptance(structured.with_text(p, passes), None, None)
-                 for p in passes]
-    assert [t["rate"] for t in text_only] == [0.8, 0.5]          # prompt "a" alone
+    looping = structured.looping_prompts(passes)
+    assert looping == {("person", "b"), ("person", "c")}
+    no_loops = [structured.acceptance([r for r in p if (r["constraint"], r["prompt"])
+                                        not in looping], None, None) for p in passes]
+    assert [t["rate"] for t in no_loops] == [0.8, 0.5]          # prompt "a" alone
     rounds = [{"outrider": {**system_round(0, (0.7, 0.6), (200, 210)), "acceptance": {
         "greedy": {"constrained": {**structured.acceptance(constrained, None, None),
-                                   "with_text": text_only[0]},
+                                   "without_loops": no_loops[0]},
                    "unconstrained": {**structured.acceptance(unconstrained, None, None),
-                                     "with_text": text_only[1]}}}}}] * 2
+                                     "without_loops": no_loops[1]}}}}}] * 2
     merged = structured.merge_rounds(rounds)
-    cell = merged["outrider"]["acceptance"]["greedy"]["constrained"]["with_text"]
+    cell = merged["outrider"]["acceptance"]["greedy"]["constrained"]["without_loops"]
     assert cell["draft_tokens"] == 20 and cell["rate_rounds"] == [0.8, 0.8]
     judged = structured.targets(merged)[2]
     assert judged["value"] == pytest.approx(0.8 / 0.5) and judged["met"]
@@ -351,7 +354,7 @@ def system_round(invalid: int, rates: tuple[float, float], per_token: tuple[floa
     counts = {"total": 10, "valid": 10 - invalid, "invalid": invalid, "length": 0, "error": 0}
     spec = {mode: {"draft_tokens": 100, "accepted_tokens": int(100 * rate), "rate": rate,
                    "source": "usage.speculation",
-                   "with_text": {"draft_tokens": 50, "accepted_tokens": int(50 * rate),
+                   "without_loops": {"draft_tokens": 50, "accepted_tokens": int(50 * rate),
                                  "rate": rate, "source": "usage.speculation"}}
             for mode, rate in zip(("constrained", "unconstrained"), rates)}
     cell = {mode: {"requests": 8, "errors": 0, "tokens_per_s": tokens_per_s[side],
@@ -388,7 +391,7 @@ def test_targets_are_judged_for_outrider():
     assert validity["value"] == 0 and validity["met"]     # vLLM's invalid ones are not judged
     assert judged[("Outrider: invalid tool calls among finished ones", None)]["met"]
     greedy = judged[("Outrider greedy: acceptance constrained over unconstrained, prompts "
-                     "whose outputs are text", None)]
+                     "whose outputs do not loop", None)]
     assert greedy["value"] == pytest.approx(0.7 / 0.6) and greedy["met"]
     for name in ("Outrider: constrained throughput (tok/s) over unconstrained of the same "
                  "lengths", "Outrider: permissive per-token rate (1/TPOT p50) over unconstrained"):
