@@ -508,8 +508,7 @@ def measure_validity(client, url: str, items, max_tokens: int, reverse: bool) ->
         looping = looping_prompts(passes.values())
         for mode, records in passes.items():
             out["acceptance"][sampling][mode]["without_loops"] = acceptance(
-                [r for r in records if (r["constraint"], r["prompt"]) not in looping],
-                None, None)
+                [r for r in records if prompt_of(r) not in looping], None, None)
     return out
 
 
@@ -530,8 +529,13 @@ def looping_prompts(passes: Iterable[list[dict]]) -> set[tuple[str, str]]:
     """(constraint, prompt) of the outputs that loop in any of the passes: they leave
     every pass, the same prompts on both sides. Against a loop no constrained output can
     do better, and it tells nothing of speculation under a grammar."""
-    return {(r["constraint"], r["prompt"]) for records in passes for r in records
+    return {prompt_of(r) for records in passes for r in records
             if is_loop(r.get("text") or "")}
+
+
+def prompt_of(record: dict) -> tuple[str, str]:
+    """(constraint, prompt): a request the same on both passes, constrained or not."""
+    return record["constraint"], record["prompt"]
 
 
 # -- throughput --------------------------------------------------------------------------------
