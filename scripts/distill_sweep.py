@@ -145,7 +145,8 @@ def main() -> None:
             torch.save(data, args.cache)
     stream, test = data[:-TEST], [s for s, _ in data[-TEST:]]
     runner = ModelRunner(RunnerConfig(str(paths.demo_draft_dir()), kv_cache_mb=8))
-    report = {"machine": common.machine(), "command": f"python {shlex.join(sys.argv)}",
+    report = {"provenance": common.provenance(),
+              "machine": common.machine(), "command": f"python {shlex.join(sys.argv)}",
               "sequences": len(data), "test_sequences": len(test),
               "copyable_misses_of_the_shipped_draft": copyable_misses(runner, test),
               "variants": {v: run_variant(v, stream, test, runner)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from outrider import paths
+from outrider.bench.common import provenance
 from outrider.core.sampling import SamplingParams
 from outrider.core.stats import SpecStats
 from outrider.core.tokenizer import Tokenizer
@@ -91,7 +92,8 @@ def main() -> None:
     target, draft = ModelRunner(RunnerConfig(args.target)), ModelRunner(RunnerConfig(args.draft))
     decoder = SpeculativeDecoder(target, Drafter(draft))
     prompts = heldout_prompts(Tokenizer(args.target), args.prompts, args.prompt_tokens)
-    report = {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
+    report = {"provenance": provenance(),
+              "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
                          f"torch {torch.__version__}",
               "command": f"python -m outrider.bench.acceptance --gamma {args.gamma} "
                          f"--prompts {args.prompts} --max-tokens {args.max_tokens} "

@@ -252,7 +252,8 @@ def run(args) -> int:
     log(f"{len(probe)} unseen prompts, shipped weights against version {learnt[0]}")
     probe_ids = [tokenizer.encode(t) for t in probe]
     points = curves(results)
-    report = {"machine": common.machine(), "command": common.command_line(),
+    report = {"provenance": common.provenance(),
+              "machine": common.machine(), "command": common.command_line(),
               "config": {"served_tokens": args.served_tokens, "minutes": args.minutes,
                          "proposer": args.adapt_proposer,
                          "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,

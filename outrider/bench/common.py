@@ -1,17 +1,21 @@
 """What outrider.bench.serving and outrider.bench.hf_peer share: the workloads and their
 prompts, requests through the router's public API, the deployment they measure and the
-record of the machine they ran on."""
+record of the machine they ran on; and what every harness's JSON says of itself
+(provenance: the commit, date, command and machine of the run)."""
 
 from __future__ import annotations
 
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from importlib import metadata
 from pathlib import Path
 
 from outrider import paths
@@ -190,3 +194,56 @@ def command_line(argv: list[str] | None = None) -> str:
     if program.endswith(".py") and program != "cli.py":
         return f"python -m outrider.bench.{program[:-3]} {shlex.join(argv[1:])}".strip()
     return f"outrider {shlex.join(argv[1:])}".strip()
+
+
+# -- provenance: what every result file says of itself ---------------------------------------
+def provenance(argv: list[str] | None = None) -> dict:
+    """The commit, UTC date, command and machine of a run, for its JSON's `provenance`
+    (BENCHMARKS.md's tables name them). No torch import: the facts come from files."""
+    argv = list(sys.argv if argv is None else argv)
+    return {"commit": git_commit(), "dirty": git_dirty(),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "command": command_line(argv), "argv": argv, "machine": machine_facts()}
+
+
+def git_commit(cwd: Path = paths.REPO_ROOT) -> str | None:
+    """`git rev-parse --short HEAD` of the checkout, or None outside one."""
+    return _git(cwd, "rev-parse", "--short", "HEAD")
+
+
+def git_dirty(cwd: Path = paths.REPO_ROOT) -> bool | None:
+    """Whether tracked files differ from the commit (the run measured more than it)."""
+    status = _git(cwd, "status", "--porcelain", "--untracked-files=no")
+    return None if status is None else bool(status)
+
+
+def _git(cwd: Path, *args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
+                              timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def machine_facts() -> dict:
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": _version("torch"),
+            "cpu_pressure_at_start": cpu_pressure()}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None

@@ -24,6 +24,7 @@ import torch
 
 from outrider import paths
 from outrider.bench.acceptance import heldout_prompts
+from outrider.bench.common import provenance
 from outrider.cluster_tls import internal_channel
 from outrider.core.sampling import SamplingParams, sampling_to_proto
 from outrider.core.tokenizer import Tokenizer
@@ -109,7 +110,8 @@ def main() -> None:
                              gamma)[0]
         return seq.num_output, seq.stats.num_rounds
 
-    report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+    report = {"provenance": provenance(),
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
                          f"torch {torch.__version__}",
               "command": f"python -m outrider.bench.disagg --prompts {args.prompts} "
                          f"--max-tokens {args.max_tokens} --gamma {args.gamma}"}

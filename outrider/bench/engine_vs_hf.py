@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from outrider.bench.common import provenance
 from outrider.core.sampling import SamplingParams
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
@@ -72,7 +73,8 @@ def main() -> None:
         decoder = SpeculativeDecoder(runner)
         params_m = sum(p.numel() for p in hf_model.parameters()) / 1e6
         g = torch.Generator().manual_seed(1)
-        report = {"machine": f"{platform.processor() or platform.machine()}, "
+        report = {"provenance": provenance(),
+                  "machine": f"{platform.processor() or platform.machine()}, "
                              f"{torch.get_num_threads()} threads, torch {torch.__version__}",
                   "params_millions": round(params_m, 1), "new_tokens": args.new_tokens,
                   "command": "python -m outrider.bench.engine_vs_hf "

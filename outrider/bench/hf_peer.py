@@ -213,7 +213,8 @@ def run(args) -> int:
             report = compare(args.target, args.draft, prompts, args.max_tokens, args.gamma,
                              generate_pb2_grpc.GenerationStub(channel), metadata,
                              progress=not args.quiet)
-    report = {"machine": common.machine(), "command": common.command_line(), **report}
+    report = {"provenance": common.provenance(),
+              "machine": common.machine(), "command": common.command_line(), **report}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps({w: r["ratios"] for w, r in report["workloads"].items()}, indent=2))

@@ -258,7 +258,8 @@ def run(args) -> int:
     work = build_workload(Tokenizer(args.target), args)
     log = lambda text: print(f"[shared-prefix] {text}", file=sys.stderr, flush=True)  # noqa: E731
     results = {s: measure(args, s, work, log) for s in systems}
-    report = {"machine": common.machine(), "command": common.command_line(),
+    report = {"provenance": common.provenance(),
+              "machine": common.machine(), "command": common.command_line(),
               "config": {k: getattr(args, k) for k in (
                   "conversations", "turns", "system_tokens", "user_tokens", "answer_tokens",
                   "parallel_conversations", "target_replicas", "gamma", "outrider_args")},

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from outrider import paths
-from outrider.bench import serving, versus
+from outrider.bench import common, serving, versus
 
 DEFAULT_OUT = "results/proposers.json"
 OUTRIDER_KINDS = ("auto", "model", "ngram", "suffix")
@@ -244,7 +244,8 @@ def run(args) -> int:
         rounds = [run_round(args, order[::-1] if r % 2 else order, files, out_dir, log,
                             reverse=bool(r % 2)) for r in range(args.rounds)]
     results = versus.merge_rounds(rounds)
-    report = {"machine": serving.machine(), "command": serving.command_line(),
+    report = {"provenance": common.provenance(),
+              "machine": serving.machine(), "command": serving.command_line(),
               "config": {"gamma": args.gamma, "copy_tokens": args.copy_tokens,
                          "copy_prompts": args.copy_prompts, "max_tokens": args.max_tokens,
                          "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,

@@ -26,6 +26,7 @@ import numpy as np
 
 from outrider import paths
 from outrider.bench.acceptance import heldout_prompts
+from outrider.bench.common import provenance
 from outrider.client import Client
 from outrider.core.sampling import SamplingParams, sampling_to_proto
 from outrider.core.tokenizer import Tokenizer
@@ -187,7 +188,8 @@ def main() -> None:
     short = [p[:24] for p in heldout_prompts(tokenizer, 20, 24)]
     up = [1, 2, 4, 8, 16, 24, 32, args.max_streams]
     levels = up + up[-2::-1]
-    report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    report = {"provenance": provenance(),
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "command": f"python -m outrider.bench.router --prompts {args.prompts} "
                          f"--max-tokens {args.max_tokens} --ramp-step-s {args.ramp_step_s} "
                          f"--max-streams {args.max_streams} "

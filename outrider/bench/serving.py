@@ -52,6 +52,7 @@ from outrider.bench.common import (
     deployment,
     machine,
     parse_list,
+    provenance,
     stream_request,
     tag_for,
     workload_prompts,
@@ -424,7 +425,8 @@ def run(args) -> int:
                 levels=parse_concurrency(args.concurrency),
                 max_tokens=args.max_tokens, seed=args.seed, repeats=args.repeats)
     forward = measure_forward_c(args.target, args.draft, args.prompt_tokens)
-    report = {"machine": machine(), "command": command_line(), "config": config_of(args, plan)}
+    report = {"provenance": provenance(),
+              "machine": machine(), "command": command_line(), "config": config_of(args, plan)}
     metadata = call_metadata(args.api_key)
     with deployment(args) as system, grpc.insecure_channel(system.router) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)

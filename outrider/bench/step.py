@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from outrider import paths
-from outrider.bench.common import command_line, machine
+from outrider.bench.common import command_line, machine, provenance
 from outrider.engine.compiled import onednn_linear
 from outrider.engine.model_config import ModelConfig
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
@@ -208,7 +208,8 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
 
 def run(args) -> int:
     torch.set_num_threads(args.threads or 1)
-    report = {"machine": machine(), "command": command_line(), "cases": [], "limits": {}}
+    report = {"provenance": provenance(),
+              "machine": machine(), "command": command_line(), "cases": [], "limits": {}}
     mc = ModelConfig.from_dir(args.target)
     for dtype in args.dtypes.split(","):
         limits = machine_limits(getattr(torch, dtype), mc.hidden_size, mc.intermediate_size)

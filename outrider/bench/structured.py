@@ -71,7 +71,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from outrider import paths
-from outrider.bench import serving, versus
+from outrider.bench import common, serving, versus
 
 DEFAULT_OUT = "results/structured.json"
 WARMUP_PROMPTS = {"chat": "Warm up: return anything as JSON.", "completions": "# warm up\n"}
@@ -954,7 +954,8 @@ def run(args) -> int:
     rounds = [run_round(args, systems[::-1] if r % 2 else systems, rotated_documents(sets, r),
                         log, reverse=bool(r % 2)) for r in range(args.rounds)]
     results = merge_rounds(rounds)
-    report = {"machine": serving.machine(), "command": serving.command_line(),
+    report = {"provenance": common.provenance(),
+              "machine": serving.machine(), "command": serving.command_line(),
               "config": {**config_of(args, systems), "distinct_documents": len(
                   {d for docs in sets for ds in docs.values() for d in ds})},
               "rounds": rounds, "results": results, "comparison": comparison(results),

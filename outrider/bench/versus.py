@@ -48,7 +48,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from outrider import paths
-from outrider.bench import serving
+from outrider.bench import common, serving
 from outrider.launch import free_port
 
 SERVED_NAME = "demo-target"
@@ -470,7 +470,8 @@ def run(args) -> int:
         rounds = [run_round(args, groups if r % 2 == 0 else groups[::-1], prompts_files,
                             prompt_ids, levels, out_dir, log) for r in range(args.rounds)]
     results = merge_rounds(rounds)
-    report = {"machine": serving.machine(), "command": serving.command_line(),
+    report = {"provenance": common.provenance(),
+              "machine": serving.machine(), "command": serving.command_line(),
               "config": {"levels": levels, "gamma": g, "max_tokens": args.max_tokens,
                          "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
                          "requests_per_stream": args.requests_per_stream,
