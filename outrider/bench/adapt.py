@@ -239,6 +239,7 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
 def run(args) -> int:
     from outrider.core.tokenizer import Tokenizer
 
+    started = common.provenance()  # the commit and date the run began with
     log = lambda text: print(f"[adapt] {text}", file=sys.stderr, flush=True)  # noqa: E731
     tokenizer = Tokenizer(args.target)
     texts = prompts(tokenizer, args.prompt_tokens)
@@ -252,7 +253,7 @@ def run(args) -> int:
     log(f"{len(probe)} unseen prompts, shipped weights against version {learnt[0]}")
     probe_ids = [tokenizer.encode(t) for t in probe]
     points = curves(results)
-    report = {"provenance": common.provenance(),
+    report = {"provenance": started,
               "machine": common.machine(), "command": common.command_line(),
               "config": {"served_tokens": args.served_tokens, "minutes": args.minutes,
                          "proposer": args.adapt_proposer,

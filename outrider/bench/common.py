@@ -199,7 +199,8 @@ def command_line(argv: list[str] | None = None) -> str:
 # -- provenance: what every result file says of itself ---------------------------------------
 def provenance(argv: list[str] | None = None) -> dict:
     """The commit, UTC date, command and machine of a run, for its JSON's `provenance`
-    (BENCHMARKS.md's tables name them). No torch import: the facts come from files."""
+    (BENCHMARKS.md's tables name them); a harness takes it as its run begins. No torch
+    import: the facts come from files."""
     argv = list(sys.argv if argv is None else argv)
     return {"commit": git_commit(), "dirty": git_dirty(),
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -212,8 +213,10 @@ def git_commit(cwd: Path = paths.REPO_ROOT) -> str | None:
 
 
 def git_dirty(cwd: Path = paths.REPO_ROOT) -> bool | None:
-    """Whether tracked files differ from the commit (the run measured more than it)."""
-    status = _git(cwd, "status", "--porcelain", "--untracked-files=no")
+    """Whether tracked files other than the documentation and results differ from the
+    commit (the run measured code the commit does not hold)."""
+    status = _git(cwd, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                  ":!*.md", ":!results", ":!docs")
     return None if status is None else bool(status)
 
 
@@ -229,7 +232,7 @@ def _git(cwd: Path, *args: str) -> str | None:
 def machine_facts() -> dict:
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
             "python": platform.python_version(), "torch": _version("torch"),
-            "cpu_pressure_at_start": cpu_pressure()}
+            "cpu_pressure": cpu_pressure()}
 
 
 def cpu_model() -> str:

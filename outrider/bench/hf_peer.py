@@ -199,6 +199,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    started = common.provenance()  # the commit and date the run began with
     torch.set_num_threads(args.threads)
     tokenizer = Tokenizer(args.target)
     prompts = {w: common.workload_prompts(tokenizer, w, args.prompts, args.prompt_tokens)
@@ -213,7 +214,7 @@ def run(args) -> int:
             report = compare(args.target, args.draft, prompts, args.max_tokens, args.gamma,
                              generate_pb2_grpc.GenerationStub(channel), metadata,
                              progress=not args.quiet)
-    report = {"provenance": common.provenance(),
+    report = {"provenance": started,
               "machine": common.machine(), "command": common.command_line(), **report}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))

@@ -249,6 +249,7 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
 def run(args) -> int:
     from outrider.core.tokenizer import Tokenizer
 
+    started = common.provenance()  # the commit and date the run began with
     systems = common.parse_list(args.systems or ",".join(
         [*OUTRIDER_SYSTEMS, *([f"vllm-draft{args.gamma}", "vllm"] if args.vllm else [])]))
     unknown = [s for s in systems if s not in OUTRIDER_SYSTEMS and not s.startswith("vllm")]
@@ -258,7 +259,7 @@ def run(args) -> int:
     work = build_workload(Tokenizer(args.target), args)
     log = lambda text: print(f"[shared-prefix] {text}", file=sys.stderr, flush=True)  # noqa: E731
     results = {s: measure(args, s, work, log) for s in systems}
-    report = {"provenance": common.provenance(),
+    report = {"provenance": started,
               "machine": common.machine(), "command": common.command_line(),
               "config": {k: getattr(args, k) for k in (
                   "conversations", "turns", "system_tokens", "user_tokens", "answer_tokens",

@@ -226,6 +226,7 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
 def run(args) -> int:
     from outrider.core.tokenizer import Tokenizer
 
+    started = common.provenance()  # the commit and date the run began with
     tokenizer = Tokenizer(args.target)
     copy = copy_prompts(args.copy_prompts)
     counts = {c: versus.num_requests(c, args.requests_per_stream) for c in PLAIN_LEVELS}
@@ -244,7 +245,7 @@ def run(args) -> int:
         rounds = [run_round(args, order[::-1] if r % 2 else order, files, out_dir, log,
                             reverse=bool(r % 2)) for r in range(args.rounds)]
     results = versus.merge_rounds(rounds)
-    report = {"provenance": common.provenance(),
+    report = {"provenance": started,
               "machine": serving.machine(), "command": serving.command_line(),
               "config": {"gamma": args.gamma, "copy_tokens": args.copy_tokens,
                          "copy_prompts": args.copy_prompts, "max_tokens": args.max_tokens,

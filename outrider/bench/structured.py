@@ -948,13 +948,14 @@ def rotated_documents(sets: list[dict], round_index: int) -> dict[str, dict[int,
 
 
 def run(args) -> int:
+    started = common.provenance()  # the commit and date the run began with
     systems = chosen_systems(args)
     log = lambda text: print(f"[structured] {text}", file=sys.stderr, flush=True)  # noqa: E731
     sets = cell_documents(args.target, args.document_tokens)
     rounds = [run_round(args, systems[::-1] if r % 2 else systems, rotated_documents(sets, r),
                         log, reverse=bool(r % 2)) for r in range(args.rounds)]
     results = merge_rounds(rounds)
-    report = {"provenance": common.provenance(),
+    report = {"provenance": started,
               "machine": serving.machine(), "command": serving.command_line(),
               "config": {**config_of(args, systems), "distinct_documents": len(
                   {d for docs in sets for ds in docs.values() for d in ds})},

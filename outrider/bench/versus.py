@@ -447,6 +447,7 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
 def run(args) -> int:
     from outrider.core.tokenizer import Tokenizer
 
+    started = common.provenance()  # the commit and date the run began with
     levels = serving.parse_concurrency(args.concurrency)
     g = args.gamma
     systems = serving.parse_list(args.systems or
@@ -470,7 +471,7 @@ def run(args) -> int:
         rounds = [run_round(args, groups if r % 2 == 0 else groups[::-1], prompts_files,
                             prompt_ids, levels, out_dir, log) for r in range(args.rounds)]
     results = merge_rounds(rounds)
-    report = {"provenance": common.provenance(),
+    report = {"provenance": started,
               "machine": serving.machine(), "command": serving.command_line(),
               "config": {"levels": levels, "gamma": g, "max_tokens": args.max_tokens,
                          "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
