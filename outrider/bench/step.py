@@ -20,14 +20,15 @@ import json
 import random
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from outrider import paths
 from outrider.bench.common import command_line, machine, provenance
-from outrider.engine.compiled import onednn_linear
-from outrider.engine.model_config import ModelConfig
-from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
+
+if TYPE_CHECKING:  # torch only when measuring: the table and the flags go without it
+    import torch
+
+    from outrider.engine.runner import ForwardRequest, ModelRunner
 
 DEFAULT_OUT = "results/step.json"
 CASES = [("decode", 1, 1), ("decode", 8, 1), ("decode", 32, 1),
@@ -45,6 +46,10 @@ ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
 def machine_limits(dtype: torch.dtype, hidden: int, intermediate: int) -> dict:
     """What one core does at best: oneDNN's prepacked GEMM at the model's widest shape
     (160 rows: a 32-sequence verification) and a streaming copy's bandwidth."""
+    import torch
+
+    from outrider.engine.compiled import onednn_linear
+
     rows, k, n = 160, hidden, 2 * intermediate
     weight = torch.randn(n, k).to(dtype)
     x = torch.randn(rows, k).to(dtype)
@@ -71,6 +76,8 @@ def _quartile(fn, repeats: int) -> float:
 
 def case_requests(runner: ModelRunner, kind: str, batch: int, query: int,
                   rng: random.Random) -> list[ForwardRequest]:
+    from outrider.engine.runner import ForwardRequest
+
     requests = []
     for k in range(batch):
         cached = 0 if kind == "prefill" else rng.randint(*CONTEXT)
@@ -119,6 +126,8 @@ def breakdown(runner: ModelRunner, requests: list[ForwardRequest], seconds: floa
 
 
 def measure(target: str, dtype: str, compiled: bool, limits: dict, repeats: int) -> list[dict]:
+    from outrider.engine.runner import ModelRunner, RunnerConfig
+
     runner = ModelRunner(RunnerConfig(target, dtype=dtype, compile=compiled,
                                       kv_cache_mb=64))
     warm_start = time.perf_counter()
@@ -207,6 +216,10 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
 
 
 def run(args) -> int:
+    import torch
+
+    from outrider.engine.model_config import ModelConfig
+
     torch.set_num_threads(args.threads or 1)
     report = {"provenance": provenance(),
               "machine": machine(), "command": command_line(), "cases": [], "limits": {}}

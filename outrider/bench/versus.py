@@ -397,18 +397,24 @@ def plot(results: dict[str, dict[int, dict]], folder: Path) -> list[str]:
     return written
 
 
-def table(results: dict[str, dict[int, dict]]) -> str:
+def table(results: dict[str, dict[int, dict]], rounds: bool = False) -> str:
+    """Output tok/s (TTFT p50) per system and level; with `rounds`, each round's tok/s
+    beside the mean: '708 (20 ms) [831 / 586]'."""
     levels = sorted({c for cells in results.values() for c in cells})
     lines = ["| system | " + " | ".join(f"{c} streams" for c in levels) + " |",
              "|---|" + "---|" * len(levels)]
     for system, cells in results.items():
-        row = []
-        for c in levels:
-            x = cells.get(c)
-            row.append("–" if x is None else f"{x['tokens_per_s']:.0f}"
-                       + (f" ({x['ttft_ms_p50']:.0f} ms)" if "ttft_ms_p50" in x else ""))
+        row = ["–" if cells.get(c) is None else _cell_text(cells[c], rounds) for c in levels]
         lines.append(f"| {system} | " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def _cell_text(x: dict, rounds: bool) -> str:
+    text = f"{x['tokens_per_s']:.0f}" + (f" ({x['ttft_ms_p50']:.0f} ms)" if "ttft_ms_p50" in x
+                                        else "")
+    if rounds and len(x.get("tokens_per_s_rounds", ())) > 1:
+        text += " [" + " / ".join(f"{v:.0f}" for v in x["tokens_per_s_rounds"]) + "]"
+    return text
 
 
 # -- command line --------------------------------------------------------------------------
