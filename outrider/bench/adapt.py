@@ -184,6 +184,19 @@ def summary(results: list[Served], points: list[dict], baseline: list[Served],
         "by_proposer": _by_proposer(results)}
 
 
+def fifths(requests: list[dict]) -> list[dict]:
+    """The stream (the JSON's `requests`) in five equal shares: the output tokens served
+    by each share's end, its acceptance (accepted / drafted), mean batch-1 tok/s and the
+    draft versions that served it."""
+    n = len(requests)
+    parts = [requests[i * n // 5:(i + 1) * n // 5] for i in range(5)]
+    return [{"served_tokens": part[-1]["served_tokens"],
+             "acceptance": sum(r["accepted"] for r in part)
+             / max(1, sum(r["drafted"] for r in part)),
+             "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in part),
+             "versions": (part[0]["version"], part[-1]["version"])} for part in parts if part]
+
+
 def _by_proposer(results: list[Served]) -> dict[str, list[int]]:
     """method -> [drafted, accepted] over the stream."""
     out: dict[str, list[int]] = {}
