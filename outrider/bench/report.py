@@ -1,18 +1,36 @@
-"""Plots and Markdown tables from an `outrider bench` report (results/serving.json).
+"""BENCHMARKS.md's and README.md's tables, written from results/*.json; and the serving
+benchmark's tables and plots.
 
-    python -m outrider.bench.report [results/serving.json] [--plots-dir DIR]
+    python -m outrider.bench.report [--check] [PAGE ...]
+    python -m outrider.bench.report --serving results/serving.json [--plots-dir DIR]
 
-Prints the tables BENCHMARKS.md shows (numbers as measured, only rounded), and with
---plots-dir redraws the PNGs: throughput vs concurrency per mode, inter-token latency vs
-concurrency, and speedup over speculation off against the analytic bound.
+A page holds generated blocks, each naming its renderer and its files:
+
+    <!-- generated: NAME from results/a.json[, results/b.json] -->
+    ...
+    <!-- /generated -->
+
+The first form rewrites every block of the pages (BENCHMARKS.md and README.md unless
+named) from its files through RENDERERS[NAME]: a table on the page is what a file in
+results/ holds, never typed by hand. With --check it writes nothing and exits 1 naming
+each block whose text differs from what its files give. Every block ends with its runs'
+provenance: the commit, date, machine and command. The second form prints the serving
+benchmark's tables (numbers as measured, only rounded), and with --plots-dir redraws its
+PNGs: throughput vs concurrency per mode, inter-token latency vs concurrency, and speedup
+over speculation off against the analytic bound.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+
+from outrider import paths
 
 PLOT_NAMES = {"throughput": "bench_throughput.png", "itl": "bench_itl.png",
               "speedup": "bench_speedup_vs_bound.png"}
@@ -157,16 +175,20 @@ def rows_table(report: dict, workload: str, sampling: str) -> str:
     return "\n".join(lines)
 
 
-def targets_table(report: dict) -> str:
+def targets_table(targets: list[dict]) -> str:
+    """A harness's `targets`: what was aimed at, where, the measured value, the threshold
+    and whether it was met."""
     lines = ["| target | where | measured | threshold | met |", "|---|---|---|---|---|"]
-    for t in report["targets"]:
+    for t in targets:
         where = ", ".join(f"{t[k]}" for k in ("workload", "sampling") if k in t)
         if "concurrency" in t:
-            where += f", {t['concurrency']} streams (best other: {t['best_mode']})"
-        sign = ">=" if t["higher_is_better"] else "<="
+            c = t["concurrency"]
+            where += f"{', ' if where else ''}{c} stream{'s' * (c != 1)}"
+            where += f" (best other: {t['best_mode']})" if "best_mode" in t else ""
+        sign = "<=" if t.get("higher_is_better") is False else ">="
         met = {True: "met", False: "**not met**", None: "not measured"}[t["met"]]
         lines.append(f"| {t['target']} | {where or '–'} | {fmt(t['value'], 3)} "
-                     f"| {sign} {t['threshold']} | {met} |")
+                     f"| {sign} {t['threshold']:.4g} | {met} |")
     return "\n".join(lines)
 
 
@@ -192,20 +214,248 @@ def markdown(report: dict) -> str:
         parts += [f"### {workload}, {sampling}", "", rows_table(report, workload, sampling), ""]
     if report.get("peer"):
         parts += ["### Peer comparison", "", peer_table(report["peer"])]
-    parts += ["### Targets", "", targets_table(report)]
+    parts += ["### Targets", "", targets_table(report["targets"])]
     return "\n".join(parts)
 
 
+
+# -- the pages' generated blocks -----------------------------------------------------------
+PAGES = ("BENCHMARKS.md", "README.md")
+BLOCK = re.compile(r"(?P<open><!-- generated: (?P<name>[\w-]+) from (?P<files>[^>]*?) -->\n)"
+                   r"(?P<body>.*?)(?P<close><!-- /generated -->)", re.S)
+LABELS = {"outrider-auto": "`outrider serve`, AUTO",
+          "outrider-compiled": "`outrider serve --compile`, AUTO",
+          "outrider-fixed4": "`outrider serve`, FIXED γ 4",
+          "outrider-model": "`outrider serve --proposer model`",
+          "outrider-ngram": "`outrider serve --proposer ngram`",
+          "outrider-suffix": "`outrider serve --proposer suffix`",
+          "vllm-draft4": "`vllm serve` + draft (4 tokens)", "vllm-draft": "`vllm serve` + draft",
+          "vllm-ngram": "`vllm serve`, n-gram", "vllm": "`vllm serve`",
+          "engine-g4": "engine in process, γ 4", "engine-g0": "engine in process, γ 0"}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One results file as a block names it (its path from the repository root)."""
+
+    path: str
+    data: dict
+
+
+def labelled(results: dict) -> dict:
+    return {LABELS.get(system, system): cells for system, cells in results.items()}
+
+
+def by_level(results: dict) -> dict[str, dict[int, dict]]:
+    """versus' results with the JSON's level keys ('8') as numbers again."""
+    return {s: {int(c): x for c, x in cells.items()} for s, cells in results.items()}
+
+
+def provenance_line(run: Run) -> str:
+    """'Measured at `abc1234` on 2026-11-26 (file): machine. `command`'."""
+    p = run.data.get("provenance") or {}
+    m = p.get("machine", {})
+    commit = f"`{p['commit']}`" if p.get("commit") else "an unknown commit"
+    commit += " (+ uncommitted changes)" if p.get("dirty") else ""
+    facts = [m.get("gpu") or m.get("cpu"), m.get("cores") and f"{m['cores']} cores",
+             m.get("torch") and f"torch {m['torch']}",
+             m.get("cpu_pressure") and "CPU pressure " + m["cpu_pressure"].split(" total=")[0]]
+    later = f"; {p['recorded']}" if p.get("recorded") else ""
+    command = f"`{p['command']}`" if p.get("command") else "Run by hand: no command recorded."
+    return (f"Measured at {commit} on {str(p.get('date', '?'))[:10]} "
+            f"([{run.path}]({run.path}){later}): {', '.join(f for f in facts if f)}. "
+            f"{command}")
+
+
+def with_provenance(runs: list[Run], *parts: str) -> str:
+    return "\n\n".join([*(part.strip("\n") for part in parts if part),
+                        *(provenance_line(run) for run in runs)])
+
+
+def render_headline(runs: list[Run]) -> str:
+    """README's table: served AUTO against vLLM with and without the draft, per dtype."""
+    from outrider.bench import versus
+
+    rows = {f"{LABELS[s]}, {run.data['config']['dtype']}": cells
+            for run in runs for s, cells in by_level(run.data["results"]).items()
+            if s in ("outrider-auto", "vllm-draft4", "vllm")}
+    return with_provenance(runs, versus.table(rows))
+
+
+def render_versus(runs: list[Run]) -> str:
+    from outrider.bench import versus
+
+    run = runs[0]
+    return with_provenance(runs, versus.table(labelled(by_level(run.data["results"])),
+                                              rounds=True), targets_table(run.data["targets"]))
+
+
+def render_proposers(runs: list[Run]) -> str:
+    from outrider.bench import proposers
+
+    run = runs[0]
+    cost = run.data.get("lookup_cost", {})
+    lookups = ", ".join(f"{k} {fmt(v, 2)}" for k, v in cost.items()
+                        if isinstance(v, (int, float)))
+    return with_provenance(runs, proposers.table(labelled(run.data["results"])),
+                           f"The lookups' own cost, in process: {lookups}." if lookups else "",
+                           targets_table(run.data["targets"]))
+
+
+def render_structured(runs: list[Run]) -> str:
+    from outrider.bench import structured
+
+    run = runs[0]
+    return with_provenance(runs, structured.table(run.data["results"]),
+                           targets_table(run.data["targets"]))
+
+
+def render_prefix(runs: list[Run]) -> str:
+    from outrider.bench import prefix
+
+    run = runs[0]
+    same = ", ".join(f"{s} {fmt(v, 2)}" for s, v in run.data["same_output_as_no_cache"].items())
+    return with_provenance(runs, prefix.table(run.data["results"]),
+                           f"Answers the same as the cache-off run's (share): {same}.",
+                           targets_table(run.data["targets"]))
+
+
+def render_adapt(runs: list[Run]) -> str:
+    from outrider.bench import adapt
+
+    data = runs[0].data
+    parts, start = adapt.fifths(data["requests"]), 0
+    heads = []
+    for part in parts:
+        heads.append(f"{start / 1000:.0f}–{part['served_tokens'] / 1000:.0f}K")
+        start = part["served_tokens"]
+    rows = [("acceptance (accepted / drafted)", [fmt(x["acceptance"], 3) for x in parts]),
+            ("batch-1 tok/s (mean over requests)", [fmt(x["tokens_per_s"], 0) for x in parts]),
+            ("draft versions serving", ["–".join(map(str, x["versions"])) for x in parts])]
+    table = "\n".join([f"| output tokens served | {' | '.join(heads)} |",
+                       "|---|" + "---|" * len(heads),
+                       *(f"| {name} | {' | '.join(cells)} |" for name, cells in rows)])
+    s, probe = data["summary"], data["probe"]
+    facts = (f"Unseen prompts ({data['config']['probe']}), shipped draft against version "
+             f"{probe['version']}: acceptance {fmt(probe['acceptance_shipped'], 3)} against "
+             f"{fmt(probe['acceptance_learnt'], 3)}. The shipped weights' requests "
+             f"({s['requests_compared']}) with training running: "
+             f"{fmt(s['tokens_per_s_shipped_weights_training'], 1)} tok/s, without: "
+             f"{fmt(s['tokens_per_s_shipped_weights_no_training'], 1)}. First 100-request "
+             f"window at acceptance 0.85: {s.get('served_tokens_to_0.85') or 'none'} tokens.")
+    return with_provenance(runs, table, facts)
+
+
+def render_step(runs: list[Run]) -> str:
+    from outrider.bench import step
+
+    data = runs[0].data
+    limits = "; ".join(f"{dtype} GEMM {fmt(x['gemm_gflops'], 0)} GFLOP/s, copy "
+                       f"{fmt(x['bandwidth_gbs'], 1)} GB/s" for dtype, x in data["limits"].items())
+    return with_provenance(runs, step.table(data["cases"]), f"One core's limit: {limits}.")
+
+
+def render_peer(runs: list[Run]) -> str:
+    data = runs[0].data
+    batch1 = [t for t in data["targets"] if "concurrency" not in t]
+    return with_provenance(runs, peer_table(data["peer"]), targets_table(batch1))
+
+
+def render_gpu(runs: list[Run]) -> str:
+    data = runs[0].data
+    checks = ["| check | result |", "|---|---|",
+              *(f"| {c['check']} | {c['result']} |" for c in data["checks"])]
+    steps = ["| target step, bf16 | eager ms | compiled ms |", "|---|---|---|",
+             *(f"| {x['step']} | {fmt(x['eager'])} | {fmt(x['compiled'])} |"
+               for x in data["target_step_ms_bf16"])]
+    return with_provenance(runs, "\n".join(checks), "\n".join(steps),
+                           f"fp32 step: {data['target_step_fp32']}. Not run: "
+                           f"{'; '.join(data['not_run'])}.")
+
+
+def render_index(runs: list[Run]) -> str:
+    """One row per file: its commit, date and command (the runs the page does not show)."""
+    lines = ["| file | commit | date | command |", "|---|---|---|---|"]
+    for run in runs:
+        p = run.data.get("provenance", {})
+        lines.append(f"| [{run.path}]({run.path}) | {p.get('commit', '?')} | "
+                     f"{str(p.get('date', '?'))[:10]} | `{p.get('command') or 'by hand'}` |")
+    return "\n".join(lines)
+
+
+RENDERERS: dict[str, Callable[[list[Run]], str]] = {
+    "headline": render_headline, "versus": render_versus, "proposers": render_proposers,
+    "structured": render_structured, "prefix": render_prefix, "adapt": render_adapt,
+    "step": render_step, "peer": render_peer, "gpu": render_gpu, "index": render_index}
+
+
+def render_block(name: str, files: str, root: Path) -> str:
+    if name not in RENDERERS:
+        raise ValueError(f"generated block {name!r}: no such renderer "
+                         f"(choose from {', '.join(RENDERERS)})")
+    runs = []
+    for path in (f.strip() for f in files.split(",") if f.strip()):
+        if not (root / path).is_file():
+            raise ValueError(f"generated block {name!r}: {path} not found")
+        runs.append(Run(path, json.loads((root / path).read_text())))
+    return RENDERERS[name](runs)
+
+
+def rewrite(text: str, root: Path) -> tuple[str, list[str]]:
+    """The page with every generated block rendered again, and the blocks that changed
+    ('NAME from FILES')."""
+    changed = []
+
+    def one(match: re.Match) -> str:
+        body = render_block(match["name"], match["files"], root) + "\n"
+        if body != match["body"]:
+            changed.append(f"{match['name']} from {match['files']}")
+        return match["open"] + body + match["close"]
+
+    return BLOCK.sub(one, text), changed
+
+
+def update_pages(pages: list[Path], root: Path, check: bool) -> list[str]:
+    """Rewrite (or with `check`, only compare) each page; the stale blocks, by page."""
+    stale = []
+    for page in pages:
+        text = page.read_text()
+        new, changed = rewrite(text, root)
+        stale += [f"{page.name}: {block}" for block in changed]
+        if not check and new != text:
+            page.write_text(new)
+    return stale
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("report", nargs="?", default="results/serving.json")
-    parser.add_argument("--plots-dir", help="redraw the plots into this folder")
+    parser = argparse.ArgumentParser(prog="python -m outrider.bench.report",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("pages", nargs="*", help=f"default: {', '.join(PAGES)} at --root")
+    parser.add_argument("--root", default=str(paths.REPO_ROOT),
+                        help="the folder the blocks' file names start from")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 naming the blocks that differ")
+    parser.add_argument("--serving", metavar="JSON",
+                        help="instead: print the serving benchmark's tables from this file")
+    parser.add_argument("--plots-dir", help="(--serving) redraw the plots into this folder")
     args = parser.parse_args(argv)
-    report = json.loads(Path(args.report).read_text())
-    if args.plots_dir:
-        write_plots(report, Path(args.plots_dir))
-    print(markdown(report))
-    return 0
+    if args.serving:
+        report = json.loads(Path(args.serving).read_text())
+        if args.plots_dir:
+            write_plots(report, Path(args.plots_dir))
+        print(markdown(report))
+        return 0
+    root = Path(args.root)
+    pages = [Path(p) for p in args.pages] or [root / p for p in PAGES]
+    try:
+        stale = update_pages(pages, root, args.check)
+    except ValueError as err:
+        print(f"report: {err}", file=sys.stderr)
+        return 2
+    for block in stale:
+        print(f"{'stale' if args.check else 'rewrote'}: {block}",
+              file=sys.stderr if args.check else sys.stdout)
+    return 1 if args.check and stale else 0
 
 
 if __name__ == "__main__":

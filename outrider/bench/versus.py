@@ -401,7 +401,7 @@ def table(results: dict[str, dict[int, dict]], rounds: bool = False) -> str:
     """Output tok/s (TTFT p50) per system and level; with `rounds`, each round's tok/s
     beside the mean: '708 (20 ms) [831 / 586]'."""
     levels = sorted({c for cells in results.values() for c in cells})
-    lines = ["| system | " + " | ".join(f"{c} streams" for c in levels) + " |",
+    lines = ["| system | " + " | ".join(f"{c} stream{'s' * (c != 1)}" for c in levels) + " |",
              "|---|" + "---|" * len(levels)]
     for system, cells in results.items():
         row = ["–" if cells.get(c) is None else _cell_text(cells[c], rounds) for c in levels]
