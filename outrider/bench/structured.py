@@ -809,7 +809,9 @@ def fmt(value, digits: int = 0) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
-def table(results: dict[str, dict]) -> str:
+def table(results: dict[str, dict], constraint_samplings: tuple[str, ...] | None = None) -> str:
+    """Validity, tool calls, acceptance (per constraint for `constraint_samplings`, all
+    by default) and throughput, one Markdown table each."""
     lines = ["| system | sampling | outputs | valid | invalid (stop) | cut by length | errors |",
              "|---|---|---|---|---|---|---|"]
     for system, r in results.items():
@@ -834,7 +836,7 @@ def table(results: dict[str, dict]) -> str:
             lines.append(f"| {system} | {sampling} | {fmt(con['rate'], 3)} | "
                          f"{fmt(unc['rate'], 3)} | {fmt(model_rate(con), 3)} | "
                          f"{fmt(model_rate(unc), 3)} | {text} |")
-    lines += constraint_table(results)
+    lines += constraint_table(results, constraint_samplings)
     modes = " / ".join(MODES)
     lines += ["", f"| system | streams | tok/s: {modes} | per stream (1/TPOT): {modes} | "
               "tokens per output: constrained / matched | constrained over matched: tok/s / "
@@ -854,12 +856,15 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def constraint_table(results: dict[str, dict]) -> list[str]:
+def constraint_table(results: dict[str, dict],
+                     samplings: tuple[str, ...] | None = None) -> list[str]:
     """Acceptance per constraint, constrained and not, where the server reported it per
     request (Outrider): which constraints' prompts the grammar helps and which it does not."""
     rows = []
     for system, r in results.items():
         for sampling, a in r["acceptance"].items():
+            if samplings is not None and sampling not in samplings:
+                continue
             con = a["constrained"].get("by_constraint", {})
             unc = a["unconstrained"].get("by_constraint", {})
             for name in [c.name for c in CONSTRAINTS if c.name in con]:
