@@ -192,7 +192,7 @@ def targets_table(targets: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def peer_table(peer: dict) -> str:
+def peer_table(peer: dict, ratios: bool = True) -> str:
     lines = []
     for workload, result in peer["workloads"].items():
         lines += [f"**{workload}** (batch 1, greedy, {peer['max_tokens']} tokens, "
@@ -202,8 +202,9 @@ def peer_table(peer: dict) -> str:
         for name, r in result["runners"].items():
             lines.append(f"| {name} | {fmt(r['tokens_per_s'], 1)} | {fmt(r['ms_per_token'])} "
                          f"| {r['prompts_identical_to_reference']}/{r['prompts']} |")
-        lines += ["", "| ratio | value |", "|---|---|"]
-        lines += [f"| {k} | {fmt(v)} |" for k, v in result["ratios"].items()]
+        if ratios:
+            lines += ["", "| ratio | value |", "|---|---|"]
+            lines += [f"| {k} | {fmt(v)} |" for k, v in result["ratios"].items()]
         lines.append("")
     return "\n".join(lines)
 
@@ -260,7 +261,8 @@ def provenance_line(run: Run) -> str:
     facts = [m.get("gpu") or m.get("cpu"), m.get("cores") and f"{m['cores']} cores",
              m.get("torch") and f"torch {m['torch']}",
              m.get("cpu_pressure") and "CPU pressure " + m["cpu_pressure"].split(" total=")[0]]
-    later = f"; {p['recorded']}" if p.get("recorded") else ""
+    recorded = p.get("recorded", "")
+    later = f"; {'provenance ' * recorded.startswith('added')}{recorded}" if recorded else ""
     command = f"`{p['command']}`" if p.get("command") else "Run by hand: no command recorded."
     return (f"Measured at {commit} on {str(p.get('date', '?'))[:10]} "
             f"([{run.path}]({run.path}){later}): {', '.join(f for f in facts if f)}. "
@@ -285,9 +287,8 @@ def render_headline(runs: list[Run]) -> str:
 def render_versus(runs: list[Run]) -> str:
     from outrider.bench import versus
 
-    run = runs[0]
-    return with_provenance(runs, versus.table(labelled(by_level(run.data["results"])),
-                                              rounds=True), targets_table(run.data["targets"]))
+    return with_provenance(runs, versus.table(labelled(by_level(runs[0].data["results"])),
+                                              rounds=True))
 
 
 def render_proposers(runs: list[Run]) -> str:
@@ -306,7 +307,7 @@ def render_structured(runs: list[Run]) -> str:
     from outrider.bench import structured
 
     run = runs[0]
-    return with_provenance(runs, structured.table(run.data["results"]),
+    return with_provenance(runs, structured.table(run.data["results"], ("greedy",)),
                            targets_table(run.data["targets"]))
 
 
@@ -358,7 +359,7 @@ def render_step(runs: list[Run]) -> str:
 def render_peer(runs: list[Run]) -> str:
     data = runs[0].data
     batch1 = [t for t in data["targets"] if "concurrency" not in t]
-    return with_provenance(runs, peer_table(data["peer"]), targets_table(batch1))
+    return with_provenance(runs, peer_table(data["peer"], ratios=False), targets_table(batch1))
 
 
 def render_gpu(runs: list[Run]) -> str:
@@ -378,7 +379,10 @@ def render_index(runs: list[Run]) -> str:
     lines = ["| file | commit | date | command |", "|---|---|---|---|"]
     for run in runs:
         p = run.data.get("provenance", {})
-        lines.append(f"| [{run.path}]({run.path}) | {p.get('commit', '?')} | "
+        plots = [run.data["plot"]] if run.data.get("plot") else run.data.get("plots", [])
+        shown = ", ".join(f"[{Path(x).stem}]({x})" for x in plots)
+        lines.append(f"| [{run.path}]({run.path}){f' (plots: {shown})' if shown else ''} | "
+                     f"{p.get('commit', '?')} | "
                      f"{str(p.get('date', '?'))[:10]} | `{p.get('command') or 'by hand'}` |")
     return "\n".join(lines)
 
