@@ -295,9 +295,9 @@ def render_proposers(runs: list[Run]) -> str:
     from outrider.bench import proposers
 
     run = runs[0]
-    cost = run.data.get("lookup_cost", {})
-    lookups = ", ".join(f"{k} {fmt(v, 2)}" for k, v in cost.items()
-                        if isinstance(v, (int, float)))
+    lookups = ", ".join(f"{kind} {x['us_per_round']} µs a round ({x['ns_per_context_token']} ns "
+                        f"per token of {x['mean_context_tokens']}-token contexts)"
+                        for kind, x in run.data.get("lookup_cost", {}).items())
     return with_provenance(runs, proposers.table(labelled(run.data["results"])),
                            f"The lookups' own cost, in process: {lookups}." if lookups else "",
                            targets_table(run.data["targets"]))
