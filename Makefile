@@ -37,8 +37,13 @@ system-deps:
 demo: setup
 	$(PY) -m outrider.cli demo
 
+# Tests run on TEST_WORKERS pytest-xdist workers (more than the 2 cores of CI: system
+# tests spend much of their time waiting on processes they start), a module (or a group
+# of modules that must not overlap, tests/conftest.py) to a worker; the ten slowest are
+# listed at the end.
+TEST_WORKERS ?= 4
 test: setup system-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=10
 
 # The wheel outside the checkout: built, installed in a fresh venv (torch's CPU wheel
 # first), `outrider serve` + `outrider generate` on the demo pair. Needs no .venv.
@@ -46,7 +51,7 @@ wheel-check:
 	PYTHON=$(PYTHON) .ci/wheel-check
 
 test-fast: setup
-	$(PY) -m pytest -q -m 'not slow'
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m 'not slow'
 
 lint: setup
 	$(VENV)/bin/ruff check outrider draft_worker target_worker router cluster tests scripts

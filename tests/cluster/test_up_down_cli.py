@@ -27,8 +27,17 @@ def ray_processes() -> list[str]:
             if pattern.search(line) and not line.lstrip().startswith("Z")]
 
 
+def ray_gone(timeout_s: float = 30) -> bool:
+    """Whether no Ray process is left within timeout_s (a cluster that was just shut down,
+    here or by the Ray tests just before, takes some seconds to exit)."""
+    deadline = time.monotonic() + timeout_s
+    while ray_processes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return ray_processes() == []
+
+
 def test_up_status_down_leave_nothing_behind(tmp_path, llama_dir, draft_dir, redis_url):
-    assert ray_processes() == [], "a Ray cluster is already running here"
+    assert ray_gone(), "a Ray cluster is already running here"
     port = free_port()
     spec = write_spec(tmp_path / "spec.yaml", llama_dir, draft_dir, redis_url, port)
     try:
@@ -47,9 +56,6 @@ def test_up_status_down_leave_nothing_behind(tmp_path, llama_dir, draft_dir, red
     finally:
         down = run_cli("down", timeout=300)
     assert down.returncode == 0 and "drained and removed" in down.stdout, down.stderr
-    deadline = time.monotonic() + 30
-    while ray_processes() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert ray_processes() == []
+    assert ray_gone(), ray_processes()
     again = run_cli("down", timeout=120)
     assert again.returncode == 0 and "nothing was running" in again.stdout
