@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e '.[all,test,dev]'
+	$(PY) -m outrider.engine.kernels  # the CPU attention kernel, built once (~20 s)
 	touch $(STAMP)
 
 # Debian packages the system tests start for real (each binary is named as its package),

@@ -47,7 +47,8 @@ def test_transformers_greedy_matches_outrider(which, prompts):
 
     model_dir = paths.demo_target_dir() if which == "target" else paths.demo_draft_dir()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ours = SpeculativeDecoder(ModelRunner(RunnerConfig(str(model_dir))))
+    # the reference computes in float32; `auto` may choose bfloat16 for the demo pair
+    ours = SpeculativeDecoder(ModelRunner(RunnerConfig(str(model_dir), dtype="float32")))
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     for prompt in prompts:
         ids = torch.tensor([prompt])

@@ -103,8 +103,9 @@ def build_runners(target_dir: str, draft_dir: str, gamma: int) -> dict[str, Runn
     from outrider.engine.spec_decode import SpeculativeDecoder
 
     target, draft = load_hf(target_dir), load_hf(draft_dir)
-    decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(target_dir)),
-                                 Drafter(ModelRunner(RunnerConfig(draft_dir))))
+    # float32 as transformers runs here, whatever `auto` would choose
+    decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(target_dir, dtype="float32")),
+                                 Drafter(ModelRunner(RunnerConfig(draft_dir, dtype="float32"))))
     return {"transformers": hf_runner(target),
             "transformers_assisted": hf_runner(target, draft),
             f"transformers_assisted_g{gamma}": hf_runner(target, draft, gamma),

@@ -37,7 +37,8 @@ CONTEXT = (128, 224)
 
 MATMUL_OPS = ("mkldnn::_linear_pointwise", "outrider::packed_linear", "aten::mm", "aten::addmm",
               "aten::bmm")
-ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
+ATTENTION_OPS = ("outrider_cpu::paged_attention", "aten::index_put_",
+                 "aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_attention_math", "aten::index_select",
                  "aten::index_copy_", "aten::where", "aten::repeat", "aten::masked_fill_",
                  "aten::bitwise_and", "aten::__and__", "aten::le", "aten::lt", "aten::gt")
@@ -125,8 +126,16 @@ def breakdown(runner: ModelRunner, requests: list[ForwardRequest], seconds: floa
     return parts
 
 
-def measure(target: str, dtype: str, compiled: bool, limits: dict, repeats: int) -> list[dict]:
+def measure(target: str, dtype: str, compiled: bool, attention: str, limits: dict,
+            repeats: int) -> list[dict]:
+    """Every case at one (dtype, compiled, attention path); attention: 'kernel' (the C++
+    paged attention, where it builds) or 'reference' (the pure-torch path)."""
+    from outrider.engine.kernels import cpu_kernels_loaded, use_cpu_kernels
     from outrider.engine.runner import ModelRunner, RunnerConfig
+
+    use_cpu_kernels(attention == "kernel")
+    if attention == "kernel" and not cpu_kernels_loaded():
+        return []
 
     runner = ModelRunner(RunnerConfig(target, dtype=dtype, compile=compiled,
                                       kv_cache_mb=64))
@@ -144,12 +153,18 @@ def measure(target: str, dtype: str, compiled: bool, limits: dict, repeats: int)
         bound = max(cost["matmul_flops"] / (limits["gemm_gflops"] * 1e9),
                     cost["weight_bytes"] / (limits["bandwidth_gbs"] * 1e9))
         rows.append({"kind": kind, "batch": batch, "query_len": query, "dtype": dtype,
-                     "compiled": compiled, "ms": seconds * 1e3,
+                     "compiled": compiled, "attention": attention, "ms": seconds * 1e3,
                      "ms_at_machine_limit": bound * 1e3, "fraction_of_limit": bound / seconds,
                      "breakdown_ms": {k: v * 1e3 for k, v in
                                       breakdown(runner, requests, seconds).items()},
                      **cost})
     return [dict(r, warm_up_s=warm_up_s) for r in rows]
+
+
+def _mode(row: dict) -> str:
+    """eager or compiled, and the attention path where the run measured more than one."""
+    mode = "compiled" if row["compiled"] else "eager"
+    return f"{mode}, {row['attention']}" if "attention" in row else mode
 
 
 def _name(row: dict) -> str:
@@ -163,7 +178,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         b = r["breakdown_ms"]
         lines.append(f"| {_name(r)} | {r['dtype']} | "
-                     f"{'compiled' if r['compiled'] else 'eager'} | "
+                     f"{_mode(r)} | "
                      f"{r['ms']:.2f} | {b['matmul']:.2f} | {b['attention']:.2f} | "
                      f"{b['other_ops']:.2f} | {b['python']:.2f} | "
                      f"{r['ms_at_machine_limit']:.2f} | {r['fraction_of_limit']:.0%} |")
@@ -177,16 +192,15 @@ def plot(rows: list[dict], folder: Path) -> str:
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(_name(r) for r in rows))
-    variants = list(dict.fromkeys((r["dtype"], r["compiled"]) for r in rows))
-    ms = {(_name(r), r["dtype"], r["compiled"]): r["ms"] for r in rows}
+    variants = list(dict.fromkeys((r["dtype"], _mode(r)) for r in rows))
+    ms = {(_name(r), r["dtype"], _mode(r)): r["ms"] for r in rows}
     bf16_limit = {_name(r): r["ms_at_machine_limit"] for r in rows if r["dtype"] == "bfloat16"}
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(variants)
     centres = [x + 0.4 - width / 2 for x in range(len(names))]
-    for i, (dtype, compiled) in enumerate(variants):
+    for i, (dtype, mode) in enumerate(variants):
         ax.bar([x + i * width for x in range(len(names))],
-               [ms[n, dtype, compiled] for n in names], width,
-               label=f"{dtype}, {'compiled' if compiled else 'eager'}")
+               [ms[n, dtype, mode] for n in names], width, label=f"{dtype}, {mode}")
     if bf16_limit:
         ax.scatter(centres, [bf16_limit[n] for n in names], marker="_", s=400,
                    color="black", label="bfloat16 machine limit", zorder=3)
@@ -211,6 +225,11 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
         parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtypes", default="float32,bfloat16",
                         help="(--step) the dtypes to measure, comma-separated")
+    parser.add_argument("--attention", default="kernel,reference",
+                        help="(--step) attention paths: kernel (C++ paged attention) and "
+                             "reference (pure torch, the fallback), comma-separated")
+    parser.add_argument("--compiled", default="eager,compiled",
+                        help="(--step) forward modes: eager, compiled, comma-separated")
     parser.add_argument("--step-repeats", type=int, default=30,
                         help="(--step) timed forwards per case")
 
@@ -227,8 +246,10 @@ def run(args) -> int:
     for dtype in args.dtypes.split(","):
         limits = machine_limits(getattr(torch, dtype), mc.hidden_size, mc.intermediate_size)
         report["limits"][dtype] = limits
-        for compiled in (False, True):
-            report["cases"] += measure(args.target, dtype, compiled, limits, args.step_repeats)
+        for mode in args.compiled.split(","):
+            for attention in args.attention.split(","):
+                report["cases"] += measure(args.target, dtype, mode == "compiled", attention,
+                                           limits, args.step_repeats)
     print(table(report["cases"]))
     if args.plots_dir:
         report["plots"] = [plot(report["cases"], Path(args.plots_dir))]

@@ -1,22 +1,32 @@
 """Attention over a ragged batch with a paged (block) KV cache.
 
 Every sequence brings its own number of new positions (a prefill chunk, one decode
-token, or 1+γ verification tokens). New keys/values are written to their cache slots;
-then the sequences are attended in groups, one SDPA call each:
+token, or 1+γ verification tokens). New keys/values are written to their cache slots,
+then every query attends to its sequence's context. On CPU one C++ call per layer does
+both for the whole batch, reading the cache blocks in place (`kernels/`); elsewhere, or
+where that kernel could not be built, the reference path below groups the sequences,
+one SDPA call each:
   - every sequence with a short query (decode, verification) in one padded batch, its
     context gathered block by block from the cache;
   - each prefill chunk on its own, so a 500-token chunk never pads the decoding
     sequences of its step to 500 queries (a mixed step would cost several times the two
     alone); a chunk with nothing cached attends to its own keys, causally, with no
     gather at all.
+
+Cache layout (one pair per layer): keys [blocks, kv_heads, head_dim, block_size], each
+block transposed so the kernel's 16 scores of a row are one vector; values [blocks *
+block_size, kv_heads, head_dim].
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from outrider.engine.kernels import cpu_kernels_loaded
 
 SHORT_QUERY = 32  # sequences with at most this many new positions share one padded batch
 
@@ -109,45 +119,80 @@ class AttentionGroup:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor    # [num_tokens] cache slot for each new token
+    """What attention needs of a forward, built once and shared by every layer."""
+
+    seqs: list[SequenceSlice]
+    slot_mapping: torch.Tensor    # [num_tokens] int64: cache slot for each new token
+    query_start: torch.Tensor     # [seqs + 1] int32: each sequence's first row, then the total
+    context_lens: torch.Tensor    # [seqs] int32: cached + new positions
+    block_tables: torch.Tensor    # [seqs, max_blocks] int32
     block_size: int
-    groups: list[AttentionGroup]  # short queries first, then one group per prefill chunk
 
     @classmethod
     def build(cls, seqs: list[SequenceSlice], block_size: int,
               device: torch.device) -> AttentionMetadata:
-        slots, starts, start = [], [], 0
+        slots, starts = [], [0]
         for s in seqs:
-            starts.append(start)
-            start += s.query_len
+            starts.append(starts[-1] + s.query_len)
             slots += [s.block_table[p // block_size] * block_size + p % block_size
                       for p in range(s.cached_len, s.context_len)]
+        width = max(len(s.block_table) for s in seqs)
+        as_int = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+        return cls(seqs, torch.tensor(slots, dtype=torch.long, device=device), as_int(starts),
+                   as_int([s.context_len for s in seqs]),
+                   as_int([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
+                   block_size)
+
+    @functools.cached_property
+    def groups(self) -> list[AttentionGroup]:
+        """The reference path's SDPA calls: short queries first, then each prefill chunk."""
+        seqs, device, starts = self.seqs, self.slot_mapping.device, self.query_start.tolist()
         short = [i for i, s in enumerate(seqs) if s.query_len <= SHORT_QUERY]
         groups = []
         if short:
-            rows = (slice(0, start) if len(short) == len(seqs) else torch.tensor(
+            rows = (slice(0, starts[-1]) if len(short) == len(seqs) else torch.tensor(
                 [starts[i] + j for i in short for j in range(seqs[i].query_len)],
                 dtype=torch.long, device=device))
             groups.append(AttentionGroup.build([seqs[i] for i in short], rows, device))
         groups += [AttentionGroup.build([s], slice(starts[i], starts[i] + s.query_len), device)
                    for i, s in enumerate(seqs) if s.query_len > SHORT_QUERY]
-        return cls(torch.tensor(slots, dtype=torch.long, device=device), block_size, groups)
+        return groups
+
+
+def kv_cache_shapes(num_blocks: int, block_size: int, kv_heads: int,
+                    head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One layer's (keys, values) cache shapes."""
+    return (num_blocks, kv_heads, head_dim, block_size), (num_blocks * block_size, kv_heads,
+                                                          head_dim)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, window: int | None, scale: float) -> torch.Tensor:
-    """q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim];
-    k_cache, v_cache: [num_slots, kv_heads, head_dim]. Returns [num_tokens, heads * head_dim]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
+    """q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim]; caches as
+    kv_cache_shapes gives. Returns [num_tokens, heads * head_dim]."""
+    if q.device.type == "cpu" and cpu_kernels_loaded():
+        return torch.ops.outrider_cpu.paged_attention(
+            q, k, v, k_cache, v_cache, meta.slot_mapping, meta.query_start, meta.context_lens,
+            meta.block_tables, None, window or 0, scale)
+    return reference_attention(q, k, v, k_cache, v_cache, meta, window, scale)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, window: int | None,
+                        scale: float) -> torch.Tensor:
+    """paged_attention in torch ops: SDPA per group over gathered contexts."""
+    block_size = meta.block_size
+    blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
+    k_cache[blocks, :, :, offsets] = k  # [num_tokens, kv_heads, head_dim] into the blocks
     v_cache.index_copy_(0, meta.slot_mapping, v)
     if len(meta.groups) == 1:
-        return _attend(meta.groups[0], q, k, v, k_cache, v_cache, meta.block_size, window,
-                       scale)
+        return _attend(meta.groups[0], q, k, v, k_cache, v_cache, block_size, window, scale)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
     for group in meta.groups:
         out[group.rows] = _attend(group, q[group.rows], k[group.rows], v[group.rows],
-                                  k_cache, v_cache, meta.block_size, window, scale)
+                                  k_cache, v_cache, block_size, window, scale)
     return out
 
 
@@ -168,8 +213,9 @@ def _attend(group: AttentionGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             v.unsqueeze(0).transpose(1, 2), is_causal=True, scale=scale,
             enable_gqa=k.shape[1] != heads)
         return out.transpose(1, 2).reshape(num_tokens, heads * head_dim)
-    keys = _gather_context(k_cache, group, block_size)  # [batch, max_ctx, kv_heads, head_dim]
-    values = _gather_context(v_cache, group, block_size)
+    # keys: [batch, max_ctx, kv_heads, head_dim] from transposed blocks; values likewise
+    keys = _gather_context(k_cache.transpose(1, 3).transpose(2, 3), group)
+    values = _gather_context(v_cache.view(-1, block_size, *v_cache.shape[1:]), group)
     fold = heads // keys.shape[2]
     out = _grouped_sdpa(q_pad, keys, values, group.mask(window, fold, q.dtype), scale)
     out = out.reshape(batch * max_q, heads * head_dim)
@@ -193,12 +239,10 @@ def _grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.view(batch, kv_heads, group, max_q, dim).permute(0, 3, 1, 2, 4)
 
 
-def _gather_context(cache: torch.Tensor, group: AttentionGroup,
-                    block_size: int) -> torch.Tensor:
-    """Each sequence's context [batch, max_ctx, kv_heads, head_dim], copied whole blocks
-    at a time (one index per block, not per position)."""
-    blocks = cache.view(-1, block_size, *cache.shape[1:])  # [num_blocks, block, kv_heads, dim]
+def _gather_context(blocks: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """Each sequence's context [batch, max_ctx, kv_heads, head_dim] from blocks
+    [num_blocks, block_size, kv_heads, head_dim], copied whole blocks at a time."""
     tables = group.block_tables
     gathered = blocks.index_select(0, tables.flatten())  # [batch * max_blocks, block, ...]
-    gathered = gathered.view(tables.shape[0], -1, *cache.shape[1:])
+    gathered = gathered.reshape(tables.shape[0], -1, *blocks.shape[2:])
     return gathered[:, :group.max_context_len]

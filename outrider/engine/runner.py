@@ -8,6 +8,7 @@ process boundaries.
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,19 +16,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from outrider.engine.attention import AttentionMetadata, SequenceSlice
+from outrider.engine.attention import AttentionMetadata, SequenceSlice, kv_cache_shapes
 from outrider.engine.block_manager import BlockManager
 from outrider.engine.compiled import CompiledForward
 from outrider.engine.model import CausalLM
 from outrider.engine.model_config import ModelConfig, ModelConfigError, parse_dtype
 from outrider.engine.parallel import PackedForCPU, TPGroup, prepare_cpu_linears
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class RunnerConfig:
     model_dir: str
     device: str = "cpu"
-    dtype: str = "auto"        # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    dtype: str = "auto"        # auto: the checkpoint's, where the device computes it (_auto_dtype)
     tp: int = 1
     block_size: int = 16
     kv_cache_mb: float = 256.0  # KV budget per rank
@@ -142,13 +145,12 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_mb={self.cfg.kv_cache_mb} holds no KV block "
                              f"({slot_bytes * self.cfg.block_size} bytes each)")
-        num_slots = num_blocks * self.cfg.block_size
+        shapes = kv_cache_shapes(num_blocks, self.cfg.block_size, kv_heads, mc.head_dim)
         # one tensor per layer and kind, not views of one: a compiled graph that writes
         # into a view copies its whole base (measured: 0.7 s a forward at 256 MB)
-        def layer_cache() -> torch.Tensor:  # [num_slots, kv_heads, head_dim]
-            return torch.zeros(num_slots, kv_heads, mc.head_dim, dtype=self.dtype,
-                               device=self.device)
-        return [(layer_cache(), layer_cache()) for _ in range(mc.num_layers)], num_blocks
+        def layer_cache(shape: tuple[int, ...]) -> torch.Tensor:
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return [tuple(map(layer_cache, shapes)) for _ in range(mc.num_layers)], num_blocks
 
     @torch.inference_mode()
     def forward(self, requests: list[ForwardRequest]) -> torch.Tensor:
@@ -193,8 +195,26 @@ class ModelRunner:
 def _resolve_dtype(cfg: RunnerConfig, mc: ModelConfig) -> torch.dtype:
     if cfg.dtype != "auto":
         return parse_dtype(cfg.dtype)
-    # Half-precision matmuls on CPU are slower than fp32 and less exact: compute in fp32.
-    return mc.dtype if cfg.device.startswith("cuda") else torch.float32
+    dtype = _auto_dtype(cfg.device, mc.dtype)
+    log.info("%s: --dtype auto is %s (checkpoint %s, device %s)", Path(cfg.model_dir).name,
+             str(dtype).removeprefix("torch."), str(mc.dtype).removeprefix("torch."),
+             cfg.device)
+    return dtype
+
+
+def _auto_dtype(device: str, checkpoint: torch.dtype) -> torch.dtype:
+    """The checkpoint's dtype where the device computes it natively: always on CUDA; on
+    CPU a half-precision checkpoint runs in bfloat16 where the CPU has bfloat16
+    instructions (AVX512-BF16 or AMX), as vLLM's `auto` does, and in float32 elsewhere
+    (emulated bfloat16 matmuls are slower than float32 ones)."""
+    if device.startswith("cuda") or checkpoint == torch.float32:
+        return checkpoint
+    return torch.bfloat16 if cpu_computes_bfloat16() else torch.float32
+
+
+def cpu_computes_bfloat16() -> bool:
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
 # -- driver -> worker forward descriptions (flat int64, no pickling) ------------------------

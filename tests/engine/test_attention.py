@@ -1,7 +1,8 @@
 """Ragged attention: one forward mixing fresh prefills, chunked prefills over a cache,
 verification rows and decode rows gives every sequence the logits it gets alone, for
-grouped-query attention and for a sliding window (prefill chunks are attended apart
-from the short queries; GQA heads are folded into query rows)."""
+grouped-query attention and for a sliding window, on the C++ kernel's path and on the
+reference path (there prefill chunks are attended apart from the short queries and GQA
+heads are folded into query rows)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from outrider.engine.attention import SHORT_QUERY
+from outrider.engine.kernels import use_cpu_kernels
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 from tests.checkpoints import VOCAB, save_random_checkpoint
 
@@ -28,6 +30,13 @@ def model_dir(request, tmp_path_factory):
                                   **overrides)
 
 
+@pytest.fixture(params=["kernel", "reference"])
+def attention_path(request):
+    use_cpu_kernels(request.param == "kernel")
+    yield request.param
+    use_cpu_kernels(True)
+
+
 def runner(model_dir) -> ModelRunner:
     return ModelRunner(RunnerConfig(str(model_dir), block_size=4, kv_cache_mb=2))
 
@@ -39,7 +48,7 @@ def forward_all(r: ModelRunner, seq_id: int, tokens: list[int], cached: int) -> 
         r.forward([ForwardRequest(tokens[:cached], 0, r.blocks.block_table(seq_id), 1)])
 
 
-def test_mixed_batch_equals_each_sequence_alone(model_dir):
+def test_mixed_batch_equals_each_sequence_alone(model_dir, attention_path):
     rng = random.Random(0)
     contexts = [[rng.randrange(VOCAB) for _ in range(c + n)] for c, n in MIX]
     mixed = runner(model_dir)

@@ -18,7 +18,9 @@ def cached_kv(runner: ModelRunner, seq_id) -> torch.Tensor:
     bs, table = runner.blocks.block_size, runner.blocks.block_table(seq_id)
     slots = torch.tensor([table[p // bs] * bs + p % bs
                           for p in range(runner.blocks.seq_len(seq_id))], dtype=torch.long)
-    return torch.stack([torch.stack([k[slots], v[slots]]) for k, v in runner.kv_caches], dim=1)
+    keys = [k.transpose(1, 3).reshape(-1, *k.shape[1:3])[slots] for k, _ in runner.kv_caches]
+    return torch.stack([torch.stack([k, v[slots]]) for k, (_, v) in zip(keys, runner.kv_caches)],
+                       dim=1)
 
 
 def append(runner: ModelRunner, seq_id, tokens: list[int]) -> None:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from outrider.core.sampling import SamplingParams
-from outrider.engine.runner import ModelRunner, RunnerConfig
+from outrider.engine import runner as runner_module
+from outrider.engine.runner import ModelRunner, RunnerConfig, cpu_computes_bfloat16
 from outrider.engine.spec_decode import SpeculativeDecoder
 from tests.checkpoints import LLAMA3_ROPE, VOCAB, save_random_checkpoint
 
@@ -60,11 +61,24 @@ def test_sharded_checkpoint_has_index(tmp_path):
     assert len(list(model_dir.glob("*.safetensors"))) > 1
 
 
+@pytest.mark.parametrize("device,checkpoint,native,expected", [
+    ("cpu", torch.bfloat16, True, torch.bfloat16), ("cpu", torch.float16, True, torch.bfloat16),
+    ("cpu", torch.bfloat16, False, torch.float32), ("cpu", torch.float32, True, torch.float32),
+    ("cuda", torch.float16, False, torch.float16), ("cuda:1", torch.bfloat16, False,
+                                                   torch.bfloat16)])
+def test_dtype_auto_is_the_checkpoints_where_the_device_computes_it(monkeypatch, device,
+                                                                     checkpoint, native,
+                                                                     expected):
+    monkeypatch.setattr(runner_module, "cpu_computes_bfloat16", lambda: native)
+    assert runner_module._auto_dtype(device, checkpoint) == expected
+
+
 def test_checkpoint_dtype_is_honoured(tmp_path):
     model_dir = save_random_checkpoint(tmp_path, dtype=torch.bfloat16)
     runner = ModelRunner(RunnerConfig(str(model_dir), dtype="auto"))
     assert runner.model_config.dtype == torch.bfloat16
-    assert runner.dtype == torch.float32  # CPU computes half-precision checkpoints in fp32
+    # a CPU with bfloat16 instructions computes a half-precision checkpoint in bfloat16
+    assert runner.dtype == (torch.bfloat16 if cpu_computes_bfloat16() else torch.float32)
     half = ModelRunner(RunnerConfig(str(model_dir), dtype="bfloat16"))
     assert half.model.embed_tokens.weight.dtype == torch.bfloat16
     out = SpeculativeDecoder(half).generate([[5, 6, 7]], SamplingParams(max_tokens=8), 0)

@@ -1,0 +1,97 @@
+"""C++ kernels for the CPU, built with torch's extension tooling on first use and cached.
+
+The build is keyed by the source, torch's version and this CPU's instruction set (the
+code is compiled for the machine it runs on), so a cache shared between machines never
+loads code a CPU cannot run. Where no compiler is present, or the build fails, one log
+line says so and callers keep their pure-torch path: the package installs and runs
+without a compiler.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).with_name("paged_attention.cpp"),)
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
+DISABLE_ENV = "OUTRIDER_NO_CPU_KERNELS"  # set to 1: the pure-torch path, no build
+
+
+def build_dir() -> Path:
+    """$OUTRIDER_KERNEL_CACHE, else ~/.cache/outrider/kernels."""
+    default = Path.home() / ".cache" / "outrider" / "kernels"
+    return Path(os.environ.get("OUTRIDER_KERNEL_CACHE", default))
+
+
+def _build_key() -> str:
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join([torch.__version__, platform.machine(), *FLAGS,
+                            _cpu_flags()]).encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+_enabled = [os.environ.get(DISABLE_ENV) != "1"]
+
+
+def use_cpu_kernels(enabled: bool) -> None:
+    """Turn the kernels on or off for this process (benchmarks measure both paths)."""
+    _enabled[0] = enabled
+
+
+def cpu_kernels_loaded() -> bool:
+    """Whether CPU attention runs the C++ kernel: enabled, built (or reused) and loaded."""
+    return _enabled[0] and _load()
+
+
+@functools.cache
+def _load() -> bool:
+    """Build (or reuse) and load the kernels once; False, logged once, when they cannot be."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return _unavailable(f"no C++ compiler ({compiler!r} not found)")
+    from torch.utils import cpp_extension
+
+    name = f"outrider_cpu_{_build_key()}"
+    directory = build_dir() / name
+    quiet = logging.getLogger(cpp_extension.__name__)  # its compiler-version notices
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],
+                           extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                           build_directory=str(directory), is_python_module=False,
+                           verbose=False)
+    except Exception as exc:  # no ninja, a failed build, an unwritable cache
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        return _unavailable(f"{type(exc).__name__}: {first_line[:200]}")
+    finally:
+        quiet.setLevel(level)
+    return True
+
+
+def _unavailable(why: str) -> bool:
+    log.warning("CPU paged-attention kernel unavailable (%s); using the pure-torch path", why)
+    return False
+
