@@ -1,10 +1,13 @@
-"""CPU cores for processes that share a machine. `outrider serve` on a CPU gives the
-target replica cores of its own and the router the rest (with whatever clients run
-there): a model's threads that meet other busy processes on their cores wait at every
-parallel region for the one that was preempted, and the target's forward is the step
-every request waits on. A draft replica drafts on the target's cores while the target
-waits for its Propose (they are idle then) and on the others while the target verifies
-(overlap): draft-worker --target-cpus. Every role takes `--cpus LIST`."""
+"""CPU cores for processes that share a machine. `outrider serve` on a CPU keeps the last
+cores for the router (with whatever clients run there) and gives the target replica the
+others to itself for its small steps, every core for its large ones: a model's threads
+that meet other busy processes on their cores wait at every parallel region for the one
+that was preempted, and the target's forward is the step every request waits on; but a
+large step (a busy batch, where speculation is mostly off and the draft idle) has work
+for every core, and the router then needs a small share of one. A draft replica drafts on
+the target's cores while the target waits for its Propose (they are idle then) and on the
+others while the target verifies (overlap): draft-worker --target-cpus. Every role takes
+`--cpus LIST`."""
 
 from __future__ import annotations
 
@@ -55,10 +58,15 @@ def pin_cpus(text: str) -> None:
 
 @dataclass(frozen=True)
 class CpuPlan:
-    """Cores per role, as --cpus values."""
+    """Cores per role, as --cpus values: `target` are the target's own cores (its small
+    steps run one thread on each; its large ones on every core), `router` the rest."""
 
     target: str
     router: str
+
+    @property
+    def small_step_threads(self) -> int:
+        return len(parse_cpus(self.target))
 
 
 def plan_cpus(cores: list[int] | None = None) -> CpuPlan | None:

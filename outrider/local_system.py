@@ -102,7 +102,8 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                             "--max-batch-tokens", str(cfg.max_batch_tokens),
                             "--max-num-seqs", str(cfg.max_num_seqs),
                             *[a for d in drafts for a in ("--draft-address", d)],
-                            *pinned("target"), *cfg.extra_target_args)
+                            *(("--small-step-threads", str(cpus.small_step_threads))
+                              if cpus else ()), *cfg.extra_target_args)
                         for i in range(cfg.target_replicas))
         http_port = None if cfg.http_port is None else cfg.http_port or free_port()
         router = run("router", "router", "--model", cfg.target,

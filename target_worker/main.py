@@ -57,6 +57,7 @@ class TargetWorkerConfig:
 
         runner = RunnerConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
                               tp=args.tp, kv_cache_mb=args.kv_cache_mb, threads=args.threads,
+                              small_step_threads=args.small_step_threads,
                               prefix_caching=args.enable_prefix_caching,
                               compile=args.compile, prepared_rows=args.max_batch_tokens)
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
@@ -69,7 +70,7 @@ class TargetWorkerConfig:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`outrider target-worker`'s flags (TargetWorkerConfig.from_args reads them)."""
-    from outrider.engine.runner import RunnerConfig
+    from outrider.engine.runner import SMALL_STEP_TOKENS, RunnerConfig
 
     p.add_argument("--model", required=True, help="target checkpoint dir")
     p.add_argument("--draft-address", action="append", default=[],
@@ -96,6 +97,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           kv_cache_mb=RunnerConfig.kv_cache_mb, threads=RunnerConfig.threads,
                           threads_help="CPU threads per rank (0: the cores it may use, "
                                        "shared out over --tp)")
+    p.add_argument("--small-step-threads", type=int, default=RunnerConfig.small_step_threads,
+                   help="CPU threads for a forward of fewer than "
+                        f"{SMALL_STEP_TOKENS} tokens, leaving the other cores to a draft "
+                        "replica drafting beside it (0: --threads; `outrider serve` on a "
+                        "CPU sets 1)")
     add_cpus_arg(p)
     add_batch_arguments(p)
     add_metrics_arg(p)

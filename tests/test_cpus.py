@@ -22,9 +22,10 @@ def test_cpu_lists_parse_and_bad_ones_name_the_flag():
 def test_the_target_gets_cores_of_its_own():
     assert plan_cpus([0]) is None  # one core: nothing to share out
     two = plan_cpus([0, 1])
-    assert (two.target, two.router) == ("0", "1")
+    assert (two.target, two.router, two.small_step_threads) == ("0", "1", 1)
     sixteen = plan_cpus(list(range(16)))
     assert sixteen.target == ",".join(map(str, range(14))) and sixteen.router == "14,15"
+    assert sixteen.small_step_threads == 14
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux affinity only")
@@ -35,3 +36,25 @@ def test_a_role_runs_on_the_cores_it_was_given():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == f"[{core}]"
+
+
+def test_small_steps_run_on_the_small_step_threads_and_large_ones_on_all(llama_dir):
+    """The target's plan: a forward of fewer than SMALL_STEP_TOKENS tokens on its own
+    cores' threads, any larger one on every thread it has."""
+    import torch
+
+    from outrider.engine.runner import SMALL_STEP_TOKENS, ForwardRequest, ModelRunner, RunnerConfig
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner = ModelRunner(RunnerConfig(str(llama_dir), kv_cache_mb=1, small_step_threads=1))
+        seen = []
+        for tokens in (SMALL_STEP_TOKENS - 1, SMALL_STEP_TOKENS, 1):
+            runner.blocks.append(tokens, tokens)
+            runner.forward([ForwardRequest([5] * tokens, 0, runner.blocks.block_table(tokens), 1)])
+            seen.append(torch.get_num_threads())
+            runner.blocks.free(tokens)
+        assert seen == [1, 2, 1]
+    finally:
+        torch.set_num_threads(before)

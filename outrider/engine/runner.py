@@ -26,6 +26,9 @@ from outrider.engine.parallel import PackedForCPU, TPGroup, prepare_cpu_linears
 log = logging.getLogger(__name__)
 
 
+SMALL_STEP_TOKENS = 16  # a forward of fewer tokens is small (RunnerConfig.small_step_threads)
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     model_dir: str
@@ -36,6 +39,8 @@ class RunnerConfig:
     kv_cache_mb: float = 256.0  # KV budget per rank
     max_model_len: int = 8192   # capped by the model's max_position_embeddings
     threads: int = 0            # CPU threads per rank; 0: the cores shared out over tp
+    small_step_threads: int = 0  # CPU threads for a forward of < SMALL_STEP_TOKENS tokens
+    #                             (0: as many as for any other)
     prefix_caching: bool = True  # share the KV of common prefixes (block_manager.py)
     compile: bool = False       # the forward as one compiled graph (compiled.py); off:
     #                             it measured no faster on CPU (BENCHMARKS.md)
@@ -45,8 +50,8 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.kv_cache_mb <= 0 or self.max_model_len < 1:
             raise ValueError("block_size, kv_cache_mb and max_model_len must be positive")
-        if self.prepared_rows < 0:
-            raise ValueError("prepared_rows must be >= 0")
+        if self.prepared_rows < 0 or self.small_step_threads < 0:
+            raise ValueError("prepared_rows and small_step_threads must be >= 0")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 
@@ -78,6 +83,7 @@ class ModelRunner:
         self.kv_caches, num_blocks = self._allocate_kv()
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_caching)
         self.warm_up_s = 0.0  # compiling the forward at start
+        self.threads = torch.get_num_threads()  # this rank's share (set_cpu_threads)
         self._set_step()
 
     @property
@@ -163,6 +169,7 @@ class ModelRunner:
 
     def _forward(self, requests: list[ForwardRequest]) -> torch.Tensor:
         device = self.device
+        self._use_threads(sum(len(r.token_ids) for r in requests))
         input_ids, positions, logits_rows, offset = [], [], [], 0
         for r in requests:
             n = len(r.token_ids)
@@ -176,6 +183,17 @@ class ModelRunner:
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
         return self.step(as_long(input_ids), as_long(positions), self.kv_caches, meta,
                          as_long(logits_rows))
+
+    def _use_threads(self, num_tokens: int) -> None:
+        """A small forward on `small_step_threads` (serving leaves the other cores to a
+        draft replica drafting beside it and to the router), any other on every thread of
+        this rank. Every rank runs the same forward, so they switch alike."""
+        if self.device.type != "cpu" or not self.cfg.small_step_threads:
+            return
+        small = num_tokens < SMALL_STEP_TOKENS
+        threads = min(self.cfg.small_step_threads, self.threads) if small else self.threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
     def serve_driver(self) -> None:
         """Non-driver ranks: run every forward the driver broadcasts until told to stop."""
