@@ -10,6 +10,7 @@ from torch import nn
 from outrider.engine.attention import AttentionMetadata
 from outrider.engine.checkpoint import CheckpointError, iter_tensor_slices
 from outrider.engine.compiled import attention
+from outrider.engine.kernels import runs_kernels
 from outrider.engine.model_config import ModelConfig
 from outrider.engine.parallel import (
     MergedColumnParallelLinear,
@@ -30,12 +31,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if runs_kernels(x):
+            return torch.ops.outrider_cpu.rms_norm(x, self.weight, self.eps, None)
         if x.dtype == torch.float32:  # the fused kernel is bit-identical to the formula below
             return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 whatever the model dtype, as the reference implementation does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor,
+                     residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of residual + x, residual + x); the C++ path adds into `residual`."""
+        if runs_kernels(x):
+            return torch.ops.outrider_cpu.rms_norm(x, self.weight, self.eps, residual), residual
+        residual = residual + x
+        return self(residual), residual
 
 
 class Attention(nn.Module):
@@ -56,8 +67,12 @@ class Attention(nn.Module):
         # x: [num_tokens, hidden]
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(-1, heads + 2 * kv_heads, self.head_dim)
-        qk = apply_rope(qkv[:, :heads + kv_heads], cos_sin)  # queries and keys in one go
-        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
+        if runs_kernels(qkv):  # queries and keys rotated in place, in one go
+            torch.ops.outrider_cpu.rope_(qkv[:, :heads + kv_heads], *cos_sin)
+            qk = qkv
+        else:
+            qk = apply_rope(qkv[:, :heads + kv_heads], cos_sin)
+        q, k, v = qk[:, :heads], qk[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
         out = attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.window, self.scale)
         return self.o_proj(out)
 
@@ -71,7 +86,10 @@ class MLP(nn.Module):
                                            cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if runs_kernels(gate_up):
+            return self.down_proj(torch.ops.outrider_cpu.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -84,8 +102,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # x: [num_tokens, hidden], this layer's own (the previous layer's fresh output)
+        attended = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        h, x = self.post_attention_layernorm.add_and_norm(attended, x)
+        return x + self.mlp(h)
 
 
 class CausalLM(nn.Module):

@@ -21,7 +21,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("paged_attention.cpp"),)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cpp",
+                                                          "elementwise.cpp"))
+HEADERS = (Path(__file__).with_name("vec.h"),)
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 DISABLE_ENV = "OUTRIDER_NO_CPU_KERNELS"  # set to 1: the pure-torch path, no build
 
@@ -34,7 +36,7 @@ def build_dir() -> Path:
 
 def _build_key() -> str:
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     digest.update(" ".join([torch.__version__, platform.machine(), *FLAGS,
                             _cpu_flags()]).encode())
@@ -60,8 +62,16 @@ def use_cpu_kernels(enabled: bool) -> None:
 
 
 def cpu_kernels_loaded() -> bool:
-    """Whether CPU attention runs the C++ kernel: enabled, built (or reused) and loaded."""
+    """Whether CPU forwards run the C++ kernels: enabled, built (or reused) and loaded."""
     return _enabled[0] and _load()
+
+
+def runs_kernels(x: torch.Tensor) -> bool:
+    """Whether a forward over `x` takes the C++ kernels: on CPU, eager (a compiled forward
+    leaves its elementwise steps to the compiler, which fuses them itself) and without
+    gradients (they have none: a draft that learns trains through the torch ops)."""
+    return (x.device.type == "cpu" and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and cpu_kernels_loaded())
 
 
 @functools.cache
@@ -92,6 +102,7 @@ def _load() -> bool:
 
 
 def _unavailable(why: str) -> bool:
-    log.warning("CPU paged-attention kernel unavailable (%s); using the pure-torch path", why)
+    log.warning("CPU kernels (paged attention, fused elementwise steps) unavailable (%s); "
+                "using the pure-torch path", why)
     return False
 

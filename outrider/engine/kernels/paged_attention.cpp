@@ -23,6 +23,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "vec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -31,73 +33,18 @@
 
 namespace {
 
+using outrider::lane_max;
+using outrider::lane_sum;
+using outrider::load;
+using outrider::splat;
+using outrider::vexp;
+using outrider::vf16;
+using outrider::vi16;
+
 constexpr int64_t kQueryTile = 16;  // queries per work item
 constexpr int64_t kTile = 16;       // keys per online-softmax step: one vf16 of scores
 constexpr int kRows = 8;            // rows attended together (at most)
 constexpr float kNoScore = -1e30f;  // a key a row does not see (finite, so no inf arithmetic)
-
-// 16 floats: one AVX-512 register (two AVX2 ones, four NEON ones). GCC/Clang vector
-// extensions: the compiler emits the machine's own instructions, no intrinsics.
-typedef float vf16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-
-inline vf16 splat(float x) { return vf16{} + x; }
-
-inline vf16 load(const float* p) {  // unaligned
-  vf16 x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-
-// exp(x), lane by lane: 2^n from the exponent bits times a degree-6 polynomial of the
-// remainder in [-ln2/2, ln2/2] (relative error ~2e-7); x is clamped to [-87, 88].
-inline vf16 vexp(vf16 x) {
-  const vf16 lo = splat(-87.0f), hi = splat(88.0f), round = splat(12582912.0f);  // 1.5 * 2^23
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  const vf16 n = (x * 1.44269504088896341f + round) - round;  // nearest integer
-  const vf16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vf16 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-  vf16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-// x with its two halves, quarters, ... swapped (a butterfly step of a reduction)
-template <int kHalf>
-inline vf16 swap_lanes(vf16 x) {
-  vi16 index;
-  for (int i = 0; i < 16; ++i) index[i] = i ^ kHalf;
-#if defined(__clang__)
-  vf16 y;
-  for (int i = 0; i < 16; ++i) y[i] = x[index[i]];
-  return y;
-#else
-  return __builtin_shuffle(x, index);
-#endif
-}
-
-inline float lane_max(vf16 x) {
-  auto max = [](vf16 a, vf16 b) { return a > b ? a : b; };
-  x = max(x, swap_lanes<8>(x));
-  x = max(x, swap_lanes<4>(x));
-  x = max(x, swap_lanes<2>(x));
-  return std::max(x[0], x[1]);
-}
-
-inline float lane_sum(vf16 x) {
-  x += swap_lanes<8>(x);
-  x += swap_lanes<4>(x);
-  x += swap_lanes<2>(x);
-  return x[0] + x[1];
-}
 
 struct Layout {
   int64_t heads, kv_heads, head_dim, group, block_size;

@@ -1,0 +1,191 @@
+// The decoder's elementwise steps for CPUs, each one pass over its rows in fp32 whatever
+// the model's dtype (rounded once, at the end), rows spread over the intra-op threads:
+// eager PyTorch runs each as several ops, every one a pass over memory, a temporary and a
+// dispatch, and on one thread at these sizes.
+//
+//   rms_norm(x, weight, eps, residual?)  residual += x first (in place) when given;
+//                                        returns weight * normalise(the sum, or x)
+//   silu_mul(gate_up)                    [n, 2i] -> silu(gate) * up, [n, i]
+//   rope_(x, cos, sin)                   x [n, heads, dim] rotated in place (the
+//                                        rotate-half layout), cos/sin [n, 1, dim]
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "vec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+namespace {
+
+using outrider::lane_sum;
+using outrider::load;
+using outrider::splat;
+using outrider::store;
+using outrider::vexp;
+using outrider::vf16;
+
+constexpr int64_t kGrain = 4;  // rows per parallel task, at least
+constexpr int64_t kLanes = 16;
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "outrider elementwise: ", what); }
+
+template <typename F>
+void dispatch(const at::Tensor& x, F&& f) {
+  if (x.scalar_type() == at::kFloat) {
+    f(float{});
+  } else if (x.scalar_type() == at::kBFloat16) {
+    f(c10::BFloat16{});
+  } else {
+    check(false, "float32 or bfloat16 only");
+  }
+}
+
+// f(i, n) over [0, size) in vectors of n = 16 values, the last one shorter.
+template <typename F>
+inline void by_vectors(int64_t size, F&& f) {
+  for (int64_t i = 0; i < size; i += kLanes) f(i, std::min(kLanes, size - i));
+}
+
+template <typename T>
+inline vf16 load_at(const T* p, int64_t n) {
+  return n == kLanes ? load(p) : outrider::load_n(p, n);
+}
+
+template <typename T>
+inline void store_at(T* p, vf16 x, int64_t n) {
+  if (n == kLanes) {
+    store(p, x);
+  } else {
+    outrider::store_n(p, x, n);
+  }
+}
+
+// A value rounded to T and back: what storing it in the model's dtype keeps.
+template <typename T>
+inline vf16 rounded(vf16 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    T buffer[kLanes];
+    store(buffer, x);
+    return load(buffer);
+  }
+}
+
+// Rows of x (and residual) by their stride; the last dimension contiguous.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    const std::optional<at::Tensor>& residual) {
+  check(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous(), "x: [rows, hidden]");
+  check(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(1), "weight");
+  check(!residual || (residual->sizes() == x.sizes() && residual->stride(1) == 1 &&
+                      residual->scalar_type() == x.scalar_type()),
+        "residual: like x");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  at::Tensor out = at::empty({rows, hidden}, x.options());
+  dispatch(x, [&](auto zero) {
+    using T = decltype(zero);
+    const T* xp = x.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    T* rp = residual ? residual->data_ptr<T>() : nullptr;
+    T* op = out.data_ptr<T>();
+    const int64_t x_row = x.stride(0), r_row = residual ? residual->stride(0) : 0;
+    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* xr = xp + r * x_row;
+        T* rr = rp ? rp + r * r_row : nullptr;
+        vf16 squares{};
+        by_vectors(hidden, [&](int64_t i, int64_t n) {
+          vf16 value = load_at(xr + i, n);
+          if (rr) {  // the residual stream is kept in the model's dtype: rounded as stored
+            value = rounded<T>(load_at(rr + i, n) + value);
+            store_at(rr + i, value, n);
+          }
+          squares += value * value;
+        });
+        const vf16 scale = splat(1.0f / std::sqrt(lane_sum(squares) / hidden +
+                                                 static_cast<float>(eps)));
+        const T* source = rr ? rr : xr;
+        T* orow = op + r * hidden;
+        by_vectors(hidden, [&](int64_t i, int64_t n) {
+          // as the reference: normalised in fp32, rounded to the model's dtype, weighted
+          store_at(orow + i, load_at(wp + i, n) * rounded<T>(load_at(source + i, n) * scale), n);
+        });
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+        "gate_up: [rows, 2 * inner]");
+  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, inner}, gate_up.options());
+  dispatch(gate_up, [&](auto zero) {
+    using T = decltype(zero);
+    const T* gp = gate_up.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    const int64_t row = gate_up.stride(0);
+    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* gate = gp + r * row;
+        T* orow = op + r * inner;
+        by_vectors(inner, [&](int64_t i, int64_t n) {
+          const vf16 g = load_at(gate + i, n);
+          store_at(orow + i, g / (1.0f + vexp(-g)) * load_at(gate + inner + i, n), n);
+        });
+      }
+    });
+  });
+  return out;
+}
+
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  check(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "x: [rows, heads, dim]");
+  check(cos.dim() == 3 && cos.size(0) == x.size(0) && cos.size(2) == x.size(2) &&
+            cos.stride(2) == 1 && sin.sizes() == cos.sizes() && sin.stride(2) == 1 &&
+            cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+        "cos, sin: [rows, 1, dim] in x's dtype");
+  const int64_t rows = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  dispatch(x, [&](auto zero) {
+    using T = decltype(zero);
+    T* xp = x.data_ptr<T>();
+    const T* cp = cos.data_ptr<T>();
+    const T* sp = sin.data_ptr<T>();
+    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* c = cp + r * cos.stride(0);
+        const T* s = sp + r * sin.stride(0);
+        for (int64_t h = 0; h < heads; ++h) {
+          T* v = xp + r * x.stride(0) + h * x.stride(1);
+          by_vectors(half, [&](int64_t i, int64_t n) {
+            const vf16 a = load_at(v + i, n), b = load_at(v + half + i, n);
+            store_at(v + i, a * load_at(c + i, n) - b * load_at(s + i, n), n);
+            store_at(v + half + i, b * load_at(c + half + i, n) + a * load_at(s + half + i, n), n);
+          });
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(outrider_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(outrider_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rope_", &rope_);
+}

@@ -1,0 +1,97 @@
+"""The C++ elementwise steps (RMSNorm with the residual added in place, SiLU·up, RoPE in
+place) against the torch path the model runs without them, in float32 and bfloat16, at
+widths that are and are not a multiple of their 16-lane vectors; and a forward with them
+against one without."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from outrider.engine.kernels import cpu_kernels_loaded, use_cpu_kernels
+from outrider.engine.model import RMSNorm
+from outrider.engine.rope import RotaryEmbedding, apply_rope
+from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
+
+ULP = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}  # relative: the last place, and a bit
+
+
+@pytest.fixture
+def torch_path():
+    """Run a block on the torch path, then back to the kernels."""
+    assert cpu_kernels_loaded()
+    use_cpu_kernels(False)
+    yield
+    use_cpu_kernels(True)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(got.float(), want.float(), rtol=ULP[dtype], atol=ULP[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [320, 40])
+def test_rms_norm_and_the_residual_added_in_place(dtype, hidden):
+    torch.manual_seed(0)
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
+    norm.weight.data = (torch.rand(hidden) + 0.5).to(dtype)
+    x, residual = (torch.randn(7, hidden).to(dtype) * 3 for _ in range(2))
+    with torch.inference_mode():
+        plain = norm(x)
+        added, summed = norm.add_and_norm(x, residual.clone())
+        use_cpu_kernels(False)
+        try:
+            want_plain = norm(x)
+            want_added, want_sum = norm.add_and_norm(x, residual.clone())
+        finally:
+            use_cpu_kernels(True)
+    close(plain, want_plain, dtype)
+    assert torch.equal(summed, want_sum)  # the stream rounds as the torch path stores it
+    close(added, want_added, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inner", [864, 24])
+def test_silu_times_up(dtype, inner):
+    gate_up = torch.randn(9, 2 * inner).to(dtype) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = (torch.nn.functional.silu(gate.float()) * up.float())
+    close(torch.ops.outrider_cpu.silu_mul(gate_up), want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_rope_in_place_on_queries_and_keys_of_one_buffer(dtype, head_dim):
+    """Rotated in place in the first heads of a qkv buffer, the values' heads untouched."""
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, None)
+    positions = torch.tensor([0, 5, 17, 300, 301, 511])
+    qkv = torch.randn(len(positions), 5 + 2 * 2, head_dim).to(dtype)
+    cos_sin = rope.lookup(positions, dtype)
+    want = apply_rope(qkv[:, :7].float(), tuple(t.float() for t in cos_sin))
+    values = qkv[:, 7:].clone()
+    torch.ops.outrider_cpu.rope_(qkv[:, :7], *cos_sin)
+    close(qkv[:, :7], want, dtype)
+    assert torch.equal(qkv[:, 7:], values)
+
+
+def forward_logits(model_dir, dtype: str, kernels: bool) -> torch.Tensor:
+    use_cpu_kernels(kernels)
+    runner = ModelRunner(RunnerConfig(str(model_dir), dtype=dtype, kv_cache_mb=2))
+    runner.blocks.append(0, 40)
+    return runner.forward([ForwardRequest(list(range(3, 43)), 0, runner.blocks.block_table(0),
+                                          40)])
+
+
+def test_a_float32_forward_with_the_kernels_is_the_torch_paths(llama_dir, torch_path):
+    with_kernels = forward_logits(llama_dir, "float32", True)
+    torch.testing.assert_close(with_kernels, forward_logits(llama_dir, "float32", False),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_a_bfloat16_forward_with_the_kernels_is_as_close_to_float32(llama_dir, torch_path):
+    """Both bf16 paths round differently (the kernels compute each step in fp32 and round
+    once); the kernels' is no further from the fp32 forward than the torch path's."""
+    exact = forward_logits(llama_dir, "float32", False)
+    errors = {kernels: (forward_logits(llama_dir, "bfloat16", kernels) - exact).abs().mean()
+              for kernels in (True, False)}
+    assert errors[True] <= errors[False] * 1.1, errors
