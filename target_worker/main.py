@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import threading
 import uuid
@@ -171,6 +172,10 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
         [SERVICE_NAME], f"{cfg.host}:{cfg.port}", token,
         max_workers=cfg.sched.max_num_seqs + MAX_QUEUED_PER_REPLICA + 16,
         credentials=credentials)
+    # what start-up built (the model, its caches, the cost runs) lives as long as the
+    # replica: kept out of the cyclic collector's full passes, which then scan only what
+    # steps allocate
+    gc.freeze()
     stop = threading.Event()
     loop = threading.Thread(target=engine.run, args=(stop,), name="target-engine", daemon=True)
     loop.start()

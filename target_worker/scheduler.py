@@ -20,8 +20,11 @@ from outrider.engine.block_manager import BlockManager
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_batch_tokens: int = 512  # target positions per step, draft tokens included
+    # vLLM's CPU defaults for its API server: a throughput-bound server fills large steps
+    # (measured, demo pair in bf16 at 64 streams: 4,574 tok/s and TTFT p50 151 ms with
+    # 2,048 positions, 4,285 and 108 ms with 512, 3,702 and 76 ms with 256)
+    max_num_seqs: int = 128
+    max_batch_tokens: int = 2048  # target positions per step, draft tokens included
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_batch_tokens < 2:

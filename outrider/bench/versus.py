@@ -14,7 +14,7 @@ distribution. vLLM is only ever a peer here: nothing of Outrider imports it.
 Prompts: the first --prompt-tokens tokens of source files of third-party packages
 installed beside Outrider (never in the repository, nor in the demo pair's training
 data), written to a JSONL file every client reads. Greedy, --max-tokens tokens each,
-EOS ignored, float32 everywhere.
+EOS ignored, every system in --dtype (float32; bfloat16; auto: each system's default).
 
 Systems, each measured at every concurrency level:
   outrider-auto     `outrider serve` (router + target + draft processes), the γ policy
@@ -444,8 +444,10 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
                              "temperature=0.8,top_p=0.9,repetition_penalty=1.1,logprobs=2 "
                              "(vllm bench serve's names; default: greedy). The in-process "
                              "engine rows are greedy whatever this says")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="(--vllm) of every system's models")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"),
+                        help="(--vllm) of every system's models; auto: each system's own "
+                             "default (both take a bf16 checkpoint's dtype on a CPU with "
+                             "bf16 instructions)")
     parser.add_argument("--hf", action="store_true",
                         help="transformers (assisted generation) at batch 1 on the same prompts")
 

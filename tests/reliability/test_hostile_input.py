@@ -37,6 +37,7 @@ from tests.scraping import scrape, total
 
 pytestmark = pytest.mark.slow
 
+MAX_NUM_SEQS = 64  # the live replica's batch: 70 streams overflow it
 TOKEN = "reliability-hostile-token"
 MODEL = "fuzz-target"
 VOCAB = 300            # the test tokenizer's vocabulary (the checkpoint pads to 320)
@@ -77,7 +78,8 @@ def live(llama_dir, draft_dir, tmp_path_factory):
     with process_group(TOKEN) as start:
         draft_proc, draft = start("draft-worker", "--model", str(draft_dir))
         target_proc, target = start("target-worker", "--model", str(model), "--draft-address",
-                                    draft, "--metrics-port", str(metrics_port))
+                                    draft, "--metrics-port", str(metrics_port),
+                                    "--max-num-seqs", str(MAX_NUM_SEQS))
         router_proc, router = start("router", "--model", str(model), "--target-address",
                                     target, "--port", "0", "--http-port", str(http_port))
         with grpc.insecure_channel(router) as channel:
@@ -696,8 +698,8 @@ def test_more_streams_than_the_batch_holds_wait_and_finish(live, expected_backgr
         loads.append((held["num_running"], held["num_waiting"]))
         time.sleep(0.005)
     assert len(results) == 70 and all(r == expected_background[:24] for r in results)
-    assert max(r for r, _ in loads) == 64  # the batch was full, never over
-    assert any(r == 64 and w > 0 for r, w in loads), max(loads)  # and requests queued behind it
+    assert max(r for r, _ in loads) == MAX_NUM_SEQS  # the batch was full, never over
+    assert any(r == MAX_NUM_SEQS and w > 0 for r, w in loads), max(loads)  # and others queued
     healthy(live, expected_background)
     record("overload_70_streams_64_seqs", max_waiting_seen=max(w for _, w in loads),
            failed_requests=0)

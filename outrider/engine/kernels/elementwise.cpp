@@ -26,6 +26,8 @@ namespace {
 
 using outrider::lane_sum;
 using outrider::load;
+using outrider::reciprocal;
+using outrider::rounded;
 using outrider::splat;
 using outrider::store;
 using outrider::vexp;
@@ -64,18 +66,6 @@ inline void store_at(T* p, vf16 x, int64_t n) {
     store(p, x);
   } else {
     outrider::store_n(p, x, n);
-  }
-}
-
-// A value rounded to T and back: what storing it in the model's dtype keeps.
-template <typename T>
-inline vf16 rounded(vf16 x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else {
-    T buffer[kLanes];
-    store(buffer, x);
-    return load(buffer);
   }
 }
 
@@ -139,7 +129,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
         T* orow = op + r * inner;
         by_vectors(inner, [&](int64_t i, int64_t n) {
           const vf16 g = load_at(gate + i, n);
-          store_at(orow + i, g / (1.0f + vexp(-g)) * load_at(gate + inner + i, n), n);
+          store_at(orow + i, g * reciprocal(1.0f + vexp(-g)) * load_at(gate + inner + i, n), n);
         });
       }
     });

@@ -5,6 +5,9 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <cstdint>
 #include <cstring>
@@ -36,18 +39,48 @@ inline vf16 load(const T* p) {  // 16 values from p (unaligned) as floats
   }
 }
 
+// The bits of x rounded to bfloat16's 8-bit mantissa, to nearest even (x finite), in
+// the high half of each lane.
+inline vu16 bf16_bits(vf16 x) {
+  vu16 bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+}
+
+// x as T would store it, back in floats: rounded to bfloat16 for it, unchanged for float.
+template <typename T>
+inline vf16 rounded(vf16 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    static_assert(std::is_same_v<T, c10::BFloat16>);
+    const vu16 bits = bf16_bits(x);
+    vf16 y;
+    std::memcpy(&y, &bits, sizeof(y));
+    return y;
+  }
+}
+
 template <typename T>
 inline void store(T* p, vf16 x) {  // 16 floats to p (unaligned) in T
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(p, &x, sizeof(x));
   } else {
     static_assert(std::is_same_v<T, c10::BFloat16>);
-    vu16 bits;
-    std::memcpy(&bits, &x, sizeof(bits));
-    bits += 0x7FFFu + ((bits >> 16) & 1u);  // round to nearest even (inputs are finite)
-    const vh16 half = __builtin_convertvector(bits >> 16, vh16);
+    const vh16 half = __builtin_convertvector(bf16_bits(x) >> 16, vh16);
     std::memcpy(p, &half, sizeof(half));
   }
+}
+
+// 1 / x: a vector division is the slowest arithmetic there is (16 cycles a vector on
+// AVX-512), so where the CPU has its 14-bit estimate, that and one Newton step (~1e-7).
+inline vf16 reciprocal(vf16 x) {
+#if defined(__AVX512F__)
+  const vf16 estimate = (vf16)_mm512_rcp14_ps((__m512)x);
+  return estimate * (2.0f - x * estimate);
+#else
+  return 1.0f / x;
+#endif
 }
 
 // The first n (< 16) values only: the rest of the vector is zero, nothing past p+n is
