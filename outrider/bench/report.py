@@ -353,7 +353,11 @@ def render_step(runs: list[Run]) -> str:
     data = runs[0].data
     limits = "; ".join(f"{dtype} GEMM {fmt(x['gemm_gflops'], 0)} GFLOP/s, copy "
                        f"{fmt(x['bandwidth_gbs'], 1)} GB/s" for dtype, x in data["limits"].items())
-    return with_provenance(runs, step.table(data["cases"]), f"One core's limit: {limits}.")
+    cases = data["cases"]
+    # a run that measured both attention paths: the comparison (every row is in the JSON)
+    table = (step.against_reference(cases) if any("attention" in c for c in cases)
+             else step.table(cases))
+    return with_provenance(runs, table, f"One core's limit: {limits}.")
 
 
 def render_peer(runs: list[Run]) -> str:

@@ -185,6 +185,29 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def against_reference(rows: list[dict]) -> str:
+    """Per step and dtype: ms (attention ms) on the reference path eager (the engine before
+    the CPU kernels), the kernels eager and compiled; the best of them against the eager
+    float32 reference step, and the kernel's attention against the reference's."""
+    at = {(_name(r), r["dtype"], r["compiled"], r.get("attention", "reference")): r
+          for r in rows}
+    modes = [(False, "reference"), (False, "kernel"), (True, "kernel")]
+    lines = ["| step | dtype | reference, eager | kernels, eager | kernels, compiled | "
+             "best vs reference fp32 eager | attention vs reference |",
+             "|---|---|---|---|---|---|---|"]
+    for name, dtype in dict.fromkeys((_name(r), r["dtype"]) for r in rows):
+        cells = [at.get((name, dtype, *mode)) for mode in modes]
+        shown = [f"{c['ms']:.2f} ({c['breakdown_ms']['attention']:.2f})" if c else "–"
+                 for c in cells]
+        today = at.get((name, "float32", False, "reference"))
+        best = min((c["ms"] for c in cells[1:] if c), default=None)
+        speedup = f"{today['ms'] / best:.2f}×" if today and best else "–"
+        ref, kernel = (c["breakdown_ms"]["attention"] if c else None for c in cells[:2])
+        attention = f"{kernel / ref:.2f}×" if ref and kernel else "–"
+        lines.append(f"| {name} | {dtype} | {' | '.join(shown)} | {speedup} | {attention} |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], folder: Path) -> str:
     import matplotlib
 
