@@ -687,8 +687,9 @@ def test_more_streams_than_the_batch_holds_wait_and_finish(live, expected_backgr
 
     def one() -> None:
         with Client(live.router, timeout_s=120) as client:
+            client.status()  # connected before the start: arrivals spread less than a stream lives
             go.wait(timeout=60)  # all at once, so that they overlap on the replica
-            results.append(list(client.generate(BACKGROUND_PROMPT, max_tokens=24,
+            results.append(list(client.generate(BACKGROUND_PROMPT, max_tokens=BACKGROUND_TOKENS,
                                                 temperature=0.0, ignore_eos=True).token_ids))
     threads = [threading.Thread(target=one) for _ in range(70)]
     for t in threads:
@@ -697,7 +698,7 @@ def test_more_streams_than_the_batch_holds_wait_and_finish(live, expected_backgr
         held = live.workers.held()
         loads.append((held["num_running"], held["num_waiting"]))
         time.sleep(0.005)
-    assert len(results) == 70 and all(r == expected_background[:24] for r in results)
+    assert len(results) == 70 and all(r == expected_background for r in results)
     assert max(r for r, _ in loads) == MAX_NUM_SEQS  # the batch was full, never over
     assert any(r == MAX_NUM_SEQS and w > 0 for r, w in loads), max(loads)  # and others queued
     healthy(live, expected_background)
