@@ -125,10 +125,12 @@ class TargetEngine:
 
     # -- the loop -------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
+        if self.metrics:
+            self.metrics.watch_engine_thread()
         while not stop.is_set() and not self.broken:
             self._admit_new()
             self._drop_cancelled()
-            has_stepped = self.scheduler.has_work and self._step()
+            has_stepped = self.scheduler.has_work and self._timed_step()
             self._flush()
             if not has_stepped:
                 self._wake.wait(timeout=0.1)
@@ -161,6 +163,17 @@ class TargetEngine:
     def _drop_cancelled(self) -> None:
         for handle in [h for h in self._by_seq.values() if h.is_cancelled]:
             self._finish(handle, FinishReason.CANCELLED)
+
+    def _timed_step(self) -> bool:
+        """_step, its wall time split into this thread's CPU time, the wait for the
+        proposer and the rest (waiting for the process's other threads) for the metrics."""
+        wall, cpu = time.perf_counter(), time.thread_time()
+        has_stepped = self._step()
+        timing = self.decoder.last_timing
+        if has_stepped and self.metrics:
+            self.metrics.record_step(time.perf_counter() - wall, time.thread_time() - cpu,
+                                     timing.draft_s if timing else 0.0)
+        return has_stepped
 
     def _step(self) -> bool:
         """One step; False when nothing could be scheduled (waiting for KV room)."""

@@ -287,8 +287,11 @@ def render_headline(runs: list[Run]) -> str:
 def render_versus(runs: list[Run]) -> str:
     from outrider.bench import versus
 
-    return with_provenance(runs, versus.table(labelled(by_level(runs[0].data["results"])),
-                                              rounds=True))
+    results = labelled(by_level(runs[0].data["results"]))
+    engines = versus.engine_table(results)
+    return with_provenance(runs, versus.table(results, rounds=True),
+                           f"The target's engine thread meanwhile:\n\n{engines}" if engines
+                           else "")
 
 
 def render_proposers(runs: list[Run]) -> str:
@@ -354,10 +357,14 @@ def render_step(runs: list[Run]) -> str:
     limits = "; ".join(f"{dtype} GEMM {fmt(x['gemm_gflops'], 0)} GFLOP/s, copy "
                        f"{fmt(x['bandwidth_gbs'], 1)} GB/s" for dtype, x in data["limits"].items())
     cases = data["cases"]
-    # a run that measured both attention paths: the comparison (every row is in the JSON)
-    table = (step.against_reference(cases) if any("attention" in c for c in cases)
-             else step.table(cases))
-    return with_provenance(runs, table, f"One core's limit: {limits}.")
+    if not any("attention" in c for c in cases):
+        return with_provenance(runs, step.table(cases), f"One core's limit: {limits}.")
+    # a run that measured both attention paths: the comparison, then where the default
+    # (the kernels, eager) spends its time (every row is in the JSON)
+    default = [c for c in cases if c["attention"] == "kernel" and not c["compiled"]]
+    return with_provenance(runs, step.against_reference(cases),
+                           "Where the default (kernels, eager) spends it:",
+                           step.table(default), f"One core's limit: {limits}.")
 
 
 def render_peer(runs: list[Run]) -> str:

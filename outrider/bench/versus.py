@@ -35,6 +35,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import shlex
 import signal
 import statistics
@@ -162,16 +163,28 @@ def cell(data: dict) -> dict:
 
 # -- servers -------------------------------------------------------------------------------
 @contextmanager
-def outrider_server(args, extra: tuple[str, ...] = ()) -> Iterator[str]:
+def outrider_server(args, extra: tuple[str, ...] = ()) -> Iterator[tuple[str, list[str]]]:
     """`outrider serve` on the demo pair (as a user starts it), with `extra` flags;
-    yields its HTTP base URL."""
+    yields its HTTP base URL and its target replicas' metrics URLs (as serve prints them)."""
     port = free_port()
     command = [sys.executable, "-m", "outrider.cli", "serve", "--target", args.target,
                "--draft", args.draft, "--gamma", str(args.gamma), "--grpc-port", "0",
                "--http-port", str(port), "--served-model-name", SERVED_NAME,
                "--dtype", args.dtype, *extra]
-    with _server(command, f"http://127.0.0.1:{port}", os.environ) as url:
-        yield url
+    with _server(command, f"http://127.0.0.1:{port}", os.environ) as log:
+        yield f"http://127.0.0.1:{port}", _printed_metrics(log, "target")
+
+
+def _printed_metrics(log, role: str, timeout_s: float = 10) -> list[str]:
+    """The metrics URLs `outrider serve` printed for `role`'s processes (it prints them
+    just after it answers)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        log.seek(0)
+        text = log.read()
+        if "metrics at" in text or time.monotonic() > deadline:
+            return re.findall(rf"{role}\S* metrics at (http://\S+)/metrics", text)
+        time.sleep(0.1)
 
 
 @contextmanager
@@ -184,18 +197,19 @@ def vllm_server(args, with_draft: bool, extra: tuple[str, ...] = ()) -> Iterator
         command += ["--speculative-config", json.dumps(
             {"model": args.draft, "method": "draft_model", "num_speculative_tokens": args.gamma})]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    with _server(command, f"http://127.0.0.1:{port}", env) as url:
-        yield url
+    with _server(command, f"http://127.0.0.1:{port}", env):
+        yield f"http://127.0.0.1:{port}", []
 
 
 @contextmanager
-def _server(command: list[str], url: str, env, timeout_s: float = 600) -> Iterator[str]:
+def _server(command: list[str], url: str, env, timeout_s: float = 600) -> Iterator:
+    """The server started and answering at `url`; yields its output (a file) so far."""
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         try:
             _wait_ready(proc, url, timeout_s, log)
-            yield url
+            yield log
         finally:
             _stop(proc)
 
@@ -281,10 +295,10 @@ def run_round(args, groups: list[list[str]], prompts_files: dict[int, Path], pro
         server = (outrider_server(args, SERVER_FLAGS.get(group[0], ()))
                   if group[0].startswith("outrider")
                   else vllm_server(args, with_draft=group[0] != "vllm"))
-        with server as url:
+        with server as (url, engines):
             for name in group:
                 results[name] = measure_server(args, name, url, prompts_files, levels,
-                                               out_dir, log)
+                                               out_dir, log, engines)
     return results
 
 
@@ -298,19 +312,72 @@ def measure_engine(args, system: str, prompt_ids: dict[int, list], levels: list[
 
 
 def measure_server(args, system: str, url: str, prompts_files: dict[int, Path],
-                   levels: list[int], out_dir: Path, log) -> dict[int, dict]:
+                   levels: list[int], out_dir: Path, log, engines: list[str] = ()
+                   ) -> dict[int, dict]:
+    """Each level's cell; with `engines` (Outrider's target replicas' metrics URLs), what
+    their engine threads did meanwhile (engine_cell)."""
     vllm, extra = vllm_command(args.vllm), _outrider_body(system)
     bench_serve(vllm, url, args.target, prompts_files[0], 1, 4, 16, out_dir,
                 f"warmup-{system}", extra, args.sampling)
     cells = {}
     for c in levels:
+        before, start = engine_counters(engines), time.perf_counter()
         data = bench_serve(vllm, url, args.target, prompts_files[c], c,
                            num_requests(c, args.requests_per_stream), args.max_tokens,
                            out_dir, system, extra, args.sampling)
         cells[c] = cell(data)
+        if engines:
+            cells[c] |= engine_cell(before, engine_counters(engines),
+                                    time.perf_counter() - start)
         log(f"{system} c={c}: {cells[c]['tokens_per_s']:.0f} tok/s, "
             f"TTFT p50 {cells[c]['ttft_ms_p50']:.0f} ms")
     return cells
+
+
+def engine_counters(metrics_urls: list[str]) -> dict[str, float]:
+    """The target engine threads' counters (outrider_engine_*), summed over replicas."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for url in metrics_urls:
+        text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+        for sample in (s for f in text_string_to_metric_families(text) for s in f.samples):
+            key = {"outrider_engine_steps_total": "steps",
+                   "outrider_engine_step_seconds_total": sample.labels.get("part"),
+                   "outrider_engine_context_switches": sample.labels.get("kind")
+                   }.get(sample.name)
+            if key:
+                totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
+def engine_cell(before: dict[str, float], after: dict[str, float], seconds: float) -> dict:
+    """What the engine thread did over `seconds`: the share of them it spent in steps, and
+    of its steps' wall time the share on its CPU, waiting for the proposer, and waiting for
+    the process's other threads (the GIL: the rest); voluntary context switches a step."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    wall, steps = d.get("wall") or float("nan"), d.get("steps") or float("nan")
+    return {"engine_in_steps": wall / seconds, "engine_cpu": d.get("cpu", 0.0) / wall,
+            "engine_proposer_wait": d.get("proposer_wait", 0.0) / wall,
+            "engine_other_wait": 1 - (d.get("cpu", 0.0) + d.get("proposer_wait", 0.0)) / wall,
+            "engine_steps_per_s": steps / seconds,
+            "engine_switches_per_step": d.get("voluntary", 0.0) / steps}
+
+
+def engine_table(results: dict[str, dict[int, dict]]) -> str:
+    """Per Outrider system and level, the engine thread's time (engine_cell), as %."""
+    lines = ["| system | streams | steps/s | in steps | of which on CPU | waiting for the "
+             "proposer | waiting for other threads | voluntary switches a step |",
+             "|---|---|---|---|---|---|---|---|"]
+    for system, cells in results.items():
+        for c, x in sorted(cells.items()):
+            if "engine_cpu" in x:
+                lines.append(
+                    f"| {system} | {c} | {x['engine_steps_per_s']:.0f} | "
+                    f"{x['engine_in_steps']:.0%} | {x['engine_cpu']:.0%} | "
+                    f"{x['engine_proposer_wait']:.0%} | {x['engine_other_wait']:.0%} | "
+                    f"{x['engine_switches_per_step']:.1f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def _outrider_body(system: str) -> dict | None:
@@ -368,15 +435,17 @@ def _ratio(a: dict, b: dict) -> float | None:
     return a["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else None
 
 
-def plot(results: dict[str, dict[int, dict]], folder: Path) -> list[str]:
+def plot(results: dict[str, dict[int, dict]], folder: Path, stem: str = "versus") -> list[str]:
+    """Throughput and TTFT against streams: STEM_throughput.png, STEM_ttft.png (STEM: the
+    JSON's name, so that runs kept side by side keep their own plots)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
-    for key, ylabel, name in (("tokens_per_s", "output tokens/s", "versus_throughput.png"),
-                              ("ttft_ms_p50", "TTFT p50 (ms)", "versus_ttft.png")):
+    for key, ylabel, name in (("tokens_per_s", "output tokens/s", f"{stem}_throughput.png"),
+                              ("ttft_ms_p50", "TTFT p50 (ms)", f"{stem}_ttft.png")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for system, cells in results.items():
             levels = sorted(c for c in cells if key in cells[c])
@@ -494,10 +563,12 @@ def run(args) -> int:
     if args.hf:
         report["hf_batch1"] = hf_batch1(args, [p for ps in prompt_ids.values() for p in ps][:8])
     if args.plots_dir:
-        report["plots"] = plot(results, Path(args.plots_dir))
+        report["plots"] = plot(results, Path(args.plots_dir), Path(args.out).stem)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(table(results))
+    if engines := engine_table(results):
+        print(engines)
     serving.print_targets(report["targets"])
     return 0
 

@@ -63,6 +63,15 @@ SPEC_ACCEPTED_BY_VERSION = Counter("outrider:spec_decode_accepted_tokens_by_vers
 GRAMMAR_MASK_SECONDS = Histogram("outrider_grammar_mask_seconds", "Time a step spent on "
                                  "its constrained rows' grammar masks", ENGINE,
                                  buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1))
+# the engine thread's steps: whatever of their wall time is neither its own CPU time nor a
+# wait for the proposer, it waited for the process's other threads (the GIL: gRPC sinks)
+ENGINE_STEPS = Counter("outrider_engine_steps", "Steps the engine thread ran", ENGINE)
+ENGINE_STEP_SECONDS = Counter("outrider_engine_step_seconds", "The engine thread's steps: "
+                              "their wall time (part=wall), its CPU time in them (cpu) and "
+                              "their waits for the proposer (proposer_wait)",
+                              [*ENGINE, "part"])
+ENGINE_SWITCHES = Gauge("outrider_engine_context_switches", "The engine thread's context "
+                        "switches since it started (/proc), by kind", [*ENGINE, "kind"])
 GENERATION_TOKENS = Counter("vllm:generation_tokens", "Tokens generated", ENGINE)
 PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Prompt tokens admitted", ENGINE)
 SPEC_GAMMA = Histogram("outrider_spec_gamma", "γ chosen per sequence per round",
@@ -181,6 +190,9 @@ class TargetMetrics:
         self._heat = {b: ROUND_HEAT.labels(**self.labels, speculated=str(b).lower())
                       for b in (False, True)}
         self._by_version: dict[int, tuple] = {}  # draft version -> (drafted, accepted)
+        self._steps = ENGINE_STEPS.labels(**self.labels)
+        self._step_seconds = [ENGINE_STEP_SECONDS.labels(**self.labels, part=part)
+                              for part in ("wall", "cpu", "proposer_wait")]
 
     def record_round(self, r: RoundStats, mode: str, num_tokens: int) -> None:
         """One sequence's round: γ proposals (the first num_free looked up, the rest
@@ -214,6 +226,19 @@ class TargetMetrics:
                 SPEC_ACCEPTED_BY_VERSION.labels(**labels))
         self._by_version[draft_version] = pair
         return pair
+
+    def record_step(self, wall_s: float, cpu_s: float, proposer_wait_s: float) -> None:
+        self._steps.inc()
+        for part, seconds in zip(self._step_seconds, (wall_s, cpu_s, proposer_wait_s)):
+            part.inc(seconds)
+
+    def watch_engine_thread(self) -> None:
+        """The calling thread's context switches, read at scrape time: voluntary ones are
+        waits (the GIL, the proposer), involuntary ones preemptions by other work."""
+        status = f"/proc/self/task/{threading.get_native_id()}/status"
+        for kind in ("voluntary", "nonvoluntary"):
+            ENGINE_SWITCHES.labels(**self.labels, kind=kind).set_function(
+                lambda kind=kind: _proc_count(status, f"{kind}_ctxt_switches"))
 
     def watch_load(self, load: Callable[[], ReplicaLoad]) -> None:
         """Gauges read at scrape time from the engine's load()."""
@@ -330,3 +355,12 @@ def serve_metrics(host: str, port: int, name: str, tries: int = 1) -> int:
 
 def _fraction(load: ReplicaLoad) -> float:
     return load.kv_used_blocks / load.kv_total_blocks if load.kv_total_blocks else 0.0
+
+
+def _proc_count(status_file: str, field: str) -> float:
+    """A field of a /proc status file (0 where there is none: not Linux, thread gone)."""
+    try:
+        with open(status_file) as f:
+            return float(next(line.split()[1] for line in f if line.startswith(field)))
+    except (OSError, StopIteration):
+        return 0.0

@@ -42,3 +42,19 @@ def test_rounds_are_averaged_and_targets_judged():
     assert not judged[("AUTO over vLLM's better configuration", 8)]["met"]   # 900 < 950
     assert judged[("AUTO over vLLM's better configuration", 32)]["met"]      # 1300 > 1250
     assert not judged[("served AUTO over the in-process engine γ=4", 32)]["met"]
+
+
+def test_the_engine_threads_time_splits_into_cpu_proposer_and_the_rest():
+    """Over a 10 s level, 1,000 steps took 8 s: 5 s on the thread's CPU, 1 s waiting for
+    the proposer, so 2 s (a quarter) waiting for the process's other threads."""
+    before = {"steps": 100, "wall": 1.0, "cpu": 0.5, "proposer_wait": 0.1, "voluntary": 50}
+    after = {"steps": 1100, "wall": 9.0, "cpu": 5.5, "proposer_wait": 1.1, "voluntary": 3050}
+    x = versus.engine_cell(before, after, 10.0)
+    assert x["engine_in_steps"] == pytest.approx(0.8)
+    assert x["engine_cpu"] == pytest.approx(5 / 8)
+    assert x["engine_proposer_wait"] == pytest.approx(1 / 8)
+    assert x["engine_other_wait"] == pytest.approx(2 / 8)
+    assert x["engine_steps_per_s"] == pytest.approx(100) and x["engine_switches_per_step"] == 3
+    table = versus.engine_table({"outrider-auto": {32: x}, "vllm": {32: {"tokens_per_s": 1}}})
+    assert "| outrider-auto | 32 | 100 | 80% | 62% | 12% | 25% | 3.0 |" in table
+    assert "vllm" not in table

@@ -168,6 +168,12 @@ def test_metrics_move_by_exactly_the_requests_statistics(system):
     assert moved(before_r, after_r, "outrider_requests_total", code="OK") == 1
     assert moved(before_r, after_r, "outrider_requests_total", code="INVALID_ARGUMENT") == 1
     assert moved(before_r, after_r, "vllm:request_success_total", finished_reason="length") == 1
+    # the engine thread's steps: each round was one, its time on CPU and waits within them
+    wall, cpu, waited = (moved(before_t, after_t, "outrider_engine_step_seconds_total",
+                               part=part) for part in ("wall", "cpu", "proposer_wait"))
+    assert moved(before_t, after_t, "outrider_engine_steps_total") >= s.rounds
+    assert 0 < cpu <= wall and 0 < waited < wall, (wall, cpu, waited)
+    assert total(after_t, "outrider_engine_context_switches", kind="voluntary") > 0
 
 
 @pytest.fixture(scope="module")
