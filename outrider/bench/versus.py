@@ -321,14 +321,13 @@ def measure_server(args, system: str, url: str, prompts_files: dict[int, Path],
                 f"warmup-{system}", extra, args.sampling)
     cells = {}
     for c in levels:
-        before, start = engine_counters(engines), time.perf_counter()
+        before = engine_counters(engines)
         data = bench_serve(vllm, url, args.target, prompts_files[c], c,
                            num_requests(c, args.requests_per_stream), args.max_tokens,
                            out_dir, system, extra, args.sampling)
         cells[c] = cell(data)
-        if engines:
-            cells[c] |= engine_cell(before, engine_counters(engines),
-                                    time.perf_counter() - start)
+        if engines:  # over the client's own duration (its start-up serves nothing)
+            cells[c] |= engine_cell(before, engine_counters(engines), data["duration"])
         log(f"{system} c={c}: {cells[c]['tokens_per_s']:.0f} tok/s, "
             f"TTFT p50 {cells[c]['ttft_ms_p50']:.0f} ms")
     return cells
@@ -357,7 +356,8 @@ def engine_cell(before: dict[str, float], after: dict[str, float], seconds: floa
     the process's other threads (the GIL: the rest); voluntary context switches a step."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     wall, steps = d.get("wall") or float("nan"), d.get("steps") or float("nan")
-    return {"engine_in_steps": wall / seconds, "engine_cpu": d.get("cpu", 0.0) / wall,
+    return {"engine_in_steps": wall / seconds, "engine_step_ms": 1000 * wall / steps,
+            "engine_cpu": d.get("cpu", 0.0) / wall,
             "engine_proposer_wait": d.get("proposer_wait", 0.0) / wall,
             "engine_other_wait": 1 - (d.get("cpu", 0.0) + d.get("proposer_wait", 0.0)) / wall,
             "engine_steps_per_s": steps / seconds,
@@ -366,15 +366,16 @@ def engine_cell(before: dict[str, float], after: dict[str, float], seconds: floa
 
 def engine_table(results: dict[str, dict[int, dict]]) -> str:
     """Per Outrider system and level, the engine thread's time (engine_cell), as %."""
-    lines = ["| system | streams | steps/s | in steps | of which on CPU | waiting for the "
-             "proposer | waiting for other threads | voluntary switches a step |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| system | streams | steps/s | step ms | in steps | of which on CPU | waiting "
+             "for the proposer | waiting for other threads | voluntary switches a step |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for system, cells in results.items():
         for c, x in sorted(cells.items()):
             if "engine_cpu" in x:
                 lines.append(
                     f"| {system} | {c} | {x['engine_steps_per_s']:.0f} | "
-                    f"{x['engine_in_steps']:.0%} | {x['engine_cpu']:.0%} | "
+                    f"{x['engine_step_ms']:.1f} | {x['engine_in_steps']:.0%} | "
+                    f"{x['engine_cpu']:.0%} | "
                     f"{x['engine_proposer_wait']:.0%} | {x['engine_other_wait']:.0%} | "
                     f"{x['engine_switches_per_step']:.1f} |")
     return "\n".join(lines) if len(lines) > 2 else ""

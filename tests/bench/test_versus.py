@@ -56,5 +56,6 @@ def test_the_engine_threads_time_splits_into_cpu_proposer_and_the_rest():
     assert x["engine_other_wait"] == pytest.approx(2 / 8)
     assert x["engine_steps_per_s"] == pytest.approx(100) and x["engine_switches_per_step"] == 3
     table = versus.engine_table({"outrider-auto": {32: x}, "vllm": {32: {"tokens_per_s": 1}}})
-    assert "| outrider-auto | 32 | 100 | 80% | 62% | 12% | 25% | 3.0 |" in table
+    assert x["engine_step_ms"] == pytest.approx(8)
+    assert "| outrider-auto | 32 | 100 | 8.0 | 80% | 62% | 12% | 25% | 3.0 |" in table
     assert "vllm" not in table
