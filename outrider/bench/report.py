@@ -234,6 +234,8 @@ LABELS = {"outrider-auto": "`outrider serve`, AUTO",
           "vllm-ngram": "`vllm serve`, n-gram", "vllm": "`vllm serve`",
           "engine-g4": "engine in process, γ 4", "engine-g0": "engine in process, γ 0"}
 
+DTYPE_LABELS = {"auto": "default dtype"}  # versus --dtype auto: each server's own default
+
 
 @dataclass(frozen=True)
 class Run:
@@ -278,8 +280,9 @@ def render_headline(runs: list[Run]) -> str:
     """README's table: served AUTO against vLLM with and without the draft, per dtype."""
     from outrider.bench import versus
 
-    rows = {f"{LABELS[s]}, {run.data['config']['dtype']}": cells
-            for run in runs for s, cells in by_level(run.data["results"]).items()
+    rows = {f"{LABELS[s]}, {DTYPE_LABELS.get(dtype, dtype)}": cells
+            for run in runs for dtype in [run.data["config"]["dtype"]]
+            for s, cells in by_level(run.data["results"]).items()
             if s in ("outrider-auto", "vllm-draft4", "vllm")}
     return with_provenance(runs, versus.table(rows))
 
@@ -360,10 +363,12 @@ def render_step(runs: list[Run]) -> str:
     if not any("attention" in c for c in cases):
         return with_provenance(runs, step.table(cases), f"One core's limit: {limits}.")
     # a run that measured both attention paths: the comparison, then where the default
-    # (the kernels, eager) spends its time (every row is in the JSON)
-    default = [c for c in cases if c["attention"] == "kernel" and not c["compiled"]]
+    # (the kernels, eager) spends its time at 32 sequences and in a prefill (every row
+    # is in the JSON)
+    default = [c for c in cases if c["attention"] == "kernel" and not c["compiled"]
+               and c["batch"] in (1, 32) and (c["batch"] == 32 or c["kind"] == "prefill")]
     return with_provenance(runs, step.against_reference(cases),
-                           "Where the default (kernels, eager) spends it:",
+                           "Where the default (kernels, eager) spends it, 32 sequences and a prefill:",
                            step.table(default), f"One core's limit: {limits}.")
 
 
