@@ -24,16 +24,16 @@ def test_a_changed_figure_makes_check_fail_naming_its_block(tmp_path, capsys):
     shutil.copytree(paths.REPO_ROOT / "results", tmp_path / "results")
     assert report.main(["--check", "--root", str(tmp_path)]) == 0
 
-    changed = tmp_path / "results" / "versus_compiled_bf16.json"
+    changed = tmp_path / "results" / "versus_auto.json"
     data = json.loads(changed.read_text())
     data["results"]["vllm"]["8"]["tokens_per_s"] += 100
     changed.write_text(json.dumps(data))
     before = (tmp_path / "BENCHMARKS.md").read_text()
     assert report.main(["--check", "--root", str(tmp_path)]) == 1
     stale = capsys.readouterr().err
-    block = "versus from results/versus_compiled_bf16.json"
+    block = "versus from results/versus_auto.json"
     assert f"BENCHMARKS.md: {block}" in stale and "README.md: headline from" in stale
-    assert "BENCHMARKS.md: versus from results/versus_compiled_fp32.json" not in stale
+    assert "BENCHMARKS.md: versus from results/versus_fp32.json" not in stale
     assert (tmp_path / "BENCHMARKS.md").read_text() == before  # --check writes nothing
 
     assert report.main(["--root", str(tmp_path)]) == 0  # rewritten, then current
