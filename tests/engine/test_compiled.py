@@ -53,6 +53,7 @@ def test_compiled_logits_equal_eager(llama_dir, compiled_pair):
         for compiled, reference in zip(_two_forwards(target), _two_forwards(eager),
                                        strict=True):
             torch.testing.assert_close(compiled, reference, rtol=1e-4, atol=1e-4)
+        assert target.step.is_compiled, target.step.failure  # compiled ran, not eager twice
     finally:
         for k in range(4):
             target.blocks.free(k)
@@ -77,13 +78,15 @@ def test_compiled_sliding_window_and_chunked_prefill(tmp_path):
     prompts = [list(range(3, 60)), [5, 6, 7]]
     outputs = []
     for compiled in (False, True):
-        decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(str(model_dir),
-                                                              compile=compiled)))
+        runner = ModelRunner(RunnerConfig(str(model_dir), compile=compiled))
+        decoder = SpeculativeDecoder(runner)
         seqs = [decoder.new_sequence(p, params) for p in prompts]
         while not all(s.is_finished for s in seqs):  # prompts fed 16 tokens a step
             running = [s for s in seqs if not s.is_finished]
             decoder.step(running, [0] * len(running), [16] * len(running))
         outputs.append([s.output_ids for s in seqs])
+    assert isinstance(runner.step, CompiledForward) and runner.step.is_compiled, \
+        runner.step.failure  # the second run compiled and stayed compiled
     assert outputs[0] == outputs[1]
 
 

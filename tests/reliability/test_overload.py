@@ -98,11 +98,18 @@ def test_beyond_running_and_queued_requests_are_refused_and_the_admitted_served(
     threads = [threading.Thread(target=one) for _ in range(3 * (MAX_RUNNING + MAX_QUEUED))]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(180)
+    admitted, running = [], []  # the router's admission slots held; the replica's sequences
+    with Client(system.router, timeout_s=60) as client:
+        deadline = time.monotonic() + 180
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            admitted.append(total(scrape(system.http), "outrider_router_generations_running"))
+            running.append(sum(r.num_running for r in client.status().replicas))
+            time.sleep(0.02)
+    assert not any(t.is_alive() for t in threads)
     served = [r for r in results if r[0] == 200]
     refused = [r for r in results if r[0] == 429]
     assert len(served) + len(refused) == len(threads), [r[0] for r in results]
+    assert max(admitted) == MAX_RUNNING and max(running) == MAX_RUNNING, (admitted, running)
     assert len(served) >= MAX_RUNNING and refused
     assert all(r[2]["usage"]["completion_tokens"] == 300 for r in served)
     assert all(int(r[1]["Retry-After"]) >= 1 for r in refused)

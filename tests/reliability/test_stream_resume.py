@@ -43,12 +43,20 @@ def test_an_sdk_stream_survives_its_router_being_killed(two_routers):
     killed = False
     with Client(f"ipv4:{first},{second}", timeout_s=120) as client:  # tries `first` first
         stream = client.stream("def parse(text):", **REQUEST)
+        opened, open_call = [], stream._open  # each request the stream sends after its first
+
+        def recorded(request):
+            opened.append(request.resume_from)
+            return open_call(request)
+        stream._open = recorded
         for n, _ in enumerate(stream):
             if n == 3:
                 os.kill(listening_pid(int(first.rsplit(":", 1)[1])), signal.SIGKILL)
                 killed = True
         resumed = stream.result()
     assert killed
+    # it broke (so it was on the killed router) and went on from the tokens it had
+    assert opened and all(3 < k < REQUEST["max_tokens"] for k in opened), opened
     assert resumed.token_ids == reference.token_ids
     assert resumed.text == reference.text
     assert resumed.usage.completion_tokens == REQUEST["max_tokens"]

@@ -11,8 +11,13 @@ import re
 
 import openai
 import pytest
+from outrider.router.openai_protocol import ChatMessage
 
+from outrider import paths
 from outrider.client import Client, InvalidRequestError
+from outrider.core.grammar import Grammars
+from outrider.core.structured import StructuredOutput
+from outrider.core.tokenizer import Tokenizer
 from tests.router.demo_system import demo_system, openai_client
 from tests.scraping import scrape, total
 
@@ -25,6 +30,7 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "count": {"type": "integer", "minimum": 0, "maximum": 999}}}
 DATE = r"20\d\d-(0[1-9]|1[0-2])-[0-3]\d"
 CHOICES = ["red", "green", "blue"]
+GRAMMAR = 'start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]+/'
 MESSAGES = [{"role": "user", "content": "Describe the config as JSON."}]
 SAMPLED = dict(temperature=0.9)
 # AUTO may rightly turn speculation off for a request the draft does poorly on: FIXED
@@ -49,6 +55,23 @@ def sdk(system):
         yield client
 
 
+def as_structured_output(constraint: dict) -> StructuredOutput:
+    """vLLM's `structured_outputs` field as the engine's constraint."""
+    (kind, value), = constraint.items()
+    if kind == "json":
+        return StructuredOutput("json_schema", json.dumps(value))
+    return StructuredOutput(kind, value)
+
+
+def grammar_takes(so: StructuredOutput, text: str) -> bool:
+    """Whether llguidance's matcher takes `text` whole (as the demo tokenizer encodes it):
+    what an output cut by its length must be, the start of one the grammar accepts."""
+    tokenizer = Tokenizer(paths.demo_target_dir())
+    ids = tokenizer.encode(text)
+    grammars = Grammars(tokenizer.path, tokenizer.vocab_size, [0])  # EOS takes no part
+    return grammars.allowed_len("cut", so, [], 0, ids) == len(ids)
+
+
 def matches_schema(text: str) -> bool:
     value = json.loads(text)
     return (set(value) == {"name", "count"} and isinstance(value["name"], str)
@@ -71,27 +94,34 @@ def test_chat_json_schema_is_valid(oai, sampling):
 
 
 def test_completion_json_object_streams_valid_json(oai):
-    text, finish = "", None
-    for chunk in oai.completions.create(
-            model=MODEL, prompt="config = ", max_tokens=120, stream=True, temperature=0.0,
-            extra_body={"response_format": {"type": "json_object"}}):
-        text += chunk.choices[0].text
-        finish = chunk.choices[0].finish_reason or finish
-    if finish == "stop":
-        assert isinstance(json.loads(text), dict)
-    else:  # honest about a value the small model could not close in time
-        assert finish == "length" and text.startswith("{")
+    """Greedy and sampled streams: an ended one parses as an object, one cut by its length
+    is the start of one (the grammar takes it whole), and some end."""
+    finishes = []
+    for sampling in (dict(temperature=0.0), *(dict(temperature=0.9, seed=s) for s in range(4))):
+        text, finish = "", None
+        for chunk in oai.completions.create(
+                model=MODEL, prompt="config = ", max_tokens=120, stream=True,
+                extra_body={"response_format": {"type": "json_object"}}, **sampling):
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        if finish == "stop":
+            assert isinstance(json.loads(text), dict), text
+        else:
+            assert finish == "length" and grammar_takes(StructuredOutput("json_object"), text)
+        finishes.append(finish)
+    assert "stop" in finishes, finishes
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), SAMPLED], ids=["greedy", "T0.9"])
 @pytest.mark.parametrize("constraint,check", [
     ({"regex": DATE}, lambda t: re.fullmatch(DATE, t)),
     ({"choice": CHOICES}, lambda t: t in CHOICES),
-    ({"grammar": 'start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]+/'},
-     lambda t: re.fullmatch(r"\(\d+(,\d+)*\)", t)),
+    ({"grammar": GRAMMAR}, lambda t: re.fullmatch(r"\(\d+(,\d+)*\)", t)),
     ({"json": SCHEMA}, matches_schema),
 ], ids=["regex", "choice", "grammar", "json"])
 def test_vllm_structured_outputs_hold(oai, constraint, check, sampling):
+    """Each output cut by its length is the start of one the grammar accepts, at least one
+    is whole and matches, and the drafted tokens were verified under the grammar."""
     done = oai.completions.create(model=MODEL, prompt="The value is ", max_tokens=48, n=2,
                                   seed=5, extra_body={"structured_outputs": constraint,
                                                       **SPECULATE},
@@ -100,7 +130,10 @@ def test_vllm_structured_outputs_hold(oai, constraint, check, sampling):
         if choice.finish_reason == "stop":
             assert check(choice.text), choice.text
         else:
-            assert choice.finish_reason == "length" and "grammar" in constraint
+            assert choice.finish_reason == "length", choice
+            assert grammar_takes(as_structured_output(constraint), choice.text), choice.text
+    assert any(c.finish_reason == "stop" for c in done.choices), done.choices
+    assert done.usage.model_extra["speculation"]["draft_tokens"] > 0, done.usage
 
 
 def test_the_sdk_and_http_agree_and_speculation_runs(oai, sdk):
@@ -264,8 +297,12 @@ def test_a_conversation_goes_on_after_a_tool_answers(oai):
                {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
     done = oai.chat.completions.create(model=MODEL, messages=history, max_tokens=8,
                                        tools=[CLOCK], tool_choice="none", temperature=0.0)
+    alone = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
+                                        tools=[CLOCK], tool_choice="none", temperature=0.0)
     assert done.choices[0].message.tool_calls is None
-    assert done.choices[0].finish_reason in ("stop", "length")
+    assert done.usage.prompt_tokens > alone.usage.prompt_tokens  # the history was rendered
+    deep = ChatMessage.model_validate(history[-2]).for_template()
+    assert deep["tool_calls"][0]["function"]["arguments"] == "[" * 50_000  # still text
     called = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=96,
                                          tools=[CLOCK], tool_choice="required",
                                          parallel_tool_calls=False, temperature=0.0)
