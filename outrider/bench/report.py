@@ -368,7 +368,8 @@ def render_step(runs: list[Run]) -> str:
     default = [c for c in cases if c["attention"] == "kernel" and not c["compiled"]
                and c["batch"] in (1, 32) and (c["batch"] == 32 or c["kind"] == "prefill")]
     return with_provenance(runs, step.against_reference(cases),
-                           "Where the default (kernels, eager) spends it, 32 sequences and a prefill:",
+                           "Where the default (kernels, eager) spends it, 32 sequences "
+                           "and a prefill:",
                            step.table(default), f"One core's limit: {limits}.")
 
 
