@@ -166,7 +166,8 @@ class TargetEngine:
 
     def _timed_step(self) -> bool:
         """_step, its wall time split into this thread's CPU time, the wait for the
-        proposer and the rest (waiting for the process's other threads) for the metrics."""
+        proposer and the rest (waiting otherwise: the GIL, the forward's intra-op threads)
+        for the metrics."""
         wall, cpu = time.perf_counter(), time.thread_time()
         has_stepped = self._step()
         timing = self.decoder.last_timing

@@ -353,7 +353,9 @@ def engine_counters(metrics_urls: list[str]) -> dict[str, float]:
 def engine_cell(before: dict[str, float], after: dict[str, float], seconds: float) -> dict:
     """What the engine thread did over `seconds`: the share of them it spent in steps, and
     of its steps' wall time the share on its CPU, waiting for the proposer, and waiting for
-    the process's other threads (the GIL: the rest); voluntary context switches a step."""
+    anything else (the rest: the GIL held by the process's other threads, or the forward's
+    own intra-op threads, whose CPU time is not the engine thread's); voluntary context
+    switches a step."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     wall, steps = d.get("wall") or float("nan"), d.get("steps") or float("nan")
     return {"engine_in_steps": wall / seconds, "engine_step_ms": 1000 * wall / steps,
@@ -367,7 +369,7 @@ def engine_cell(before: dict[str, float], after: dict[str, float], seconds: floa
 def engine_table(results: dict[str, dict[int, dict]]) -> str:
     """Per Outrider system and level, the engine thread's time (engine_cell), as %."""
     lines = ["| system | streams | steps/s | step ms | in steps | of which on CPU | waiting "
-             "for the proposer | waiting for other threads | voluntary switches a step |",
+             "for the proposer | waiting otherwise | voluntary switches a step |",
              "|---|---|---|---|---|---|---|---|---|"]
     for system, cells in results.items():
         for c, x in sorted(cells.items()):

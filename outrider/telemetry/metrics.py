@@ -64,7 +64,8 @@ GRAMMAR_MASK_SECONDS = Histogram("outrider_grammar_mask_seconds", "Time a step s
                                  "its constrained rows' grammar masks", ENGINE,
                                  buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1))
 # the engine thread's steps: whatever of their wall time is neither its own CPU time nor a
-# wait for the proposer, it waited for the process's other threads (the GIL: gRPC sinks)
+# wait for the proposer, it waited otherwise: for the GIL (the process's gRPC threads) or
+# for the forward's intra-op threads (their CPU time is theirs, not the engine thread's)
 ENGINE_STEPS = Counter("outrider_engine_steps", "Steps the engine thread ran", ENGINE)
 ENGINE_STEP_SECONDS = Counter("outrider_engine_step_seconds", "The engine thread's steps: "
                               "their wall time (part=wall), its CPU time in them (cpu) and "
