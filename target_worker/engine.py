@@ -168,12 +168,12 @@ class TargetEngine:
         """_step, its wall time split into this thread's CPU time, the wait for the
         proposer and the rest (waiting otherwise: the GIL, the forward's intra-op threads)
         for the metrics."""
-        wall, cpu = time.perf_counter(), time.thread_time()
+        wall, cpu, before = time.perf_counter(), time.thread_time(), self.decoder.last_timing
         has_stepped = self._step()
-        timing = self.decoder.last_timing
+        timing = self.decoder.last_timing  # (a failed step leaves the one before it)
         if has_stepped and self.metrics:
             self.metrics.record_step(time.perf_counter() - wall, time.thread_time() - cpu,
-                                     timing.draft_s if timing else 0.0)
+                                     timing.draft_wait_s if timing is not before else 0.0)
         return has_stepped
 
     def _step(self) -> bool:

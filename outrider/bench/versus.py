@@ -181,9 +181,10 @@ def _printed_metrics(log, role: str, timeout_s: float = 10) -> list[str]:
     deadline = time.monotonic() + timeout_s
     while True:
         log.seek(0)
-        text = log.read()
-        if "metrics at" in text or time.monotonic() > deadline:
-            return re.findall(rf"{role}\S* metrics at (http://\S+)/metrics", text)
+        found = re.findall(rf"outrider serve: {role}\S* metrics at (http://\S+)/metrics",
+                           log.read())
+        if found or time.monotonic() > deadline:
+            return found
         time.sleep(0.1)
 
 
@@ -326,8 +327,10 @@ def measure_server(args, system: str, url: str, prompts_files: dict[int, Path],
                            num_requests(c, args.requests_per_stream), args.max_tokens,
                            out_dir, system, extra, args.sampling)
         cells[c] = cell(data)
-        if engines:  # over the client's own duration (its start-up serves nothing)
-            cells[c] |= engine_cell(before, engine_counters(engines), data["duration"])
+        after = engine_counters(engines)
+        if before and after and after["steps"] >= before["steps"]:
+            # over the client's own duration (its start-up serves nothing), per replica
+            cells[c] |= engine_cell(before, after, data["duration"] * len(engines))
         log(f"{system} c={c}: {cells[c]['tokens_per_s']:.0f} tok/s, "
             f"TTFT p50 {cells[c]['ttft_ms_p50']:.0f} ms")
     return cells
@@ -339,7 +342,10 @@ def engine_counters(metrics_urls: list[str]) -> dict[str, float]:
 
     totals: dict[str, float] = {}
     for url in metrics_urls:
-        text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+        try:
+            text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+        except OSError:  # a replica gone (or restarted: its counters start again)
+            return {}
         for sample in (s for f in text_string_to_metric_families(text) for s in f.samples):
             key = {"outrider_engine_steps_total": "steps",
                    "outrider_engine_step_seconds_total": sample.labels.get("part"),
@@ -351,11 +357,11 @@ def engine_counters(metrics_urls: list[str]) -> dict[str, float]:
 
 
 def engine_cell(before: dict[str, float], after: dict[str, float], seconds: float) -> dict:
-    """What the engine thread did over `seconds`: the share of them it spent in steps, and
-    of its steps' wall time the share on its CPU, waiting for the proposer, and waiting for
-    anything else (the rest: the GIL held by the process's other threads, or the forward's
-    own intra-op threads, whose CPU time is not the engine thread's); voluntary context
-    switches a step."""
+    """What the engine threads did over `seconds` (of all replicas together): the share of
+    them spent in steps, and of the steps' wall time the share on the thread's CPU, off it
+    waiting for the proposer, and waiting for anything else (the rest: the GIL held by the
+    process's other threads, or the forward's own intra-op threads, whose CPU time is not
+    the engine thread's); voluntary context switches a step."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     wall, steps = d.get("wall") or float("nan"), d.get("steps") or float("nan")
     return {"engine_in_steps": wall / seconds, "engine_step_ms": 1000 * wall / steps,

@@ -71,6 +71,12 @@ class StepTiming:
     draft_tokens: int   # tokens the draft model drafted
     draft_s: float      # time the step waited for the proposer
     mask_s: float = 0.0  # time computing grammar masks for its verification rows (§3.8)
+    draft_cpu_s: float = 0.0  # of draft_s, this thread's own CPU time (lookups, tensors)
+
+    @property
+    def draft_wait_s(self) -> float:
+        """Of draft_s, the time this thread was off its CPU: waiting for the draft."""
+        return max(0.0, self.draft_s - self.draft_cpu_s)
 
 
 @dataclass
@@ -127,6 +133,7 @@ class Step:
     background: PendingProposal | None = None  # what the draft does during verification
     logits: torch.Tensor | None = None       # [sum over ready rows of (γ_i + 1), vocab]
     draft_s: float = 0.0
+    draft_cpu_s: float = 0.0
     verify_s: float = 0.0
     mask_s: float = 0.0
 
@@ -139,7 +146,8 @@ class Step:
         gammas = [r.gamma for r in self.rows]
         drafted = [r.gamma - r.source[1] for r in self.rows]
         return StepTiming(sum(r.feed for r in self.rows) + sum(gammas), self.verify_s,
-                          max(drafted, default=0), sum(drafted), self.draft_s, self.mask_s)
+                          max(drafted, default=0), sum(drafted), self.draft_s, self.mask_s,
+                          self.draft_cpu_s)
 
 
 class SpeculativeDecoder:
@@ -292,7 +300,7 @@ class SpeculativeDecoder:
     def _propose(self, step: Step) -> None:
         """γ_i proposals per row, from the previous round's drafting ahead where there is
         one; then the draft's work during verification starts."""
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         asked = [0 if r.is_first else r.wanted for r in step.rows]
         aheads = [self._ahead.pop(r.seq.seq_id, None) for r in step.rows]
         aheads = [a if g else None for a, g in zip(aheads, asked)]
@@ -316,6 +324,7 @@ class SpeculativeDecoder:
             r.gamma = r.num_verified = g
             r.source = proposal.source(r.index)
         step.draft_s = time.perf_counter() - start
+        step.draft_cpu_s = time.thread_time() - cpu_start
         self._start_background(step)
 
     def _with_openings(self, rows: list[Row], proposal: Proposal) -> Proposal:
@@ -355,9 +364,10 @@ class SpeculativeDecoder:
                 self.target.blocks.seal(r.seq.seq_id, r.seq.token_ids, r.seq.target_len)
         if step.background is None:
             return
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         drafted = step.background.result()
         step.draft_s += time.perf_counter() - start
+        step.draft_cpu_s += time.thread_time() - cpu_start
         for r, miss in zip(step.rows, drafted.is_miss):
             if r.warms_draft and not miss:  # the context the target held before this
                 r.seq.draft_len = r.seq.target_len - len(step.drafts[r.index])  # step's

@@ -69,7 +69,8 @@ GRAMMAR_MASK_SECONDS = Histogram("outrider_grammar_mask_seconds", "Time a step s
 ENGINE_STEPS = Counter("outrider_engine_steps", "Steps the engine thread ran", ENGINE)
 ENGINE_STEP_SECONDS = Counter("outrider_engine_step_seconds", "The engine thread's steps: "
                               "their wall time (part=wall), its CPU time in them (cpu) and "
-                              "their waits for the proposer (proposer_wait)",
+                              "the time off its CPU waiting for the proposer "
+                              "(proposer_wait)",
                               [*ENGINE, "part"])
 ENGINE_SWITCHES = Gauge("outrider_engine_context_switches", "The engine thread's context "
                         "switches since it started (/proc), by kind", [*ENGINE, "kind"])
