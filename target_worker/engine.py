@@ -165,20 +165,23 @@ class TargetEngine:
             self._finish(handle, FinishReason.CANCELLED)
 
     def _timed_step(self) -> bool:
-        """_step, its wall time split into this thread's CPU time, the wait for the
-        proposer and the rest (waiting otherwise: the GIL, the forward's intra-op threads)
-        for the metrics."""
+        """_step, then what it cost: into the cost model, and for the metrics its wall time
+        split into this thread's CPU time, the wait for the proposer and the rest (waiting
+        otherwise: the GIL, the forward's intra-op threads)."""
         wall, cpu, before = time.perf_counter(), time.thread_time(), self.decoder.last_timing
-        has_stepped = self._step()
-        timing = self.decoder.last_timing  # (a failed step leaves the one before it)
-        if has_stepped and self.metrics:
-            self.metrics.record_step(time.perf_counter() - wall, time.thread_time() - cpu,
-                                     timing.draft_wait_s if timing is not before else 0.0)
-        return has_stepped
+        if not self._step():
+            return False
+        step_s, timing = time.perf_counter() - wall, self.decoder.last_timing
+        ran = timing is not before  # (a failed step leaves the timing of the one before)
+        if ran:
+            self._observe_cost(timing, step_s)
+        if self.metrics:
+            self.metrics.record_step(step_s, time.thread_time() - cpu,
+                                     timing.draft_wait_s if ran else 0.0)
+        return True
 
     def _step(self) -> bool:
         """One step; False when nothing could be scheduled (waiting for KV room)."""
-        begun = time.perf_counter()
         heat = self._demand_heat()
         gammas = self._choose_gammas(heat)
         # a sequence preempted and readmitted this step may fall outside the choice
@@ -204,7 +207,6 @@ class TargetEngine:
                 self._report_round(handle, tokens, heat)
             if seq.is_finished:
                 self._finish(handle, seq.finish_reason)
-        self._observe_cost(self.decoder.last_timing, time.perf_counter() - begun)
         return True
 
     def _report_round(self, handle: Handle, tokens: list[int], heat: float) -> None:

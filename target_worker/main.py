@@ -102,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU threads for a forward of fewer than "
                         f"{SMALL_STEP_TOKENS} tokens, leaving the other cores to a draft "
                         "replica drafting beside it (0: --threads; `outrider serve` on a "
-                        "CPU sets 1)")
+                        "CPU sets the target's own cores)")
     add_cpus_arg(p)
     add_batch_arguments(p)
     add_metrics_arg(p)

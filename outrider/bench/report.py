@@ -366,7 +366,7 @@ def render_step(runs: list[Run]) -> str:
     # (the kernels, eager) spends its time at 32 sequences and in a prefill (every row
     # is in the JSON)
     default = [c for c in cases if c.get("attention") == "kernel" and not c["compiled"]
-               and c["batch"] in (1, 32) and (c["batch"] == 32 or c["kind"] == "prefill")]
+               and (c["batch"] == 32 or c["kind"] == "prefill")]
     return with_provenance(runs, step.against_reference(cases),
                            "Where the default (kernels, eager) spends it, 32 sequences "
                            "and a prefill:",
