@@ -380,15 +380,44 @@ def render_peer(runs: list[Run]) -> str:
 
 
 def render_gpu(runs: list[Run]) -> str:
+    """scripts/gpu_check.py's JSON: exactness per dtype, then tokens/s per batch."""
     data = runs[0].data
-    checks = ["| check | result |", "|---|---|",
-              *(f"| {c['check']} | {c['result']} |" for c in data["checks"])]
-    steps = ["| target step, bf16 | eager ms | compiled ms |", "|---|---|---|",
-             *(f"| {x['step']} | {fmt(x['eager'])} | {fmt(x['compiled'])} |"
-               for x in data["target_step_ms_bf16"])]
-    return with_provenance(runs, "\n".join(checks), "\n".join(steps),
-                           f"fp32 step: {data['target_step_fp32']}. Not run: "
-                           f"{'; '.join(data['not_run'])}.")
+    fp32, bf16, compiled = data["float32"], data["bfloat16"], data.get("compiled_float32")
+    checks = ["| check | float32 | bfloat16 |", "|---|---|---|",
+              f"| greedy, draft γ {GPU_GAMMA}, against the target alone | "
+              f"{_equal(fp32['spec_equals_target'], fp32['spec_splits'])} | "
+              f"{_equal(bf16['spec_equals_target'], bf16['spec_splits'])} |",
+              f"| the device's greedy tokens against the CPU reference path | "
+              f"{_agreeing(fp32['device_equals_cpu'])} | – |"]
+    if compiled:
+        checks.append(f"| compiled forward (--compile) against eager, greedy | "
+                      f"{_equal(compiled['equals_eager'], [])}, first run "
+                      f"{fmt(compiled['first_run_s'], 0)} s | – |")
+    modes = [("eager, float32", fp32), ("eager, bfloat16", bf16)]
+    modes += [("compiled, float32", compiled)] if compiled else []
+    batches = sorted({int(k.split("batch")[1]) for k in fp32["throughput"]})
+    speed = [f"| tok/s | {' | '.join(f'batch {b}' for b in batches)} |",
+             "|---|" + "---|" * len(batches)]
+    for label, result in modes:
+        for gamma in sorted({int(k[5:].split("_")[0]) for k in result["throughput"]}):
+            cells = " | ".join(f"{round(result['throughput'][f'gamma{gamma}_batch{b}']):,}"
+                               for b in batches)
+            speed.append(f"| {label}, γ {gamma} | {cells} |")
+    return with_provenance(runs, "\n".join(checks), "\n".join(speed))
+
+
+GPU_GAMMA = 4  # scripts/gpu_check.py's
+
+
+def _equal(flags: list[bool], splits: list[dict]) -> str:
+    where = "; ".join(f"prompt {x['prompt']} split at token {x['position']} where the "
+                      f"target's top two are {fmt(x['top2_margin'], 3)} apart"
+                      for x in splits)
+    return f"{sum(flags)}/{len(flags)} equal" + (f" ({where})" if where else "")
+
+
+def _agreeing(shares: list[float]) -> str:
+    return f"{sum(x == 1.0 for x in shares)}/{len(shares)} equal token for token"
 
 
 def render_index(runs: list[Run]) -> str:
