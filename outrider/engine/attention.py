@@ -208,7 +208,7 @@ def _attend(group: AttentionGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         q_pad = q.new_zeros(batch * max_q, heads, head_dim).index_copy_(0, group.pad_index, q)
         q_pad = q_pad.view(batch, max_q, heads, head_dim)
     if group.is_plain_causal(window):
-        out = F.scaled_dot_product_attention(  # [1, heads, q, head_dim]
+        out = _sdpa(  # [1, heads, q, head_dim]
             q_pad.transpose(1, 2), k.unsqueeze(0).transpose(1, 2),
             v.unsqueeze(0).transpose(1, 2), is_causal=True, scale=scale,
             enable_gqa=k.shape[1] != heads)
@@ -234,9 +234,24 @@ def _grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     group = heads // kv_heads
     folded = (q.view(batch, max_q, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
               .reshape(batch, kv_heads, group * max_q, dim))  # rows: (head in group, query)
-    out = F.scaled_dot_product_attention(folded, keys.transpose(1, 2), values.transpose(1, 2),
-                                         attn_mask=mask, scale=scale)
+    out = _sdpa(folded, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+                scale=scale)
     return out.view(batch, kv_heads, group, max_q, dim).permute(0, 3, 1, 2, 4)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          attn_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """SDPA, on CPU in float64 rounded once to q's dtype. How SDPA blocks its loops
+    depends on the padded shapes, so in float32 or bf16 a row's result moves with the
+    batch around it; in float64 it moves by ~1e-16, which the rounding removes: rows come
+    out as they would alone (the batch invariance greedy exactness relies on, which the
+    C++ kernel has by construction), at some cost to a path that runs only without it."""
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
+    mask = None if attn_mask is None else attn_mask.double()
+    out = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                         attn_mask=mask, **kwargs)
+    return out.to(q.dtype)
 
 
 def _gather_context(blocks: torch.Tensor, group: AttentionGroup) -> torch.Tensor:

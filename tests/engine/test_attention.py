@@ -15,6 +15,7 @@ from outrider.engine.attention import SHORT_QUERY
 from outrider.engine.kernels import use_cpu_kernels
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 from tests.checkpoints import VOCAB, save_random_checkpoint
+from tests.toolchain import HAS_COMPILER
 
 # (cached positions, new positions) per sequence: a fresh long prefill, a long chunk over
 # a cache, a short fresh prompt, verification rows of several γ, decode rows
@@ -32,6 +33,8 @@ def model_dir(request, tmp_path_factory):
 
 @pytest.fixture(params=["kernel", "reference"])
 def attention_path(request):
+    if request.param == "kernel" and not HAS_COMPILER:
+        pytest.skip("no C++ compiler: the kernel cannot be built on this machine")
     use_cpu_kernels(request.param == "kernel")
     yield request.param
     use_cpu_kernels(True)

@@ -17,6 +17,7 @@ from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
 from tests.checkpoints import save_random_checkpoint
 from tests.engine.test_speculative import ragged_prompts
+from tests.toolchain import needs_compiler
 
 pytestmark = pytest.mark.slow  # compiling takes 10-30 s a model
 
@@ -46,6 +47,7 @@ def _two_forwards(runner: ModelRunner) -> list[torch.Tensor]:
     return logits
 
 
+@needs_compiler
 def test_compiled_logits_equal_eager(llama_dir, compiled_pair):
     target, _ = compiled_pair
     eager = ModelRunner(RunnerConfig(str(llama_dir)))
@@ -59,6 +61,7 @@ def test_compiled_logits_equal_eager(llama_dir, compiled_pair):
             target.blocks.free(k)
 
 
+@needs_compiler
 def test_compiled_speculative_greedy_equals_eager(llama_dir, draft_dir, compiled_pair):
     target, draft = compiled_pair
     params = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -71,6 +74,7 @@ def test_compiled_speculative_greedy_equals_eager(llama_dir, draft_dir, compiled
     assert target.step.is_compiled and draft.step.is_compiled  # no silent fallback
 
 
+@needs_compiler
 def test_compiled_sliding_window_and_chunked_prefill(tmp_path):
     model_dir = save_random_checkpoint(tmp_path, "mistral", seed=11, sliding_window=24,
                                        head_dim=16)

