@@ -25,7 +25,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from outrider.router.chat_template import ChatTemplate
-from outrider.router.http_guard import BodyGuard, HttpBounds, protocol_with_header_deadline
+from outrider.router.http_guard import (
+    READ_WATCH,
+    BodyGuard,
+    HttpBounds,
+    ReadWatch,
+    guarded_protocol,
+)
 from outrider.router.openai_protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     BodyFieldError,
@@ -70,6 +76,8 @@ class HttpCall:
     callbacks: list = field(default_factory=list)
     is_cancelled: threading.Event = field(default_factory=threading.Event)
     api: str = "http"
+    is_unread: bool = False  # cancelled because its client stopped reading (backpressure)
+    is_reader_watched: bool = False  # a ReadWatch sees its client's socket: no other bound
 
     @classmethod
     def of(cls, request: Request) -> HttpCall:
@@ -89,6 +97,10 @@ class HttpCall:
         self.is_cancelled.set()
         for callback in list(self.callbacks):
             callback()
+
+    def cancel_unread(self) -> None:
+        self.is_unread = True
+        self.cancel()
 
 
 @dataclass(frozen=True)
@@ -353,7 +365,8 @@ class OpenStreams:
 async def _respond(service, pool, request: Request, requests: list[gp.GenerateRequest],
                    view, stream: bool, streams: OpenStreams):
     calls = [HttpCall.of(request) for _ in requests]
-    events = _merged(service, pool, requests, calls, streams)
+    events = _merged(service, pool, requests, calls, streams,
+                     request.scope.get(READ_WATCH) if stream else None)
     response_id = view.id_prefix + uuid.uuid4().hex
     try:
         first = await anext(events)  # refusals before any token become HTTP errors
@@ -428,9 +441,11 @@ async def _sse(service, view, response_id: str, first, events, calls: list[HttpC
 
 async def _merged(service: GenerationService, pool: ThreadPoolExecutor,
                   requests: list[gp.GenerateRequest], calls: list[HttpCall],
-                  streams: OpenStreams) -> AsyncIterator[tuple[int, gp.GenerateResponse]]:
+                  streams: OpenStreams, read_watch: ReadWatch | None = None,
+                  ) -> AsyncIterator[tuple[int, gp.GenerateResponse]]:
     """(choice index, message) from all generations as they arrive; a refusal of any
-    raises Refused. Leaving early (a client gone) cancels them all."""
+    raises Refused. Leaving early (a client gone) cancels them all, and so does a client
+    that stops reading what `read_watch` sees written (each then ends with UNREAD)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -443,20 +458,31 @@ async def _merged(service: GenerationService, pool: ThreadPoolExecutor,
     room = [threading.Semaphore(STREAM_BUFFER) for _ in requests]
 
     def pump(index: int) -> None:
-        messages = service.responses(requests[index], calls[index], is_admitted=True)
+        call = calls[index]
+        messages = service.responses(requests[index], call, is_admitted=True)
         try:
             for msg in messages:
-                if not _wait_for_room(room[index], calls[index]):
-                    service.telemetry.metrics.unread.inc()
-                    raise Refused(grpc.StatusCode.CANCELLED, UNREAD)
+                if not _wait_for_room(room[index], call):
+                    if call.is_unread:
+                        raise Refused(grpc.StatusCode.CANCELLED, UNREAD)
+                    break
                 loop.call_soon_threadsafe(queue.put_nowait, (index, msg))
         except Exception as exc:  # handed to the event loop, raised there
-            loop.call_soon_threadsafe(queue.put_nowait, (index, exc))
+            failure = exc
+            if call.is_unread:  # not the replica's failure: its reader stopped reading
+                service.telemetry.metrics.unread.inc()
+                failure = Refused(grpc.StatusCode.CANCELLED, UNREAD)
+            loop.call_soon_threadsafe(queue.put_nowait, (index, failure))
         finally:
             messages.close()
             service.admission.leave(1)
             loop.call_soon_threadsafe(queue.put_nowait, (index, done))
 
+    stop_watching = None
+    if read_watch is not None and read_watch.sees_reads():
+        stop_watching = read_watch.watch(lambda: [call.cancel_unread() for call in calls])
+        for call in calls:
+            call.is_reader_watched = True
     futures = [loop.run_in_executor(pool, pump, i) for i in range(len(requests))]
     running = len(requests)
     streams.add(queue)
@@ -471,6 +497,8 @@ async def _merged(service: GenerationService, pool: ThreadPoolExecutor,
                 room[index].release()
                 yield index, item
     finally:
+        if stop_watching is not None:
+            stop_watching()
         streams.remove(queue)
         for call in calls:
             call.cancel()
@@ -479,13 +507,16 @@ async def _merged(service: GenerationService, pool: ThreadPoolExecutor,
 
 def _wait_for_room(room: threading.Semaphore, call: HttpCall) -> bool:
     """True once the client has read enough to make room; False when the call is
-    cancelled, or the client read nothing for UNREAD_TIMEOUT_S (then it is cancelled)."""
+    cancelled, or, where no ReadWatch sees its socket, when the client read nothing for
+    UNREAD_TIMEOUT_S (then it is cancelled as unread). A watched client waits: a slow
+    reader's writes can block for longer while it still reads (the kernel wakes a writer
+    only once a third of its send buffer is free)."""
     deadline = time.monotonic() + UNREAD_TIMEOUT_S
     while not room.acquire(timeout=0.5):
         if call.is_cancelled.is_set():
             return False
-        if time.monotonic() >= deadline:
-            call.cancel()
+        if not call.is_reader_watched and time.monotonic() >= deadline:
+            call.cancel_unread()
             return False
     return not call.is_cancelled.is_set()
 
@@ -592,7 +623,7 @@ def start_http(app: FastAPI, host: str, port: int, tls_cert: str | None = None,
     server = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, log_level="warning", ssl_certfile=tls_cert,
         ssl_keyfile=tls_key, timeout_graceful_shutdown=GRACEFUL_STOP_S,
-        http=protocol_with_header_deadline(header_timeout_s), **mtls))
+        http=guarded_protocol(header_timeout_s, UNREAD_TIMEOUT_S), **mtls))
     thread = threading.Thread(target=server.run, name="http", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -9,9 +9,10 @@
 - large blocks are mapped on their own and, after a large body, unreachable objects are
   collected and the C allocator returns its free memory to the system: a burst of big
   refused requests left the router 2.9x its size (88 -> 253 MB), now ~1.2x;
-- each connection's kernel send buffer is capped (SEND_BUFFER_BYTES): left to autotune
-  it took megabytes on loopback, a whole long stream, so a client that stopped reading
-  was never noticed (backpressure: router/target_link.py).
+- a streamed response's client must keep reading (ReadWatch): bytes waiting for it and
+  none acknowledged by its TCP for `unread_timeout_s` stop its generations, however many
+  events the buffers hold; each connection's kernel send buffer is capped besides
+  (SEND_BUFFER_BYTES: left to autotune it took megabytes on loopback, a whole stream).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import fcntl
 import functools
 import gc
 import socket
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +36,10 @@ TRIM_AFTER_BYTES = 1 << 20  # bodies this large are followed by a malloc_trim
 MMAP_THRESHOLD_BYTES = 1 << 20  # larger blocks are mapped on their own, unmapped when freed
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 SEND_BUFFER_BYTES = 64 << 10  # per connection (the kernel doubles it)
+READ_CHECK_S = 0.5  # how often a streaming connection's reading is checked
+SIOCOUTQ = 0x5411  # Linux ioctl: bytes of a socket's send queue its peer has not acknowledged
+TCP_INFO_LEN, BYTES_ACKED_AT = 128, 120  # struct tcp_info's u64 tcpi_bytes_acked (Linux 4.1)
+READ_WATCH = "outrider.read_watch"  # the scope key of a request's connection's ReadWatch
 
 
 @dataclass(frozen=True)
@@ -42,10 +49,77 @@ class HttpBounds:
     max_body_bytes: int = 16 << 20
 
 
-def protocol_with_header_deadline(header_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's HTTP/1.1 protocol, closing connections whose headers come too slowly."""
+class ReadWatch:
+    """Whether a connection's client reads what it is sent, judged by time: bytes wait for
+    it (in the transport or the kernel) and its TCP acknowledged none of them for
+    `timeout_s`. A peer acknowledges only what fits its receive buffer, so one that stops
+    reading is seen within seconds of its buffer filling, whatever the size of the events;
+    one that reads slowly acknowledges again each time it frees a segment or a sixteenth
+    of its buffer. Without TCP_INFO (not Linux) it never fires: the pumps' bound holds."""
 
-    class HeaderDeadlineProtocol(H11Protocol):
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop,
+                 timeout_s: float) -> None:
+        self.transport, self.loop, self.timeout_s = transport, loop, timeout_s
+        self._on_stall: list[Callable[[], None]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._acked, self._progress_at = 0, 0.0
+
+    def sees_reads(self) -> bool:
+        return self._bytes_acked() is not None
+
+    def watch(self, on_stall: Callable[[], None]) -> Callable[[], None]:
+        """Call `on_stall` once, on the event loop, if the client stops reading; returns
+        what stops watching (the response ended). Called on the event loop."""
+        self._on_stall.append(on_stall)
+        if self._timer is None:
+            self._acked, self._progress_at = self._bytes_acked(), self.loop.time()
+            self._timer = self.loop.call_later(READ_CHECK_S, self._check)
+
+        def stop() -> None:
+            if on_stall in self._on_stall:
+                self._on_stall.remove(on_stall)
+        return stop
+
+    def _check(self) -> None:
+        self._timer = None
+        acked = self._bytes_acked()
+        if not self._on_stall or acked is None or self.transport.is_closing():
+            return
+        now = self.loop.time()
+        if acked != self._acked or not self._is_waiting():
+            self._acked, self._progress_at = acked, now
+        elif now - self._progress_at >= self.timeout_s:
+            stalled, self._on_stall = self._on_stall, []
+            for on_stall in stalled:
+                on_stall()
+            return
+        self._timer = self.loop.call_later(READ_CHECK_S, self._check)
+
+    def _is_waiting(self) -> bool:
+        if self.transport.get_write_buffer_size() > 0:
+            return True
+        sock = self.transport.get_extra_info("socket")
+        try:
+            return struct.unpack("i", fcntl.ioctl(sock.fileno(), SIOCOUTQ, b"\0" * 4))[0] > 0
+        except (OSError, AttributeError):
+            return False
+
+    def _bytes_acked(self) -> int | None:
+        sock = self.transport.get_extra_info("socket")
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_LEN)
+        except (OSError, AttributeError):  # no socket, or no TCP_INFO on this system
+            return None
+        if len(info) < TCP_INFO_LEN:
+            return None
+        return int.from_bytes(info[BYTES_ACKED_AT:TCP_INFO_LEN], "little")
+
+
+def guarded_protocol(header_timeout_s: float, unread_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 protocol, closing connections whose headers come too slowly and
+    giving each request's scope its connection's ReadWatch (READ_WATCH)."""
+
+    class GuardedProtocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:
@@ -53,12 +127,14 @@ def protocol_with_header_deadline(header_timeout_s: float) -> type[H11Protocol]:
             sock = transport.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+            self.read_watch = ReadWatch(transport, self.loop, unread_timeout_s)
             self._await_headers()
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
             if self._is_in_request:
                 self._stop_waiting()
+                self.cycle.scope[READ_WATCH] = self.read_watch  # before its app task runs
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -83,7 +159,7 @@ def protocol_with_header_deadline(header_timeout_s: float) -> type[H11Protocol]:
                 self._header_timer.cancel()
                 self._header_timer = None
 
-    return HeaderDeadlineProtocol
+    return GuardedProtocol
 
 
 class BodyGuard:

@@ -331,6 +331,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         try:
             with self.replicas.link(address).start(request) as feed:
                 context.add_callback(feed.cancel)  # a client that leaves frees the replica's work
+                if getattr(context, "is_reader_watched", False):
+                    feed.unread_timeout_s = None  # the HTTP API watches its socket instead
                 for chunk in feed.chunks(remaining_timeout(context)):
                     if chunk.token_ids:  # its prefill is done: no longer queued there
                         self.replicas.prefilled(address, request.request_id)

@@ -18,10 +18,9 @@ from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
 
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
-# Backpressure: a request whose reader (its client, through the service) leaves this many
-# chunks unread, and reads none for this long, is cancelled on the replica: a client that
-# stops reading stops costing the engine within seconds (docs/RELIABILITY.md)
-MAX_UNREAD_CHUNKS = 64
+# Backpressure: a request whose reader (its client, through the service) has chunks
+# waiting and takes none for this long is cancelled on the replica: a client that stops
+# reading stops costing the engine within seconds (docs/RELIABILITY.md)
 UNREAD_TIMEOUT_S = 5.0
 UNREAD = f"the client read nothing of its stream for {UNREAD_TIMEOUT_S:g} s: it was cancelled"
 
@@ -53,6 +52,9 @@ class RequestFeed:
         self._items: queue.Queue[pb.TargetChunk | ReplicaCallError] = queue.Queue()
         self.is_done = False
         self._last_read = time.monotonic()
+        self._is_reading = False  # the reader waits for a chunk: nothing is left unread
+        # None: its reader judges its client's reading itself (the HTTP API's ReadWatch)
+        self.unread_timeout_s: float | None = UNREAD_TIMEOUT_S
 
     def put(self, item: pb.TargetChunk | ReplicaCallError) -> None:
         self._items.put(item)
@@ -60,8 +62,9 @@ class RequestFeed:
             self._stop(StreamUnread(grpc.StatusCode.CANCELLED, UNREAD))
 
     def _is_unread(self) -> bool:
-        return (not self.is_done and self._items.qsize() >= MAX_UNREAD_CHUNKS
-                and time.monotonic() - self._last_read >= UNREAD_TIMEOUT_S)
+        return (self.unread_timeout_s is not None and not self.is_done
+                and not self._is_reading
+                and time.monotonic() - self._last_read >= self.unread_timeout_s)
 
     def chunks(self, timeout_s: float | None) -> Iterator[pb.TargetChunk]:
         """The request's chunks until its last; raises ReplicaCallError when it fails
@@ -69,9 +72,11 @@ class RequestFeed:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._is_reading = True
             try:
                 item = self._items.get(timeout=wait)
                 self._last_read = time.monotonic()
+                self._is_reading = False
             except queue.Empty:
                 self.cancel()
                 raise ReplicaCallError(grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -26,7 +26,7 @@ from collections import Counter
 
 import pytest
 import requests
-from outrider.router.target_link import UNREAD_TIMEOUT_S
+from outrider.router.target_link import UNREAD, UNREAD_TIMEOUT_S
 
 from outrider.client import Client, InvalidRequestError
 from outrider.core.tokenizer import Tokenizer
@@ -58,6 +58,7 @@ PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 61], [11, 12, 13, 14], [200, 2, 9, 77, 41]
            [31, 41, 59, 26, 53, 58, 97], [8, 6, 7, 5, 3, 0, 9], [120, 121, 122],
            [1, 100, 10, 100], [64, 128, 192, 256]]
 MAX_TOKENS = 64
+CONTEXT = 512  # the test checkpoints' (tests/checkpoints.py)
 
 
 class Soak:
@@ -119,20 +120,32 @@ class Soak:
         return len(first.token_ids)
 
     def stalled(self, _, __, rng: random.Random) -> int:
-        """An HTTP stream whose client stops reading (a small receive window), then
-        leaves: the router must stop its generation and hold nothing for it."""
+        """An HTTP stream whose client stops reading (a small receive window) for longer
+        than the bound, then reads: the router must have cancelled it as unread (its
+        stream ends with that error), not merely seen it leave."""
         p, _ = self._pick(rng)
-        body = json.dumps({"model": "soak-target", "prompt": PROMPTS[p], "max_tokens": 400,
+        longest = CONTEXT - len(PROMPTS[p]) - 1  # (token ids) outlasts the bound
+        body = json.dumps({"model": "soak-target", "prompt": PROMPTS[p], "max_tokens": longest,
                            "temperature": 0, "ignore_eos": True, "stream": True,
                            "logprobs": 20}).encode()
         host, port = self.http_address.rsplit(":", 1)
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.settimeout(60)
             sock.connect((host, int(port)))
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                         b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
-                         + body)
-            time.sleep(UNREAD_TIMEOUT_S + 1)  # reading nothing
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                         % len(body) + body)
+            time.sleep(UNREAD_TIMEOUT_S + 3)  # reading nothing
+            received = b""
+            while chunk := sock.recv(65536):
+                received += chunk
+        last = received.rsplit(b"data: {", 1)[-1]
+        was_unread = UNREAD.encode() in last  # else it ended before the bound: whole
+        _check(was_unread or b'"finish_reason": "length"' in last,
+               f"stalled: the stream ended {last[-200:]!r}")
+        with self._lock:
+            self.counts["stalled_unread"] += was_unread
         return 0
 
     def http(self, _, session: requests.Session, rng: random.Random) -> int:
@@ -229,7 +242,8 @@ def test_soak_many_streams_no_errors_no_growth_nothing_held(llama_dir, draft_dir
     final = [s for t, s in samples if t >= SOAK_S - 4]
     growth = {name: statistics.median(s[name] for s in final) /
               statistics.median(s[name] for s in warm) - 1 for name in procs}
-    total_requests = sum(n for kind, n in soak.counts.items() if kind != "http_resent")
+    total_requests = sum(n for kind, n in soak.counts.items()
+                         if kind not in ("http_resent", "stalled_unread"))
     latencies = sorted(soak.latencies)
     record("soak", seconds=SOAK_S, streams=STREAMS, redis=WITH_REDIS, requests=total_requests,
            by_kind=dict(soak.counts), errors=len(soak.errors), tokens=soak.tokens,
@@ -245,4 +259,5 @@ def test_soak_many_streams_no_errors_no_growth_nothing_held(llama_dir, draft_dir
     assert soak.errors == [] and stuck == 0, (soak.errors, stuck)
     assert all(alive.values()), alive
     assert all(soak.counts[k] > 0 for k in ("greedy", "sampled", "leave", "http", "unary"))
+    assert not STALLED or soak.counts["stalled_unread"] > 0, soak.counts  # backpressure ran
     assert all(g < MAX_GROWTH for g in growth.values()), growth
