@@ -16,7 +16,7 @@ from outrider.engine.distill import DistillConfig
 from outrider.engine.distributed import set_cpu_threads
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.flags import add_cpus_arg, add_metrics_arg, add_model_server_args
+from outrider.flags import add_cpus_arg, add_metrics_arg, add_model_server_args, resolve_device
 from outrider.grpc_server import Running, build_server, serve_until_signalled
 from outrider.state import RedisStore
 from outrider.telemetry.metrics import DraftMetrics, serve_metrics
@@ -52,7 +52,8 @@ class DraftWorkerConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DraftWorkerConfig:
         """From `outrider draft-worker`'s flags (add_arguments)."""
-        return cls(args.model, args.host, args.port, device=args.device, dtype=args.dtype,
+        return cls(args.model, args.host, args.port, device=resolve_device(args.device),
+                   dtype=args.dtype,
                    kv_cache_mb=args.kv_cache_mb, idle_ttl_s=args.idle_ttl_s,
                    dist_address=args.dist_address, threads=args.threads,
                    metrics_port=args.metrics_port, target_cpus=args.target_cpus,
@@ -67,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """`outrider draft-worker`'s flags (DraftWorkerConfig.from_args reads them)."""
     p.add_argument("--model", required=True, help="draft checkpoint dir")
     cfg = DraftWorkerConfig
-    add_model_server_args(p, host=cfg.host, port=cfg.port, device=cfg.device, dtype=cfg.dtype,
+    add_model_server_args(p, host=cfg.host, port=cfg.port, device="auto", dtype=cfg.dtype,
                           kv_cache_mb=cfg.kv_cache_mb, threads=cfg.threads,
                           threads_help="CPU threads (0: one per core it may use)")
     add_cpus_arg(p)

@@ -4,19 +4,22 @@ draft-worker) add them from their own modules, so they live here, not in outride
 from __future__ import annotations
 
 import argparse
+import re
 
 from outrider.core.sequence import ProposerKind
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def add_model_server_args(p: argparse.ArgumentParser, *, host: str, port: int, device: str,
                           dtype: str, kv_cache_mb: float, threads: int,
                           threads_help: str) -> None:
     """Where a replica listens and how it runs its model (the role's defaults)."""
-    p.add_argument("--host", default=host)
+    p.add_argument("--host", default=host, help="the interface it listens on")
     p.add_argument("--port", type=int, default=port, help="0 picks a free port")
-    p.add_argument("--device", default=device)
-    p.add_argument("--dtype", default=dtype)
-    p.add_argument("--kv-cache-mb", type=float, default=kv_cache_mb)
+    add_device_args(p, device, dtype)
+    p.add_argument("--kv-cache-mb", type=float, default=kv_cache_mb,
+                   help="KV cache budget per rank, in MiB")
     p.add_argument("--threads", type=int, default=threads, help=threads_help)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="share the KV of prompts' common prefixes (default: on)")
@@ -30,6 +33,31 @@ def add_compile_arg(p: argparse.ArgumentParser, default: bool = False) -> None:
                    help="run the model's forward as a compiled graph (torch.compile, "
                         "compiled at start and cached on disk; eager if compiling fails; "
                         f"default: {'on' if default else 'off'})")
+
+
+def add_device_args(p: argparse.ArgumentParser, device: str = "auto",
+                    dtype: str = "auto") -> None:
+    p.add_argument("--device", type=device_arg, default=device,
+                   help="auto (cuda where torch sees a GPU, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=DTYPES, default=dtype,
+                   help="auto: the checkpoint's where the device computes it natively "
+                        "(bf16 on GPUs and on CPUs with AVX512-BF16 or AMX), else float32")
+
+
+def device_arg(value: str) -> str:
+    """--device, checked when parsed; "auto" is resolved where a model loads."""
+    if value in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", value):
+        return value
+    raise argparse.ArgumentTypeError(f"choose from auto, cpu, cuda, cuda:N (got {value!r})")
+
+
+def resolve_device(device: str) -> str:
+    """--device auto: CUDA where torch sees a GPU, as vLLM picks its platform."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def add_cpus_arg(p: argparse.ArgumentParser) -> None:

@@ -95,9 +95,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_cpus_arg(p)
 
 
-def add_public_arguments(p: argparse.ArgumentParser) -> None:
+def add_public_arguments(p: argparse.ArgumentParser,
+                         http_port_flags: tuple[str, ...] = ("--http-port",)) -> None:
     """The public side's flags: keys, rate limit, TLS, the HTTP API, admission (`outrider
-    serve` takes them too, for its router)."""
+    serve` takes them too, for its router, with vLLM's --port for the HTTP API's)."""
     p.add_argument("--host", default=RouterConfig.host, help="the router's interface")
     p.add_argument("--redis", help="redis://host:port/db shared by routers (default: "
                                    "state in the router process)")
@@ -109,7 +110,7 @@ def add_public_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", help="PEM private key for --tls-cert")
     p.add_argument("--tls-client-ca", help="mTLS: CA (PEM) whose client certificates the "
                                            "public ports require")
-    p.add_argument("--http-port", type=int, default=RouterConfig.http_port,
+    p.add_argument(*http_port_flags, dest="http_port", type=int, default=RouterConfig.http_port,
                    help="port of the OpenAI-compatible HTTP API (0 picks a free port)")
     p.add_argument("--no-http", action="store_true", help="no HTTP API, gRPC only")
     p.add_argument("--served-model-name",

@@ -14,7 +14,13 @@ from outrider.target_worker.scheduler import SchedulerConfig
 
 from outrider.core.policy import MAX_GAMMA, MAX_QUEUED_PER_REPLICA, GammaPolicy, PolicyConfig
 from outrider.core.sequence import ProposerKind
-from outrider.flags import add_cpus_arg, add_metrics_arg, add_model_server_args, add_proposer_arg
+from outrider.flags import (
+    add_cpus_arg,
+    add_metrics_arg,
+    add_model_server_args,
+    add_proposer_arg,
+    resolve_device,
+)
 from outrider.v1.worker_pb2 import DESCRIPTOR
 
 # the engine (torch) is imported in start(): `outrider serve`, outrider.local_system and the
@@ -56,7 +62,8 @@ class TargetWorkerConfig:
         """From `outrider target-worker`'s flags (add_arguments)."""
         from outrider.engine.runner import RunnerConfig
 
-        runner = RunnerConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
+        runner = RunnerConfig(model_dir=args.model, device=resolve_device(args.device),
+                              dtype=args.dtype,
                               tp=args.tp, kv_cache_mb=args.kv_cache_mb, threads=args.threads,
                               small_step_threads=args.small_step_threads,
                               prefix_caching=args.enable_prefix_caching,
@@ -92,9 +99,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft round r+1 while round r verifies when at most this many "
                         "sequences speculate (0: never; it pays in small batches)")
     add_proposer_arg(p)
-    p.add_argument("--tp", type=int, default=RunnerConfig.tp)
+    p.add_argument("--tp", "--tensor-parallel-size", type=int, default=RunnerConfig.tp,
+                   help="tensor-parallel degree (ranks, one process each)")
     add_model_server_args(p, host=TargetWorkerConfig.host, port=TargetWorkerConfig.port,
-                          device=RunnerConfig.device, dtype=RunnerConfig.dtype,
+                          device="auto", dtype=RunnerConfig.dtype,
                           kv_cache_mb=RunnerConfig.kv_cache_mb, threads=RunnerConfig.threads,
                           threads_help="CPU threads per rank (0: the cores it may use, "
                                        "shared out over --tp)")
@@ -110,8 +118,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_batch_arguments(p: argparse.ArgumentParser) -> None:
     """The scheduler's budget (`outrider serve` takes them too, for its target)."""
-    p.add_argument("--max-batch-tokens", type=int, default=SchedulerConfig.max_batch_tokens)
-    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    p.add_argument("--max-batch-tokens", "--max-num-batched-tokens", type=int,
+                   default=SchedulerConfig.max_batch_tokens,
+                   help="target positions per step, draft tokens and prefill chunks included")
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
+                   help="sequences one step may hold")
 
 
 def serve(cfg: TargetWorkerConfig, token: str | None) -> None:

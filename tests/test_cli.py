@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+
+import pytest
 
 from outrider.launch import free_port
 from tests.cli_utils import generate_json, run_cli
@@ -75,3 +78,59 @@ def test_errors_are_one_line_unless_debug(tmp_path):
     debug = run_cli("--debug", "generate", "--local", "--target", str(tmp_path), PROMPT,
                     timeout=60)
     assert debug.returncode == 1 and "Traceback" in debug.stderr
+
+
+def test_every_flag_has_help_that_shows_its_default():
+    import argparse
+
+    from outrider.cli import DefaultsShown, build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name, parser in commands.items():
+        formatter = DefaultsShown(f"outrider {name}")
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, f"outrider {name} {action.option_strings or action.dest}"
+            shown = formatter._get_help_string(action)
+            if action.option_strings and action.default not in (None, []):
+                assert "default" in shown, f"outrider {name} {action.option_strings}: {shown}"
+
+
+def test_an_enumerated_flag_refuses_a_value_naming_the_choices():
+    for flag, value, named in (("--device", "tpu", "auto, cpu, cuda, cuda:N"),
+                               ("--dtype", "half", "'bfloat16'")):
+        proc = run_cli("serve", flag, value, timeout=60)
+        assert proc.returncode == 2 and named in proc.stderr, proc.stderr
+
+
+def test_a_vllm_serve_command_line_works_unchanged(tmp_path):
+    """`outrider serve MODEL` with vLLM's flags, then the `openai` package with the key."""
+    import openai
+
+    from outrider import paths
+
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "outrider.cli", "serve", str(paths.demo_target_dir()),
+             "--port", str(port), "--api-key", "k-1", "--served-model-name", "m",
+             "--tensor-parallel-size", "1", "--max-num-batched-tokens", "512",
+             "--max-num-seqs", "8", "--grpc-port", "0", "--kv-cache-mb", "16"],
+            stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while f"http://127.0.0.1:{port}/v1" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k-1")
+        done = client.completions.create(model="m", prompt=PROMPT, max_tokens=8,
+                                          temperature=0)
+        assert done.usage.completion_tokens == 8 and done.model == "m"
+        stranger = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k-2")
+        with pytest.raises(openai.AuthenticationError):
+            stranger.completions.create(model="m", prompt=PROMPT, max_tokens=1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -406,10 +406,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and the in-process engine at batch 1 (outrider.bench.hf_peer)")
     parser.add_argument("--peer-prompts", type=int, default=None,
                         help="prompts for --peer (default: --prompts)")
-    parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--out", default=DEFAULT_OUT, help="the results JSON")
     parser.add_argument("--plots-dir", default=None,
                         help="where the PNG plots go (default: the folder of --out)")
-    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 

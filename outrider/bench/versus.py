@@ -511,7 +511,8 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
         parser.add_argument("--plots-dir", default=None)
     parser.add_argument("--gamma", type=int, default=4,
                         help="γ of FIXED, the engine and vLLM's draft (and the server's default)")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="runs of every level, the systems' order reversed each time")
     parser.add_argument("--requests-per-stream", type=int, default=4,
                         help="requests per concurrency level: this many per stream (>= 16)")
     parser.add_argument("--systems", default=None,

@@ -17,10 +17,23 @@ EXAMPLES = """examples:
   outrider demo
 """
 
+class DefaultsShown(argparse.RawDescriptionHelpFormatter):
+    """Every flag's help ends with its default, unless the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or not action.option_strings or default is None
+                or default is argparse.SUPPRESS or default == []):
+            return text
+        shown = {True: "on", False: "off"}.get(default, default) \
+            if isinstance(default, bool) else default
+        return f"{text} (default: {str(shown).replace('%', '%%')})"
+
+
 SUBCOMMANDS = {  # name: (its flags, what runs it, add_parser's options)
     "generate": (generate.generate_flags, generate.cmd_generate,
-                 dict(help="generate text (streams it)", epilog=EXAMPLES,
-                      formatter_class=argparse.RawDescriptionHelpFormatter)),
+                 dict(help="generate text (streams it)", epilog=EXAMPLES)),
     "draft-worker": (roles.role_flags("outrider.draft_worker.main"), roles.cmd_draft_worker,
                      dict(help="run one draft replica (gRPC server)")),
     "target-worker": (roles.role_flags("outrider.target_worker.main"), roles.cmd_target_worker,
@@ -33,8 +46,7 @@ SUBCOMMANDS = {  # name: (its flags, what runs it, add_parser's options)
              dict(help="create an API key in the shared store (Redis)")),
     "up": (cluster.up_flags, cluster.cmd_up,
            dict(help="bring a Ray cluster up from a spec (starts a local Ray when none is "
-                     "running)", epilog=cluster.CLUSTER_EXAMPLES,
-                formatter_class=argparse.RawDescriptionHelpFormatter)),
+                     "running)", epilog=cluster.CLUSTER_EXAMPLES)),
     "down": (cluster.down_flags, cluster.cmd_down,
              dict(help="drain and remove everything `up` started")),
     "status": (status.status_flags, status.cmd_status,
@@ -62,7 +74,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (add_flags, func, options) in SUBCOMMANDS.items():
-        subparser = sub.add_parser(name, **options)
+        subparser = sub.add_parser(name, formatter_class=DefaultsShown, **options)
         if command is None or command == name:
             add_flags(subparser)
         subparser.set_defaults(func=func)

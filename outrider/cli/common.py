@@ -9,41 +9,53 @@ import threading
 from pathlib import Path
 
 from outrider import paths
-from outrider.flags import add_compile_arg
+from outrider.flags import add_compile_arg, add_device_args, resolve_device
 
 
 class UsageError(ValueError):
     pass
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="target checkpoint dir (default: the shipped demo target)")
+def add_model_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    """The model flags; vLLM's names (`--model`, `--tensor-parallel-size`) beside ours."""
+    if model_positional:  # `outrider serve MODEL`, as `vllm serve MODEL`
+        p.add_argument("model_dir", nargs="?", metavar="MODEL",
+                       help="target checkpoint dir (the same as --target)")
+    p.add_argument("--target", "--model", help="target checkpoint dir (default: the shipped "
+                                               "demo target)")
     p.add_argument("--draft", help="draft checkpoint dir (default: the demo draft when the "
                                    "target is the demo target, else none)")
     p.add_argument("--gamma", type=int, default=None,
                    help="draft tokens per round (0: no speculation; default 4)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the target")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV budget per rank")
+    p.add_argument("--tp", "--tensor-parallel-size", type=int, default=1,
+                   help="tensor-parallel degree of the target")
+    add_device_args(p)
+    p.add_argument("--kv-cache-mb", type=float, default=256.0,
+                   help="KV cache budget per rank, in MiB")
     add_compile_arg(p)
 
 
 def model_dirs(args) -> tuple[Path, str | None]:
     """(target, draft): the shipped demo pair unless told otherwise. Fills in the default
-    --gamma, which `generate` leaves unset so that it can tell a remote router "auto"."""
-    target = Path(args.target) if args.target else paths.demo_target_dir(must_exist=True)
+    --gamma, which `generate` leaves unset so that it can tell a remote router "auto", and
+    resolves --device auto."""
+    given = {d for d in (args.target, getattr(args, "model_dir", None)) if d}
+    if len(given) > 1:
+        raise UsageError(f"two models given ({' and '.join(sorted(given))}): pass MODEL or "
+                         "--target/--model, once")
+    target = Path(given.pop()) if given else paths.demo_target_dir(must_exist=True)
     draft = args.draft
     if draft is None and target.resolve() == paths.demo_target_dir().resolve():
         draft = str(paths.demo_draft_dir(must_exist=True))
     if not (target / "config.json").is_file():
-        raise UsageError(f"no model at {target} (pass --target DIR)")
+        raise UsageError(f"no model at {target} (pass MODEL or --target DIR)")
     if args.gamma is None:
         from outrider.target_worker.main import TargetWorkerConfig
 
         args.gamma = TargetWorkerConfig.gamma
     if args.gamma < 0:
         raise UsageError(f"--gamma must be >= 0, got {args.gamma}")
+    args.device = resolve_device(args.device)
     return target, draft
 
 

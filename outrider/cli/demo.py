@@ -15,8 +15,9 @@ DEMO_MODULE = "glob.py"  # a held-out module: never seen in training
 def demo_flags(demo: argparse.ArgumentParser) -> None:
     from outrider.target_worker.main import TargetWorkerConfig
 
-    demo.add_argument("--max-tokens", type=int, default=160)
-    demo.add_argument("--gamma", type=int, default=TargetWorkerConfig.gamma)
+    demo.add_argument("--max-tokens", type=int, default=160, help="tokens to generate")
+    demo.add_argument("--gamma", type=int, default=TargetWorkerConfig.gamma,
+                      help="draft tokens per round")
 
 
 def cmd_demo(args) -> int:

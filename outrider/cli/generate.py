@@ -37,15 +37,20 @@ def generate_flags(gen: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus: sample from the likeliest tokens holding this much "
+                        "probability (1: all)")
     p.add_argument("--top-k", type=int, default=0, help="0 disables")
     p.add_argument("--min-p", type=float, default=0.0, help="0 disables")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="the same seed gives the same sample (default: a random one)")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 disables")
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted from a token's logit per time it was generated")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from the logit of every token generated so far")
     p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS to token ID's logit (repeatable)")
     p.add_argument("--min-tokens", type=int, default=0,

@@ -6,11 +6,12 @@ import argparse
 
 
 def keys_flags(keys: argparse.ArgumentParser) -> None:
-    keys.add_argument("action", choices=["create"])
+    keys.add_argument("action", choices=["create"], help="create: a new key, printed once")
     keys.add_argument("--redis", required=True, help="redis://host:port/db")
-    keys.add_argument("--name", required=True)
+    keys.add_argument("--name", required=True, help="who the key is for (in logs and metrics)")
     keys.add_argument("--rpm", type=int, default=0, help="requests per minute (0: no limit)")
-    keys.add_argument("--burst", type=int, default=10)
+    keys.add_argument("--burst", type=int, default=10,
+                      help="requests allowed at once above the per-minute rate")
     keys.add_argument("--tag", action="append", default=[], help="allowed tag (repeatable)")
 
 

@@ -51,8 +51,9 @@ def serve_flags(serve: argparse.ArgumentParser) -> None:
     from outrider.router.main import add_public_arguments
     from outrider.target_worker.main import add_batch_arguments
 
-    add_model_args(serve)
-    serve.add_argument("--draft-replicas", type=int, default=LocalSystemConfig.draft_replicas)
+    add_model_args(serve, model_positional=True)
+    serve.add_argument("--draft-replicas", type=int, default=LocalSystemConfig.draft_replicas,
+                       help="draft replicas (processes) the target replicas share")
     serve.add_argument("--target-replicas", type=int, default=LocalSystemConfig.target_replicas,
                        help="target replicas behind the router (they share the drafts)")
     serve.add_argument("--adapt", action="store_true",
@@ -63,14 +64,17 @@ def serve_flags(serve: argparse.ArgumentParser) -> None:
                        default=LocalSystemConfig.prefix_caching,
                        help="share the KV of prompts' common prefixes (default: on)")
     serve.add_argument("--grpc-port", type=int, default=LocalSystemConfig.grpc_port,
-                       help="the router's port")
+                       help="the router's gRPC port")
+    serve.add_argument("--api-key", action="append", default=[],
+                       help="a key clients must send (Authorization: Bearer KEY; repeatable; "
+                            "added to $OUTRIDER_API_KEYS, which the router reads)")
     add_batch_arguments(serve)
     add_proposer_arg(serve)
     serve.add_argument("--no-cpu-pinning", action="store_true",
                        help="let the processes share every core (default on a CPU: the "
                             "target gets cores of its own, drafts and router the rest; "
                             "several target replicas always share every core)")
-    add_public_arguments(serve)
+    add_public_arguments(serve, http_port_flags=("--port", "--http-port"))
 
 
 def cmd_serve(args) -> int:
@@ -78,7 +82,8 @@ def cmd_serve(args) -> int:
 
     cfg = _local_system_config(args)
     stopping = stop_on_signals()
-    with local_system(cfg, cluster_token(), echo=True, stopping=stopping) as system:
+    with local_system(cfg, cluster_token(), echo=True, env=_api_keys_env(args),
+                      stopping=stopping) as system:
         http = f"; OpenAI-compatible API at http://{system.http}/v1" if system.http else ""
         print(f"outrider serve: router listening on {system.router}{http} "
               "(Ctrl-C stops everything)", flush=True)
@@ -104,6 +109,17 @@ def _local_system_config(args):
                              dtype=args.dtype, compile=args.compile,
                              # --gamma 0: no speculation, so nothing proposes
                              proposer=args.proposer if args.gamma else "model")
+
+
+def _api_keys_env(args) -> dict[str, str] | None:
+    """--api-key's keys beside $OUTRIDER_API_KEYS's, for the router (in its environment,
+    not on its command line, which `ps` shows)."""
+    from outrider.router.main import API_KEYS_ENV
+
+    if not args.api_key:
+        return None
+    keys = [k for k in os.environ.get(API_KEYS_ENV, "").split(",") if k] + args.api_key
+    return {API_KEYS_ENV: ",".join(keys)}
 
 
 def _router_args(args) -> tuple[str, ...]:
