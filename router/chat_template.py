@@ -44,11 +44,13 @@ class ChatTemplate:
         return cls(source, special)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None) -> str:
+               tools: list[dict] | None = None, extra: dict | None = None) -> str:
+        """`extra`: a request's chat_template_kwargs (Qwen3's enable_thinking, ...): more
+        variables for the template; they cannot replace the messages or the tools."""
         try:
-            return self._template.render(messages=messages, tools=tools,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **self._special)
+            return self._template.render({
+                **self._special, **(extra or {}), "messages": messages, "tools": tools,
+                "add_generation_prompt": add_generation_prompt})
         except TemplateError as exc:
             raise ValidationError(f"messages: the chat template refused them: {exc}") from None
 

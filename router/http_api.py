@@ -37,6 +37,8 @@ from outrider.router.openai_protocol import (
     BodyFieldError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     http_field,
 )
 from outrider.router.refusal import Refused
@@ -46,6 +48,7 @@ from outrider.router.tool_calls import ForcedCalls
 from outrider.router.validate import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from outrider import __version__
 from outrider.core.stats import SpecStats
 from outrider.telemetry.metrics import exposition
 from outrider.v1 import generate_pb2 as gp
@@ -110,6 +113,7 @@ class HttpSettings:
     max_streams: int = 128          # threads for generations (as many as may run)
     max_prompts: int = 64           # prompts one completion request may carry
     bounds: HttpBounds = HttpBounds()  # on headers and bodies
+    strict_fields: bool = False     # refuse (400) body fields it does not know, not ignore
 
 
 def build_app(service: GenerationService, settings: HttpSettings,
@@ -164,9 +168,45 @@ def build_app(service: GenerationService, settings: HttpSettings,
         _check_model(model, settings)
         return _model_card(settings, created)
 
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request):
+        service.authorize(HttpCall.of(request))
+        if body.model is not None:
+            _check_model(body.model, settings)
+        ids = _refusing(lambda: service.tokenizer.encode(body.prompt, body.add_special_tokens))
+        return {"tokens": ids, "count": len(ids), "max_model_len": settings.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        service.authorize(HttpCall.of(request))
+        if body.model is not None:
+            _check_model(body.model, settings)
+        vocab = service.tokenizer.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"tokens: id {bad} is outside "
+                          f"the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": service.tokenizer.decode(body.tokens)}
+
+    def ignoring(body) -> list[str]:
+        """The body's unknown fields: refused under strict_fields, else counted and named
+        in the answer's X-Outrider-Ignored-Fields header."""
+        ignored = body.ignored_fields
+        if ignored and settings.strict_fields:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{ignored[0]}: unknown field "
+                          "(this router refuses fields it does not know)", param=ignored[0])
+        if ignored:
+            service.telemetry.metrics.ignored_fields.inc(len(ignored))
+        return ignored
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, settings)
+        ignored = ignoring(body)
         prompts = _refusing(lambda: body.prompts)
         if len(prompts) > settings.max_prompts:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
@@ -177,26 +217,27 @@ def build_app(service: GenerationService, settings: HttpSettings,
             r for i, p in enumerate(prompts)
             for r in body.generate_requests(p, max_tokens, _request_id(request, i))])
         view = CompletionView(settings.model_name, body, service.tokenizer, prompts)
-        return await _respond(service, pool, request, requests, view, body.stream,
-                              app.state.streams)
+        return _naming_ignored(await _respond(service, pool, request, requests, view,
+                                              body.stream, app.state.streams), ignored)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, settings)
+        ignored = ignoring(body)
         if chat_template is None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           f"model {settings.model_name!r} has no chat template; "
                           "use /v1/completions")
         prompt_ids = _refusing(lambda: service.tokenizer.encode(chat_template.render(
             [m.for_template() for m in body.messages], body.add_generation_prompt,
-            body.offered_tools)))
+            body.offered_tools, body.chat_template_kwargs)))
         # OpenAI's chat default: as many tokens as the context has room for
         max_tokens = body.completion_limit or max(1, settings.max_model_len - len(prompt_ids))
         requests = _refusing(lambda: body.generate_requests(prompt_ids, max_tokens,
                                                             _request_id(request, 0)))
         view = ChatView(settings.model_name, body, service.tokenizer)
-        return await _respond(service, pool, request, requests, view, body.stream,
-                              app.state.streams)
+        return _naming_ignored(await _respond(service, pool, request, requests, view,
+                                              body.stream, app.state.streams), ignored)
 
     @app.get("/metrics")
     async def metrics():
@@ -384,6 +425,20 @@ async def _respond(service, pool, request: Request, requests: list[gp.GenerateRe
             "model": view.model, "choices": choices, "usage": usage(finals)}
 
 
+IGNORED_HEADER = "X-Outrider-Ignored-Fields"
+MAX_NAMED_IGNORED = 16  # of a body's unknown fields, the header names at most these
+
+
+def _naming_ignored(answer, ignored: list[str]):
+    """The answer with the header naming the body's ignored fields (ASCII, truncated)."""
+    if not ignored:
+        return answer
+    response = answer if isinstance(answer, Response) else JSONResponse(answer)
+    names = [name.encode("ascii", "replace").decode()[:64] for name in ignored]
+    response.headers[IGNORED_HEADER] = ", ".join(names[:MAX_NAMED_IGNORED])
+    return response
+
+
 async def _collect(first, events, n: int):
     """Per choice: its last message, its text, its tokens' logprobs."""
     finals: list[gp.GenerateResponse] = [gp.GenerateResponse()] * n
@@ -411,21 +466,27 @@ async def _sse(service, view, response_id: str, first, events, calls: list[HttpC
         return f"data: {json.dumps(body)}\n\n"
 
     finals: list[gp.GenerateResponse] = [gp.GenerateResponse()] * n
+    latest = [gp.GenerateResponse()] * n  # each choice's last message: its usage so far
+
+    def so_far() -> dict:  # stream_options.continuous_usage_stats: every chunk's usage
+        return {"usage": usage(latest, speculation=False)} if view.body.continuous_usage \
+            else {}
     try:
         for i in range(n):
             opening = view.first_delta(i)
             echoed = view.echoed(i, service)
             if opening or echoed:
-                yield chunk([opening or view.delta(i, echoed, None)])
+                yield chunk([opening or view.delta(i, echoed, None)], **so_far())
         pending = first
         while pending is not None:
             index, msg = pending
+            latest[index] = msg
             if msg.finish_reason:
                 finals[index] = msg
             delta = (view.delta(index, msg.text, msg.finish_reason, msg.logprobs)
                      if msg.text or msg.finish_reason or msg.logprobs else None)
             if delta is not None:
-                yield chunk([delta])
+                yield chunk([delta], **so_far())
             pending = await anext(events, None)
         if view.body.include_usage:
             yield chunk([], usage=usage(finals))
@@ -521,11 +582,14 @@ def _wait_for_room(room: threading.Semaphore, call: HttpCall) -> bool:
     return not call.is_cancelled.is_set()
 
 
-def usage(finals: list[gp.GenerateResponse]) -> dict:
+def usage(finals: list[gp.GenerateResponse], speculation: bool = True) -> dict:
     """OpenAI usage, plus `speculation`: the statistics of all choices together."""
     prompt = sum(f.usage.prompt_tokens for f in finals)
     cached = sum(f.usage.cached_prompt_tokens for f in finals)
     completion = sum(f.usage.completion_tokens for f in finals)
+    if not speculation:
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
     total = SpecStats()
     for f in finals:
         total.merge(SpecStats.from_proto(f.speculation))

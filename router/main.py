@@ -57,6 +57,7 @@ class RouterConfig:
     routing: str = "cache-aware"            # how a replica is chosen (router/replicas.py)
     max_prompts: int = HttpSettings.max_prompts  # prompts per HTTP completion request
     http_bounds: HttpBounds = HttpBounds()  # how long headers and bodies may take, how big
+    strict_fields: bool = False             # HTTP bodies' unknown fields: 400, not ignored
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -79,7 +80,8 @@ class RouterConfig:
                                         max_queue_wait_s=args.max_queue_wait),
                    routing=args.routing, max_prompts=args.max_prompts_per_request,
                    http_bounds=HttpBounds(args.http_header_timeout, args.http_body_timeout,
-                                          int(args.max_body_mb * 2**20)))
+                                          int(args.max_body_mb * 2**20)),
+                   strict_fields=args.strict_openai_fields)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -137,6 +139,10 @@ def add_public_arguments(p: argparse.ArgumentParser,
                                            "refused (408) and its connection closed")
     p.add_argument("--max-body-mb", type=float, default=HttpBounds.max_body_bytes / 2**20,
                    help="larger HTTP request bodies are refused (413) unread")
+    p.add_argument("--strict-openai-fields", action="store_true",
+                   help="refuse (400) HTTP body fields the API does not know; by default "
+                        "they are ignored, counted and named in the X-Outrider-Ignored-Fields "
+                        "header, as vLLM ignores them with a warning")
 
 
 def serve(cfg: RouterConfig, cluster_token: str | None) -> None:
@@ -193,7 +199,8 @@ def _model_name(cfg: RouterConfig) -> str:
 def _start_http(cfg: RouterConfig, service: GenerationService, max_model_len: int):
     name = _model_name(cfg)
     app = build_app(service, HttpSettings(name, max_model_len, cfg.limits.max_running,
-                                          cfg.max_prompts, cfg.http_bounds),
+                                          cfg.max_prompts, cfg.http_bounds,
+                                          cfg.strict_fields),
                     ChatTemplate.from_dir(cfg.model_dir))
     server, thread, port = start_http(app, cfg.host, cfg.http_port, cfg.tls_cert,
                                       cfg.tls_key, cfg.tls_client_ca,

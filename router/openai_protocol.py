@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from outrider.router.validate import ValidationError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -76,6 +76,7 @@ def _is_encodable(text: str) -> bool:
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class JsonSchemaFormat(_Strict):
@@ -130,7 +131,16 @@ class StructuredOutputs(_Strict):
         return {**self._given(), **whitespace}
 
 
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}  # vLLM's older names of structured_outputs' fields
+
+
 class _GenerationRequest(_Strict):
+    """A top-level body: fields it does not know are kept aside (`ignored_fields`), not
+    refused, as OpenAI clients send extras other servers take; nested objects stay
+    strict. The router refuses them instead under --strict-openai-fields."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str
     max_tokens: Annotated[int, Field(ge=1, le=UINT32_MAX)] | None = None
     temperature: Annotated[float, Field(ge=0)] | None = None
@@ -160,6 +170,24 @@ class _GenerationRequest(_Strict):
     # structured outputs (§3.8): OpenAI's response_format, or vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _guided_fields(cls, data):
+        """guided_json and its kin as the structured_outputs they name."""
+        if not isinstance(data, dict) or not GUIDED.keys() & data.keys():
+            return data
+        given = {k: data[k] for k in GUIDED if k in data}
+        if len(given) > 1 or "structured_outputs" in data or "response_format" in data:
+            raise BodyFieldError(next(iter(given)), "give one constraint: one guided_* "
+                                 "field, structured_outputs or response_format")
+        (name, value), = given.items()
+        rest = {k: v for k, v in data.items() if k != name}
+        return rest | {"structured_outputs": {GUIDED[name]: value}}
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
 
     @model_validator(mode="after")
     def _one_constraint(self):
@@ -202,6 +230,10 @@ class _GenerationRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def generate_requests(self, prompt: str | list[int], max_tokens: int | None,
                           request_id: str | None) -> list[gp.GenerateRequest]:
@@ -322,6 +354,7 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # for the template (enable_thinking)
     # tool calls a request forces ("required" or a named function) are structured
     # outputs (§3.8); "auto" needs a parser of the model's own call format: refused
     tools: Annotated[list[ChatTool], Field(min_length=1)] | None = None
@@ -471,3 +504,16 @@ def http_field(message: str) -> tuple[str | None, str]:
     if name in HTTP_FIELD:
         return HTTP_FIELD[name], HTTP_FIELD[name] + message[match.end():]
     return (name if message[match.end():].startswith(":") else None), message
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt's token ids under the served model's tokenizer."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # the tokenizer's (BOS and the like), as prompts get
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]

@@ -397,7 +397,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         progress.num_sent = consumed
         progress.sent_text += text
         msg = gp.GenerateResponse(request_id=progress.job.request_id, text=text, token_ids=ids,
-                                  replica=progress.replica, logprobs=logprobs)
+                                  replica=progress.replica, logprobs=logprobs,
+                                  usage=gp.Usage(prompt_tokens=len(progress.job.prompt_ids),
+                                                 completion_tokens=consumed))
         if progress.job.include_rounds:
             msg.rounds.extend(gp.Round(gamma=r.gamma, num_accepted=r.num_accepted, heat=r.heat,
                                        draft_version=r.draft_version, free_kind=r.free_kind,

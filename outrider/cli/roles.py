@@ -138,4 +138,5 @@ def _router_args(args) -> tuple[str, ...]:
             "--http-header-timeout", str(args.http_header_timeout),
             "--http-body-timeout", str(args.http_body_timeout),
             "--max-body-mb", str(args.max_body_mb),
-            "--routing", args.routing)
+            "--routing", args.routing,
+            *(["--strict-openai-fields"] if args.strict_openai_fields else []))

@@ -34,9 +34,9 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
-            return self._tok.encode(text, add_special_tokens=True).ids
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:  # the Rust side takes only valid Unicode: no lone surrogates
             raise ValueError("text is not valid Unicode (it holds a lone surrogate)") from None
 

@@ -109,6 +109,9 @@ QUEUED = Gauge("outrider_router_generations_queued", "Generations waiting for an
                "slot", MODEL)
 UNREAD = Counter("outrider_router_streams_unread", "Streams cancelled because their client "
                  "stopped reading (backpressure)", MODEL)
+IGNORED_FIELDS = Counter("outrider_router_ignored_fields", "Unknown fields in HTTP request "
+                         "bodies, ignored (a client sending what this router does not do)",
+                         MODEL)
 MIGRATIONS = Counter("outrider_request_migrations", "Requests moved to another replica after "
                      "a failure", MODEL)
 STRUCTURED = Counter("outrider_structured_requests", "Requests finished under an output "
@@ -266,6 +269,7 @@ class RouterMetrics:
         self.tokens = ROUTER_TOKENS.labels(model_name)
         self.migrations = MIGRATIONS.labels(model_name)
         self.unread = UNREAD.labels(model_name)
+        self.ignored_fields = IGNORED_FIELDS.labels(model_name)
 
     def watch_admission(self, admission) -> None:
         """Gauges read at scrape time from the router's admission control."""

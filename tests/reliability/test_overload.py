@@ -33,7 +33,8 @@ MAX_RUNNING, MAX_QUEUED, HEADER_TIMEOUT_S, BODY_TIMEOUT_S = 2, 2, 2.0, 2.0
 ROUTER_ARGS = ("--max-running-requests", str(MAX_RUNNING),
                "--max-queued-requests", str(MAX_QUEUED), "--max-queue-wait", "2",
                "--max-prompts-per-request", "4", "--http-header-timeout", str(HEADER_TIMEOUT_S),
-               "--http-body-timeout", str(BODY_TIMEOUT_S), "--max-body-mb", "1")
+               "--http-body-timeout", str(BODY_TIMEOUT_S), "--max-body-mb", "1",
+               "--strict-openai-fields")
 MODEL = "demo-target"
 LONG = {"max_tokens": 1500, "ignore_eos": True, "temperature": 0}
 
@@ -86,6 +87,14 @@ def test_any_text_in_a_chat_message_is_answered_without_a_5xx(system, text):
     status, _, answer = post(system, "/v1/chat/completions",
                              json.dumps(body, ensure_ascii=True).encode())
     assert status in (200, 400), answer
+
+
+def test_a_strict_router_refuses_unknown_fields_naming_the_first(system):
+    status, _, answer = completion(system, max_tokens=1, zz_unknown=1, bogus=2)
+    assert status == 400 and answer["error"]["param"] == "bogus"
+    assert "unknown field" in answer["error"]["message"]
+    status, _, _ = completion(system, max_tokens=1, guided_choice=["a"])  # known: served
+    assert status == 200
 
 
 # -- admission -----------------------------------------------------------------------------
