@@ -44,7 +44,7 @@ from outrider.router.openai_protocol import (
 from outrider.router.refusal import Refused
 from outrider.router.service import GenerationService
 from outrider.router.target_link import UNREAD, UNREAD_TIMEOUT_S
-from outrider.router.tool_calls import ForcedCalls
+from outrider.router.tool_calls import CALL_FORMATS, ForcedCalls, ParsedCalls
 from outrider.router.validate import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -114,6 +114,7 @@ class HttpSettings:
     max_prompts: int = 64           # prompts one completion request may carry
     bounds: HttpBounds = HttpBounds()  # on headers and bodies
     strict_fields: bool = False     # refuse (400) body fields it does not know, not ignore
+    tool_call_parser: str | None = None  # tool_choice "auto": the model's call format
 
 
 def build_app(service: GenerationService, settings: HttpSettings,
@@ -224,6 +225,12 @@ def build_app(service: GenerationService, settings: HttpSettings,
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, settings)
         ignored = ignoring(body)
+        if body.chooses_calls and settings.tool_call_parser is None:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "tool_choice: 'auto' (the "
+                          "default with tools) reads the model's calls from its text, which "
+                          "needs the router's --tool-call-parser (" + ", ".join(CALL_FORMATS)
+                          + "): start it with one, or give 'required', a named function, or "
+                          "'none'", param="tool_choice")
         if chat_template is None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           f"model {settings.model_name!r} has no chat template; "
@@ -235,7 +242,8 @@ def build_app(service: GenerationService, settings: HttpSettings,
         max_tokens = body.completion_limit or max(1, settings.max_model_len - len(prompt_ids))
         requests = _refusing(lambda: body.generate_requests(prompt_ids, max_tokens,
                                                             _request_id(request, 0)))
-        view = ChatView(settings.model_name, body, service.tokenizer)
+        view = ChatView(settings.model_name, body, service.tokenizer,
+                        settings.tool_call_parser)
         return _naming_ignored(await _respond(service, pool, request, requests, view,
                                               body.stream, app.state.streams), ignored)
 
@@ -322,13 +330,20 @@ class CompletionView(_View):
 
 
 class ChatView(_View):
-    """How /v1/chat/completions shows choices: text, or the tool calls it forced."""
+    """How /v1/chat/completions shows choices: text, or tool calls (forced, or read from
+    the text by the model's call format)."""
 
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
 
-    def __init__(self, model: str, body: ChatCompletionRequest, tokenizer) -> None:
+    def __init__(self, model: str, body: ChatCompletionRequest, tokenizer,
+                 call_format: str | None = None) -> None:
         super().__init__(model, body, tokenizer)
-        self.calls = None if body.forced_call is None else ForcedCalls(body.forced_call)
+        self.calls: ForcedCalls | ParsedCalls | None = None
+        if body.forced_call is not None:
+            self.calls = ForcedCalls(body.forced_call)
+        elif body.chooses_calls and call_format is not None:
+            self.calls = ParsedCalls(CALL_FORMATS[call_format](),
+                                     [t.function.name for t in body.tools])
 
     def echoed(self, index: int, service: GenerationService) -> str:
         return ""

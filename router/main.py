@@ -17,6 +17,7 @@ from outrider.router.http_guard import HttpBounds
 from outrider.router.replicas import ROUTING, ReplicaSet
 from outrider.router.service import GenerationService, ServiceLimits
 from outrider.router.telemetry import RouterTelemetry
+from outrider.router.tool_calls import CALL_FORMATS
 
 from outrider.core.hf_config import context_length, read_config
 from outrider.core.tokenizer import Tokenizer
@@ -58,6 +59,7 @@ class RouterConfig:
     max_prompts: int = HttpSettings.max_prompts  # prompts per HTTP completion request
     http_bounds: HttpBounds = HttpBounds()  # how long headers and bodies may take, how big
     strict_fields: bool = False             # HTTP bodies' unknown fields: 400, not ignored
+    tool_call_parser: str | None = None     # tool_choice "auto": the model's call format
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -81,7 +83,8 @@ class RouterConfig:
                    routing=args.routing, max_prompts=args.max_prompts_per_request,
                    http_bounds=HttpBounds(args.http_header_timeout, args.http_body_timeout,
                                           int(args.max_body_mb * 2**20)),
-                   strict_fields=args.strict_openai_fields)
+                   strict_fields=args.strict_openai_fields,
+                   tool_call_parser=args.tool_call_parser)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -143,6 +146,10 @@ def add_public_arguments(p: argparse.ArgumentParser,
                    help="refuse (400) HTTP body fields the API does not know; by default "
                         "they are ignored, counted and named in the X-Outrider-Ignored-Fields "
                         "header, as vLLM ignores them with a warning")
+    p.add_argument("--tool-call-parser", choices=tuple(CALL_FORMATS),
+                   help="the served model's tool-call format, read from its text when a "
+                        "chat request offers tools with tool_choice 'auto' (the default); "
+                        "without it such requests are a 400 (forced calls need none)")
 
 
 def serve(cfg: RouterConfig, cluster_token: str | None) -> None:
@@ -200,7 +207,7 @@ def _start_http(cfg: RouterConfig, service: GenerationService, max_model_len: in
     name = _model_name(cfg)
     app = build_app(service, HttpSettings(name, max_model_len, cfg.limits.max_running,
                                           cfg.max_prompts, cfg.http_bounds,
-                                          cfg.strict_fields),
+                                          cfg.strict_fields, cfg.tool_call_parser),
                     ChatTemplate.from_dir(cfg.model_dir))
     server, thread, port = start_http(app, cfg.host, cfg.http_port, cfg.tls_cert,
                                       cfg.tls_key, cfg.tls_client_ca,

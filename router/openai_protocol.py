@@ -356,7 +356,7 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # for the template (enable_thinking)
     # tool calls a request forces ("required" or a named function) are structured
-    # outputs (§3.8); "auto" needs a parser of the model's own call format: refused
+    # outputs (§3.8); "auto" reads calls from the text by the router's --tool-call-parser
     tools: Annotated[list[ChatTool], Field(min_length=1)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -370,10 +370,6 @@ class ChatCompletionRequest(_GenerationRequest):
             return self
         if len(set(names)) < len(names):
             raise BodyFieldError("tools", "name a function twice")
-        if choice in (None, "auto"):
-            raise BodyFieldError("tool_choice", "'auto' (the default with tools) needs a "
-                                 "parser of the model's tool-call format, which Outrider "
-                                 "has not: give 'required', a named function, or 'none'")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise BodyFieldError("tool_choice", f"names function {choice.function.name!r}, "
                                  "which tools do not hold")
@@ -393,6 +389,12 @@ class ChatCompletionRequest(_GenerationRequest):
         if isinstance(self.tool_choice, NamedToolChoice):
             return self.tool_choice.function.name
         return "" if self.tool_choice == "required" else None
+
+    @property
+    def chooses_calls(self) -> bool:
+        """Tools offered with tool_choice "auto" (the default with tools): the model
+        decides, in its own call format."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     @property
     def offered_tools(self) -> list[dict] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -117,7 +118,8 @@ def test_a_vllm_serve_command_line_works_unchanged(tmp_path):
             [sys.executable, "-m", "outrider.cli", "serve", str(paths.demo_target_dir()),
              "--port", str(port), "--api-key", "k-1", "--served-model-name", "m",
              "--tensor-parallel-size", "1", "--max-num-batched-tokens", "512",
-             "--max-num-seqs", "8", "--grpc-port", "0", "--kv-cache-mb", "16"],
+             "--max-num-seqs", "8", "--grpc-port", "0", "--kv-cache-mb", "16",
+             "--tool-call-parser", "hermes"],
             stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
@@ -131,6 +133,31 @@ def test_a_vllm_serve_command_line_works_unchanged(tmp_path):
         stranger = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k-2")
         with pytest.raises(openai.AuthenticationError):
             stranger.completions.create(model="m", prompt=PROMPT, max_tokens=1)
+        tools_offered_with_no_tool_choice_are_read_from_the_text(client)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def tools_offered_with_no_tool_choice_are_read_from_the_text(client):
+    """What agent frameworks send: tools, no tool_choice. The demo model writes no calls of
+    its own, so a regex holds it to Hermes' format: the router reads the call from it."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    written = r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": ' \
+              r'\{"city": "Paris"\}\}\n</tool_call>'
+    options = dict(model="m", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                   tools=[weather], max_tokens=60, temperature=0,
+                   extra_body={"structured_outputs": {"regex": written}})
+    done = client.chat.completions.create(**options)
+    (call,) = done.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert done.choices[0].message.content == "Checking.\n"
+    assert done.choices[0].finish_reason == "tool_calls"
+    chunks = list(client.chat.completions.create(stream=True, **options))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert content == "Checking.\n" and [t.function.name for t in streamed] == ["get_weather"]
+    assert json.loads(streamed[0].function.arguments) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
