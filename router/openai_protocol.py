@@ -159,6 +159,8 @@ class _GenerationRequest(_Strict):
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # Outrider extensions
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
@@ -249,7 +251,9 @@ class _GenerationRequest(_Strict):
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             logit_bias=bias, logprobs=self.num_logprobs, speculation=self.speculation,
             gamma_max=self.gamma, tag=self.tag, request_id=_choice_id(request_id, i, self.n),
-            proposer=self.proposer.value if self.proposer else "", **self.constraint)
+            proposer=self.proposer.value if self.proposer else "",
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, **self.constraint)
             for i in range(self.n)]
 
 

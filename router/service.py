@@ -256,7 +256,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
     def _tail(self, whole: gp.GenerateResponse, job: Job) -> gp.GenerateResponse:
         """A finished response after the client's first `resume_from` tokens."""
-        head = TextStream(self.tokenizer, job.stop).push(list(whole.token_ids[:job.resume_from]))
+        head = job.text_stream(self.tokenizer).push(list(whole.token_ids[:job.resume_from]))
         tail = gp.GenerateResponse()
         tail.CopyFrom(whole)
         tail.text = whole.text[len(head):]
@@ -265,7 +265,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
     # -- generation --------------------------------------------------------------------------
     def _run(self, job: Job, context, observed: RequestTelemetry, resumed: list[int] | None):
-        progress = Progress(job, TextStream(self.tokenizer, job.stop))
+        progress = Progress(job, job.text_stream(self.tokenizer))
         if resumed is not None:
             catch_up = self._catch_up(progress, resumed)
             if catch_up.token_ids or catch_up.text:

@@ -10,9 +10,11 @@ from outrider.core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class TextStream:
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer)
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (),
+                 include_stop: bool = False, skip_special_tokens: bool = True) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self._stop = tuple(s for s in stop if s)
+        self._include_stop = include_stop  # the stop string that ends the text stays in it
         self._held = ""             # decoded text not yet released
         self.num_tokens = 0         # tokens consumed (up to the one completing a stop)
         self.is_stopped = False
@@ -38,10 +40,11 @@ class TextStream:
         return text
 
     def _release(self) -> str:
-        at = min((i for i in (self._held.find(s) for s in self._stop) if i >= 0), default=-1)
-        if at >= 0:
+        found = [(at, s) for s in self._stop if (at := self._held.find(s)) >= 0]
+        if found:
+            at, stop = min(found, key=lambda f: f[0])  # the first to end; ties: listed first
             self.is_stopped = True
-            text, self._held = self._held[:at], ""
+            text, self._held = self._held[:at + len(stop) * self._include_stop], ""
             return text
         keep = self._longest_stop_prefix_suffix()
         cut = len(self._held) - keep

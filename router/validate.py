@@ -8,6 +8,8 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
+from outrider.router.text_stream import TextStream
+
 from outrider.core.grammar import Grammars
 from outrider.core.policy import MAX_GAMMA, SpecMode
 from outrider.core.sampling import MAX_SEED, SamplingError, SamplingParams
@@ -46,6 +48,12 @@ class Job:
     fingerprint: str        # same request id + different fingerprint = a different request
     resume_from: int = 0    # output tokens the client has (a stream resumed, §9.4)
     proposer: str = ""      # ProposerKind ("": the replica's --proposer)
+    include_stop: bool = False  # the text keeps the stop string that ends it
+    skip_special_tokens: bool = True  # the text leaves special tokens out
+
+    def text_stream(self, tokenizer: Tokenizer) -> TextStream:
+        """The request's detokenisation and stop strings."""
+        return TextStream(tokenizer, self.stop, self.include_stop, self.skip_special_tokens)
 
     @property
     def stats_tag(self) -> str:
@@ -77,7 +85,8 @@ def validate(req: gp.GenerateRequest, tokenizer: Tokenizer, max_model_len: int,
             raise ValidationError(str(exc)) from None
     return Job(req.request_id or uuid.uuid4().hex, tuple(prompt_ids), params, stop,
                MODES[spec.mode], spec.gamma_max, req.tag, req.include_rounds,
-               _fingerprint(req), req.resume_from, req.proposer)
+               _fingerprint(req), req.resume_from, req.proposer,
+               req.sampling.include_stop_str_in_output, not req.sampling.keep_special_tokens)
 
 
 def _fingerprint(req: gp.GenerateRequest) -> str:

@@ -23,17 +23,22 @@ def build_request(prompt: str | list[int], *, max_tokens: int | None = None,
                   json_schema: dict | bool | str | None = None, json_object: bool = False,
                   regex: str | None = None, choice: list[str] | None = None,
                   grammar: str | None = None,
-                  whitespace_flexible: bool = False) -> gp.GenerateRequest:
+                  whitespace_flexible: bool = False, include_stop_str_in_output: bool = False,
+                  skip_special_tokens: bool = True) -> gp.GenerateRequest:
     """A GenerateRequest; options left None take the router's defaults (16 tokens,
     temperature 1, no top-k/top-p/min-p, no penalties, a random seed, no logprobs).
     logprobs=k returns each token's log-probability and its k likeliest alternatives.
     proposer: "auto", "model", "ngram" or "suffix" ("": the replica's choice).
     At most one constraint on the output (docs/API.md "Structured outputs"): json_schema
     (a dict or JSON text), json_object, regex, choice (the output is one of the strings)
-    or grammar (Lark or GBNF); whitespace_flexible lets JSON hold any whitespace."""
+    or grammar (Lark or GBNF); whitespace_flexible lets JSON hold any whitespace.
+    The text: include_stop_str_in_output keeps the stop string that ends it;
+    skip_special_tokens=False shows special tokens (vLLM's meanings)."""
     if speculation not in MODES:
         raise ValueError(f"speculation must be one of {sorted(MODES)}, got {speculation!r}")
-    sampling = gp.SamplingOptions(stop=list(stop), ignore_eos=ignore_eos)
+    sampling = gp.SamplingOptions(stop=list(stop), ignore_eos=ignore_eos,
+                                  include_stop_str_in_output=include_stop_str_in_output,
+                                  keep_special_tokens=not skip_special_tokens)
     _set_ids(sampling.stop_token_ids, stop_token_ids, "stop_token_ids")
     try:
         sampling.logit_bias.update(logit_bias or {})

@@ -40,8 +40,8 @@ class Tokenizer:
         except TypeError:  # the Rust side takes only valid Unicode: no lone surrogates
             raise ValueError("text is not valid Unicode (it holds a lone surrogate)") from None
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, even part of a UTF-8 character (what OpenAI's
@@ -85,8 +85,8 @@ class IncrementalDetokenizer:
     another) — so a long generation costs O(tokens), not O(tokens²). Bytes of a
     multi-byte character split across tokens are held back until it is complete."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.token_ids: list[int] = []
         self._prefix_start = 0  # context window start
         self._read_start = 0    # tokens before this are already in emitted text
@@ -107,6 +107,7 @@ class IncrementalDetokenizer:
 
     def _unread_text(self) -> str:
         """Text of the tokens from _read_start on, decoded after their context window."""
-        prefix = self.tokenizer.decode(self.token_ids[self._prefix_start:self._read_start])
-        text = self.tokenizer.decode(self.token_ids[self._prefix_start:])
+        skip = self.skip_special_tokens
+        prefix = self.tokenizer.decode(self.token_ids[self._prefix_start:self._read_start], skip)
+        text = self.tokenizer.decode(self.token_ids[self._prefix_start:], skip)
         return text[len(prefix):]

@@ -174,6 +174,15 @@ def test_vllm_extras_do_what_they_say(oai):
         model=MODEL, messages=[{"role": "user", "content": "Sort a list."}], max_tokens=4,
         temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert chat.choices[0].finish_reason == "length"
+    whole = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24,
+                                   **GREEDY).choices[0].text
+    stop = whole[8:12]
+    for include, end in ((False, 0), (True, len(stop))):
+        cut = oai.completions.with_raw_response.create(
+            model=MODEL, prompt=PROMPT, max_tokens=24, stop=[stop], temperature=0,
+            extra_body={"include_stop_str_in_output": include, "skip_special_tokens": False})
+        assert "x-outrider-ignored-fields" not in cut.headers
+        assert cut.parse().choices[0].text == whole[:whole.index(stop) + end]
     chunks = list(oai.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=12, stream=True, **GREEDY,
         stream_options={"include_usage": True, "continuous_usage_stats": True}))

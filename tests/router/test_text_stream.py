@@ -39,14 +39,16 @@ def test_multibyte_characters_do_span_tokens_here(tok):
 @pytest.mark.parametrize("stop", ["class Bar", "\n\n", "🎉", "x  # ü"])
 def test_stop_string_across_chunks_ends_the_text_before_it(tok, size, stop):
     ids = tok.encode(TEXT)
-    stream = TextStream(tok, ("never appears", stop))
-    out = ""
-    for c in chunks(ids, size):
-        out += stream.push(c)
-        if stream.is_stopped:
-            break
-    out += stream.finish()
-    assert stream.is_stopped and out == TEXT[:TEXT.index(stop)]
+    for include_stop in (False, True):
+        stream = TextStream(tok, ("never appears", stop), include_stop)
+        out = ""
+        for c in chunks(ids, size):
+            out += stream.push(c)
+            if stream.is_stopped:
+                break
+        out += stream.finish()
+        assert stream.is_stopped
+        assert out == TEXT[:TEXT.index(stop) + len(stop) * include_stop]
     # the tokens consumed are exactly those needed to complete the stop string
     assert stop in tok.decode(ids[:stream.num_tokens])
     assert stop not in tok.decode(ids[:stream.num_tokens - 1])
@@ -59,3 +61,16 @@ def test_no_stop_releases_everything_at_the_end(tok):
     assert TEXT.startswith(out) and out != TEXT
     assert out + stream.finish() == TEXT and not stream.is_stopped
     assert stream.num_tokens == len(ids)
+
+
+def test_the_earliest_stop_ends_the_text_and_is_kept_whole_when_asked(tok):
+    stream = TextStream(tok, ("Bar:", "class"), include_stop=True)
+    assert stream.push(tok.encode(TEXT)) + stream.finish() == TEXT[:TEXT.index("class") + 5]
+
+
+def test_special_tokens_are_skipped_unless_kept(tok):
+    ids = [*tok.encode("x = 1"), *tok.encode("<|endoftext|>", add_special_tokens=False)]
+    assert len(ids) == len(tok.encode("x = 1")) + 1  # one special token
+    for skip, shown in ((True, "x = 1"), (False, "x = 1<|endoftext|>")):
+        stream = TextStream(tok, (), skip_special_tokens=skip)
+        assert stream.push(ids) + stream.finish() == shown
