@@ -445,11 +445,12 @@ MAX_NAMED_IGNORED = 16  # of a body's unknown fields, the header names at most t
 
 
 def _naming_ignored(answer, ignored: list[str]):
-    """The answer with the header naming the body's ignored fields (ASCII, truncated)."""
+    """The answer with the header naming the body's ignored fields (JSON-escaped, so that a
+    name holding CR or LF cannot end the header; truncated)."""
     if not ignored:
         return answer
     response = answer if isinstance(answer, Response) else JSONResponse(answer)
-    names = [name.encode("ascii", "replace").decode()[:64] for name in ignored]
+    names = [json.dumps(name)[1:-1][:64] for name in ignored]  # printable ASCII: no \r\n
     response.headers[IGNORED_HEADER] = ", ".join(names[:MAX_NAMED_IGNORED])
     return response
 

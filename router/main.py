@@ -19,7 +19,7 @@ from outrider.router.service import GenerationService, ServiceLimits
 from outrider.router.telemetry import RouterTelemetry
 from outrider.router.tool_calls import CALL_FORMATS
 
-from outrider.core.hf_config import context_length, read_config
+from outrider.core.hf_config import context_length, read_config, sampling_defaults
 from outrider.core.tokenizer import Tokenizer
 from outrider.flags import add_cpus_arg, add_metrics_arg
 from outrider.grpc_server import Running, build_server, serve_until_signalled
@@ -60,6 +60,7 @@ class RouterConfig:
     http_bounds: HttpBounds = HttpBounds()  # how long headers and bodies may take, how big
     strict_fields: bool = False             # HTTP bodies' unknown fields: 400, not ignored
     tool_call_parser: str | None = None     # tool_choice "auto": the model's call format
+    generation_config: str = "auto"         # auto: unset sampling fields take the model's
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -84,7 +85,8 @@ class RouterConfig:
                    http_bounds=HttpBounds(args.http_header_timeout, args.http_body_timeout,
                                           int(args.max_body_mb * 2**20)),
                    strict_fields=args.strict_openai_fields,
-                   tool_call_parser=args.tool_call_parser)
+                   tool_call_parser=args.tool_call_parser,
+                   generation_config=args.generation_config)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -146,6 +148,12 @@ def add_public_arguments(p: argparse.ArgumentParser,
                    help="refuse (400) HTTP body fields the API does not know; by default "
                         "they are ignored, counted and named in the X-Outrider-Ignored-Fields "
                         "header, as vLLM ignores them with a warning")
+    p.add_argument("--generation-config", choices=("auto", "vllm"),
+                   default=RouterConfig.generation_config,
+                   help="auto: sampling fields a request leaves unset (temperature, top_p, "
+                        "top_k, min_p, repetition_penalty) take the model's "
+                        "generation_config.json values, as vLLM's; vllm: the API's own "
+                        "defaults")
     p.add_argument("--tool-call-parser", choices=tuple(CALL_FORMATS),
                    help="the served model's tool-call format, read from its text when a "
                         "chat request offers tools with tool_choice 'auto' (the default); "
@@ -173,8 +181,9 @@ def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
                           routing=cfg.routing)
     replicas.start()
     telemetry = RouterTelemetry(_model_name(cfg))
+    defaults = sampling_defaults(cfg.model_dir) if cfg.generation_config == "auto" else {}
     service = GenerationService(tokenizer, max_model_len, store, replicas, auth,
-                                cfg.limits, telemetry)
+                                cfg.limits, telemetry, defaults)
     if cfg.metrics_port is not None:
         serve_metrics(cfg.host, cfg.metrics_port, "router")
     health_servicer = health.HealthServicer()

@@ -104,8 +104,10 @@ class CallContext(Protocol):
 class GenerationService(generate_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, store, replicas: ReplicaSet,
                  auth: Authenticator, limits: ServiceLimits = ServiceLimits(),
-                 telemetry: RouterTelemetry | None = None) -> None:
+                 telemetry: RouterTelemetry | None = None,
+                 sampling_defaults: dict | None = None) -> None:
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
+        self.sampling_defaults = sampling_defaults or {}  # generation_config.json's
         # structured outputs are compiled here before any replica sees them (§3.8)
         self.grammars = Grammars(tokenizer.path, tokenizer.vocab_size, ())
         self.telemetry = telemetry or RouterTelemetry("")
@@ -191,7 +193,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     # -- admission ---------------------------------------------------------------------------
     def _admit(self, request, context) -> tuple[Job, Journal]:
         try:
-            job = validate(request, self.tokenizer, self.max_model_len, self.grammars)
+            job = validate(request, self.tokenizer, self.max_model_len, self.grammars,
+                           self.sampling_defaults)
         except ValidationError as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         self.authorize(context, job.tag)

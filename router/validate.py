@@ -63,9 +63,12 @@ class Job:
 
 
 def validate(req: gp.GenerateRequest, tokenizer: Tokenizer, max_model_len: int,
-             grammars: Grammars) -> Job:
+             grammars: Grammars, defaults: dict | None = None) -> Job:
+    """A request checked and completed; sampling fields it leaves unset take `defaults`
+    (the checkpoint's generation_config.json, hf_config.sampling_defaults), else the API's."""
     prompt_ids = _prompt_ids(req, tokenizer)
-    params, stop = _sampling(req.sampling, tokenizer.vocab_size, max_model_len, grammars)
+    params, stop = _sampling(req.sampling, tokenizer.vocab_size, max_model_len, grammars,
+                             defaults or {})
     spec = req.speculation
     if spec.mode not in MODES:
         raise ValidationError(f"speculation.mode: unknown value {spec.mode}")
@@ -118,8 +121,8 @@ def _prompt_ids(req: gp.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
     return ids
 
 
-def _sampling(s: gp.SamplingOptions, vocab: int, max_model_len: int,
-              grammars: Grammars) -> tuple[SamplingParams, tuple[str, ...]]:
+def _sampling(s: gp.SamplingOptions, vocab: int, max_model_len: int, grammars: Grammars,
+              defaults: dict) -> tuple[SamplingParams, tuple[str, ...]]:
     if len(s.stop) > MAX_STOP_STRINGS:
         raise ValidationError(f"sampling.stop has {len(s.stop)} strings; the limit is "
                               f"{MAX_STOP_STRINGS}")
@@ -139,10 +142,14 @@ def _sampling(s: gp.SamplingOptions, vocab: int, max_model_len: int,
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=_or(s, "temperature", 1.0), top_k=s.top_k, top_p=_or(s, "top_p", 1.0),
+            temperature=_or(s, "temperature", defaults.get("temperature", 1.0)),
+            top_k=_or(s, "top_k", defaults.get("top_k", 0)),
+            top_p=_or(s, "top_p", defaults.get("top_p", 1.0)),
             seed=s.seed if s.HasField("seed") else secrets.randbelow(MAX_SEED),
             stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-            min_p=s.min_p, repetition_penalty=_or(s, "repetition_penalty", 1.0),
+            min_p=_or(s, "min_p", defaults.get("min_p", 0.0)),
+            repetition_penalty=_or(s, "repetition_penalty",
+                                   defaults.get("repetition_penalty", 1.0)),
             frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
             logit_bias=tuple(sorted(s.logit_bias.items())), min_tokens=s.min_tokens,
             logprobs=s.logprobs if s.HasField("logprobs") else None,
@@ -164,6 +171,6 @@ def _structured(s: gp.SamplingOptions, grammars: Grammars) -> StructuredOutput |
     return so
 
 
-def _or(msg, name: str, default: float) -> float:
+def _or(msg, name: str, default):
     return getattr(msg, name) if msg.HasField(name) else default
 

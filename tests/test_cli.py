@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -94,7 +95,7 @@ def test_every_flag_has_help_that_shows_its_default():
                 continue
             assert action.help, f"outrider {name} {action.option_strings or action.dest}"
             shown = formatter._get_help_string(action)
-            if action.option_strings and action.default not in (None, []):
+            if action.option_strings and action.default not in (None, [], ""):
                 assert "default" in shown, f"outrider {name} {action.option_strings}: {shown}"
 
 
@@ -113,9 +114,14 @@ def test_a_vllm_serve_command_line_works_unchanged(tmp_path):
 
     port = free_port()
     log = tmp_path / "serve.log"
+    model = tmp_path / "demo"  # whose generation_config.json makes unset temperatures greedy
+    shutil.copytree(paths.demo_target_dir(), model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0}))
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "outrider.cli", "serve", str(paths.demo_target_dir()),
+            [sys.executable, "-m", "outrider.cli", "serve", str(model),
+             "--draft", str(paths.demo_draft_dir()),
              "--port", str(port), "--api-key", "k-1", "--served-model-name", "m",
              "--tensor-parallel-size", "1", "--max-num-batched-tokens", "512",
              "--max-num-seqs", "8", "--grpc-port", "0", "--kv-cache-mb", "16",
@@ -130,6 +136,9 @@ def test_a_vllm_serve_command_line_works_unchanged(tmp_path):
         done = client.completions.create(model="m", prompt=PROMPT, max_tokens=8,
                                           temperature=0)
         assert done.usage.completion_tokens == 8 and done.model == "m"
+        unset = [client.completions.create(model="m", prompt=PROMPT, max_tokens=8, seed=seed)
+                 for seed in (1, 2)]  # no temperature: the model's 0.0
+        assert [u.choices[0].text for u in unset] == [done.choices[0].text] * 2
         stranger = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k-2")
         with pytest.raises(openai.AuthenticationError):
             stranger.completions.create(model="m", prompt=PROMPT, max_tokens=1)

@@ -24,7 +24,7 @@ class DefaultsShown(argparse.RawDescriptionHelpFormatter):
         text = action.help or ""
         default = action.default
         if ("default" in text or not action.option_strings or default is None
-                or default is argparse.SUPPRESS or default == []):
+                or default is argparse.SUPPRESS or default in ([], "")):
             return text
         shown = {True: "on", False: "off"}.get(default, default) \
             if isinstance(default, bool) else default

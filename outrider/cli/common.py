@@ -35,6 +35,21 @@ def add_model_args(p: argparse.ArgumentParser, model_positional: bool = False) -
     add_compile_arg(p)
 
 
+def add_client_tls_args(p: argparse.ArgumentParser) -> None:
+    """How a client reaches a router that uses TLS, or mTLS."""
+    p.add_argument("--tls-ca", help="CA certificate (PEM) when the router uses TLS")
+    p.add_argument("--tls-cert", help="client certificate (PEM) for mTLS")
+    p.add_argument("--tls-key", help="private key (PEM) of --tls-cert")
+
+
+def client_tls(args):
+    """The client's Tls from add_client_tls_args' flags (None: plaintext)."""
+    from outrider.client import Tls
+
+    return Tls(args.tls_ca, args.tls_cert, args.tls_key) \
+        if args.tls_ca or args.tls_cert else None
+
+
 def model_dirs(args) -> tuple[Path, str | None]:
     """(target, draft): the shipped demo pair unless told otherwise. Fills in the default
     --gamma, which `generate` leaves unset so that it can tell a remote router "auto", and

@@ -6,7 +6,13 @@ import argparse
 import json
 import sys
 
-from outrider.cli.common import UsageError, add_model_args, model_dirs
+from outrider.cli.common import (
+    UsageError,
+    add_client_tls_args,
+    add_model_args,
+    client_tls,
+    model_dirs,
+)
 from outrider.flags import PROPOSERS
 
 
@@ -15,9 +21,7 @@ def generate_flags(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--local", action="store_true",
                      help="run the models in this process instead of calling a router")
     gen.add_argument("--address", default="127.0.0.1:50051", help="router host:port")
-    gen.add_argument("--tls-ca", help="CA certificate (PEM) when the router uses TLS")
-    gen.add_argument("--tls-cert", help="client certificate (PEM) for mTLS")
-    gen.add_argument("--tls-key", help="private key (PEM) of --tls-cert")
+    add_client_tls_args(gen)
     gen.add_argument("--timeout", type=float, default=None,
                      help="deadline in seconds (default: none); the API key comes from "
                           "$OUTRIDER_API_KEY")
@@ -201,13 +205,12 @@ def _final_message(seq, num_sent: int):
 
 
 def _generate_remote(args, prompt: str):
-    from outrider.client import Client, Tls
+    from outrider.client import Client
 
     options = dict(_sampling_options(args), stop=args.stop, tag=args.tag,
                    speculation=_speculation_mode(args), gamma_max=args.gamma or 0,
                    proposer=args.proposer or "", **_constraint_options(args))
-    tls = Tls(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca or args.tls_cert else None
-    with Client(args.address, tls=tls, timeout_s=args.timeout) as client:
+    with Client(args.address, tls=client_tls(args), timeout_s=args.timeout) as client:
         stream = client.stream(prompt, **options)
         for delta in stream:
             _echo(args, delta)

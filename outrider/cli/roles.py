@@ -140,4 +140,5 @@ def _router_args(args) -> tuple[str, ...]:
             "--max-body-mb", str(args.max_body_mb),
             "--routing", args.routing,
             *(["--strict-openai-fields"] if args.strict_openai_fields else []),
-            *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []))
+            *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []),
+            "--generation-config", args.generation_config)

@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 
+from outrider.cli.common import add_client_tls_args, client_tls
+
 
 def status_flags(status: argparse.ArgumentParser) -> None:
     status.add_argument("--address", default=None,
                         help="router host:port (default: the Ray cluster's controller if one "
                              "runs here, else 127.0.0.1:50051)")
     status.add_argument("--ray-address", help="Ray cluster address for the cluster view")
-    status.add_argument("--tls-ca", help="CA certificate (PEM) when the router uses TLS")
+    add_client_tls_args(status)
     status.add_argument("--tag", default="", help="only this workload tag's statistics")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
 
@@ -67,10 +69,9 @@ def _num(value, digits: int) -> str:
 def _router_status(args) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    from outrider.client import Client, Tls
+    from outrider.client import Client
 
-    tls = Tls(ca=args.tls_ca) if args.tls_ca else None
-    with Client(args.address, tls=tls, timeout_s=10) as client:
+    with Client(args.address, tls=client_tls(args), timeout_s=10) as client:
         status = client.status(args.tag)
     if args.json:
         print(json.dumps(MessageToDict(status, always_print_fields_with_no_presence=True)))

@@ -29,3 +29,19 @@ def read_config(model_dir: str | Path, name: str = "config.json",
 
 def context_length(raw: dict) -> int:
     return int(raw.get("max_position_embeddings", DEFAULT_CONTEXT))
+
+
+# what a request leaves unset takes the checkpoint's generation_config.json value, as
+# vLLM's --generation-config auto does (the same fields)
+SAMPLING_DEFAULT_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
+                           "repetition_penalty": float}
+
+
+def sampling_defaults(model_dir: str | Path) -> dict[str, float | int]:
+    """The sampling defaults of a checkpoint's generation_config.json (none: {})."""
+    raw = read_config(model_dir, "generation_config.json", required=False) or {}
+    try:
+        return {name: kind(raw[name]) for name, kind in SAMPLING_DEFAULT_FIELDS.items()
+                if raw.get(name) is not None}
+    except (TypeError, ValueError) as exc:
+        raise ModelConfigError(f"{model_dir}/generation_config.json: {exc}") from None

@@ -80,11 +80,12 @@ def test_configured_api_keys_survive_a_redis_restart(llama_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def lone_router(llama_dir):
-    """A router with no replica: refusals at parsing and validation need none."""
+    """A router with no replica: refusals at parsing and validation need none. Strict
+    about unknown fields, so that their refusals are here to name them."""
     http_port = free_port()
     with process_group(TOKEN) as start:
         _, router = start("router", "--model", str(llama_dir), "--port", "0", "--http-port",
-                          str(http_port))
+                          str(http_port), "--strict-openai-fields")
         yield router, f"http://127.0.0.1:{http_port}", llama_dir.name
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from outrider.client import Client, Tls, UnavailableError
 from outrider.launch import free_port, outrider_process
+from tests.cli_utils import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -68,6 +69,12 @@ def test_mtls_router_requires_a_client_certificate(pki, llama_dir):
                         key=str(pki / "client.key"))
         with Client(addr, tls=with_cert, timeout_s=30) as client:
             assert client.status().is_store_reachable
+        pem = {flag: str(pki / name) for flag, name in (
+            ("--tls-ca", "ca.pem"), ("--tls-cert", "client.pem"), ("--tls-key", "client.key"))}
+        status = run_cli("status", "--address", addr, "--json",
+                         *[x for flag_path in pem.items() for x in flag_path], timeout=60)
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["isStoreReachable"] is True
         with Client(addr, tls=Tls(ca=str(pki / "ca.pem")), timeout_s=5, retry=None,
                     wait_for_ready=False) as anonymous, pytest.raises(UnavailableError):
             anonymous.status()
