@@ -44,6 +44,13 @@ def add_device_args(p: argparse.ArgumentParser, device: str = "auto",
                         "(bf16 on GPUs and on CPUs with AVX512-BF16 or AMX), else float32")
 
 
+def add_max_model_len_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the longest sequence served, prompt and output (default: the "
+                        "model's context, at most 8192); checked at start against the "
+                        "model's context and the KV cache")
+
+
 def device_arg(value: str) -> str:
     """--device, checked when parsed; "auto" is resolved where a model loads."""
     if value in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", value):

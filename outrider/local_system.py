@@ -41,6 +41,7 @@ class LocalSystemConfig:
     compile: bool = False           # compiled forwards in every replica (--compile)
     proposer: str = TargetWorkerConfig.proposer.value  # the targets' --proposer
     restarts: RestartPolicy = RestartPolicy()  # of a process that dies (outrider.launch)
+    max_model_len: int | None = None  # the target's and router's (None: the model's)
 
     def __post_init__(self) -> None:
         if self.draft and self.draft_replicas < 1:
@@ -87,6 +88,7 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
             return start(name, *args, echo=f"[{name}] " if echo else None)
 
         caching = () if cfg.prefix_caching else ("--no-enable-prefix-caching",)
+        context = ("--max-model-len", str(cfg.max_model_len)) if cfg.max_model_len else ()
         model = ("--device", cfg.device, "--dtype", cfg.dtype, *caching,
                  "--compile" if cfg.compile else "--no-compile")
         drafts = tuple(run(f"draft-{i}", "draft-worker", "--model", cfg.draft, *model,
@@ -98,7 +100,7 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
         targets = tuple(run("target" if i == 0 else f"target-{i}", "target-worker",
                             "--model", cfg.target, "--tp", str(cfg.tp),
                             "--gamma", str(cfg.gamma), "--proposer", cfg.proposer, *model,
-                            "--kv-cache-mb", str(cfg.kv_cache_mb),
+                            "--kv-cache-mb", str(cfg.kv_cache_mb), *context,
                             "--max-batch-tokens", str(cfg.max_batch_tokens),
                             "--max-num-seqs", str(cfg.max_num_seqs),
                             *[a for d in drafts for a in ("--draft-address", d)],
@@ -111,6 +113,6 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                      "--host", cfg.host, "--port", str(cfg.grpc_port),
                      *(["--redis", cfg.redis_url] if cfg.redis_url else []),
                      *(["--no-http"] if http_port is None else ["--http-port", str(http_port)]),
-                     *pinned("router"), *cfg.extra_router_args)
+                     *pinned("router"), *context, *cfg.extra_router_args)
         http = None if http_port is None else f"{cfg.host}:{http_port}"
         yield LocalSystem(router, targets, drafts, http, metrics)

@@ -21,7 +21,7 @@ from outrider.router.tool_calls import CALL_FORMATS
 
 from outrider.core.hf_config import context_length, read_config, sampling_defaults
 from outrider.core.tokenizer import Tokenizer
-from outrider.flags import add_cpus_arg, add_metrics_arg
+from outrider.flags import add_cpus_arg, add_max_model_len_arg, add_metrics_arg
 from outrider.grpc_server import Running, build_server, serve_until_signalled
 from outrider.state import open_store
 from outrider.telemetry.metrics import serve_metrics
@@ -61,6 +61,7 @@ class RouterConfig:
     strict_fields: bool = False             # HTTP bodies' unknown fields: 400, not ignored
     tool_call_parser: str | None = None     # tool_choice "auto": the model's call format
     generation_config: str = "auto"         # auto: unset sampling fields take the model's
+    max_model_len: int | None = None        # requests longer are refused (None: the model's)
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -86,7 +87,8 @@ class RouterConfig:
                                           int(args.max_body_mb * 2**20)),
                    strict_fields=args.strict_openai_fields,
                    tool_call_parser=args.tool_call_parser,
-                   generation_config=args.generation_config)
+                   generation_config=args.generation_config,
+                   max_model_len=args.max_model_len)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -98,6 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the shared registry)")
     add_public_arguments(p)
     p.add_argument("--port", type=int, default=RouterConfig.port, help="0 picks a free port")
+    add_max_model_len_arg(p)
     add_metrics_arg(p)
     add_cpus_arg(p)
 
@@ -168,7 +171,8 @@ def serve(cfg: RouterConfig, cluster_token: str | None) -> None:
 def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
     setup_tracing("outrider-router")
     tokenizer = Tokenizer(cfg.model_dir)
-    max_model_len = context_length(read_config(cfg.model_dir))
+    max_model_len = min(context_length(read_config(cfg.model_dir)),
+                        cfg.max_model_len or sys.maxsize)
     store = open_store(cfg.redis_url)
     env_keys = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
     auth = Authenticator(store, is_required=cfg.require_api_key or bool(env_keys))

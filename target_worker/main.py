@@ -16,6 +16,7 @@ from outrider.core.policy import MAX_GAMMA, MAX_QUEUED_PER_REPLICA, GammaPolicy,
 from outrider.core.sequence import ProposerKind
 from outrider.flags import (
     add_cpus_arg,
+    add_max_model_len_arg,
     add_metrics_arg,
     add_model_server_args,
     add_proposer_arg,
@@ -63,7 +64,7 @@ class TargetWorkerConfig:
         from outrider.engine.runner import RunnerConfig
 
         runner = RunnerConfig(model_dir=args.model, device=resolve_device(args.device),
-                              dtype=args.dtype,
+                              dtype=args.dtype, max_model_len=args.max_model_len,
                               tp=args.tp, kv_cache_mb=args.kv_cache_mb, threads=args.threads,
                               small_step_threads=args.small_step_threads,
                               prefix_caching=args.enable_prefix_caching,
@@ -111,6 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{SMALL_STEP_TOKENS} tokens, leaving the other cores to a draft "
                         "replica drafting beside it (0: --threads; `outrider serve` on a "
                         "CPU sets the target's own cores)")
+    add_max_model_len_arg(p)
     add_cpus_arg(p)
     add_batch_arguments(p)
     add_metrics_arg(p)

@@ -124,6 +124,7 @@ def test_a_vllm_serve_command_line_works_unchanged(tmp_path):
              "--draft", str(paths.demo_draft_dir()),
              "--port", str(port), "--api-key", "k-1", "--served-model-name", "m",
              "--tensor-parallel-size", "1", "--max-num-batched-tokens", "512",
+             "--max-model-len", "1024",
              "--max-num-seqs", "8", "--grpc-port", "0", "--kv-cache-mb", "16",
              "--tool-call-parser", "hermes"],
             stdout=out, stderr=subprocess.STDOUT)
@@ -139,6 +140,8 @@ def test_a_vllm_serve_command_line_works_unchanged(tmp_path):
         unset = [client.completions.create(model="m", prompt=PROMPT, max_tokens=8, seed=seed)
                  for seed in (1, 2)]  # no temperature: the model's 0.0
         assert [u.choices[0].text for u in unset] == [done.choices[0].text] * 2
+        with pytest.raises(openai.BadRequestError, match="1024"):  # --max-model-len's
+            client.completions.create(model="m", prompt=PROMPT, max_tokens=1100)
         stranger = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k-2")
         with pytest.raises(openai.AuthenticationError):
             stranger.completions.create(model="m", prompt=PROMPT, max_tokens=1)

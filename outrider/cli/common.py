@@ -9,7 +9,12 @@ import threading
 from pathlib import Path
 
 from outrider import paths
-from outrider.flags import add_compile_arg, add_device_args, resolve_device
+from outrider.flags import (
+    add_compile_arg,
+    add_device_args,
+    add_max_model_len_arg,
+    resolve_device,
+)
 
 
 class UsageError(ValueError):
@@ -32,6 +37,7 @@ def add_model_args(p: argparse.ArgumentParser, model_positional: bool = False) -
     add_device_args(p)
     p.add_argument("--kv-cache-mb", type=float, default=256.0,
                    help="KV cache budget per rank, in MiB")
+    add_max_model_len_arg(p)
     add_compile_arg(p)
 
 

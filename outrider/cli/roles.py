@@ -107,6 +107,7 @@ def _local_system_config(args):
                              target_replicas=args.target_replicas,
                              prefix_caching=args.enable_prefix_caching, adapt=args.adapt,
                              dtype=args.dtype, compile=args.compile,
+                             max_model_len=args.max_model_len,
                              # --gamma 0: no speculation, so nothing proposes
                              proposer=args.proposer if args.gamma else "model")
 

@@ -37,7 +37,9 @@ class RunnerConfig:
     tp: int = 1
     block_size: int = 16
     kv_cache_mb: float = 256.0  # KV budget per rank
-    max_model_len: int = 8192   # capped by the model's max_position_embeddings
+    max_model_len: int | None = None  # None: the model's context, at most
+    #                                  DEFAULT_MAX_MODEL_LEN; given: checked at start
+    #                                  against the model's context and the KV cache
     threads: int = 0            # CPU threads per rank; 0: the cores shared out over tp
     small_step_threads: int = 0  # CPU threads for a forward of < SMALL_STEP_TOKENS tokens
     #                             (0: as many as for any other)
@@ -48,7 +50,7 @@ class RunnerConfig:
     #                             of up to this many tokens (serving replicas; 0: none)
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.kv_cache_mb <= 0 or self.max_model_len < 1:
+        if self.block_size < 1 or self.kv_cache_mb <= 0 or (self.max_model_len or 1) < 1:
             raise ValueError("block_size, kv_cache_mb and max_model_len must be positive")
         if self.prepared_rows < 0 or self.small_step_threads < 0:
             raise ValueError("prepared_rows and small_step_threads must be >= 0")
@@ -81,11 +83,12 @@ class ModelRunner:
             # step); the flash and memory-efficient kernels take any shape as it comes
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.dtype = _resolve_dtype(cfg, self.model_config)
-        self.max_model_len = min(cfg.max_model_len, self.model_config.max_position_embeddings)
+        self.max_model_len = _context_limit(cfg, self.model_config)
         self.model = self._served(self.build_model())
         if self.device.type == "cpu" and cfg.prepared_rows:
             prepare_cpu_linears(self.model, cfg.prepared_rows)
         self.kv_caches, num_blocks = self._allocate_kv()
+        self._check_fits(num_blocks)
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_caching)
         self.warm_up_s = 0.0  # compiling the forward at start
         self.threads = torch.get_num_threads()  # this rank's share (set_cpu_threads)
@@ -147,6 +150,18 @@ class ModelRunner:
                                          num_logits)])
         finally:
             self.blocks.free(seq_id)
+
+    def _check_fits(self, num_blocks: int) -> None:
+        """A --max-model-len given must fit one sequence in the KV cache, as vLLM checks
+        at start (left unset, a sequence is capped by the cache: SpeculativeDecoder)."""
+        wanted, block = self.cfg.max_model_len, self.cfg.block_size
+        if wanted is None or num_blocks * block >= wanted:
+            return
+        needed_mb = -(-wanted // block) * self.cfg.kv_cache_mb / num_blocks
+        raise ModelConfigError(
+            f"--max-model-len {wanted} does not fit the KV cache: --kv-cache-mb "
+            f"{self.cfg.kv_cache_mb:g} holds {num_blocks * block} tokens; give --kv-cache-mb "
+            f"{needed_mb:.0f} or more, or a --max-model-len of at most {num_blocks * block}")
 
     def _allocate_kv(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
         mc = self.model_config
@@ -213,6 +228,19 @@ class ModelRunner:
     def stop_workers(self) -> None:
         if self.tp.size > 1 and self.tp.is_driver:
             broadcast_requests(self.tp, torch.tensor([-1], dtype=torch.long))
+
+
+DEFAULT_MAX_MODEL_LEN = 8192  # a model's context beyond this needs --max-model-len
+
+
+def _context_limit(cfg: RunnerConfig, mc: ModelConfig) -> int:
+    """The longest sequence this runner serves: --max-model-len, never past the model's."""
+    if cfg.max_model_len is None:
+        return min(DEFAULT_MAX_MODEL_LEN, mc.max_position_embeddings)
+    if cfg.max_model_len > mc.max_position_embeddings:
+        raise ModelConfigError(f"--max-model-len {cfg.max_model_len} exceeds the model's "
+                               f"context of {mc.max_position_embeddings} tokens")
+    return cfg.max_model_len
 
 
 def _resolve_dtype(cfg: RunnerConfig, mc: ModelConfig) -> torch.dtype:

@@ -170,3 +170,14 @@ def test_tiny_temperature_is_greedy(llama_dir):
     tiny = decoder.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=1e-39,
                                                         seed=3), 0)[0].output_ids
     assert tiny == greedy
+
+
+def test_a_max_model_len_beyond_the_model_or_the_kv_cache_is_refused_at_start(llama_dir):
+    with pytest.raises(ModelConfigError, match="exceeds the model's context of 512"):
+        ModelRunner(RunnerConfig(str(llama_dir), max_model_len=513))
+    with pytest.raises(ModelConfigError, match=r"does not fit the KV cache.*at most (\d+)"):
+        ModelRunner(RunnerConfig(str(llama_dir), max_model_len=512, kv_cache_mb=0.05))
+    runner = ModelRunner(RunnerConfig(str(llama_dir), max_model_len=300))
+    assert runner.max_model_len == 300
+    with pytest.raises(RequestError, match="context is 300"):
+        SpeculativeDecoder(runner).new_sequence([1] * 300, SamplingParams())
