@@ -26,11 +26,12 @@ class ChatTemplate:
         self._special = special_tokens
 
     @classmethod
-    def from_dir(cls, model_dir: str) -> ChatTemplate | None:
-        """The checkpoint's template, or None when it ships none."""
+    def from_dir(cls, model_dir: str, given: str | None = None) -> ChatTemplate | None:
+        """The checkpoint's template, or None when it ships none; `given` (vLLM's
+        --chat-template: a file, or the template itself) replaces it."""
         config_path = Path(model_dir, "tokenizer_config.json")
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        source = config.get("chat_template")
+        source = config.get("chat_template") if given is None else _template_text(given)
         if isinstance(source, list):  # named templates: the default one
             source = next((t["template"] for t in source if t.get("name") == "default"), None)
         jinja_file = Path(model_dir, "chat_template.jinja")
@@ -53,6 +54,17 @@ class ChatTemplate:
                 "add_generation_prompt": add_generation_prompt})
         except TemplateError as exc:
             raise ValidationError(f"messages: the chat template refused them: {exc}") from None
+
+
+def _template_text(given: str) -> str:
+    """--chat-template's value: a file's text, or the template itself (vLLM's rule: a
+    value naming no file is taken as the template when it holds Jinja)."""
+    path = Path(given)
+    if path.is_file():
+        return path.read_text()
+    if "{" not in given:
+        raise ValueError(f"--chat-template {given!r}: no such file, and no Jinja template")
+    return given
 
 
 def _raise(message: str):

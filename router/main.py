@@ -62,6 +62,7 @@ class RouterConfig:
     tool_call_parser: str | None = None     # tool_choice "auto": the model's call format
     generation_config: str = "auto"         # auto: unset sampling fields take the model's
     max_model_len: int | None = None        # requests longer are refused (None: the model's)
+    chat_template: str | None = None        # a file or the template (None: the model's)
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -88,7 +89,7 @@ class RouterConfig:
                    strict_fields=args.strict_openai_fields,
                    tool_call_parser=args.tool_call_parser,
                    generation_config=args.generation_config,
-                   max_model_len=args.max_model_len)
+                   max_model_len=args.max_model_len, chat_template=args.chat_template)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -157,6 +158,10 @@ def add_public_arguments(p: argparse.ArgumentParser,
                         "top_k, min_p, repetition_penalty) take the model's "
                         "generation_config.json values, as vLLM's; vllm: the API's own "
                         "defaults")
+    p.add_argument("--chat-template",
+                   help="the chat template of /v1/chat/completions, a file or the Jinja "
+                        "text itself (default: the model's tokenizer_config.json or "
+                        "chat_template.jinja)")
     p.add_argument("--tool-call-parser", choices=tuple(CALL_FORMATS),
                    help="the served model's tool-call format, read from its text when a "
                         "chat request offers tools with tool_choice 'auto' (the default); "
@@ -221,7 +226,7 @@ def _start_http(cfg: RouterConfig, service: GenerationService, max_model_len: in
     app = build_app(service, HttpSettings(name, max_model_len, cfg.limits.max_running,
                                           cfg.max_prompts, cfg.http_bounds,
                                           cfg.strict_fields, cfg.tool_call_parser),
-                    ChatTemplate.from_dir(cfg.model_dir))
+                    ChatTemplate.from_dir(cfg.model_dir, cfg.chat_template))
     server, thread, port = start_http(app, cfg.host, cfg.http_port, cfg.tls_cert,
                                       cfg.tls_key, cfg.tls_client_ca,
                                       cfg.http_bounds.header_timeout_s)

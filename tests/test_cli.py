@@ -106,11 +106,15 @@ def test_an_enumerated_flag_refuses_a_value_naming_the_choices():
         assert proc.returncode == 2 and named in proc.stderr, proc.stderr
 
 
+CHAT_TEMPLATE = "<chat>{% for m in messages %}{{ m.content }}{% endfor %}"
+
+
 def test_a_vllm_serve_command_line_works_unchanged(tmp_path):
     """`outrider serve MODEL` with vLLM's flags, then the `openai` package with the key."""
     import openai
 
     from outrider import paths
+    from outrider.core.tokenizer import Tokenizer
 
     port = free_port()
     log = tmp_path / "serve.log"
@@ -124,7 +128,7 @@ def test_a_vllm_serve_command_line_works_unchanged(tmp_path):
              "--draft", str(paths.demo_draft_dir()),
              "--port", str(port), "--api-key", "k-1", "--served-model-name", "m",
              "--tensor-parallel-size", "1", "--max-num-batched-tokens", "512",
-             "--max-model-len", "1024",
+             "--max-model-len", "1024", "--chat-template", CHAT_TEMPLATE,
              "--max-num-seqs", "8", "--grpc-port", "0", "--kv-cache-mb", "16",
              "--tool-call-parser", "hermes"],
             stdout=out, stderr=subprocess.STDOUT)
@@ -142,6 +146,10 @@ def test_a_vllm_serve_command_line_works_unchanged(tmp_path):
         assert [u.choices[0].text for u in unset] == [done.choices[0].text] * 2
         with pytest.raises(openai.BadRequestError, match="1024"):  # --max-model-len's
             client.completions.create(model="m", prompt=PROMPT, max_tokens=1100)
+        chat = client.chat.completions.create(  # rendered by --chat-template
+            model="m", messages=[{"role": "user", "content": PROMPT}], max_tokens=1)
+        tokens = Tokenizer(str(model)).encode(f"<chat>{PROMPT}")
+        assert chat.usage.prompt_tokens == len(tokens)
         stranger = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k-2")
         with pytest.raises(openai.AuthenticationError):
             stranger.completions.create(model="m", prompt=PROMPT, max_tokens=1)
@@ -173,3 +181,22 @@ def tools_offered_with_no_tool_choice_are_read_from_the_text(client):
     assert content == "Checking.\n" and [t.function.name for t in streamed] == ["get_weather"]
     assert json.loads(streamed[0].function.arguments) == {"city": "Paris"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_speculative_config_stands_for_draft_gamma_and_proposer():
+    from outrider import paths
+    from outrider.cli import build_parser
+    from outrider.cli.common import model_dirs
+
+    def serve(config: dict):
+        args = build_parser("serve").parse_args(["serve", "--speculative-config",
+                                                 json.dumps(config)])
+        return model_dirs(args), args
+
+    draft = str(paths.demo_draft_dir())
+    (_, got), args = serve({"model": draft, "num_speculative_tokens": 3})
+    assert (got, args.gamma, args.proposer) == (draft, 3, "model")
+    (_, got), args = serve({"method": "ngram", "num_speculative_tokens": 5})
+    assert (got, args.gamma, args.proposer) == (None, 5, "ngram")
+    proc = run_cli("serve", "--speculative-config", '{"method": "eagle3"}', timeout=60)
+    assert proc.returncode == 2 and "not served yet" in proc.stderr

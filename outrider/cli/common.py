@@ -4,6 +4,7 @@ and waiting for a stop signal."""
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import threading
 from pathlib import Path
@@ -32,6 +33,10 @@ def add_model_args(p: argparse.ArgumentParser, model_positional: bool = False) -
                                    "target is the demo target, else none)")
     p.add_argument("--gamma", type=int, default=None,
                    help="draft tokens per round (0: no speculation; default 4)")
+    p.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
+                   help="vLLM's: {\"model\": DIR, \"num_speculative_tokens\": N, "
+                        "\"method\": \"draft_model\"|\"ngram\"|\"suffix\"} for --draft, "
+                        "--gamma and --proposer")
     p.add_argument("--tp", "--tensor-parallel-size", type=int, default=1,
                    help="tensor-parallel degree of the target")
     add_device_args(p)
@@ -60,6 +65,7 @@ def model_dirs(args) -> tuple[Path, str | None]:
     """(target, draft): the shipped demo pair unless told otherwise. Fills in the default
     --gamma, which `generate` leaves unset so that it can tell a remote router "auto", and
     resolves --device auto."""
+    _apply_speculative_config(args)
     given = {d for d in (args.target, getattr(args, "model_dir", None)) if d}
     if len(given) > 1:
         raise UsageError(f"two models given ({' and '.join(sorted(given))}): pass MODEL or "
@@ -70,6 +76,7 @@ def model_dirs(args) -> tuple[Path, str | None]:
         draft = str(paths.demo_draft_dir(must_exist=True))
     if not (target / "config.json").is_file():
         raise UsageError(f"no model at {target} (pass MODEL or --target DIR)")
+    draft = draft or None
     if args.gamma is None:
         from outrider.target_worker.main import TargetWorkerConfig
 
@@ -78,6 +85,45 @@ def model_dirs(args) -> tuple[Path, str | None]:
         raise UsageError(f"--gamma must be >= 0, got {args.gamma}")
     args.device = resolve_device(args.device)
     return target, draft
+
+
+SPECULATIVE_METHODS = {"draft_model": "model", "ngram": "ngram", "suffix": "suffix"}
+
+
+def speculative_config(text: str) -> dict:
+    """--speculative-config, checked when parsed: what Outrider has of vLLM's keys."""
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    unknown = sorted(set(config) - {"model", "num_speculative_tokens", "method"})
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(unknown)}: not taken (Outrider takes model, num_speculative_tokens "
+            "and method)")
+    method = config.get("method", "draft_model")
+    if method not in SPECULATIVE_METHODS:
+        raise argparse.ArgumentTypeError(
+            f"method {method!r}: choose from {', '.join(SPECULATIVE_METHODS)} (draft heads "
+            "such as eagle3 and medusa are not served yet)")
+    return config
+
+
+def _apply_speculative_config(args) -> None:
+    """--speculative-config as the flags it stands for; given with them, a usage error."""
+    config = getattr(args, "speculative_config", None)
+    if not config:
+        return
+    if args.draft is not None or args.gamma is not None:
+        raise UsageError("--speculative-config says what --draft and --gamma say: give one")
+    proposer = SPECULATIVE_METHODS[config.get("method", "draft_model")]
+    # a lookup method names no model: none runs ("" keeps the demo draft away)
+    args.draft = config.get("model", "" if proposer != "model" else None)
+    args.gamma = config.get("num_speculative_tokens")
+    if hasattr(args, "proposer"):
+        args.proposer = proposer
 
 
 def stop_on_signals() -> threading.Event:

@@ -142,4 +142,5 @@ def _router_args(args) -> tuple[str, ...]:
             "--routing", args.routing,
             *(["--strict-openai-fields"] if args.strict_openai_fields else []),
             *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []),
-            "--generation-config", args.generation_config)
+            "--generation-config", args.generation_config,
+            *(["--chat-template", args.chat_template] if args.chat_template else []))
