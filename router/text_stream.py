@@ -46,17 +46,20 @@ class TextStream:
             self.is_stopped = True
             text, self._held = self._held[:at + len(stop) * self._include_stop], ""
             return text
-        keep = self._longest_stop_prefix_suffix()
+        keep = held_back(self._held, self._stop)
         cut = len(self._held) - keep
         text, self._held = self._held[:cut], self._held[cut:]
         return text
 
-    def _longest_stop_prefix_suffix(self) -> int:
-        """Length of the longest end of the held text that begins some stop string."""
-        best = 0
-        for stop in self._stop:
-            for n in range(min(len(stop) - 1, len(self._held)), best, -1):
-                if self._held.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
+
+
+def held_back(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that begins one of `markers`: what must wait
+    for the next text before it can be shown (stop strings, a tool-call format's marker)."""
+    best = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), best, -1):
+            if text.endswith(marker[:n]):
+                best = n
+                break
+    return best

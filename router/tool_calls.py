@@ -1,13 +1,33 @@
-"""How a chat completion answers the tool call it forced (docs/DESIGN.md §3.8). The
+"""How a chat completion answers tool calls. A call it forced (docs/DESIGN.md §3.8): the
 output, constrained to the call's JSON, becomes OpenAI's `tool_calls`: a named function's
 arguments as they stream; under `tool_choice: "required"` the list of
-{"name", "parameters"} calls, parsed once the output is complete."""
+{"name", "parameters"} calls, parsed once the output is complete. Calls the model chose
+(`tool_choice: "auto"`): read from its text by its format (ParsedCalls, CALL_FORMATS)."""
 
 from __future__ import annotations
 
 import json
 import re
 import uuid
+
+from outrider.router.text_stream import held_back
+
+
+class CallIds:
+    """The id of each call of a response's choices, made once: a streamed call sends it
+    in its first chunk, and a message carries the same one."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[int, int], str] = {}  # (choice, call) -> its id
+
+    def call(self, index: int, k: int, name: str, arguments: str,
+             streamed: bool = True) -> dict:
+        """Call k of choice `index`; a message's calls carry no `index` (OpenAI's do not,
+        and clients send the message back as it came)."""
+        call_id = self._ids.setdefault((index, k), f"call_{uuid.uuid4().hex[:24]}")
+        call = {"id": call_id, "type": "function",
+                "function": {"name": name, "arguments": arguments}}
+        return {"index": k, **call} if streamed else call
 
 
 class ForcedCalls:
@@ -16,7 +36,7 @@ class ForcedCalls:
 
     def __init__(self, function: str) -> None:
         self.function = function
-        self._ids: dict[tuple[int, int], str] = {}  # (choice, call) -> its id
+        self._ids = CallIds()
         self._texts: dict[int, str] = {}            # 'required', streamed: the output so far
 
     def message(self, index: int, text: str, finish_reason: str) -> tuple[dict, str]:
@@ -26,7 +46,7 @@ class ForcedCalls:
         if calls is None:
             return {"role": "assistant", "content": text}, finish_reason
         return ({"role": "assistant", "content": None,
-                 "tool_calls": [self.call(index, k, name, arguments, streamed=False)
+                 "tool_calls": [self._ids.call(index, k, name, arguments, streamed=False)
                                 for k, (name, arguments) in enumerate(calls)]},
                 self._finish(finish_reason))
 
@@ -34,7 +54,7 @@ class ForcedCalls:
         if not self.function:
             return {"role": "assistant", "content": None}
         return {"role": "assistant", "content": None,
-                "tool_calls": [self.call(index, 0, self.function, "")]}
+                "tool_calls": [self._ids.call(index, 0, self.function, "")]}
 
     def delta(self, index: int, text: str, finish_reason: str) -> tuple[dict | None, str]:
         """The next chunk's delta (None: nothing to show yet) and finish reason."""
@@ -48,7 +68,7 @@ class ForcedCalls:
         calls = self._parsed(text)
         if calls is None:
             return {"content": text}, finish_reason
-        return ({"tool_calls": [self.call(index, k, name, arguments)
+        return ({"tool_calls": [self._ids.call(index, k, name, arguments)
                                 for k, (name, arguments) in enumerate(calls)]},
                 self._finish(finish_reason))
 
@@ -65,15 +85,6 @@ class ForcedCalls:
         # OpenAI: a call the model chose ('required') ends with "tool_calls", a named
         # function's with "stop"
         return "tool_calls" if finish_reason == "stop" and not self.function else finish_reason
-
-    def call(self, index: int, k: int, name: str, arguments: str,
-              streamed: bool = True) -> dict:
-        """Call k of choice `index`; a message's calls carry no `index` (OpenAI's do not,
-        and clients send the message back as it came)."""
-        call_id = self._ids.setdefault((index, k), f"call_{uuid.uuid4().hex[:24]}")
-        call = {"id": call_id, "type": "function",
-                "function": {"name": name, "arguments": arguments}}
-        return {"index": k, **call} if streamed else call
 
 
 def _compact(value) -> str:
@@ -140,7 +151,7 @@ class ParsedCalls:
 
     def __init__(self, form: CallFormat, tools: list[str]) -> None:
         self.form, self.tools = form, set(tools)
-        self._ids = ForcedCalls("")  # the calls' ids and shapes, as forced calls have
+        self._ids = CallIds()
         self._held: dict[int, str] = {}    # a choice's output not yet shown
         self._shown: set[int] = set()      # choices that showed content already
 
@@ -167,7 +178,7 @@ class ParsedCalls:
             return ({"content": content, **delta} if content else delta,
                     _calls_finish(finish_reason))
         at = self._marker_at(held, may_start=index not in self._shown)
-        cut = at if at >= 0 else len(held) - _longest_prefix_suffix(held, self.form.marker)
+        cut = at if at >= 0 else len(held) - held_back(held, (self.form.marker,))
         show, self._held[index] = held[:cut], held[cut:]
         if show:
             self._shown.add(index)
@@ -219,8 +230,3 @@ def _named(found: list, arguments_key: str) -> list[tuple[str, dict]] | None:
         calls.append((call["name"], arguments))
     return calls
 
-
-def _longest_prefix_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that begins `marker`."""
-    return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1)
-                 if text.endswith(marker[:n])), 0)
