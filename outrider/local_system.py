@@ -1,6 +1,7 @@
 """`outrider serve`: router, target worker and draft worker(s) as processes on this
 machine (no Ray), wired together, kept running (a process that dies is restarted),
-stopped together."""
+stopped together. A draft head (EAGLE-3, EAGLE-1) runs in the target worker's process:
+it reads the target's hidden states, so it starts no draft worker."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from outrider.core.hf_config import head_kind
 from outrider.cpus import plan_cpus
 from outrider.launch import RestartPolicy, free_port, supervised_group
 from outrider.target_worker.main import TargetWorkerConfig
@@ -91,12 +93,13 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
         context = ("--max-model-len", str(cfg.max_model_len)) if cfg.max_model_len else ()
         model = ("--device", cfg.device, "--dtype", cfg.dtype, *caching,
                  "--compile" if cfg.compile else "--no-compile")
+        head = cfg.draft if cfg.draft and head_kind(cfg.draft) else None
         drafts = tuple(run(f"draft-{i}", "draft-worker", "--model", cfg.draft, *model,
                            *(("--adapt",) if cfg.adapt else ()),
                            *(("--adapt-redis", cfg.redis_url) if cfg.adapt and cfg.redis_url
                              else ()),
                            *(("--target-cpus", cpus.target, "--threads", "1") if cpus else ()))
-                       for i in range(cfg.draft_replicas if cfg.draft else 0))
+                       for i in range(cfg.draft_replicas if cfg.draft and not head else 0))
         targets = tuple(run("target" if i == 0 else f"target-{i}", "target-worker",
                             "--model", cfg.target, "--tp", str(cfg.tp),
                             "--gamma", str(cfg.gamma), "--proposer", cfg.proposer, *model,
@@ -104,6 +107,7 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                             "--max-batch-tokens", str(cfg.max_batch_tokens),
                             "--max-num-seqs", str(cfg.max_num_seqs),
                             *[a for d in drafts for a in ("--draft-address", d)],
+                            *(("--draft-head", head) if head else ()),
                             *(("--small-step-threads", str(cpus.small_step_threads))
                               if cpus else ()), *cfg.extra_target_args)
                         for i in range(cfg.target_replicas))

@@ -19,6 +19,7 @@ BENCH_DATA = Path(__file__).resolve().parent / "bench" / "data"  # shipped in th
 MODELS_ENV = "OUTRIDER_MODELS_DIR"
 DEMO_TARGET = "demo-target"
 DEMO_DRAFT = "demo-draft"
+DEMO_HEAD = "demo-eagle3"  # an EAGLE-3 head for the demo target (engine/heads.py)
 
 
 class DemoModelsNotFound(FileNotFoundError):
@@ -41,6 +42,10 @@ def demo_target_dir(*, must_exist: bool = False) -> Path:
 
 def demo_draft_dir(*, must_exist: bool = False) -> Path:
     return _demo_dir(DEMO_DRAFT, must_exist)
+
+
+def demo_head_dir(*, must_exist: bool = False) -> Path:
+    return _demo_dir(DEMO_HEAD, must_exist)
 
 
 def demo_pair() -> tuple[Path, Path]:

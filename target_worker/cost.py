@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from outrider.core.policy import CostModel
 from outrider.core.sampling import SamplingParams
 from outrider.engine.proposer import DraftItem
@@ -27,7 +29,8 @@ def measure_cost_model(target: ModelRunner, drafter, max_batch_tokens: int,
     mid = sizes[max(0, len(sizes) - 2)]
     slope = max(0.0, (times[top] - times[mid]) / (top - mid)) if top > mid else 0.0
     knee = int(max(0, min(top, top - (times[top] - base) / slope))) if slope else top
-    per_position, per_token, rtt = (_draft_seconds(drafter, target.device, repeats)
+    per_position, per_token, rtt = (_draft_seconds(drafter, target.device, repeats,
+                                                   target.model_config.hidden_size)
                                     if drafter else (0, 0, 0))
     return CostModel(verify_base_s=base, verify_per_token_s=slope, knee_tokens=knee,
                      draft_per_position_s=per_position, draft_rtt_s=rtt,
@@ -50,13 +53,17 @@ def _verify_seconds(runner: ModelRunner, num_tokens: int, repeats: int) -> float
             blocks.free(seq_id)
 
 
-def _draft_seconds(drafter, device, repeats: int) -> tuple[float, float, float]:
+def _draft_seconds(drafter, device, repeats: int,
+                   hidden: int) -> tuple[float, float, float]:
     """(seconds per drafting position, per drafted token, fixed seconds per Propose) from
     one sequence at γ = 1 and γ = 4 and WIDE sequences at γ = 4. At one sequence the
     time is rtt + γ (position + token); the wide batch adds (WIDE - 1) γ tokens."""
+    tap = drafter.reads_target  # a head drafts from the target's features: zeros here
+    features = torch.zeros(16, tap.width(hidden), device=device) if tap is not None else None
+
     def propose(num_seqs: int, gamma: int) -> float:
-        items = [DraftItem((SCRATCH, k), 0, [1] * 16, gamma, SamplingParams(), seed=0)
-                 for k in range(num_seqs)]
+        items = [DraftItem((SCRATCH, k), 0, [1] * 16, gamma, SamplingParams(), seed=0,
+                           features=features) for k in range(num_seqs)]
         return _best_seconds(lambda: drafter.draft(items, device), repeats)
 
     try:

@@ -7,7 +7,7 @@ import gc
 import sys
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from outrider.target_worker.scheduler import SchedulerConfig
@@ -48,6 +48,7 @@ class TargetWorkerConfig:
     metrics_port: int | None = None  # Prometheus exposition; None: off, 0: a free port
     auto_gamma_max: int = PolicyConfig.gamma_max  # AUTO requests' γ cap when they set none
     proposer: ProposerKind = ProposerKind.AUTO  # requests' proposer when they name none
+    draft_head: str | None = None  # a head's checkpoint dir: it drafts in this process
 
     def __post_init__(self) -> None:
         for name in ("gamma", "auto_gamma_max"):
@@ -56,6 +57,8 @@ class TargetWorkerConfig:
                                  f"{getattr(self, name)}")
         if self.overlap_max_seqs < 0:
             raise ValueError("overlap_max_seqs must be >= 0")
+        if self.draft_head and self.draft_addresses:
+            raise ValueError("--draft-head and --draft-address: one proposes, not both")
         PolicyConfig(MAX_GAMMA, self.hot_heat, self.cool_heat)  # validates the heats
 
     @classmethod
@@ -74,7 +77,7 @@ class TargetWorkerConfig:
         return cls(runner, sched, tuple(args.draft_address), args.gamma, args.host, args.port,
                    args.draft_dist_address, args.overlap_max_seqs, args.hot_heat,
                    args.cool_heat, args.metrics_port, args.auto_gamma_max,
-                   ProposerKind.parse(args.proposer, "--proposer"))
+                   ProposerKind.parse(args.proposer, "--proposer"), args.draft_head)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,6 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="target checkpoint dir")
     p.add_argument("--draft-address", action="append", default=[],
                    help="host:port of a draft replica (repeat for several)")
+    p.add_argument("--draft-head",
+                   help="a draft head's checkpoint dir (EAGLE-3 or EAGLE-1, the layout vLLM "
+                        "and SGLang load): it drafts in this process, on the target's device, "
+                        "from the target's hidden states")
     p.add_argument("--draft-dist-address",
                    help="host:port to host a dense q channel (torch.distributed) with "
                         "the first draft replica, when it runs on this machine")
@@ -163,6 +170,15 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
     drafter = (RemoteDrafter(list(cfg.draft_addresses), token,
                              seq_prefix=f"{uuid.uuid4().hex[:8]}:", dense_channel=channel)
                if cfg.draft_addresses else None)
+    if cfg.draft_head:
+        from outrider.engine.drafter import Drafter
+        from outrider.engine.heads import HeadRunner
+
+        # a head's one layer holds as many positions as the target's cache in a share of it
+        share = 2 / group.runner.model_config.num_layers
+        drafter = Drafter(HeadRunner(replace(cfg.runner, model_dir=cfg.draft_head,
+                                             kv_cache_mb=cfg.runner.kv_cache_mb * share,
+                                             prepared_rows=0), group.runner))
     proposer = ProposerMix(drafter, group.runner.vocab_size, cfg.proposer)
     decoder = SpeculativeDecoder(group.runner, proposer, overlap_max_seqs=cfg.overlap_max_seqs)
     cost = measure_cost_model(group.runner, drafter, cfg.sched.max_batch_tokens)

@@ -116,6 +116,11 @@ class RemoteDrafter:
         """k of the target's top-k some replica asked for (it adapts), else 0."""
         return max((k for _, k in self._reported.values()), default=0)
 
+    @property
+    def reads_target(self) -> None:
+        """Draft replicas run draft models: they read tokens alone."""
+        return None
+
     def version_of(self, seq_id) -> int:
         """The version of the replica that drafts for `seq_id`."""
         replica = self._assigned.get(seq_id)

@@ -68,3 +68,51 @@ def train_tokenizer(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     return path
+
+
+def save_random_head(path: Path, target_dir: Path, kind: str = "eagle3", seed: int = 0,
+                     draft_vocab: int | None = None, own_embedding: bool = False,
+                     scale: float = 0.25, aux_layers: tuple[int, ...] | None = None) -> Path:
+    """A draft head with random weights in `kind`'s checkpoint layout for the target in
+    `target_dir` (EAGLE-3: SpecForge's names, d2t/t2d when draft_vocab is smaller)."""
+    import json
+
+    from outrider.engine.heads import head_config_json, save_head
+
+    target = json.loads((target_dir / "config.json").read_text())
+    config = head_config_json(kind, target, draft_vocab_size=draft_vocab,
+                              aux_layers=aux_layers)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv, head_dim = (config["num_attention_heads"], config["num_key_value_heads"],
+                           config["head_dim"])
+    vocab = target["vocab_size"]
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * scale / shape[-1] ** 0.5 * 4
+
+    prefix = "midlayer." if kind == "eagle3" else "layers.0."
+    qkv_in = 2 * hidden if kind == "eagle3" else hidden
+    t = {f"{prefix}self_attn.q_proj.weight": rand(heads * head_dim, qkv_in),
+         f"{prefix}self_attn.k_proj.weight": rand(kv * head_dim, qkv_in),
+         f"{prefix}self_attn.v_proj.weight": rand(kv * head_dim, qkv_in),
+         f"{prefix}self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+         f"{prefix}mlp.gate_proj.weight": rand(inter, hidden),
+         f"{prefix}mlp.up_proj.weight": rand(inter, hidden),
+         f"{prefix}mlp.down_proj.weight": rand(hidden, inter),
+         f"{prefix}post_attention_layernorm.weight": 1 + rand(hidden)}
+    if kind == "eagle3":
+        dv = draft_vocab or vocab
+        t |= {"midlayer.input_layernorm.weight": 1 + rand(hidden),
+              "midlayer.hidden_norm.weight": 1 + rand(hidden),
+              "fc.weight": rand(hidden, len(aux_layers or (0, 0, 0)) * target["hidden_size"]),
+              "norm.weight": 1 + rand(hidden), "lm_head.weight": rand(dv, hidden)}
+        if dv != vocab:  # every other target id, from the start
+            ids = torch.arange(0, 2 * dv, 2)[:dv]
+            t["d2t"] = ids - torch.arange(dv)
+            t["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True)
+    else:
+        t |= {"fc.weight": rand(hidden, 2 * hidden), "fc.bias": rand(hidden)}
+    if own_embedding:
+        t["embed_tokens.weight"] = rand(vocab, hidden)
+    return save_head(path, config, t)

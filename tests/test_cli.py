@@ -183,7 +183,7 @@ def tools_offered_with_no_tool_choice_are_read_from_the_text(client):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_a_speculative_config_stands_for_draft_gamma_and_proposer():
+def test_a_speculative_config_stands_for_draft_gamma_and_proposer(capsys):
     from outrider import paths
     from outrider.cli import build_parser
     from outrider.cli.common import model_dirs
@@ -198,5 +198,13 @@ def test_a_speculative_config_stands_for_draft_gamma_and_proposer():
     assert (got, args.gamma, args.proposer) == (draft, 3, "model")
     (_, got), args = serve({"method": "ngram", "num_speculative_tokens": 5})
     assert (got, args.gamma, args.proposer) == (None, 5, "ngram")
-    proc = run_cli("serve", "--speculative-config", '{"method": "eagle3"}', timeout=60)
-    assert proc.returncode == 2 and "not served yet" in proc.stderr
+    head = str(paths.demo_head_dir())
+    (_, got), args = serve({"method": "eagle3", "model": head, "num_speculative_tokens": 5})
+    assert (got, args.gamma, args.proposer) == (head, 5, "model")
+    for config, says in (({"method": "medusa"}, "not served yet"),
+                         ({"method": "eagle3"}, "needs a model"),
+                         ({"method": "eagle3", "model": draft}, "holds no eagle3 head"),
+                         ({"method": "eagle", "model": head}, "holds no eagle1 head")):
+        with pytest.raises(SystemExit) as stop:
+            serve(config)
+        assert stop.value.code == 2 and says in capsys.readouterr().err, config

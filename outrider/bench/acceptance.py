@@ -1,7 +1,14 @@
 """Acceptance of a draft/target pair on held-out code prompts (batch 1), and the cost
-ratio c = draft forward time / target forward time for one decode token.
+ratio c = draft forward time / target forward time for one decode token. The draft may
+be a draft model or a head that reads the target's hidden states (EAGLE-3, EAGLE-1).
 
-    python -m outrider.bench.acceptance [--gamma 4] [--prompts 10] [--max-tokens 128]
+    python -m outrider.bench.acceptance [--draft DIR] [--gamma 4] [--prompts 10]
+        [--max-tokens 128] [--out results/acceptance.json] [--vllm VLLM]
+
+With --vllm (a vLLM venv, or the command that runs its CLI: bench.versus), the same
+greedy prompts also go through `vllm serve` with the same draft (method eagle3 for a head,
+draft_model otherwise), and its acceptance, read from its /metrics, stands beside ours: a
+head Outrider trains must be read the same way by the engine its users run.
 
 Defaults to the shipped demo pair and the held-out modules listed in
 outrider/bench/data/heldout_modules.txt.
@@ -14,19 +21,23 @@ import argparse
 import dataclasses
 import json
 import platform
+import re
 import statistics
 import sysconfig
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
 
 from outrider import paths
 from outrider.bench.common import provenance
+from outrider.core.hf_config import head_kind
 from outrider.core.sampling import SamplingParams
 from outrider.core.stats import SpecStats
 from outrider.core.tokenizer import Tokenizer
 from outrider.engine.drafter import Drafter
+from outrider.engine.heads import HeadRunner
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
 
@@ -61,20 +72,70 @@ def run_setting(decoder: SpeculativeDecoder, prompts, params: SamplingParams,
     }
 
 
-def decode_forward_seconds(runner: ModelRunner, context_len: int, repeats: int = 50) -> float:
-    """Median time of one single-token decode forward at batch 1 after `context_len` tokens."""
+def decode_forward_seconds(runner: ModelRunner, context_len: int, repeats: int = 50,
+                           feature_width: int = 0) -> float:
+    """Median time of one single-token decode forward at batch 1 after `context_len` tokens
+    (a head's: with features of `feature_width`, zeros)."""
     blocks, seq_id = runner.blocks, "cost-probe"
     blocks.append(seq_id, context_len)
-    runner.forward([ForwardRequest([1] * context_len, 0, blocks.block_table(seq_id), 1)])
+    features = (lambda n: torch.zeros(n, feature_width)) if feature_width else (
+        lambda n: None)
+    runner.forward([ForwardRequest([1] * context_len, 0, blocks.block_table(seq_id), 1,
+                                   features(context_len))])
     times = []
     for _ in range(repeats):
         blocks.append(seq_id, 1)
         start = time.perf_counter()
-        runner.forward([ForwardRequest([1], context_len, blocks.block_table(seq_id), 1)])
+        runner.forward([ForwardRequest([1], context_len, blocks.block_table(seq_id), 1,
+                                       features(1))])
         times.append(time.perf_counter() - start)
         blocks.rollback(seq_id, context_len)
     blocks.free(seq_id)
     return statistics.median(times)
+
+
+def vllm_acceptance(args, prompts: list[list[int]]) -> dict:
+    """Greedy α overall and per draft position in `vllm serve` on `prompts` (token ids),
+    from its spec-decode counters."""
+    from outrider.bench import versus
+
+    system = "vllm-eagle3" if head_kind(args.draft) else "vllm-draft"
+    peer = argparse.Namespace(vllm=args.vllm, target=args.target, dtype="auto",
+                              head=args.draft, draft=args.draft, gamma=args.gamma)
+    with versus.vllm_server(peer, system) as (url, _):
+        before = _spec_counters(url)
+        for ids in prompts:
+            body = {"model": versus.SERVED_NAME, "prompt": ids, "max_tokens": args.max_tokens,
+                    "temperature": 0, "ignore_eos": True}
+            request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=600) as response:
+                response.read()
+        after = _spec_counters(url)
+    got = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    drafts, drafted = got["drafts"], got["draft_tokens"]
+    per_position = [got.get(f"pos{j}", 0) / drafts for j in range(args.gamma)] if drafts else []
+    return {"system": system, "acceptance_rate": got["accepted"] / drafted if drafted else 0.0,
+            "acceptance_per_position": per_position, "drafts": drafts,
+            "draft_tokens": drafted, "accepted_tokens": got["accepted"]}
+
+
+def _spec_counters(url: str) -> dict[str, float]:
+    """vLLM's spec-decode counters (drafts, draft tokens, accepted, accepted by position)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    names = {"vllm:spec_decode_num_drafts_total": "drafts",
+             "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in names:
+            out[names[name]] = out.get(names[name], 0) + float(line.split()[-1])
+        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+            key = "pos" + re.search(r'position="(\d+)"', line).group(1)
+            out[key] = out.get(key, 0) + float(line.split()[-1])
+    return out
 
 
 def main() -> None:
@@ -87,17 +148,24 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="results/acceptance.json")
+    parser.add_argument("--vllm", help="also through `vllm serve` with the same draft "
+                                       "(a vLLM venv, or the command that runs its CLI)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target, draft = ModelRunner(RunnerConfig(args.target)), ModelRunner(RunnerConfig(args.draft))
+    target = ModelRunner(RunnerConfig(args.target))
+    draft = (HeadRunner(RunnerConfig(args.draft), target) if head_kind(args.draft)
+             else ModelRunner(RunnerConfig(args.draft)))
     decoder = SpeculativeDecoder(target, Drafter(draft))
     prompts = heldout_prompts(Tokenizer(args.target), args.prompts, args.prompt_tokens)
     report = {"provenance": provenance(),
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
                          f"torch {torch.__version__}",
-              "command": f"python -m outrider.bench.acceptance --gamma {args.gamma} "
+              "draft": Path(args.draft).name,
+              "command": f"python -m outrider.bench.acceptance --draft {args.draft} "
+                         f"--gamma {args.gamma} "
                          f"--prompts {args.prompts} --max-tokens {args.max_tokens} "
-                         f"--threads {args.threads}",
+                         f"--threads {args.threads}"
+                         + (f" --vllm '{args.vllm}'" if args.vllm else ""),
               "gamma": args.gamma, "settings": {}}
     for name, sampling in SETTINGS.items():
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, **sampling)
@@ -106,9 +174,13 @@ def main() -> None:
         row["speedup"] = row["tokens_per_s"] / row["target_only_tokens_per_s"]
         report["settings"][name] = row
     target_s = decode_forward_seconds(target, args.prompt_tokens)
-    draft_s = decode_forward_seconds(draft, args.prompt_tokens)
+    tap = getattr(draft, "reads", None)
+    draft_s = decode_forward_seconds(draft, args.prompt_tokens, feature_width=tap.width(
+        target.model_config.hidden_size) if tap else 0)
     report["forward_ms"] = {"target": target_s * 1e3, "draft": draft_s * 1e3}
     report["c"] = draft_s / target_s
+    if args.vllm:
+        report["vllm"] = vllm_acceptance(args, prompts)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))

@@ -230,6 +230,8 @@ LABELS = {"outrider-auto": "`outrider serve`, AUTO",
           "outrider-model": "`outrider serve --proposer model`",
           "outrider-ngram": "`outrider serve --proposer ngram`",
           "outrider-suffix": "`outrider serve --proposer suffix`",
+          "outrider-head": "`outrider serve --draft HEAD` (EAGLE-3), AUTO",
+          "vllm-eagle3": "`vllm serve` + EAGLE-3 head (4 tokens)",
           "vllm-draft4": "`vllm serve` + draft (4 tokens)", "vllm-draft": "`vllm serve` + draft",
           "vllm-ngram": "`vllm serve`, n-gram", "vllm": "`vllm serve`",
           "engine-g4": "engine in process, γ 4", "engine-g0": "engine in process, γ 0"}

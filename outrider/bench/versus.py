@@ -22,7 +22,10 @@ Systems, each measured at every concurrency level:
   engine-gN/-g0     Outrider's engine in this process (SpeculativeDecoder.generate, the
                     requests in batches of `concurrency`): the ceiling the serving path
                     is measured against, with the same γ and with none
+  outrider-head     `outrider serve --draft HEAD`: a draft head (EAGLE-3) in the target's
+                    process, the γ policy
   vllm-draftN       `vllm serve` with the draft model, N speculative tokens
+  vllm-eagle3       `vllm serve` with the same head (method eagle3), --gamma tokens
   vllm              `vllm serve`, no speculation
 Servers take turns: every round runs them one after the other, the order reversed on
 odd rounds, and each cell reports the mean over rounds (and every round's value).
@@ -163,12 +166,14 @@ def cell(data: dict) -> dict:
 
 # -- servers -------------------------------------------------------------------------------
 @contextmanager
-def outrider_server(args, extra: tuple[str, ...] = ()) -> Iterator[tuple[str, list[str]]]:
-    """`outrider serve` on the demo pair (as a user starts it), with `extra` flags;
-    yields its HTTP base URL and its target replicas' metrics URLs (as serve prints them)."""
+def outrider_server(args, extra: tuple[str, ...] = (),
+                    draft: str | None = None) -> Iterator[tuple[str, list[str]]]:
+    """`outrider serve` on the demo pair (as a user starts it; `draft`: another draft or
+    head), with `extra` flags; yields its HTTP base URL and its target replicas' metrics
+    URLs (as serve prints them)."""
     port = free_port()
     command = [sys.executable, "-m", "outrider.cli", "serve", "--target", args.target,
-               "--draft", args.draft, "--gamma", str(args.gamma), "--grpc-port", "0",
+               "--draft", draft or args.draft, "--gamma", str(args.gamma), "--grpc-port", "0",
                "--http-port", str(port), "--served-model-name", SERVED_NAME,
                "--dtype", args.dtype, *extra]
     with _server(command, f"http://127.0.0.1:{port}", os.environ) as log:
@@ -189,14 +194,17 @@ def _printed_metrics(log, role: str, timeout_s: float = 10) -> list[str]:
 
 
 @contextmanager
-def vllm_server(args, with_draft: bool, extra: tuple[str, ...] = ()) -> Iterator[str]:
+def vllm_server(args, system: str, extra: tuple[str, ...] = ()) -> Iterator[str]:
     port = free_port()
     command = [*vllm_command(args.vllm), "serve", args.target, "--served-model-name",
                SERVED_NAME, "--dtype", args.dtype, "--max-model-len", "1024", "--port",
                str(port), *extra]
-    if with_draft:
+    if system != "vllm":  # vllm-draftN, vllm-eagle3
+        head = system == "vllm-eagle3"
         command += ["--speculative-config", json.dumps(
-            {"model": args.draft, "method": "draft_model", "num_speculative_tokens": args.gamma})]
+            {"model": args.head if head else args.draft,
+             "method": "eagle3" if head else "draft_model",
+             "num_speculative_tokens": args.gamma})]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     with _server(command, f"http://127.0.0.1:{port}", env):
         yield f"http://127.0.0.1:{port}", []
@@ -279,8 +287,8 @@ def server_groups(systems: list[str]) -> list[list[str]]:
     on its own."""
     groups: dict[object, list[str]] = {}
     for system in systems:
-        key = (("outrider", SERVER_FLAGS.get(system, ())) if system.startswith("outrider")
-               else system)
+        key = (("outrider", SERVER_FLAGS.get(system, ()), system == "outrider-head")
+               if system.startswith("outrider") else system)
         groups.setdefault(key, []).append(system)
     return list(groups.values())
 
@@ -293,9 +301,9 @@ def run_round(args, groups: list[list[str]], prompts_files: dict[int, Path], pro
         if group[0].startswith("engine"):
             results[group[0]] = measure_engine(args, group[0], prompt_ids, levels)
             continue
-        server = (outrider_server(args, SERVER_FLAGS.get(group[0], ()))
-                  if group[0].startswith("outrider")
-                  else vllm_server(args, with_draft=group[0] != "vllm"))
+        head = args.head if group[0] == "outrider-head" else None
+        server = (outrider_server(args, SERVER_FLAGS.get(group[0], ()), head)
+                  if group[0].startswith("outrider") else vllm_server(args, group[0]))
         with server as (url, engines):
             for name in group:
                 results[name] = measure_server(args, name, url, prompts_files, levels,
@@ -511,6 +519,8 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
         parser.add_argument("--plots-dir", default=None)
     parser.add_argument("--gamma", type=int, default=4,
                         help="γ of FIXED, the engine and vLLM's draft (and the server's default)")
+    parser.add_argument("--head", default=str(paths.demo_head_dir()),
+                        help="the draft head (EAGLE-3) of outrider-head and vllm-eagle3")
     parser.add_argument("--rounds", type=int, default=2,
                         help="runs of every level, the systems' order reversed each time")
     parser.add_argument("--requests-per-stream", type=int, default=4,

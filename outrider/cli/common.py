@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 from outrider import paths
+from outrider.core.hf_config import head_kind
 from outrider.flags import (
     add_compile_arg,
     add_device_args,
@@ -87,7 +88,9 @@ def model_dirs(args) -> tuple[Path, str | None]:
     return target, draft
 
 
-SPECULATIVE_METHODS = {"draft_model": "model", "ngram": "ngram", "suffix": "suffix"}
+SPECULATIVE_METHODS = {"draft_model": "model", "ngram": "ngram", "suffix": "suffix",
+                       "eagle3": "model", "eagle": "model"}
+HEAD_METHODS = {"eagle3": "eagle3", "eagle": "eagle1"}  # method -> the head kind it names
 
 
 def speculative_config(text: str) -> dict:
@@ -106,8 +109,15 @@ def speculative_config(text: str) -> dict:
     method = config.get("method", "draft_model")
     if method not in SPECULATIVE_METHODS:
         raise argparse.ArgumentTypeError(
-            f"method {method!r}: choose from {', '.join(SPECULATIVE_METHODS)} (draft heads "
-            "such as eagle3 and medusa are not served yet)")
+            f"method {method!r}: choose from {', '.join(SPECULATIVE_METHODS)} (Medusa "
+            "heads are not served yet)")
+    if method in HEAD_METHODS and not config.get("model"):
+        raise argparse.ArgumentTypeError(f"method {method!r} needs a model: the head's "
+                                         f"checkpoint dir")
+    if method in HEAD_METHODS and head_kind(config["model"]) != HEAD_METHODS[method]:
+        raise argparse.ArgumentTypeError(
+            f"method {method!r}: {config['model']} holds no {HEAD_METHODS[method]} head "
+            f"(its config.json's architectures)")
     return config
 
 

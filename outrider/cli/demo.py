@@ -44,7 +44,35 @@ def cmd_demo(args) -> int:
         plain = client.generate(prompt, speculation="off", **options)
     print("\n" + stats_line(spec))
     _print_comparison(spec, plain)
+    head = paths.demo_head_dir()
+    if (head / "config.json").is_file():
+        _demo_head(str(target), str(head), prompt, options, args.gamma, spec, plain)
     return 0
+
+
+def _demo_head(target: str, head: str, prompt: str, options: dict, gamma: int, spec,
+               plain) -> None:
+    """The same generation drafted by the demo EAGLE-3 head, which reads the target's
+    hidden states and runs in the target's process (no draft replica)."""
+    from outrider.client import Client
+    from outrider.local_system import LocalSystemConfig, local_system
+
+    print(f"\n== the same through a draft head: EAGLE-3 ({Path(head).name}), in the target "
+          f"replica's process, greedy, γ = {gamma} ==", flush=True)
+    with local_system(LocalSystemConfig(target, head, grpc_port=0)) as system, \
+            Client(system.router, timeout_s=600) as client:
+        stream = client.stream(prompt, speculation="fixed", gamma_max=gamma, **options)
+        for delta in stream:
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+        by_head = stream.result()
+    print("\n" + stats_line(by_head))
+    _print_comparison(by_head, plain)
+    print("acceptance per proposer (α = accepted / drafted; tokens per round):")
+    for name, result in (("draft model", spec), ("EAGLE-3 head", by_head)):
+        s = result.speculation
+        print(f"  {name:13} α {s.acceptance_rate:.2f}, {s.mean_accepted_len:.2f} tokens/round, "
+              f"{result.timings.tokens_per_s:.1f} tok/s")
 
 
 def _print_comparison(spec, plain) -> None:

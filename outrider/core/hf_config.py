@@ -27,6 +27,23 @@ def read_config(model_dir: str | Path, name: str = "config.json",
         raise ModelConfigError(f"{path}: not valid JSON ({exc})") from exc
 
 
+# a draft head's config.json architectures -> its kind (the names vLLM's registry takes
+# for Llama-family targets; Qwen2 and Mistral targets use the same layouts)
+HEAD_KINDS = {
+    "LlamaForCausalLMEagle3": "eagle3",
+    "Eagle3LlamaForCausalLM": "eagle3",
+    "EagleLlamaForCausalLM": "eagle1",
+}
+
+
+def head_kind(model_dir: str | Path) -> str | None:
+    """'eagle3' or 'eagle1' when `model_dir` holds a draft head that reads the target's
+    hidden states, else None (a draft model, or no config.json)."""
+    raw = read_config(model_dir, required=False) or {}
+    architectures = raw.get("architectures") or [None]
+    return HEAD_KINDS.get(architectures[0]) if isinstance(architectures, list) else None
+
+
 def context_length(raw: dict) -> int:
     return int(raw.get("max_position_embeddings", DEFAULT_CONTEXT))
 

@@ -49,6 +49,15 @@ def iter_tensor_slices(model_dir: Path) -> Iterator[tuple[str, object]]:
                     bar.update()
 
 
+def tensor_names(model_dir: Path) -> set[str]:
+    """The names of every tensor of the checkpoint (nothing read)."""
+    names: set[str] = set()
+    for path in checkpoint_files(model_dir):
+        with _opened(path) as f:
+            names.update(f.keys())
+    return names
+
+
 def _num_tensors(path: Path) -> int:
     with _opened(path) as f:
         return len(f.keys())

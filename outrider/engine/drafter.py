@@ -17,6 +17,7 @@ import torch
 
 from outrider.core.grammar import Grammars
 from outrider.core.sampling import History
+from outrider.engine.features import FeatureTap
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal
 from outrider.engine.runner import ForwardRequest, ModelRunner
 from outrider.engine.sampling import (
@@ -69,6 +70,10 @@ class Drafter:
     @property
     def model_name(self) -> str:
         return self.runner.model_name
+
+    @property
+    def reads_target(self) -> FeatureTap | None:
+        return getattr(self.runner, "reads", None)  # a HeadRunner's
 
     def release(self, seq_id) -> bool:
         """Forget a sequence; its committed tokens (the target's) go to `on_served`."""
@@ -240,8 +245,10 @@ class Drafter:
             probs_out = torch.zeros(len(items), max_gamma, self.vocab_size, device=device)
         blocks = self.runner.blocks
         prefills = [ForwardRequest(it.new_token_ids, it.committed_len,
-                                   blocks.block_table(it.seq_id), 0)
+                                   blocks.block_table(it.seq_id), 0, it.features)
                     for it, done in zip(items, is_prefilled) if done]
+        # a head drafts each next token from the hidden state it gave for the one before
+        reads, fed_back = self.reads_target is not None, {}
         if prefills and not max_gamma:
             self.runner.forward(prefills)
         stops, stopped = [frozenset(it.params.held_back_ids) for it in items], set()
@@ -254,8 +261,13 @@ class Drafter:
                 it = items[i]
                 cached = it.committed_len + (0 if j == 0 else len(it.new_token_ids) + j - 1)
                 new = it.new_token_ids if j == 0 else drafted[i][-1:]
-                requests.append(ForwardRequest(new, cached, blocks.block_table(it.seq_id), 1))
+                features = (it.features if j == 0 else fed_back[i][None]) if reads else None
+                requests.append(ForwardRequest(new, cached, blocks.block_table(it.seq_id), 1,
+                                               features))
             logits = self.runner.forward(requests + (prefills if j == 0 else []))  # [len(rows), V]
+            if reads:
+                hidden = self.runner.model.hidden_out  # [len(rows), hidden]
+                fed_back = {i: hidden[k] for k, i in enumerate(rows)}
             tokens, probs = self._pick(logits, [items[i] for i in rows],
                                        self._histories(items, rows, drafted), j)
             for i, token in zip(rows, tokens.tolist()):

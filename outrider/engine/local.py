@@ -1,14 +1,17 @@
-"""A target (tensor-parallel group) and an optional draft in this process, with the
+"""A target (tensor-parallel group) and an optional draft (a draft model, or a head
+that reads the target's hidden states) in this process, with the
 tokenizer: what `outrider generate --local` and the tests drive."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from outrider.core.hf_config import head_kind
 from outrider.core.sequence import ProposerKind
 from outrider.core.tokenizer import Tokenizer, TokenizerError
 from outrider.engine.distributed import TPRunnerGroup
 from outrider.engine.drafter import Drafter
+from outrider.engine.heads import HeadRunner
 from outrider.engine.mix import ProposerMix
 from outrider.engine.model_config import ModelConfig
 from outrider.engine.runner import ModelRunner, RunnerConfig
@@ -26,15 +29,17 @@ class LocalEngineConfig:
 class LocalEngine:
     def __init__(self, cfg: LocalEngineConfig) -> None:
         self.tokenizer = Tokenizer(cfg.target.model_dir)
-        if cfg.draft_dir is not None:
+        is_head = cfg.draft_dir is not None and head_kind(cfg.draft_dir) is not None
+        if cfg.draft_dir is not None and not is_head:
             check_pair_compatible(cfg.target.model_dir, cfg.draft_dir)
         self._target_group = TPRunnerGroup(cfg.target)
+        target = self._target_group.runner
         draft = None
         if cfg.draft_dir is not None:
             draft_cfg = replace(cfg.target, model_dir=cfg.draft_dir, tp=1,
                                 kv_cache_mb=cfg.draft_kv_cache_mb)
-            draft = Drafter(ModelRunner(draft_cfg))
-        target = self._target_group.runner
+            draft = Drafter(HeadRunner(draft_cfg, target) if is_head
+                            else ModelRunner(draft_cfg))
         self.decoder = SpeculativeDecoder(target, ProposerMix(
             draft, target.vocab_size, ProposerKind.parse(cfg.proposer, "proposer")))
 

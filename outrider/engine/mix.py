@@ -84,6 +84,9 @@ class _Held:
     teacher: list[TeacherRow] = field(default_factory=list)  # for the model's next call
     acceptance: _Acceptance = field(default_factory=_Acceptance)
     num_weighed: int = 0   # AUTO rounds that had a lookup and the model to choose from
+    # a head's: the target's features of tokens[features_from:] (DraftItem.features)
+    features: torch.Tensor | None = None
+    features_from: int = 0
 
     def take(self, item: DraftItem, learn: bool, replica: _Acceptance | None) -> None:
         """The loop's view: tokens[:committed_len] + the item's new tokens; first learn
@@ -93,11 +96,28 @@ class _Held:
         drafts = self.tokens[self.num_context:]  # in place: no copy of the context a round
         del self.tokens[item.committed_len:]
         self.tokens.extend(item.new_token_ids)
+        if item.features is not None:
+            self._take_features(item)
         if learn:
             self._learn(drafts, self.tokens[self.num_context:], replica)
         self.num_context = len(self.tokens)
         self.model_len = min(self.model_len, item.committed_len, self.num_context - 1)
         self.traceparent = self.traceparent or item.traceparent
+
+    def _take_features(self, item: DraftItem) -> None:
+        kept = item.committed_len - self.features_from
+        if self.features is None or not 0 <= kept <= len(self.features):
+            self.features, self.features_from = item.features, item.committed_len
+        else:
+            self.features = torch.cat([self.features[:kept], item.features])
+
+    def features_after(self, start: int) -> torch.Tensor | None:
+        """The features of tokens[start:] (None: not all held), forgetting those before."""
+        if self.features is None or start < self.features_from:
+            return None
+        self.features = self.features[start - self.features_from:]
+        self.features_from = start
+        return self.features if len(self.features) == len(self.tokens) - start else None
 
     def propose(self, ids: list[int], num_free: int, free_match: int,
                 free_forced: bool) -> None:
@@ -154,6 +174,9 @@ class ProposerMix:
         self._vocab_size = vocab_size
         self._held: dict[object, _Held] = {}
         self.acceptance = _Acceptance()  # the replica's: where new requests start from
+        # a head drafts only after tokens the target verified (it reads their features):
+        # it cannot continue a lookup's or a grammar's tokens
+        self.continues = model is None or model.reads_target is None
         self.grammars = grammars  # the target's: constrained requests' lookups keep to them
 
     # -- Proposer ----------------------------------------------------------------------------
@@ -176,6 +199,10 @@ class ProposerMix:
     @property
     def target_topk(self) -> int:
         return self.model.target_topk if self.model is not None else 0
+
+    @property
+    def reads_target(self):
+        return self.model.reads_target if self.model is not None else None
 
     def version_of(self, seq_id) -> int:
         return self.model.version_of(seq_id) if self.model is not None else 0
@@ -274,6 +301,8 @@ class ProposerMix:
             looked_up = 0 if plan.is_forced else len(plan.free)
             plan.model_max = max(0, min(gamma, room))
             plan.model_gamma = max(0, min(gamma - looked_up, room - len(plan.free)))
+            if plan.free and not self.continues:
+                plan.model_gamma = 0
 
     def _look_up(self, kind: ProposerKind, tokens: list[int], gamma: int,
                  with_corpus: bool) -> Lookup:
@@ -306,7 +335,7 @@ class ProposerMix:
                     # it there: the rounds without a lookup are the hard ones
                     p.free, p.model_gamma = [], p.model_max
                 else:
-                    p.free, p.model_gamma = _choice(p)
+                    p.free, p.model_gamma = _choice(p, self.continues)
                 p.free_kind = p.free_kind if p.free else ""
                 p.held.shadow, p.held.shadow_match = ([] if p.free else looked_up), p.free_match
 
@@ -315,10 +344,14 @@ class ProposerMix:
             if p.model_gamma:
                 held = p.held
                 new = held.tokens[held.model_len:] + p.free
+                features = None if self.continues else held.features_after(held.model_len)
+                if features is None and not self.continues:
+                    p.model_gamma = 0  # the head lost features it needs: no draft for it
+                    continue
                 p.model_item = replace(p.item, committed_len=held.model_len,
                                        new_token_ids=new, gamma=p.model_gamma,
                                        traceparent="" if held.has_model else held.traceparent,
-                                       teacher=held.teacher)
+                                       teacher=held.teacher, features=features)
                 held.teacher = []
 
     def _warm_item(self, plan: _Plan) -> DraftItem | None:
@@ -369,7 +402,7 @@ class ProposerMix:
             return [], None
         if not g:
             return [], None
-        held.model_len = context_len + g - 1
+        held.model_len = context_len + (g - 1 if self.continues else 0)
         ids = drafted.token_ids[k, :g].tolist()
         q = None if drafted.probs is None else drafted.probs[k, :g]
         return ids, q
@@ -378,7 +411,7 @@ class ProposerMix:
                       device: torch.device) -> Proposal:
         """The model lost some sequences: send each its whole context once."""
         missed = [k for k, miss in enumerate(drafted.is_miss)
-                  if miss and not asked[k].item.prefill_only]
+                  if miss and not asked[k].item.prefill_only and self.continues]
         if not missed:
             return drafted
         retries = []
@@ -391,7 +424,7 @@ class ProposerMix:
         return drafted.with_rows(missed, self.model.draft(retries, device))
 
 
-def _choice(p: _Plan) -> tuple[list[int], int]:
+def _choice(p: _Plan, continues: bool) -> tuple[list[int], int]:
     """(looked-up tokens, model γ) for an AUTO round with both at hand. The lookup leads
     when its tokens are at least as likely kept as the model's (its estimate at this
     match length against the request's model estimate): alone when it fills the round
@@ -401,7 +434,7 @@ def _choice(p: _Plan) -> tuple[list[int], int]:
     alpha = p.held.acceptance
     if alpha.of_lookup(p.free_match) < alpha.model:
         return [], p.model_max
-    return p.free, max(0, p.model_max - len(p.free))
+    return p.free, max(0, p.model_max - len(p.free)) if continues else 0
 
 
 def _tested(proposed: list[int], committed: list[int]) -> list[tuple[int, float]]:

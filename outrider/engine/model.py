@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 from outrider.engine.attention import AttentionMetadata
 from outrider.engine.checkpoint import CheckpointError, iter_tensor_slices
 from outrider.engine.compiled import attention
+from outrider.engine.features import FeatureTap
 from outrider.engine.kernels import runs_kernels
 from outrider.engine.model_config import ModelConfig
 from outrider.engine.parallel import (
@@ -50,14 +52,16 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup,
+                 input_size: int | None = None) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads // tp.size
         self.num_kv_heads = cfg.num_kv_heads // tp.size
         self.head_dim = cfg.head_dim
         self.window = cfg.sliding_windows[layer]
         self.scale = cfg.head_dim ** -0.5
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+        self.qkv_proj = QKVParallelLinear(input_size or cfg.hidden_size, cfg.head_dim,
+                                          cfg.num_heads,
                                           cfg.num_kv_heads, cfg.qkv_bias, tp)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
                                         False, tp)
@@ -94,11 +98,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup,
+                 input_norm: bool = True) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer, tp)
         self.mlp = MLP(cfg, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # (EAGLE-1 heads have none: their input is already a fused feature)
+        self.input_layernorm = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm
+                                else nn.Identity())
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
@@ -111,10 +118,6 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Decoder-only LM over flattened ragged tokens; logits only for the rows asked for."""
 
-    # checkpoint name fragment -> (our fused parameter, shard index)
-    FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
     def __init__(self, cfg: ModelConfig, tp: TPGroup, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -126,54 +129,82 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.tap: FeatureTap | None = None  # the hidden states a draft head reads
+        self.features: torch.Tensor | None = None  # [num_tokens, tap width], last forward's
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [num_tokens]; logits_rows: [num_rows] -> [num_rows, vocab]
         x = self.embed_tokens(input_ids)
         cos_sin = self.rope.lookup(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        taps = []
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if self.tap is not None and i in self.tap.layers:
+                taps.append(x.clone())  # (the next layer adds into x in place)
             x = layer(x, cos_sin, kv_cache, meta)
+        if self.tap is None:
+            return self.lm_head(self.norm(x.index_select(0, logits_rows))).float()
+        if self.tap.normed:
+            normed = self.norm(x)  # [num_tokens, hidden]
+            self.features = normed
+            return self.lm_head(normed.index_select(0, logits_rows)).float()
+        self.features = torch.cat(taps + [x] * (self.cfg.num_layers in self.tap.layers), -1)
         return self.lm_head(self.norm(x.index_select(0, logits_rows))).float()
 
     def load_weights(self, model_dir: Path) -> None:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor_slice in iter_tensor_slices(model_dir):
-            target = self._param_for(name)
-            if target is None:
-                continue
-            param_name, shard_id = target
-            if param_name not in params:
-                raise CheckpointError(f"{model_dir}: unexpected tensor {name!r} for "
-                                      f"{self.cfg.architecture}")
-            module = self.get_submodule(param_name.rsplit(".", 1)[0])
-            loader = getattr(module, "weight_loader", load_replicated)
-            try:
-                loader(params[param_name], tensor_slice, shard_id)
-            except ValueError as exc:
-                raise CheckpointError(f"{model_dir}: tensor {name!r}: {exc}") from exc
-            loaded.add(param_name if shard_id is None else f"{param_name}#{shard_id}")
-        self._check_complete(params, loaded, model_dir)
+        tied = self.cfg.tie_word_embeddings
+        load_checkpoint(self, model_dir, self._param_for,
+                        optional=lambda name: tied and name == "lm_head.weight")
 
     def _param_for(self, name: str) -> tuple[str, int | None] | None:
         if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
             return None
-        name = name.removeprefix("model.")
-        for part, (fused, shard_id) in self.FUSED.items():
-            if f".{part}." in name:
-                return name.replace(f".{part}.", f".{fused}."), shard_id
-        return name, None
+        return fused_param(name.removeprefix("model."))
 
-    def _check_complete(self, params: dict, loaded: set[str], model_dir: Path) -> None:
-        shards = {"qkv_proj": 3, "gate_up_proj": 2}
-        missing = []
-        for name in params:
-            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
-                continue
-            fused = next((f for f in shards if f".{f}." in name), None)
-            wanted = [f"{name}#{i}" for i in range(shards[fused])] if fused else [name]
-            missing += [w for w in wanted if w not in loaded]
-        if missing:
-            raise CheckpointError(f"{model_dir}: checkpoint lacks tensors for {missing[:5]}"
-                                  f"{' ...' if len(missing) > 5 else ''}")
+
+# checkpoint name fragment -> (our fused parameter, shard index)
+FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
+
+
+def fused_param(name: str) -> tuple[str, int | None]:
+    """A checkpoint tensor's (parameter, shard index) in our fused layers."""
+    for part, (fused, shard_id) in FUSED.items():
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), shard_id
+    return name, None
+
+
+def load_checkpoint(model: nn.Module, model_dir: Path,
+                    param_for: Callable[[str], tuple[str, int | None] | None],
+                    optional: Callable[[str], bool] = lambda name: False) -> None:
+    """Every tensor of the checkpoint into its parameter (`param_for`: None skips one);
+    each parameter but the `optional` ones must be found."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor_slice in iter_tensor_slices(model_dir):
+        target = param_for(name)
+        if target is None:
+            continue
+        param_name, shard_id = target
+        if param_name not in params:
+            raise CheckpointError(f"{model_dir}: unexpected tensor {name!r} for "
+                                  f"{type(model).__name__}")
+        owner, _, _ = param_name.rpartition(".")
+        loader = getattr(model.get_submodule(owner), "weight_loader", load_replicated)
+        try:
+            loader(params[param_name], tensor_slice, shard_id)
+        except ValueError as exc:
+            raise CheckpointError(f"{model_dir}: tensor {name!r}: {exc}") from exc
+        loaded.add(param_name if shard_id is None else f"{param_name}#{shard_id}")
+    missing = []
+    for name in params:
+        if optional(name):
+            continue
+        fused = next((f for f in SHARDS if f".{f}." in name), None)
+        wanted = [f"{name}#{i}" for i in range(SHARDS[fused])] if fused else [name]
+        missing += [w for w in wanted if w not in loaded]
+    if missing:
+        raise CheckpointError(f"{model_dir}: checkpoint lacks tensors for {missing[:5]}"
+                              f"{' ...' if len(missing) > 5 else ''}")

@@ -18,6 +18,7 @@ import torch
 
 from outrider.core.sampling import SamplingParams
 from outrider.core.sequence import TeacherRow
+from outrider.engine.features import FeatureTap
 from outrider.engine.rejection import dense_draft_probs
 
 
@@ -40,6 +41,9 @@ class DraftItem:
     proposer: str = ""          # the request's ProposerKind ("": the replica's default)
     # tokens the request's grammar forces after new_token_ids: free drafts (§3.8)
     forced: list[int] = field(default_factory=list)
+    # a head's (reads_target): the target's feature before each new token,
+    # [len(new_token_ids), width] (engine/features.py)
+    features: torch.Tensor | None = None
 
     @property
     def is_active(self) -> bool:
@@ -154,6 +158,12 @@ class Proposer(Protocol):
     @property
     def target_topk(self) -> int:
         """k of the target's top-k rows it wants with each sequence (0: none)."""
+
+    @property
+    def reads_target(self) -> FeatureTap | None:
+        """The target's hidden states it drafts from (a head: DraftItem.features), None
+        for a proposer of tokens alone. A head's drafts are re-made from the target's
+        features once verified: it holds no more than the committed tokens."""
 
     def draft(self, items: list[DraftItem], device: torch.device) -> Proposal:
         """Propose now, and wait for the proposal."""

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from outrider.engine.attention import AttentionMetadata, SequenceSlice, kv_cache_shapes
 from outrider.engine.block_manager import BlockManager
 from outrider.engine.compiled import CompiledForward
+from outrider.engine.features import FeatureTap
 from outrider.engine.model import CausalLM
 from outrider.engine.model_config import ModelConfig, ModelConfigError, parse_dtype
 from outrider.engine.parallel import PackedForCPU, TPGroup, prepare_cpu_linears
@@ -66,13 +67,14 @@ class ForwardRequest:
     cached_len: int
     block_table: list[int]
     num_logits: int  # logits wanted for the last `num_logits` new positions
+    features: torch.Tensor | None = None  # a head's: [len(token_ids), width] (heads.py)
 
 
 class ModelRunner:
     def __init__(self, cfg: RunnerConfig, tp: TPGroup | None = None) -> None:
         self.cfg = cfg
         self.tp = tp or TPGroup()
-        self.model_config = ModelConfig.from_dir(cfg.model_dir)
+        self.model_config = self.read_model_config()
         self.model_config.check_tp(cfg.tp)
         if cfg.tp != self.tp.size:
             raise ModelConfigError(f"tp={cfg.tp} but the process group has {self.tp.size} ranks")
@@ -94,9 +96,23 @@ class ModelRunner:
         self.threads = torch.get_num_threads()  # this rank's share (set_cpu_threads)
         self._set_step()
 
+    def read_model_config(self) -> ModelConfig:
+        return ModelConfig.from_dir(self.cfg.model_dir)
+
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
+
+    def keep_features(self, tap: FeatureTap) -> None:
+        """Keep `tap`'s hidden states of every position each forward processes
+        (`features`); the forward runs eagerly from now on."""
+        self.model.tap = tap
+        self._set_step()
+
+    @property
+    def features(self) -> torch.Tensor | None:
+        """The last forward's kept hidden states, [num_tokens, width] (the driver's)."""
+        return self.model.features
 
     @property
     def model_name(self) -> str:
@@ -137,7 +153,7 @@ class ModelRunner:
         --no-compile and under tensor parallelism (its collectives have not been tried
         inside a compiled graph)."""
         self.step: CompiledForward | CausalLM = self.model
-        if self.cfg.compile and self.tp.size == 1:
+        if self.cfg.compile and self.tp.size == 1 and getattr(self.model, "tap", None) is None:
             self.step = CompiledForward(self.model, self.model_name)
             self.warm_up_s = self.step.warm_up(self._scratch_forward)
 
@@ -188,6 +204,11 @@ class ModelRunner:
         return self._forward(requests)
 
     def _forward(self, requests: list[ForwardRequest]) -> torch.Tensor:
+        input_ids, positions, meta, logits_rows = self._batch(requests)
+        return self.step(input_ids, positions, self.kv_caches, meta, logits_rows)
+
+    def _batch(self, requests: list[ForwardRequest]):
+        """(input_ids, positions, metadata, logits rows) of a forward over `requests`."""
         device = self.device
         self._use_threads(sum(len(r.token_ids) for r in requests))
         input_ids, positions, logits_rows, offset = [], [], [], 0
@@ -201,8 +222,7 @@ class ModelRunner:
             [SequenceSlice(r.cached_len, len(r.token_ids), r.block_table) for r in requests],
             self.cfg.block_size, device)
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        return self.step(as_long(input_ids), as_long(positions), self.kv_caches, meta,
-                         as_long(logits_rows))
+        return as_long(input_ids), as_long(positions), meta, as_long(logits_rows)
 
     def _use_threads(self, num_tokens: int) -> None:
         """A small forward on `small_step_threads` (serving leaves the other cores to a

@@ -38,6 +38,7 @@ from outrider.core.sequence import FinishReason, Round, Sequence
 from outrider.core.stats import GRAMMAR_METHOD
 from outrider.core.structured import StructuredOutputError
 from outrider.engine.block_manager import OutOfBlocksError
+from outrider.engine.features import FeatureLog
 from outrider.engine.mix import ProposerMix
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal, Proposer, dense_q
 from outrider.engine.rejection import (
@@ -132,6 +133,9 @@ class Step:
     draft_probs: torch.Tensor | None = None  # [batch, γ_max (+1), vocab]; None: point masses
     background: PendingProposal | None = None  # what the draft does during verification
     logits: torch.Tensor | None = None       # [sum over ready rows of (γ_i + 1), vocab]
+    features: torch.Tensor | None = None     # [fed + proposed tokens, width]: a head's
+    feature_at: list[tuple[int, int]] = field(default_factory=list)  # per row: its first
+    #                                          row of `features`, and that row's position
     draft_s: float = 0.0
     draft_cpu_s: float = 0.0
     verify_s: float = 0.0
@@ -158,7 +162,13 @@ class SpeculativeDecoder:
                 f"draft and target have different vocabularies "
                 f"({drafter.vocab_size} vs {target.vocab_size} tokens)")
         self.target, self.drafter = target, drafter  # the drafter: this loop's proposer
-        self.overlap_max_seqs = overlap_max_seqs if drafter is not None else 0
+        # a head drafts from the target's features of committed positions: it cannot
+        # draft ahead of verification, nor take in a prompt before the target has
+        self.reads = drafter.reads_target if drafter is not None else None
+        self.overlap_max_seqs = overlap_max_seqs if drafter is not None and not self.reads else 0
+        self.features = FeatureLog()  # a head's features, until it takes them
+        if self.reads is not None:
+            target.keep_features(self.reads)
         self.overlap_sampled = overlap_sampled  # sampled sequences draft ahead too
         self.num_candidates = 0    # bonus-position candidates verified (overlap)
         self.num_ahead_rounds = 0  # rounds whose drafts were drafted during the previous one
@@ -233,8 +243,11 @@ class SpeculativeDecoder:
     def admit(self, seq: Sequence) -> None:
         """Start a sequence without target KV (new or preempted) on the longest prefix
         of its tokens the cache holds; one still waiting to run extends its match with
-        blocks sealed since."""
+        blocks sealed since. Not under a head: it reads the target's hidden states of
+        every position, and a cached prefix has none (docs/DESIGN.md §8.8)."""
         blocks, seq_id = self.target.blocks, seq.seq_id
+        if self.reads is not None:
+            return
         if not blocks.has(seq_id) or (seq.num_cached_tokens is None
                                       and blocks.seq_len(seq_id) == blocks.sealed_len(seq_id)):
             seq.target_len = blocks.match_prefix(seq_id, seq.token_ids)
@@ -242,6 +255,7 @@ class SpeculativeDecoder:
     def release(self, seq: Sequence) -> None:
         self.target.blocks.free(seq.seq_id)
         self._ahead.pop(seq.seq_id, None)
+        self.features.drop(seq.seq_id)
         if self.grammars is not None:
             self.grammars.release(seq.seq_id)
         if self.drafter is not None:
@@ -357,11 +371,18 @@ class SpeculativeDecoder:
         """The target forward; then what the draft did meanwhile: prefills taken in, and
         bonus-position candidates added to the rows to verify (overlap)."""
         start = time.perf_counter()
+        positions = [r.seq.target_len for r in step.rows]
         step.logits = self._forward(step.rows, step.drafts)
         step.verify_s = time.perf_counter() - start
+        if self.reads is not None:
+            step.features = self.target.features
+            offsets = itertools.accumulate((r.feed + len(step.drafts[r.index])
+                                            for r in step.rows), initial=0)
+            step.feature_at = list(zip(offsets, positions))
         for r in step.rows:
             if not r.is_ready:  # a prefill chunk: its full blocks are final
                 self.target.blocks.seal(r.seq.seq_id, r.seq.token_ids, r.seq.target_len)
+                self._keep_features(step, r, r.feed)
         if step.background is None:
             return
         start, cpu_start = time.perf_counter(), time.thread_time()
@@ -382,6 +403,8 @@ class SpeculativeDecoder:
         result, processed = self._accept(step, ready)
         for r, k, tokens in zip(ready, result.num_accepted.tolist(), result.token_ids.tolist()):
             r.committed = self._commit_row(r, k, tokens)
+            if not r.seq.is_finished:  # the fed tokens' features and the accepted drafts'
+                self._keep_features(step, r, r.feed + min(k, r.gamma))
         self._note_logprobs(ready, processed)
         self._note_teacher(ready, step.logits)
         begun = time.perf_counter()
@@ -389,6 +412,14 @@ class SpeculativeDecoder:
             self._end_complete_grammar(r)
         if any(r.seq.params.structured_output for r in ready):
             step.mask_s += time.perf_counter() - begun
+
+    def _keep_features(self, step: Step, row: Row, num_committed: int) -> None:
+        """A head's features of the row's first `num_committed` positions this step,
+        which are now committed (the target computed them over the right context)."""
+        if step.features is not None:
+            offset, position = step.feature_at[row.index]
+            self.features.add(row.seq.seq_id, position,
+                              step.features[offset:offset + num_committed])
 
     # -- propose ---------------------------------------------------------------------------
     def _draft(self, seqs: list[Sequence], gammas: list[int]) -> Proposal:
@@ -404,8 +435,9 @@ class SpeculativeDecoder:
                 retry.teacher = items[i].teacher
             out = out.with_rows(missed, self.drafter.draft(retries, self.target.device))
         for s, g in zip(seqs, out.gammas):
-            if g:  # the draft now holds the context and its first γ-1 draft tokens
-                s.draft_len = len(s.token_ids) + g - 1
+            if g:  # the draft now holds the context and its first γ-1 draft tokens (a
+                s.draft_len = len(s.token_ids) + (g - 1 if self.reads is None else 0)
+                #        head's are re-made from the target's features once verified)
         return out
 
     def _draft_item(self, seq: Sequence, gamma: int, drafts: list[int] = ()) -> DraftItem:
@@ -414,7 +446,11 @@ class SpeculativeDecoder:
         num_committed = len(seq.token_ids)
         start = min(seq.draft_len, num_committed + len(drafts) - 1)
         new = seq.token_ids[start:] + list(drafts[max(0, start - num_committed):])
-        teacher, forced = [], []
+        teacher, forced, features = [], [], None
+        if gamma and self.reads is not None:
+            features = self.features.take(seq.seq_id, start, len(new))
+            if features is None:  # lost (a proposer that missed): no head drafts for it
+                gamma = 0
         if gamma:  # the target's top-k rows go with the sequence's next Propose
             teacher, seq.teacher = seq.teacher, []
             forced = self._forced(seq, gamma, drafts)
@@ -422,7 +458,7 @@ class SpeculativeDecoder:
                          traceparent=seq.traceparent if start == 0 else "",
                          prompt_len=seq.prompt_len, teacher=teacher,
                          proposer=seq.round_proposer or seq.proposer,
-                         forced=forced)
+                         forced=forced, features=features)
 
     def _forced(self, seq: Sequence, gamma: int, drafts: list[int]) -> list[int]:
         """What a constrained sequence's grammar forces after its tokens + `drafts`: free
@@ -463,12 +499,13 @@ class SpeculativeDecoder:
         if sum(r.gamma > 0 and not r.is_first for r in rows) > self.overlap_max_seqs:
             for r in rows:
                 r.ahead_gamma = 0
-        if not any(r.ahead_gamma or r.warms_draft for r in rows):
+        warms = [r.warms_draft and self.reads is None for r in rows]
+        if not any(r.ahead_gamma or w for r, w in zip(rows, warms)):
             return
-        items = [self._prefill_item(r.seq) if r.warms_draft else
+        items = [self._prefill_item(r.seq) if w else
                  self._draft_item(r.seq, r.ahead_gamma + 1 if r.ahead_gamma else 0,
                                   step.drafts[r.index] if r.ahead_gamma else [])
-                 for r in rows]
+                 for r, w in zip(rows, warms)]
         step.background = self.drafter.submit(items, self.target.device, beside_target=True)
 
     # -- verify ----------------------------------------------------------------------------

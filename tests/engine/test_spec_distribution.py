@@ -36,6 +36,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 from scipy.stats import chi2_contingency
 
 import outrider.engine.spec_decode as spec_decode_module
@@ -45,10 +46,11 @@ from outrider.core.stats import SpecStats
 from outrider.core.structured import StructuredOutput
 from outrider.core.tokenizer import Tokenizer
 from outrider.engine.drafter import Drafter
+from outrider.engine.heads import HeadRunner
 from outrider.engine.mix import ProposerMix
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
-from tests.checkpoints import perturbed_copy
+from tests.checkpoints import perturbed_copy, save_random_head
 from tests.toolchain import needs_compiler
 
 NUM_SAMPLES = 2000  # per run; all of a run's requests are one generate() batch
@@ -81,6 +83,7 @@ NUM_COMPARISONS = MAX_TOKENS + (MAX_TOKENS - 1) + 1
 THRESHOLD = FAMILY_ALPHA / NUM_COMPARISONS  # 5e-5
 
 ALL = 1 << 30  # draft ahead however big the batch
+HEAD_GAMMA = 3
 PAIR_CLASSES = 16  # the pair tests tell apart each position's 16 likeliest tokens
 
 Sample = list[tuple[int, ...]]  # one tuple of MAX_TOKENS output ids per request
@@ -372,3 +375,48 @@ def test_detects_a_target_that_forgets_the_rounds_drafts(samples, monkeypatch):
                      **CONFIGS[config])
     assert rows_with_drafts > NUM_SAMPLES  # the patch reached the verification rows
     assert failures(comparisons(buggy, samples.target_only(config)))
+
+
+# -- draft heads (outrider/engine/heads.py) --------------------------------------------------
+
+@pytest.mark.slow
+def test_head_speculative_sampling_matches_target_distribution(samples, llama_dir, tmp_path):
+    """An EAGLE-3 head over a draft vocabulary of half the target's (q is 0 off it, d2t),
+    drafting from the target's hidden states and then its own: exact in distribution.
+    Its weights are the target's where a head has them (lm_head rows, the final norm),
+    so that it proposes tokens the target often keeps."""
+    config = "full-vocab-penalties"
+    target = samples.decoders["far", False].target
+    head_dir = target_like_head(save_random_head(tmp_path / "head", llama_dir,
+                                                 draft_vocab=160, aux_layers=(2,), scale=0.02),
+                                llama_dir)
+    decoder = SpeculativeDecoder(target, Drafter(HeadRunner(
+        RunnerConfig(str(head_dir), kv_cache_mb=64), target)))
+    params = [SamplingParams(max_tokens=MAX_TOKENS, seed=seed_base("head", config) + i,
+                             ignore_eos=True, **CONFIGS[config]) for i in range(NUM_SAMPLES)]
+    seqs = decoder.generate([PROMPT] * NUM_SAMPLES, params, gamma=HEAD_GAMMA)
+    assert target.blocks.num_used_blocks == 0 == decoder.drafter.runner.blocks.num_used_blocks
+    stats = SpecStats()
+    for s in seqs:
+        stats.merge(s.stats)
+    # the head drafted every round, and verification kept some of it at every depth
+    assert stats.drafted_per_position[HEAD_GAMMA - 1] >= NUM_SAMPLES
+    assert min(stats.accepted_per_position[:HEAD_GAMMA]) >= NUM_SAMPLES // 100, stats
+    pvalues = comparisons([tuple(s.output_ids) for s in seqs], samples.target_only(config))
+    assert not failures(pvalues), failures(pvalues)
+
+
+def target_like_head(head_dir, llama_dir):
+    """The head with fc = identity over the target's last hidden state (layer id L), and
+    the target's final norm and lm_head rows: its first draft is a sample of the target's
+    distribution one position back, which the target often keeps."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(head_dir / "model.safetensors"))
+    target = load_file(str(next(llama_dir.glob("*.safetensors"))))
+    ids = torch.arange(len(tensors["d2t"])) + tensors["d2t"]
+    tensors["fc.weight"] = torch.eye(tensors["fc.weight"].shape[0])
+    tensors["norm.weight"] = target["model.norm.weight"].clone()
+    tensors["lm_head.weight"] = target["lm_head.weight"][ids].clone()
+    save_file(tensors, str(head_dir / "model.safetensors"))
+    return head_dir

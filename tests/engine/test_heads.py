@@ -1,0 +1,186 @@
+"""Draft heads that read the target's hidden states (outrider/engine/heads.py): the
+layouts load and compute what vLLM's EAGLE-3 and EAGLE-1 layers compute (checked against
+a dense reference written here from the papers' equations, with the target's hidden
+states from `transformers`), and speculating with any of them changes nothing but the
+speed: greedy output is the target's alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from outrider.core.hf_config import ModelConfigError
+from outrider.core.sampling import SamplingParams
+from outrider.core.sequence import ProposerKind
+from outrider.engine.drafter import Drafter
+from outrider.engine.heads import HeadRunner
+from outrider.engine.mix import ProposerMix
+from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
+from outrider.engine.spec_decode import SpeculativeDecoder
+from tests.checkpoints import save_random_head
+
+AUX = (0, 1, 2)  # the session's 2-layer target: embeddings, layer 1's input, the output
+LAYOUTS = {
+    "eagle3-draft-vocab": dict(kind="eagle3", draft_vocab=160, aux_layers=AUX),
+    "eagle3-own-embedding": dict(kind="eagle3", own_embedding=True, aux_layers=AUX),
+    "eagle1": dict(kind="eagle1"),
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def head_dir(request, tmp_path_factory, llama_dir):
+    return save_random_head(tmp_path_factory.mktemp(request.param), llama_dir,
+                            **LAYOUTS[request.param])
+
+
+@pytest.fixture(scope="module")
+def target(llama_dir):
+    return ModelRunner(RunnerConfig(str(llama_dir), dtype="float32", kv_cache_mb=32))
+
+
+# -- a dense reference of the layers --------------------------------------------------------
+
+def rms(x, w, eps):
+    return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rotate(x, theta):  # x: [T, heads, d] at positions 0..T-1, rotate-half RoPE
+    d = x.shape[-1]
+    angles = torch.arange(x.shape[0])[:, None] * theta ** (-torch.arange(0, d, 2) / d)
+    cos, sin = angles.cos().repeat(1, 2)[:, None], angles.sin().repeat(1, 2)[:, None]
+    return x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
+
+
+def reference_logits(head_dir, llama_dir, ids: torch.Tensor) -> torch.Tensor:
+    """The head's logits over the target's vocabulary for each pair (feature at p, token
+    at p + 1) of `ids` [T], p = 0 .. T-2: [T - 1, vocab]."""
+    from transformers import LlamaForCausalLM
+
+    cfg = json.loads((head_dir / "config.json").read_text())
+    w = {k.removeprefix("midlayer.").removeprefix("layers.0."): v.float()
+         for k, v in load_file(str(head_dir / "model.safetensors")).items()}
+    target = LlamaForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    prenorm = []  # transformers' last hidden state is normed; layer id L is the input of
+    #               the final norm (vLLM's)
+    hook = target.model.norm.register_forward_hook(lambda m, i, o: prenorm.append(i[0][0]))
+    with torch.no_grad():
+        out = target(input_ids=ids[None], output_hidden_states=True)
+        last = target.model(input_ids=ids[None]).last_hidden_state[0]  # normed
+    hook.remove()
+    states = [h[0] for h in out.hidden_states[:-1]] + prenorm[:1]  # entering layer i
+    embed = w.get("embed_tokens.weight", target.model.embed_tokens.weight)
+    emb = embed[ids[1:]]
+    eps, heads, kv, d = (cfg["rms_norm_eps"], cfg["num_attention_heads"],
+                         cfg["num_key_value_heads"], cfg["head_dim"])
+    if cfg["architectures"] == ["LlamaForCausalLMEagle3"]:
+        taps = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        feature = torch.cat([states[i][:-1] for i in taps], -1) @ w["fc.weight"].T
+        x = torch.cat([rms(emb, w["input_layernorm.weight"], eps),
+                       rms(feature, w["hidden_norm.weight"], eps)], -1)
+        residual = feature
+    else:
+        x = torch.cat([emb, last[:-1]], -1) @ w["fc.weight"].T + w["fc.bias"]
+        residual = x
+    T = len(emb)
+    q = rotate((x @ w["self_attn.q_proj.weight"].T).view(T, heads, d), cfg["rope_theta"])
+    k = rotate((x @ w["self_attn.k_proj.weight"].T).view(T, kv, d), cfg["rope_theta"])
+    v = (x @ w["self_attn.v_proj.weight"].T).view(T, kv, d)
+    k, v = (t.repeat_interleave(heads // kv, 1).transpose(0, 1) for t in (k, v))
+    attn = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True)
+    residual = residual + attn.transpose(0, 1).reshape(T, -1) @ w["self_attn.o_proj.weight"].T
+    h = rms(residual, w["post_attention_layernorm.weight"], eps)
+    out_h = residual + (F.silu(h @ w["mlp.gate_proj.weight"].T) * (h @ w["mlp.up_proj.weight"].T)
+                        ) @ w["mlp.down_proj.weight"].T
+    if "norm.weight" not in w:  # EAGLE-1: the target's lm_head on the output as it is
+        return out_h @ target.lm_head.weight.T
+    logits = rms(out_h, w["norm.weight"], eps) @ w["lm_head.weight"].T
+    full = torch.full((T, target.config.vocab_size), float("-inf"))
+    d2t = w.get("d2t", torch.zeros(len(logits[0]))).long()
+    full[:, torch.arange(len(d2t)) + d2t] = logits
+    return full
+
+
+def test_a_head_computes_what_its_layout_means(head_dir, llama_dir, target):
+    """The target keeps the hidden states the head reads as it verifies, and the head's
+    forward over pairs (prompt-like: many at once, then one more as in a chain) gives the
+    reference's logits."""
+    head = HeadRunner(RunnerConfig(str(head_dir), dtype="float32", kv_cache_mb=8), target)
+    target.keep_features(head.reads)
+    ids = torch.tensor([5, 17, 99, 3, 250, 41, 7, 12, 88, 160, 2, 31])
+    try:
+        target.blocks.append("t", len(ids))
+        target.forward([ForwardRequest(ids.tolist(), 0, target.blocks.block_table("t"), 1)])
+        features = target.features  # [T, width]: feature of every position
+    finally:
+        target.blocks.free("t")
+        target.keep_features(None)
+    expected = reference_logits(head_dir, llama_dir, ids)  # [T - 1, vocab]
+    n = len(ids) - 1  # all but the last token go in at once, then the last one alone
+    head.blocks.append("h", len(ids))
+    rows = torch.cat([features.new_zeros(1, features.shape[1]), features[:-1]])
+    first = head.forward([ForwardRequest(ids[:n].tolist(), 0, head.blocks.block_table("h"),
+                                         n - 1, rows[:n])])
+    last = head.forward([ForwardRequest(ids[n:].tolist(), n, head.blocks.block_table("h"), 1,
+                                        rows[n:])])
+    got = torch.cat([first, last])
+    finite = expected.isfinite()
+    assert torch.equal(got.isfinite(), finite)
+    torch.testing.assert_close(got[finite], expected[finite], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("proposer", ["model", "auto"])
+def test_greedy_speculation_with_a_head_is_the_target_alone(head_dir, llama_dir, proposer):
+    """A batch of prompts of several lengths, γ 3: the head (alone, or beside the lookups)
+    drafts every round it is asked and output is the target's greedy output."""
+    prompts = [[5, 17, 99, 3, 250, 41, 7], [12, 88], [160, 2, 31, 5, 17, 99, 3, 250, 41, 7,
+                                                      12, 88, 99, 3]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    target = ModelRunner(RunnerConfig(str(llama_dir), dtype="float32", kv_cache_mb=32))
+    alone = SpeculativeDecoder(target).generate(prompts, params, gamma=0)
+    head = Drafter(HeadRunner(RunnerConfig(str(head_dir), dtype="float32", kv_cache_mb=8),
+                              target))
+    mix = ProposerMix(head, target.vocab_size, ProposerKind(proposer))
+    decoder = SpeculativeDecoder(target, mix, overlap_max_seqs=8)
+    for _ in range(2):  # the second time the target's cache holds every prompt
+        out = decoder.generate(prompts, params, gamma=3)
+        assert [s.token_ids for s in out] == [s.token_ids for s in alone]
+        # most rounds of each sequence speculated: with the head alone (model), or with
+        # the head or the lookups (auto: the second time the suffix lookup finds the
+        # first time's outputs, and leads alone)
+        for s in out:  # (its first token comes from the prefill, its last round has
+            #             room for no draft)
+            assert s.stats.drafted_per_position[0] >= s.stats.num_rounds - 2, s.stats
+        by_head = sum(s.stats.by_proposer.get("draft_model", [0])[0] for s in out)
+        assert by_head == sum(s.stats.num_draft_tokens for s in out) or proposer == "auto"
+    # every sequence's KV went back, the target's and the head's, and no feature is kept
+    assert target.blocks.num_used_blocks == 0 == head.runner.blocks.num_used_blocks
+    assert not decoder.features._logs and not mix._held
+
+
+def test_bad_heads_are_refused_naming_the_problem(tmp_path, llama_dir, target):
+    good = save_random_head(tmp_path / "good", llama_dir, aux_layers=AUX)
+    config = json.loads((good / "config.json").read_text())
+
+    def refused(name: str, change: dict) -> str:
+        bad = save_random_head(tmp_path / name, llama_dir, aux_layers=AUX)
+        (bad / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ModelConfigError) as err:
+            HeadRunner(RunnerConfig(str(bad), kv_cache_mb=8), target)
+        return str(err.value)
+
+    assert "not layers of a 2-layer target" in refused(
+        "layers", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 5, 9]}})
+    assert "target_hidden_size 48 differs" in refused("width", {"target_hidden_size": 48})
+    assert "norm_before_fc" in refused("norm", {"norm_before_fc": True})
+    # a draft model's checkpoint under a head's config.json
+    model_as_head = tmp_path / "model_as_head"
+    model_as_head.mkdir()
+    for f in llama_dir.iterdir():
+        (model_as_head / f.name).write_bytes(f.read_bytes())
+    (model_as_head / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelConfigError, match="lacks fc.weight"):
+        HeadRunner(RunnerConfig(str(model_as_head), kv_cache_mb=8), target)
