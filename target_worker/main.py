@@ -88,9 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-address", action="append", default=[],
                    help="host:port of a draft replica (repeat for several)")
     p.add_argument("--draft-head",
-                   help="a draft head's checkpoint dir (EAGLE-3 or EAGLE-1, the layout vLLM "
-                        "and SGLang load): it drafts in this process, on the target's device, "
-                        "from the target's hidden states")
+                   help="a draft head's checkpoint dir (EAGLE-3, EAGLE-1 or Medusa, the "
+                        "layouts vLLM and SGLang load): it drafts in this process, on the "
+                        "target's device, from the target's hidden states")
     p.add_argument("--draft-dist-address",
                    help="host:port to host a dense q channel (torch.distributed) with "
                         "the first draft replica, when it runs on this machine")
@@ -171,14 +171,13 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
                              seq_prefix=f"{uuid.uuid4().hex[:8]}:", dense_channel=channel)
                if cfg.draft_addresses else None)
     if cfg.draft_head:
-        from outrider.engine.drafter import Drafter
-        from outrider.engine.heads import HeadRunner
+        from outrider.engine.heads import head_proposer
 
         # a head's one layer holds as many positions as the target's cache in a share of it
         share = 2 / group.runner.model_config.num_layers
-        drafter = Drafter(HeadRunner(replace(cfg.runner, model_dir=cfg.draft_head,
-                                             kv_cache_mb=cfg.runner.kv_cache_mb * share,
-                                             prepared_rows=0), group.runner))
+        drafter = head_proposer(replace(cfg.runner, model_dir=cfg.draft_head,
+                                        kv_cache_mb=cfg.runner.kv_cache_mb * share,
+                                        prepared_rows=0), group.runner)
     proposer = ProposerMix(drafter, group.runner.vocab_size, cfg.proposer)
     decoder = SpeculativeDecoder(group.runner, proposer, overlap_max_seqs=cfg.overlap_max_seqs)
     cost = measure_cost_model(group.runner, drafter, cfg.sched.max_batch_tokens)

@@ -116,3 +116,33 @@ def save_random_head(path: Path, target_dir: Path, kind: str = "eagle3", seed: i
     if own_embedding:
         t["embed_tokens.weight"] = rand(vocab, hidden)
     return save_head(path, config, t)
+
+
+def save_random_medusa(path: Path, target_dir: Path, num_heads: int = 3, num_layers: int = 1,
+                       authors_names: bool = False, seed: int = 0) -> Path:
+    """Medusa heads with random weights for the target in `target_dir`: vLLM's layout
+    (MedusaModel, blocks.{k}.layers.{l}, lm_heads.{k}, no bias) or, `authors_names`, the
+    Medusa authors' ({k}.{l}.linear with a bias, {k}.{num_layers} the lm_head)."""
+    import json
+
+    from outrider.engine.heads import save_head
+
+    target = json.loads((target_dir / "config.json").read_text())
+    hidden, vocab = target["hidden_size"], target["vocab_size"]
+    g = torch.Generator().manual_seed(seed)
+    t = {}
+    for k in range(num_heads):
+        for layer in range(num_layers):
+            weight = torch.randn(hidden, hidden, generator=g) / hidden ** 0.5
+            if authors_names:
+                t[f"{k}.{layer}.linear.weight"] = weight
+                t[f"{k}.{layer}.linear.bias"] = torch.randn(hidden, generator=g) * 0.1
+            else:
+                t[f"blocks.{k}.layers.{layer}.weight"] = weight
+        lm_head = torch.randn(vocab, hidden, generator=g) / hidden ** 0.5 * 4
+        t[f"{k}.{num_layers}.weight" if authors_names else f"lm_heads.{k}.weight"] = lm_head
+    config = ({"medusa_num_heads": num_heads, "medusa_num_layers": num_layers}
+              if authors_names else
+              {"architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": num_heads,
+               "num_hidden_layers": num_layers, "hidden_size": hidden, "vocab_size": vocab})
+    return save_head(path, config, t)

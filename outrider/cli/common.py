@@ -89,8 +89,9 @@ def model_dirs(args) -> tuple[Path, str | None]:
 
 
 SPECULATIVE_METHODS = {"draft_model": "model", "ngram": "ngram", "suffix": "suffix",
-                       "eagle3": "model", "eagle": "model"}
-HEAD_METHODS = {"eagle3": "eagle3", "eagle": "eagle1"}  # method -> the head kind it names
+                       "eagle3": "model", "eagle": "model", "medusa": "model"}
+# method -> the head kind it names
+HEAD_METHODS = {"eagle3": "eagle3", "eagle": "eagle1", "medusa": "medusa"}
 
 
 def speculative_config(text: str) -> dict:
@@ -109,8 +110,7 @@ def speculative_config(text: str) -> dict:
     method = config.get("method", "draft_model")
     if method not in SPECULATIVE_METHODS:
         raise argparse.ArgumentTypeError(
-            f"method {method!r}: choose from {', '.join(SPECULATIVE_METHODS)} (Medusa "
-            "heads are not served yet)")
+            f"method {method!r}: choose from {', '.join(SPECULATIVE_METHODS)}")
     if method in HEAD_METHODS and not config.get("model"):
         raise argparse.ArgumentTypeError(f"method {method!r} needs a model: the head's "
                                          f"checkpoint dir")

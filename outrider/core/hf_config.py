@@ -28,20 +28,26 @@ def read_config(model_dir: str | Path, name: str = "config.json",
 
 
 # a draft head's config.json architectures -> its kind (the names vLLM's registry takes
-# for Llama-family targets; Qwen2 and Mistral targets use the same layouts)
+# for Llama-family targets; Qwen2 and Mistral targets use the same layouts; the Medusa
+# authors' configs name none, and medusa_num_heads tells them)
 HEAD_KINDS = {
     "LlamaForCausalLMEagle3": "eagle3",
     "Eagle3LlamaForCausalLM": "eagle3",
     "EagleLlamaForCausalLM": "eagle1",
+    "MedusaModel": "medusa",
 }
 
 
 def head_kind(model_dir: str | Path) -> str | None:
-    """'eagle3' or 'eagle1' when `model_dir` holds a draft head that reads the target's
-    hidden states, else None (a draft model, or no config.json)."""
+    """'eagle3', 'eagle1' or 'medusa' when `model_dir` holds a draft head that reads the
+    target's hidden states, else None (a draft model, or no config.json)."""
     raw = read_config(model_dir, required=False) or {}
     architectures = raw.get("architectures") or [None]
-    return HEAD_KINDS.get(architectures[0]) if isinstance(architectures, list) else None
+    if not isinstance(architectures, list):
+        return None
+    if "medusa_num_heads" in raw:  # the Medusa authors' config names no architecture
+        return "medusa"
+    return HEAD_KINDS.get(architectures[0])
 
 
 def context_length(raw: dict) -> int:

@@ -1,7 +1,8 @@
 """Draft heads that read the target's hidden states: EAGLE-3 and EAGLE-1, loaded from the
-checkpoint layouts vLLM, SGLang and SpecForge share (docs/DESIGN.md §8.8).
+checkpoint layouts vLLM, SGLang and SpecForge share (docs/DESIGN.md §8.8); Medusa's heads
+are in medusa.py, and `head_proposer` gives the proposer of any of them.
 
-A head is a one-layer model the draft Drafter runs like a draft model (`HeadRunner` is
+A head is a one-layer model the Drafter runs like a draft model (`HeadRunner` is
 its ModelRunner), so a head is one more proposer behind the same contract: its inputs
 are the tokens and, with each, the feature of the position before it (features.py) —
 the target's for committed tokens, the head's own output for the ones it drafted.
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from outrider.core.hf_config import HEAD_KINDS, ModelConfigError, read_config
+from outrider.core.hf_config import HEAD_KINDS, ModelConfigError, head_kind, read_config
 from outrider.engine.attention import AttentionMetadata
 from outrider.engine.checkpoint import tensor_names
 from outrider.engine.features import FeatureTap
@@ -54,8 +55,8 @@ class HeadConfig:
     def from_dir(cls, model_dir: str | Path, target: ModelConfig) -> HeadConfig:
         raw = read_config(model_dir)
         kind = HEAD_KINDS.get((raw.get("architectures") or [None])[0])
-        if kind is None:
-            raise ModelConfigError(f"{model_dir}: not a draft head ({', '.join(HEAD_KINDS)})")
+        if kind not in ("eagle3", "eagle1"):
+            raise ModelConfigError(f"{model_dir}: not an EAGLE head ({', '.join(HEAD_KINDS)})")
         source = str(Path(model_dir) / "config.json")
         layer = ModelConfig.from_hf_dict(
             {**raw, "architectures": ["LlamaForCausalLM"], "vocab_size": target.vocab_size,
@@ -320,3 +321,14 @@ def save_head(path: str | Path, config: dict, tensors: dict[str, torch.Tensor]) 
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
     return path
+
+
+def head_proposer(cfg: RunnerConfig, target: ModelRunner):
+    """The proposer of the head in cfg.model_dir, drafting beside `target` in its process:
+    the Drafter over a HeadRunner (EAGLE-3, EAGLE-1), or Medusa's heads."""
+    from outrider.engine.drafter import Drafter
+    from outrider.engine.medusa import MedusaProposer
+
+    if head_kind(cfg.model_dir) == "medusa":
+        return MedusaProposer(cfg.model_dir, target)
+    return Drafter(HeadRunner(cfg, target))

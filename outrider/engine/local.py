@@ -11,7 +11,7 @@ from outrider.core.sequence import ProposerKind
 from outrider.core.tokenizer import Tokenizer, TokenizerError
 from outrider.engine.distributed import TPRunnerGroup
 from outrider.engine.drafter import Drafter
-from outrider.engine.heads import HeadRunner
+from outrider.engine.heads import head_proposer
 from outrider.engine.mix import ProposerMix
 from outrider.engine.model_config import ModelConfig
 from outrider.engine.runner import ModelRunner, RunnerConfig
@@ -38,8 +38,8 @@ class LocalEngine:
         if cfg.draft_dir is not None:
             draft_cfg = replace(cfg.target, model_dir=cfg.draft_dir, tp=1,
                                 kv_cache_mb=cfg.draft_kv_cache_mb)
-            draft = Drafter(HeadRunner(draft_cfg, target) if is_head
-                            else ModelRunner(draft_cfg))
+            draft = (head_proposer(draft_cfg, target) if is_head
+                     else Drafter(ModelRunner(draft_cfg)))
         self.decoder = SpeculativeDecoder(target, ProposerMix(
             draft, target.vocab_size, ProposerKind.parse(cfg.proposer, "proposer")))
 

@@ -86,7 +86,7 @@ class ModelRunner:
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.dtype = _resolve_dtype(cfg, self.model_config)
         self.max_model_len = _context_limit(cfg, self.model_config)
-        self.model = self._served(self.build_model())
+        self.model = self.served(self.build_model())
         if self.device.type == "cpu" and cfg.prepared_rows:
             prepare_cpu_linears(self.model, cfg.prepared_rows)
         self.kv_caches, num_blocks = self._allocate_kv()
@@ -134,7 +134,8 @@ class ModelRunner:
             model.load_state_dict(state)
         return model
 
-    def _served(self, model: CausalLM) -> CausalLM:
+    def served(self, model: torch.nn.Module) -> torch.nn.Module:
+        """`model` as this runner serves it: eval mode, CPU linears prepacked."""
         if self.device.type == "cpu":
             for module in model.modules():
                 if isinstance(module, PackedForCPU):
@@ -145,7 +146,7 @@ class ModelRunner:
         """Serve new weights for the same model (an adopted draft version). The caller
         makes sure no forward runs meanwhile and drops KV computed with the old ones."""
         with torch.no_grad():
-            self.model = self._served(self.build_model(state))
+            self.model = self.served(self.build_model(state))
             self._set_step()
 
     def _set_step(self) -> None:

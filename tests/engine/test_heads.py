@@ -1,8 +1,8 @@
-"""Draft heads that read the target's hidden states (outrider/engine/heads.py): the
-layouts load and compute what vLLM's EAGLE-3 and EAGLE-1 layers compute (checked against
-a dense reference written here from the papers' equations, with the target's hidden
-states from `transformers`), and speculating with any of them changes nothing but the
-speed: greedy output is the target's alone."""
+"""Draft heads that read the target's hidden states (outrider/engine/heads.py,
+medusa.py): the layouts load and compute what vLLM's EAGLE-3, EAGLE-1 and Medusa layers
+compute (checked against a dense reference written here from the papers' equations, with
+the target's hidden states from `transformers`), and speculating with any of them changes
+nothing but the speed: greedy output is the target's alone."""
 
 from __future__ import annotations
 
@@ -13,28 +13,34 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from outrider.core.hf_config import ModelConfigError
+from outrider.core.hf_config import ModelConfigError, head_kind
 from outrider.core.sampling import SamplingParams
 from outrider.core.sequence import ProposerKind
 from outrider.engine.drafter import Drafter
-from outrider.engine.heads import HeadRunner
+from outrider.engine.heads import HeadRunner, head_proposer
+from outrider.engine.medusa import MedusaProposer
 from outrider.engine.mix import ProposerMix
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
-from tests.checkpoints import save_random_head
+from tests.checkpoints import save_random_head, save_random_medusa
 
 AUX = (0, 1, 2)  # the session's 2-layer target: embeddings, layer 1's input, the output
 LAYOUTS = {
     "eagle3-draft-vocab": dict(kind="eagle3", draft_vocab=160, aux_layers=AUX),
     "eagle3-own-embedding": dict(kind="eagle3", own_embedding=True, aux_layers=AUX),
     "eagle1": dict(kind="eagle1"),
+    "medusa-vllm-names": dict(kind="medusa"),
+    "medusa-authors-names": dict(kind="medusa", authors_names=True, num_layers=2),
 }
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def head_dir(request, tmp_path_factory, llama_dir):
-    return save_random_head(tmp_path_factory.mktemp(request.param), llama_dir,
-                            **LAYOUTS[request.param])
+    layout = dict(LAYOUTS[request.param])
+    path = tmp_path_factory.mktemp(request.param)
+    if layout.pop("kind") == "medusa":
+        return save_random_medusa(path, llama_dir, **layout)
+    return save_random_head(path, llama_dir, kind=request.param[:6], **layout)
 
 
 @pytest.fixture(scope="module")
@@ -104,10 +110,36 @@ def reference_logits(head_dir, llama_dir, ids: torch.Tensor) -> torch.Tensor:
     return full
 
 
+def medusa_reference(head_dir, llama_dir, ids: torch.Tensor) -> torch.Tensor:
+    """Medusa head k's logits at the last position of `ids`: [num_heads, vocab]."""
+    from transformers import LlamaForCausalLM
+
+    cfg = json.loads((head_dir / "config.json").read_text())
+    w = {k: v.float() for k, v in load_file(str(head_dir / "model.safetensors")).items()}
+    target = LlamaForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        last = target.model(input_ids=ids[None]).last_hidden_state[0, -1]  # normed
+    num_layers = cfg.get("medusa_num_layers", cfg.get("num_hidden_layers"))
+    out = []
+    for k in range(cfg.get("medusa_num_heads", cfg.get("num_heads"))):
+        x = last
+        for layer in range(num_layers):
+            if f"{k}.{layer}.linear.weight" in w:
+                x = x + F.silu(x @ w[f"{k}.{layer}.linear.weight"].T
+                               + w[f"{k}.{layer}.linear.bias"])
+            else:
+                x = x + F.silu(x @ w[f"blocks.{k}.layers.{layer}.weight"].T)
+        out.append(x @ w.get(f"lm_heads.{k}.weight", w.get(f"{k}.{num_layers}.weight")).T)
+    return torch.stack(out)
+
+
 def test_a_head_computes_what_its_layout_means(head_dir, llama_dir, target):
     """The target keeps the hidden states the head reads as it verifies, and the head's
     forward over pairs (prompt-like: many at once, then one more as in a chain) gives the
-    reference's logits."""
+    reference's logits; Medusa's heads give theirs from the last position's state."""
+    if head_kind(head_dir) == "medusa":
+        check_medusa(head_dir, llama_dir, target)
+        return
     head = HeadRunner(RunnerConfig(str(head_dir), dtype="float32", kv_cache_mb=8), target)
     target.keep_features(head.reads)
     ids = torch.tensor([5, 17, 99, 3, 250, 41, 7, 12, 88, 160, 2, 31])
@@ -132,6 +164,22 @@ def test_a_head_computes_what_its_layout_means(head_dir, llama_dir, target):
     torch.testing.assert_close(got[finite], expected[finite], rtol=1e-4, atol=1e-4)
 
 
+def check_medusa(head_dir, llama_dir, target):
+    ids = torch.tensor([5, 17, 99, 3, 250, 41, 7, 12, 88, 160, 2, 31])
+    medusa = MedusaProposer(str(head_dir), target)
+    target.keep_features(medusa.reads_target)
+    try:
+        target.blocks.append("t", len(ids))
+        target.forward([ForwardRequest(ids.tolist(), 0, target.blocks.block_table("t"), 1)])
+        feature = target.features[-1:]  # [1, hidden]
+    finally:
+        target.blocks.free("t")
+        target.keep_features(None)
+    got = torch.cat([medusa.heads(k, feature) for k in range(medusa.num_heads)])
+    torch.testing.assert_close(got, medusa_reference(head_dir, llama_dir, ids),
+                               rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("proposer", ["model", "auto"])
 def test_greedy_speculation_with_a_head_is_the_target_alone(head_dir, llama_dir, proposer):
     """A batch of prompts of several lengths, γ 3: the head (alone, or beside the lookups)
@@ -141,8 +189,7 @@ def test_greedy_speculation_with_a_head_is_the_target_alone(head_dir, llama_dir,
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     target = ModelRunner(RunnerConfig(str(llama_dir), dtype="float32", kv_cache_mb=32))
     alone = SpeculativeDecoder(target).generate(prompts, params, gamma=0)
-    head = Drafter(HeadRunner(RunnerConfig(str(head_dir), dtype="float32", kv_cache_mb=8),
-                              target))
+    head = head_proposer(RunnerConfig(str(head_dir), dtype="float32", kv_cache_mb=8), target)
     mix = ProposerMix(head, target.vocab_size, ProposerKind(proposer))
     decoder = SpeculativeDecoder(target, mix, overlap_max_seqs=8)
     for _ in range(2):  # the second time the target's cache holds every prompt
@@ -157,8 +204,10 @@ def test_greedy_speculation_with_a_head_is_the_target_alone(head_dir, llama_dir,
         by_head = sum(s.stats.by_proposer.get("draft_model", [0])[0] for s in out)
         assert by_head == sum(s.stats.num_draft_tokens for s in out) or proposer == "auto"
     # every sequence's KV went back, the target's and the head's, and no feature is kept
-    assert target.blocks.num_used_blocks == 0 == head.runner.blocks.num_used_blocks
+    assert target.blocks.num_used_blocks == 0
     assert not decoder.features._logs and not mix._held
+    assert (head.runner.blocks.num_used_blocks == 0 if isinstance(head, Drafter)
+            else not head._tokens)
 
 
 def test_bad_heads_are_refused_naming_the_problem(tmp_path, llama_dir, target):
