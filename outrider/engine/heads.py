@@ -238,19 +238,9 @@ class HeadRunner(ModelRunner):
     def read_model_config(self) -> ModelConfig:
         return self.head.layer
 
-    def build_model(self, state: dict[str, torch.Tensor] | None = None) -> DraftHead:
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                model = DraftHead(self.head, self.target.model.embed_tokens,
-                                  self.target.model.lm_head, self.own, self.max_model_len)
-        finally:
-            torch.set_default_dtype(torch.float32)
-        if state is None:
-            model.load_weights(Path(self.cfg.model_dir))
-        else:
-            model.load_state_dict(state)
-        return model
+    def new_model(self) -> DraftHead:
+        return DraftHead(self.head, self.target.model.embed_tokens, self.target.model.lm_head,
+                         self.own, self.max_model_len)
 
     @property
     def reads(self) -> FeatureTap:

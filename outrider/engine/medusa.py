@@ -24,7 +24,7 @@ from outrider.engine.features import FeatureTap
 from outrider.engine.model import load_checkpoint
 from outrider.engine.parallel import ParallelLMHead, ReplicatedLinear, TPGroup
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal
-from outrider.engine.runner import ModelRunner
+from outrider.engine.runner import ModelRunner, built_as
 
 
 class MedusaHeads(nn.Module):
@@ -66,14 +66,9 @@ class MedusaProposer:
             raise ModelConfigError(f"{source}: a truncated vocabulary is not supported")
         names = {_our_name(n, num_layers) for n in tensor_names(Path(model_dir))}
         self.target, self.model_dir = target, model_dir
-        torch.set_default_dtype(target.dtype)
-        try:
-            with torch.device(target.device):
-                self.heads = MedusaHeads(self.num_heads, num_layers, hidden,
-                                         target.vocab_size,
-                                         any(n.endswith(".bias") for n in names))
-        finally:
-            torch.set_default_dtype(torch.float32)
+        bias = any(n.endswith(".bias") for n in names)
+        self.heads = built_as(target.dtype, target.device, lambda: MedusaHeads(
+            self.num_heads, num_layers, hidden, target.vocab_size, bias))
         load_checkpoint(self.heads, Path(model_dir),
                         lambda name: (_our_name(name, num_layers), None))
         self.heads = target.served(self.heads)

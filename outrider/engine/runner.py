@@ -122,17 +122,16 @@ class ModelRunner:
     def build_model(self, state: dict[str, torch.Tensor] | None = None) -> CausalLM:
         """This rank's model with the checkpoint's weights (or `state`'s), as plain
         modules: what serving prepacks, and what training trains."""
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                model = CausalLM(self.model_config, self.tp, self.max_model_len)
-        finally:
-            torch.set_default_dtype(torch.float32)
+        model = built_as(self.dtype, self.device, self.new_model)
         if state is None:
             model.load_weights(Path(self.cfg.model_dir))
         else:
             model.load_state_dict(state)
         return model
+
+    def new_model(self) -> torch.nn.Module:
+        """This rank's model, its weights not loaded yet."""
+        return CausalLM(self.model_config, self.tp, self.max_model_len)
 
     def served(self, model: torch.nn.Module) -> torch.nn.Module:
         """`model` as this runner serves it: eval mode, CPU linears prepacked."""
@@ -249,6 +248,16 @@ class ModelRunner:
     def stop_workers(self) -> None:
         if self.tp.size > 1 and self.tp.is_driver:
             broadcast_requests(self.tp, torch.tensor([-1], dtype=torch.long))
+
+
+def built_as(dtype: torch.dtype, device: torch.device, make) -> torch.nn.Module:
+    """`make()`'s module with its parameters created in `dtype` on `device`."""
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return make()
+    finally:
+        torch.set_default_dtype(torch.float32)
 
 
 DEFAULT_MAX_MODEL_LEN = 8192  # a model's context beyond this needs --max-model-len
