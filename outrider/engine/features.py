@@ -44,10 +44,10 @@ class FeatureLog:
             first, held = start, rows[:0]
         self._logs[seq_id] = (first, torch.cat([held[:start - first], rows]))
 
-    def take(self, seq_id, first_token: int, num_tokens: int) -> torch.Tensor | None:
+    def rows_for(self, seq_id, first_token: int, num_tokens: int) -> torch.Tensor | None:
         """The features that go with tokens first_token .. first_token + num_tokens - 1
-        ([num_tokens, width]; a zero row for token 0), then forgets them; None when the
-        log lacks some (the head cannot draft for this sequence now)."""
+        ([num_tokens, width]; a zero row for token 0); None when the log lacks some (the
+        head cannot draft for this sequence now)."""
         if seq_id not in self._logs:
             return None
         first, held = self._logs[seq_id]
@@ -58,8 +58,15 @@ class FeatureLog:
         rows = held[start + lead - first:end - first]
         if lead:
             rows = torch.cat([rows.new_zeros(lead, rows.shape[1]), rows])
-        self._logs[seq_id] = (end, held[end - first:])
         return rows
+
+    def taken(self, seq_id, num_tokens: int) -> None:
+        """The head holds the sequence's first `num_tokens` tokens: it will not need the
+        features of positions before num_tokens - 1 again."""
+        if seq_id in self._logs:
+            first, held = self._logs[seq_id]
+            cut = min(len(held), max(0, num_tokens - 1 - first))
+            self._logs[seq_id] = (first + cut, held[cut:])
 
     def drop(self, seq_id) -> None:
         self._logs.pop(seq_id, None)

@@ -438,6 +438,7 @@ class SpeculativeDecoder:
             if g:  # the draft now holds the context and its first γ-1 draft tokens (a
                 s.draft_len = len(s.token_ids) + (g - 1 if self.reads is None else 0)
                 #        head's are re-made from the target's features once verified)
+                self.features.taken(s.seq_id, len(s.token_ids))
         return out
 
     def _draft_item(self, seq: Sequence, gamma: int, drafts: list[int] = ()) -> DraftItem:
@@ -448,7 +449,7 @@ class SpeculativeDecoder:
         new = seq.token_ids[start:] + list(drafts[max(0, start - num_committed):])
         teacher, forced, features = [], [], None
         if gamma and self.reads is not None:
-            features = self.features.take(seq.seq_id, start, len(new))
+            features = self.features.rows_for(seq.seq_id, start, len(new))
             if features is None:  # lost (a proposer that missed): no head drafts for it
                 gamma = 0
         if gamma:  # the target's top-k rows go with the sequence's next Propose

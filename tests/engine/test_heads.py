@@ -17,6 +17,7 @@ from outrider.core.hf_config import ModelConfigError, head_kind
 from outrider.core.sampling import SamplingParams
 from outrider.core.sequence import ProposerKind
 from outrider.engine.drafter import Drafter
+from outrider.engine.features import FeatureLog
 from outrider.engine.heads import HeadRunner, head_proposer
 from outrider.engine.medusa import MedusaProposer
 from outrider.engine.mix import ProposerMix
@@ -233,3 +234,22 @@ def test_bad_heads_are_refused_naming_the_problem(tmp_path, llama_dir, target):
     (model_as_head / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelConfigError, match="lacks fc.weight"):
         HeadRunner(RunnerConfig(str(model_as_head), kv_cache_mb=8), target)
+
+
+def test_the_feature_log_keeps_rows_until_a_head_holds_them():
+    """Rows go with the tokens after them (token 0: a zero row); asking does not consume
+    them (a round the head could not draft for sends them again); once the head holds n
+    tokens only the feature of position n - 1 on is kept; a recomputed prefix (a
+    preempted sequence) replaces what the log held."""
+    log = FeatureLog()
+    log.add("s", 0, torch.arange(5.0)[:, None])  # positions 0-4
+    assert log.rows_for("s", 0, 3).flatten().tolist() == [0.0, 0.0, 1.0]
+    assert log.rows_for("s", 0, 3) is not None  # still there
+    log.taken("s", 4)
+    assert log.rows_for("s", 3, 1) is None  # position 2 is gone
+    assert log.rows_for("s", 4, 2).flatten().tolist() == [3.0, 4.0]
+    log.add("s", 5, torch.tensor([[5.0], [6.0]]))
+    assert log.rows_for("s", 4, 4).flatten().tolist() == [3.0, 4.0, 5.0, 6.0]
+    log.add("s", 0, torch.full((3, 1), 9.0))  # recomputed from the start
+    assert log.rows_for("s", 1, 3).flatten().tolist() == [9.0, 9.0, 9.0]
+    assert log.rows_for("s", 1, 4) is None
