@@ -99,7 +99,11 @@ def vllm_acceptance(args, prompts: list[list[int]]) -> dict:
     from its spec-decode counters."""
     from outrider.bench import versus
 
-    system = "vllm-eagle3" if head_kind(args.draft) else "vllm-draft"
+    kind = head_kind(args.draft)
+    if kind not in (None, "eagle3"):
+        raise SystemExit(f"--vllm compares draft models and EAGLE-3 heads; {args.draft} "
+                         f"is a {kind} head")
+    system = "vllm-eagle3" if kind else "vllm-draft"
     peer = argparse.Namespace(vllm=args.vllm, target=args.target, dtype="auto",
                               head=args.draft, draft=args.draft, gamma=args.gamma)
     with versus.vllm_server(peer, system) as (url, _):
@@ -152,6 +156,9 @@ def main() -> None:
                                        "(a vLLM venv, or the command that runs its CLI)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if head_kind(args.draft) == "medusa":
+        raise SystemExit(f"{args.draft}: Medusa heads are not measured here (EAGLE heads and "
+                         f"draft models are)")
     target = ModelRunner(RunnerConfig(args.target))
     draft = (HeadRunner(RunnerConfig(args.draft), target) if head_kind(args.draft)
              else ModelRunner(RunnerConfig(args.draft)))
