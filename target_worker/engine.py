@@ -155,7 +155,8 @@ class TargetEngine:
             handle = self._inbox.get_nowait()
             self._by_seq[handle.seq.seq_id] = handle
             blocks = self.decoder.target.blocks
-            self._cached_at_arrival[handle.seq.seq_id] = blocks.cached_len(handle.seq.token_ids)
+            self._cached_at_arrival[handle.seq.seq_id] = (  # none reused under a head
+                blocks.cached_len(handle.seq.token_ids) if self.decoder.reads is None else 0)
             if self.metrics:
                 self.metrics.prompt_tokens.inc(handle.seq.prompt_len)
             self.scheduler.add(handle.seq)
@@ -312,7 +313,9 @@ class TargetEngine:
             heat=self.heat, kv_used_blocks=blocks.num_used_blocks,
             kv_total_blocks=blocks.num_blocks, tokens_per_s=self.tokens_per_s,
             model_pair=self.model_pair, max_batch_tokens=self.scheduler.cfg.max_batch_tokens,
-            block_size=blocks.block_size, prefix_caching=blocks.prefix_caching,
+            block_size=blocks.block_size,
+            # a head turns prefix reuse off (docs/DESIGN.md §8.8)
+            prefix_caching=blocks.prefix_caching and self.decoder.reads is None,
             queued_tokens=self._queued_tokens())
 
 

@@ -30,19 +30,23 @@ class FeatureTap:
 
 
 class FeatureLog:
-    """Each sequence's features of committed positions its head has not taken yet."""
+    """Each sequence's features of committed positions its head does not hold yet, as
+    chunks (a step adds one; nothing is copied until a Propose asks)."""
 
     def __init__(self) -> None:
-        self._logs: dict[object, tuple[int, torch.Tensor]] = {}  # seq -> (first position,
-        #                                                         rows [n, width])
+        # seq -> (first position, chunks of rows [n_i, width], in order)
+        self._logs: dict[object, tuple[int, list[torch.Tensor]]] = {}
 
     def add(self, seq_id, start: int, rows: torch.Tensor) -> None:
-        """The features of positions start, start + 1, ... (recomputed ones replace what
-        the log held from `start` on)."""
-        first, held = self._logs.get(seq_id, (start, rows[:0]))
-        if not first <= start <= first + len(held):  # a gap: the older rows are no use
-            first, held = start, rows[:0]
-        self._logs[seq_id] = (first, torch.cat([held[:start - first], rows]))
+        """The features of positions start, start + 1, ...; recomputed ones (a preempted
+        sequence, maybe chunk by chunk) replace what the log held there."""
+        first, chunks = self._logs.get(seq_id, (start, []))
+        end = first + sum(len(c) for c in chunks)
+        if start > end or start + len(rows) < first:  # a gap: the older rows are no use
+            first, chunks = start, []
+        kept = _rows(chunks, first, first, start)  # before the new rows
+        after = _rows(chunks, first, start + len(rows), end)  # past them (a recompute)
+        self._logs[seq_id] = (min(first, start), [*kept, rows, *after])
 
     def rows_for(self, seq_id, first_token: int, num_tokens: int) -> torch.Tensor | None:
         """The features that go with tokens first_token .. first_token + num_tokens - 1
@@ -50,12 +54,12 @@ class FeatureLog:
         head cannot draft for this sequence now)."""
         if seq_id not in self._logs:
             return None
-        first, held = self._logs[seq_id]
+        first, chunks = self._logs[seq_id]
         start, end = first_token - 1, first_token - 1 + num_tokens  # positions
         lead = max(0, -start)  # token 0 has no position before it
-        if start + lead < first or end > first + len(held):
+        if start + lead < first or end > first + sum(len(c) for c in chunks):
             return None
-        rows = held[start + lead - first:end - first]
+        rows = torch.cat(_rows(chunks, first, start + lead, end))
         if lead:
             rows = torch.cat([rows.new_zeros(lead, rows.shape[1]), rows])
         return rows
@@ -64,9 +68,21 @@ class FeatureLog:
         """The head holds the sequence's first `num_tokens` tokens: it will not need the
         features of positions before num_tokens - 1 again."""
         if seq_id in self._logs:
-            first, held = self._logs[seq_id]
-            cut = min(len(held), max(0, num_tokens - 1 - first))
-            self._logs[seq_id] = (first + cut, held[cut:])
+            first, chunks = self._logs[seq_id]
+            cut = max(first, num_tokens - 1)
+            end = first + sum(len(c) for c in chunks)
+            self._logs[seq_id] = (min(cut, end), _rows(chunks, first, cut, end))
 
     def drop(self, seq_id) -> None:
         self._logs.pop(seq_id, None)
+
+
+def _rows(chunks: list[torch.Tensor], first: int, start: int, end: int) -> list[torch.Tensor]:
+    """The parts of `chunks` (positions from `first`) that hold positions [start, end)."""
+    out, position = [], first
+    for chunk in chunks:
+        lo, hi = max(start, position), min(end, position + len(chunk))
+        if lo < hi:
+            out.append(chunk[lo - position:hi - position])
+        position += len(chunk)
+    return out

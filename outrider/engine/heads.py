@@ -192,8 +192,8 @@ class DraftHead(nn.Module):
         load_checkpoint(self, model_dir, self._param_for)
 
     def _param_for(self, name: str) -> tuple[str, int | None] | None:
-        if name == "t2d" or "rotary_emb" in name:
-            return None
+        if name == "t2d" or "rotary_emb" in name or (name == "d2t" and not hasattr(self, "d2t")):
+            return None  # (a full vocabulary's d2t is the identity)
         name = name.removeprefix("model.")
         if self.kind == "eagle3":
             return fused_param(name)
@@ -232,11 +232,15 @@ class HeadRunner(ModelRunner):
             raise ModelConfigError(f"{cfg.model_dir}: a head that shares the target's "
                                    f"embedding or lm_head needs the target at tp=1")
         self.target = target
+        # the target's dtype (its embedding and features meet the head's weights) and
+        # context (a head's config may say less than the target serves)
         super().__init__(replace(cfg, prefix_caching=False, compile=False, tp=1,
-                                 device=target.cfg.device))
+                                 device=target.cfg.device, max_model_len=target.max_model_len,
+                                 dtype=str(target.dtype).removeprefix("torch.")))
 
     def read_model_config(self) -> ModelConfig:
-        return self.head.layer
+        return replace(self.head.layer, max_position_embeddings=max(
+            self.head.layer.max_position_embeddings, self.target.max_model_len))
 
     def new_model(self) -> DraftHead:
         return DraftHead(self.head, self.target.model.embed_tokens, self.target.model.lm_head,

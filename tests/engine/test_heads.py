@@ -240,7 +240,8 @@ def test_the_feature_log_keeps_rows_until_a_head_holds_them():
     """Rows go with the tokens after them (token 0: a zero row); asking does not consume
     them (a round the head could not draft for sends them again); once the head holds n
     tokens only the feature of position n - 1 on is kept; a recomputed prefix (a
-    preempted sequence) replaces what the log held."""
+    preempted sequence, chunk by chunk) replaces what the log held there and keeps the
+    rest."""
     log = FeatureLog()
     log.add("s", 0, torch.arange(5.0)[:, None])  # positions 0-4
     assert log.rows_for("s", 0, 3).flatten().tolist() == [0.0, 0.0, 1.0]
@@ -250,6 +251,31 @@ def test_the_feature_log_keeps_rows_until_a_head_holds_them():
     assert log.rows_for("s", 4, 2).flatten().tolist() == [3.0, 4.0]
     log.add("s", 5, torch.tensor([[5.0], [6.0]]))
     assert log.rows_for("s", 4, 4).flatten().tolist() == [3.0, 4.0, 5.0, 6.0]
-    log.add("s", 0, torch.full((3, 1), 9.0))  # recomputed from the start
-    assert log.rows_for("s", 1, 3).flatten().tolist() == [9.0, 9.0, 9.0]
-    assert log.rows_for("s", 1, 4) is None
+    log.add("s", 0, torch.full((3, 1), 9.0))  # recomputed from the start, a chunk
+    assert log.rows_for("s", 1, 7).flatten().tolist() == [9.0] * 3 + [3.0, 4.0, 5.0, 6.0]
+    log.add("s", 3, torch.full((2, 1), 8.0))  # its next chunk replaces what it recomputes
+    assert log.rows_for("s", 1, 7).flatten().tolist() == [9.0] * 3 + [8.0] * 2 + [5.0, 6.0]
+    log.add("s", 9, torch.zeros(1, 1))  # a gap: what came before is of no use
+    assert log.rows_for("s", 7, 1) is None and log.rows_for("s", 10, 1) is not None
+
+
+def test_a_head_takes_the_targets_dtype_and_context(tmp_path, llama_dir):
+    """A float32 head under a bfloat16 target (its embedding and features meet the head's
+    weights), a head config with a shorter context than the target serves, and an
+    identity d2t in a full-vocabulary checkpoint (SpecForge saves one) all serve."""
+    from safetensors.torch import load_file, save_file
+
+    head_dir = save_random_head(tmp_path / "head", llama_dir, aux_layers=AUX)
+    config = json.loads((head_dir / "config.json").read_text())
+    config |= {"torch_dtype": "float32", "max_position_embeddings": 64}
+    (head_dir / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(head_dir / "model.safetensors"))
+    tensors["d2t"] = torch.zeros(config["vocab_size"], dtype=torch.long)
+    save_file(tensors, str(head_dir / "model.safetensors"))
+    target = ModelRunner(RunnerConfig(str(llama_dir), dtype="bfloat16", kv_cache_mb=16,
+                                      max_model_len=256))
+    head = head_proposer(RunnerConfig(str(head_dir), kv_cache_mb=8), target)
+    assert head.runner.dtype == torch.bfloat16 and head.max_model_len == 256
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    out = SpeculativeDecoder(target, head).generate([[5, 17, 99, 3]], params, gamma=3)[0]
+    assert out.stats.drafted_per_position[0] >= out.stats.num_rounds - 2  # past 64 too
