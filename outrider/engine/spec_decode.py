@@ -371,7 +371,8 @@ class SpeculativeDecoder:
         """The target forward; then what the draft did meanwhile: prefills taken in, and
         bonus-position candidates added to the rows to verify (overlap)."""
         start = time.perf_counter()
-        positions = [r.seq.target_len for r in step.rows]
+        # where each row's fed tokens start, for a head's features (not known after)
+        positions = [r.seq.target_len for r in step.rows] if self.reads is not None else []
         step.logits = self._forward(step.rows, step.drafts)
         step.verify_s = time.perf_counter() - start
         if self.reads is not None:
@@ -403,7 +404,8 @@ class SpeculativeDecoder:
         result, processed = self._accept(step, ready)
         for r, k, tokens in zip(ready, result.num_accepted.tolist(), result.token_ids.tolist()):
             r.committed = self._commit_row(r, k, tokens)
-            if not r.seq.is_finished:  # the fed tokens' features and the accepted drafts'
+            if step.features is not None and not r.seq.is_finished:
+                # a head's: the fed tokens' features and the accepted drafts'
                 self._keep_features(step, r, r.feed + min(k, r.gamma))
         self._note_logprobs(ready, processed)
         self._note_teacher(ready, step.logits)
