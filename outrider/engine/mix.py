@@ -27,6 +27,7 @@ from outrider.core.grammar import Grammars
 from outrider.core.sampling import SamplingParams
 from outrider.core.sequence import ProposerKind, TeacherRow
 from outrider.core.stats import GRAMMAR_METHOD
+from outrider.engine.features import FeatureLog
 from outrider.engine.lookup import Lookup, SuffixCorpus, prompt_lookup, suffix_lookup
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal, Proposer, dense_q
 
@@ -84,9 +85,6 @@ class _Held:
     teacher: list[TeacherRow] = field(default_factory=list)  # for the model's next call
     acceptance: _Acceptance = field(default_factory=_Acceptance)
     num_weighed: int = 0   # AUTO rounds that had a lookup and the model to choose from
-    # a head's: the target's features of tokens[features_from:] (DraftItem.features)
-    features: torch.Tensor | None = None
-    features_from: int = 0
 
     def take(self, item: DraftItem, learn: bool, replica: _Acceptance | None) -> None:
         """The loop's view: tokens[:committed_len] + the item's new tokens; first learn
@@ -96,28 +94,11 @@ class _Held:
         drafts = self.tokens[self.num_context:]  # in place: no copy of the context a round
         del self.tokens[item.committed_len:]
         self.tokens.extend(item.new_token_ids)
-        if item.features is not None:
-            self._take_features(item)
         if learn:
             self._learn(drafts, self.tokens[self.num_context:], replica)
         self.num_context = len(self.tokens)
         self.model_len = min(self.model_len, item.committed_len, self.num_context - 1)
         self.traceparent = self.traceparent or item.traceparent
-
-    def _take_features(self, item: DraftItem) -> None:
-        kept = item.committed_len - self.features_from
-        if self.features is None or not 0 <= kept <= len(self.features):
-            self.features, self.features_from = item.features, item.committed_len
-        else:
-            self.features = torch.cat([self.features[:kept], item.features])
-
-    def features_after(self, start: int) -> torch.Tensor | None:
-        """The features of tokens[start:] (None: not all held), forgetting those before."""
-        if self.features is None or start < self.features_from:
-            return None
-        self.features = self.features[start - self.features_from:]
-        self.features_from = start
-        return self.features if len(self.features) == len(self.tokens) - start else None
 
     def propose(self, ids: list[int], num_free: int, free_match: int,
                 free_forced: bool) -> None:
@@ -177,6 +158,7 @@ class ProposerMix:
         # a head drafts only after tokens the target verified (it reads their features):
         # it cannot continue a lookup's or a grammar's tokens
         self.continues = model is None or model.reads_target is None
+        self.features = FeatureLog()  # a head's, of tokens it has not been sent
         self.grammars = grammars  # the target's: constrained requests' lookups keep to them
 
     # -- Proposer ----------------------------------------------------------------------------
@@ -220,6 +202,7 @@ class ProposerMix:
 
     def release(self, seq_id) -> bool:
         held = self._held.pop(seq_id, None)
+        self.features.drop(seq_id)
         if self.grammars is not None:
             self.grammars.release((LOOKUP_KEY, seq_id))
         if held is None:
@@ -273,6 +256,8 @@ class ProposerMix:
             # would teach other requests what only holds under it
             held.take(item, learn, None if item.params.structured_output is not None
                       else self.acceptance)
+            if item.features is not None:  # row i: the feature before new token i
+                self.features.add(item.seq_id, item.committed_len - 1, item.features)
             if self.model is not None and not plan.kind.is_model_free:
                 held.teacher += item.teacher
             if item.prefill_only:
@@ -344,7 +329,8 @@ class ProposerMix:
             if p.model_gamma:
                 held = p.held
                 new = held.tokens[held.model_len:] + p.free
-                features = None if self.continues else held.features_after(held.model_len)
+                features = None if self.continues else self.features.rows_for(
+                    p.item.seq_id, held.model_len, len(held.tokens) - held.model_len)
                 if features is None and not self.continues:
                     p.model_gamma = 0  # the head lost features it needs: no draft for it
                     continue
@@ -403,6 +389,7 @@ class ProposerMix:
         if not g:
             return [], None
         held.model_len = context_len + (g - 1 if self.continues else 0)
+        self.features.taken(p.item.seq_id, held.model_len)
         ids = drafted.token_ids[k, :g].tolist()
         q = None if drafted.probs is None else drafted.probs[k, :g]
         return ids, q
