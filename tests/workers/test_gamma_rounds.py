@@ -63,7 +63,9 @@ def test_the_probe_drafts_with_the_model_and_the_rounds_between_look_up(llama_di
     steps = []
     while not any(s.probed for s in steps) and len(steps) < 3 * PROBE_AFTER:
         asked.clear()
-        assert engine._timed_step()  # the step as the engine loop runs it
+        # the step untimed: on a loaded machine one stalled 9-token step fitted a verify
+        # slope that made γ 0 the better choice (the cost model's own tests cover that)
+        assert engine._step()
         steps.append(Step(engine.policy.probed == [0], engine.policy.looked_up == [0],
                           seq.last_round, list(asked)))
     probes = [s for s in steps if s.probed]
