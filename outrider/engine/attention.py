@@ -38,6 +38,9 @@ class SequenceSlice:
     cached_len: int          # positions already in the KV cache
     query_len: int           # new positions in this pass
     block_table: list[int]   # KV blocks holding positions [0, cached_len + query_len)
+    # a token tree's: per new position, the keys it sees among the 64 before it (bit d:
+    # d positions back; engine/tree.py); None: causal
+    tree_masks: list[int] | None = None
 
     @property
     def context_len(self) -> int:
@@ -57,6 +60,7 @@ class AttentionGroup:
     context_lens: torch.Tensor      # [batch]
     is_uniform_context: bool        # every sequence has max_context_len positions
     is_fresh_prefill: bool          # one sequence, nothing cached: its own keys are the context
+    tree_masks: torch.Tensor | None  # [batch, max_q] int64 (-1: causal), None: no trees
     masks: dict = field(default_factory=dict)  # (window, heads per KV head, dtype) -> mask
 
     @classmethod
@@ -68,7 +72,10 @@ class AttentionGroup:
         context_lens = [s.context_len for s in seqs]
         offsets = torch.arange(max_q, device=device)
         query_lens = as_long([s.query_len for s in seqs])  # [batch]
-        pad_index = None
+        pad_index, trees = None, None
+        if any(s.tree_masks for s in seqs):
+            trees = as_long([(s.tree_masks or [-1] * s.query_len) + [-1] * (max_q - s.query_len)
+                             for s in seqs])
         if any(s.query_len != max_q for s in seqs):
             is_real = offsets < query_lens[:, None]  # [batch, max_q]
             pad_index = torch.arange(len(seqs) * max_q, device=device).view(-1, max_q)[is_real]
@@ -79,7 +86,8 @@ class AttentionGroup:
                    query_positions=as_long([s.cached_len for s in seqs])[:, None] + offsets,
                    context_lens=as_long(context_lens),
                    is_uniform_context=min(context_lens) == max(context_lens),
-                   is_fresh_prefill=len(seqs) == 1 and seqs[0].cached_len == 0)
+                   is_fresh_prefill=len(seqs) == 1 and seqs[0].cached_len == 0,
+                   tree_masks=trees)
 
     @property
     def batch(self) -> int:
@@ -101,7 +109,7 @@ class AttentionGroup:
 
     def _build_mask(self, window: int | None) -> torch.Tensor | None:
         max_ctx = self.max_context_len
-        if (self.max_query_len == 1 and self.is_uniform_context
+        if (self.max_query_len == 1 and self.is_uniform_context and self.tree_masks is None
                 and (window is None or max_ctx <= window)):
             return None  # every query sees every cached key
         key_pos = torch.arange(max_ctx, device=self.block_tables.device)  # [max_ctx]
@@ -109,12 +117,18 @@ class AttentionGroup:
         mask = (key_pos <= q_pos) & (key_pos < self.context_lens[:, None, None])
         if window is not None:
             mask &= key_pos > q_pos - window
+        if self.tree_masks is not None:  # bit d: the key d positions back is seen
+            back = q_pos - key_pos  # [batch, max_q, max_ctx]
+            trees = self.tree_masks.unsqueeze(-1)
+            bit = (trees >> back.clamp(0, 63)) & 1
+            mask &= (trees == -1) | (back < 0) | (back >= 64) | (bit == 1)
         mask[..., 0] |= ~mask.any(-1)  # padded query rows: attend somewhere, avoid NaN
         return mask.unsqueeze(1)  # [batch, 1, max_q, max_ctx]
 
     def is_plain_causal(self, window: int | None) -> bool:
         """A fresh prefill without a window that cuts in: SDPA's own causal path."""
-        return self.is_fresh_prefill and (window is None or self.max_context_len <= window)
+        return self.is_fresh_prefill and self.tree_masks is None and (
+            window is None or self.max_context_len <= window)
 
 
 @dataclass
@@ -127,6 +141,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor    # [seqs] int32: cached + new positions
     block_tables: torch.Tensor    # [seqs, max_blocks] int32
     block_size: int
+    tree_masks: torch.Tensor | None = None  # [num_tokens] int64 (-1: causal); None: no trees
 
     @classmethod
     def build(cls, seqs: list[SequenceSlice], block_size: int,
@@ -138,10 +153,14 @@ class AttentionMetadata:
                       for p in range(s.cached_len, s.context_len)]
         width = max(len(s.block_table) for s in seqs)
         as_int = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+        trees = None
+        if any(s.tree_masks for s in seqs):
+            trees = torch.tensor([m for s in seqs for m in (s.tree_masks or [-1] * s.query_len)],
+                                 dtype=torch.long, device=device)
         return cls(seqs, torch.tensor(slots, dtype=torch.long, device=device), as_int(starts),
                    as_int([s.context_len for s in seqs]),
                    as_int([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
-                   block_size)
+                   block_size, trees)
 
     @functools.cached_property
     def groups(self) -> list[AttentionGroup]:
@@ -174,7 +193,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.device.type == "cpu" and cpu_kernels_loaded():
         return torch.ops.outrider_cpu.paged_attention(
             q, k, v, k_cache, v_cache, meta.slot_mapping, meta.query_start, meta.context_lens,
-            meta.block_tables, None, window or 0, scale)
+            meta.block_tables, meta.tree_masks, window or 0, scale)
     return reference_attention(q, k, v, k_cache, v_cache, meta, window, scale)
 
 

@@ -27,6 +27,7 @@ from outrider.engine.sampling import (
     processed_logits,
     sample_from_probs,
 )
+from outrider.engine.tree import TreeShape, tree_masks
 
 # How q leaves the drafter (docs/DESIGN.md §3). "dense" stays in-process and "dense_dist" goes
 # over a torch.distributed channel, both at full precision; "dense_fp16" rounds q to fp16
@@ -126,10 +127,15 @@ class Drafter:
         gammas = [it.gamma if held else 0 for it, held in zip(items, is_held)]
         is_prefilled = [held and it.prefill_only for it, held in zip(items, is_held)]
         self._compile_grammars([it for it, done in zip(items, is_prefilled) if done])
-        token_ids, probs = self._draft_tokens(items, gammas, is_prefilled,
-                                              device or self.runner.device)
+        device = device or self.runner.device
         is_miss = [miss or (it.prefill_only and not done)
                    for it, miss, done in zip(items, is_miss, is_prefilled)]
+        if any(g and _is_tree(it) for it, g in zip(items, gammas)):
+            trees = self._draft_trees(items, gammas, is_prefilled)
+            return Proposal.of_rows([(tokens, None) for tokens, _ in trees], self.vocab_size,
+                                    device, parents=[parents for _, parents in trees],
+                                    is_miss=is_miss)
+        token_ids, probs = self._draft_tokens(items, gammas, is_prefilled, device)
         return Proposal(token_ids, probs, gammas, is_miss)
 
     def _compile_grammars(self, prefilled: list[DraftItem]) -> None:
@@ -197,7 +203,8 @@ class Drafter:
         """KV room for the new tokens and γ-1 draft positions (the last draft token is
         never fed back); evicts least-recently-used other sequences when allowed."""
         blocks = self.runner.blocks
-        needed = len(item.new_token_ids) + max(0, item.gamma - 1)
+        fed = item.tree.topk * max(0, item.gamma - 1) if _is_tree(item) else item.gamma - 1
+        needed = len(item.new_token_ids) + max(0, fed)
         context = item.committed_len + needed + 1
         if context > self.max_model_len:
             return False
@@ -291,6 +298,49 @@ class Drafter:
                                  dtype=torch.long, device=device).view(len(items), max_gamma)
         return token_ids, probs_out
 
+    # -- the drafting tree: γ levels of batched forwards (engine/tree.py) -------------------
+    def _draft_trees(self, items: list[DraftItem], gammas: list[int],
+                     is_prefilled: list[bool]) -> list[tuple[list[int], list[int]]]:
+        """Each item's tree (tokens, parents), EAGLE-2's way: the root's top-k children,
+        then per level the top-k nodes by cumulative log-probability each grow their
+        top-k children; the `tree.tokens` best nodes of all are kept (a child scores no
+        more than its parent, so they form a tree). A constrained item drafts a chain
+        under its grammar. Its KV keeps the committed tokens alone."""
+        blocks = self.runner.blocks
+        prefills = [ForwardRequest(it.new_token_ids, it.committed_len,
+                                   blocks.block_table(it.seq_id), 0, it.features)
+                    for it, done in zip(items, is_prefilled) if done]
+        grow = {i: _Growth(it, gammas[i]) for i, it in enumerate(items) if gammas[i]}
+        reads = self.reads_target is not None
+        for level in range(max(gammas)):
+            rows = [i for i, g in grow.items() if g.frontier or level == 0]
+            rows = [i for i in rows if level < gammas[i]]
+            if not rows:
+                break
+            requests = [grow[i].request(blocks.block_table(items[i].seq_id), level)
+                        for i in rows]
+            logits = self.runner.forward(requests + (prefills if level == 0 else []))
+            hidden = self.runner.model.hidden_out if reads else None  # [logit rows, hidden]
+            offset = 0
+            for i in rows:
+                n = requests[rows.index(i)].num_logits
+                it = items[i]
+                histories = [self._history(it, grow[i].path(node)) for node in
+                             grow[i].expanding()] if it.params.reads_history else None
+                processed = processed_logits(logits[offset:offset + n],
+                                             [it.params] * n, histories)
+                grow[i].add_children(processed.float().log_softmax(-1),
+                                     None if hidden is None else hidden[offset:offset + n],
+                                     frozenset(it.params.held_back_ids), level + 1 < gammas[i])
+                offset += n
+        out = []
+        for i, it in enumerate(items):
+            if i in grow:
+                blocks.rollback(it.seq_id, len(self.token_ids[it.seq_id]))
+            out.append(grow[i].tree() if i in grow else ([], []))
+            gammas[i] = len(out[-1][0])
+        return out
+
     def _histories(self, items: list[DraftItem], rows: list[int],
                    drafted: list[list[int]]) -> list[History] | None:
         """Each row's tokens for the processors that read them (None: no row's do)."""
@@ -322,6 +372,90 @@ class Drafter:
         positions = [it.committed_len + len(it.new_token_ids) + j for it in items]
         uniforms = position_uniforms([it.seed for it in items], positions, STREAM_DRAFT)
         return sample_from_probs(probs, uniforms), probs
+
+
+def _is_tree(item: DraftItem) -> bool:
+    return item.tree is not None and not item.tree.is_chain
+
+
+class _Growth:
+    """One item's tree as it grows: nodes (token, parent, cumulative log-prob, the
+    feature its children read), the frontier fed to the next level, and how many nodes
+    the draft's KV holds after the committed tokens."""
+
+    def __init__(self, item: DraftItem, depth: int) -> None:
+        self.item, self.depth = item, depth
+        shape = item.tree if item.params.structured_output is None else TreeShape(1)
+        self.shape = shape or TreeShape(1)
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = []
+        self.features: list[torch.Tensor | None] = []
+        self.frontier: list[int] = []  # nodes fed at the next level
+        self.fed: list[int] = []        # nodes in the KV, in order
+        self.base = item.committed_len + len(item.new_token_ids)
+
+    def request(self, block_table: list[int], level: int) -> ForwardRequest:
+        it = self.item
+        if level == 0:
+            return ForwardRequest(it.new_token_ids, it.committed_len, block_table, 1,
+                                  it.features)
+        new = self.frontier
+        cached = self.base + len(self.fed)
+        self.fed += new
+        slot = {node: k for k, node in enumerate(self.fed)}
+        fed_parents = [slot.get(self.parents[n], -1) for n in self.fed]
+        masks = tree_masks(fed_parents)[-len(new):]
+        depths = [self.depth_of(n) for n in new]
+        offsets = [d - 1 - (len(self.fed) - len(new)) for d in depths]
+        features = (torch.stack([self.features[n] for n in new])
+                    if it.features is not None else None)
+        return ForwardRequest([self.tokens[n] for n in new], cached, block_table, len(new),
+                              features, tree=(offsets, masks))
+
+    def depth_of(self, node: int) -> int:
+        return 0 if node < 0 else 1 + self.depth_of(self.parents[node])
+
+    def path(self, node: int) -> list[int]:
+        """The tokens from the committed ones to `node` (none for the root)."""
+        out = []
+        while node >= 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
+
+    def expanding(self) -> list[int]:
+        """The nodes whose children the last forward's rows give: the root, or the
+        frontier just fed."""
+        return [-1] if not self.fed and not self.tokens else self.frontier
+
+    def add_children(self, logprobs: torch.Tensor, hidden: torch.Tensor | None,
+                     stops: frozenset, grows_on: bool) -> None:
+        """logprobs [len(expanding), vocab]: each expanding node's top-k children; then the
+        next frontier, the top-k new nodes by cumulative log-prob that may grow."""
+        k = self.shape.topk
+        top = logprobs.topk(k, dim=-1)
+        first_new = len(self.tokens)
+        for row, parent in enumerate(self.expanding()):
+            base = 0.0 if parent < 0 else self.scores[parent]
+            for lp, token in zip(top.values[row].tolist(), top.indices[row].tolist()):
+                self.tokens.append(token)
+                self.parents.append(parent)
+                self.scores.append(base + lp)
+                self.features.append(None if hidden is None else hidden[row])
+        new = [n for n in range(first_new, len(self.tokens)) if self.tokens[n] not in stops]
+        new.sort(key=lambda n: -self.scores[n])
+        self.frontier = new[:k] if grows_on else []
+        self.frontier.sort()
+
+    def tree(self) -> tuple[list[int], list[int]]:
+        """The kept nodes (the `tokens` best; all at top-k 1) re-indexed in order."""
+        keep = range(len(self.tokens))
+        if self.shape.tokens and not self.shape.is_chain:
+            keep = sorted(sorted(keep, key=lambda n: (-self.scores[n], n))[:self.shape.tokens])
+        index = {node: k for k, node in enumerate(keep)}
+        return ([self.tokens[n] for n in keep],
+                [-1 if self.parents[n] < 0 else index[self.parents[n]] for n in keep])
 
 
 def _as_sent(probs: torch.Tensor, q_formats: list[str]) -> torch.Tensor:

@@ -30,6 +30,7 @@ from outrider.core.stats import GRAMMAR_METHOD
 from outrider.engine.features import FeatureLog
 from outrider.engine.lookup import Lookup, SuffixCorpus, prompt_lookup, suffix_lookup
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal, Proposer, dense_q
+from outrider.engine.tree import chain, first_path
 
 EMPTY_CORPUS = SuffixCorpus(max_tokens=0)  # holds nothing: a lookup in the context alone
 EXPLORE_EVERY = 4  # an AUTO request's rounds with a lookup: every 4th tries the model alone
@@ -355,7 +356,7 @@ class ProposerMix:
         if drafted is not None:
             drafted = self._retry_misses(asked, drafted, device)
         by_plan = {id(p): k for k, p in enumerate(asked)}
-        rows, sources = [], []
+        rows, sources, trees = [], [], []
         for p, miss in zip(plans, is_miss):
             k = by_plan.get(id(p))
             model_ids, model_q = [], None
@@ -363,15 +364,22 @@ class ProposerMix:
                 p.held.has_model = True
                 model_ids, model_q = self._model_part(p, drafted, k)
             ids = p.free + model_ids
+            # the model's tree hangs after the looked-up chain (engine/tree.py)
+            tree = drafted.parents_of(k)[:len(model_ids)] if model_ids else []
+            trees.append(chain(len(p.free)) + [len(p.free) - 1 if q < 0 else q + len(p.free)
+                                               for q in tree])
             q = None
             if model_q is not None:  # [n, vocab]: the looked-up part as point masses
                 free_ids = torch.tensor(p.free, dtype=torch.long, device=model_q.device)
                 q = torch.cat([dense_q(None, free_ids[None], self.vocab_size)[0], model_q])
             rows.append((ids, q))
             sources.append((p.free_kind, len(p.free)))
-            if p.held is not None and not miss:
-                p.held.propose(ids, len(p.free), p.free_match, p.is_forced)
-        out = Proposal.of_rows(rows, self.vocab_size, device, sources) if any(
+            if p.held is not None and not miss:  # (a tree's first path is what it learns)
+                p.held.propose([ids[n] for n in first_path(trees[-1])], len(p.free),
+                               p.free_match, p.is_forced)
+        is_tree = drafted is not None and drafted.parents is not None
+        out = Proposal.of_rows(rows, self.vocab_size, device, sources,
+                               trees if is_tree else None) if any(
             ids for ids, _ in rows) else Proposal.empty(len(plans), device)
         out.is_miss = is_miss
         return out
@@ -388,7 +396,8 @@ class ProposerMix:
             return [], None
         if not g:
             return [], None
-        held.model_len = context_len + (g - 1 if self.continues else 0)
+        holds_drafts = self.continues and drafted.parents is None  # (not a tree's nodes)
+        held.model_len = context_len + (g - 1 if holds_drafts else 0)
         self.features.taken(p.item.seq_id, held.model_len)
         ids = drafted.token_ids[k, :g].tolist()
         q = None if drafted.probs is None else drafted.probs[k, :g]

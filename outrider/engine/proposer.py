@@ -20,6 +20,7 @@ from outrider.core.sampling import SamplingParams
 from outrider.core.sequence import TeacherRow
 from outrider.engine.features import FeatureTap
 from outrider.engine.rejection import dense_draft_probs
+from outrider.engine.tree import TreeShape, chain
 
 
 @dataclass
@@ -44,6 +45,9 @@ class DraftItem:
     # a head's (reads_target): the target's feature before each new token,
     # [len(new_token_ids), width] (engine/features.py)
     features: torch.Tensor | None = None
+    # draft a token tree γ deep (engine/tree.py); None or top-k 1: a chain. A proposer
+    # that cannot draft trees proposes a chain
+    tree: TreeShape | None = None
 
     @property
     def is_active(self) -> bool:
@@ -65,6 +69,13 @@ class Proposal:
     # "suffix"), the rest drafted by the model; empty: every proposal is the model's
     num_free: list[int] = field(default_factory=list)
     free_kinds: list[str] = field(default_factory=list)
+    # per item, the parent of each proposal (engine/tree.py; every q a point mass); None:
+    # every item's proposals are a chain
+    parents: list[list[int]] | None = None
+
+    def parents_of(self, k: int) -> list[int]:
+        """Item k's tree (a chain's parents for a chain)."""
+        return chain(self.gammas[k]) if self.parents is None else self.parents[k]
 
     def source(self, k: int) -> tuple[str, int]:
         """(the model-free kind, how many of item k's proposals it gave: they come first)."""
@@ -78,21 +89,24 @@ class Proposal:
 
     @classmethod
     def of_rows(cls, rows: list[tuple[list[int], torch.Tensor | None]], vocab: int,
-                device: torch.device, sources: list[tuple[str, int]] = ()) -> Proposal:
-        """Rows of (token ids [n_k], their q [n_k, vocab] or None for point masses), and
-        where they came from (`source`; none: the model)."""
-        width = max(len(ids) for ids, _ in rows)
+                device: torch.device, sources: list[tuple[str, int]] = (),
+                parents: list[list[int]] | None = None,
+                is_miss: list[bool] | None = None) -> Proposal:
+        """Rows of (token ids [n_k], their q [n_k, vocab] or None for point masses), where
+        they came from (`source`; none: the model) and their trees (None: chains)."""
+        width = max((len(ids) for ids, _ in rows), default=0)
         token_ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
         for k, (ids, _) in enumerate(rows):
-            token_ids[k, :len(ids)] = torch.tensor(ids)
+            token_ids[k, :len(ids)] = torch.tensor(ids, dtype=torch.long)
         probs = None
         if any(q is not None for _, q in rows):
             probs = dense_draft_probs(token_ids, vocab)
             for k, (ids, q) in enumerate(rows):
                 if q is not None:
                     probs[k, :len(ids)] = q
-        return cls(token_ids, probs, [len(ids) for ids, _ in rows], [False] * len(rows),
-                   [n for _, n in sources], [kind for kind, _ in sources])
+        return cls(token_ids, probs, [len(ids) for ids, _ in rows],
+                   is_miss or [False] * len(rows), [n for _, n in sources],
+                   [kind for kind, _ in sources], parents)
 
     def dense_probs(self, vocab: int) -> torch.Tensor:
         """q rows [batch, max_gamma, vocab], point masses made dense."""
@@ -111,14 +125,19 @@ class Proposal:
             other_probs = other.dense_probs(vocab)
         gammas = list(self.gammas)
         sources = [self.source(i) for i in range(len(gammas))]
+        parents = None
+        if self.parents is not None or other.parents is not None:
+            parents = [self.parents_of(i) for i in range(len(gammas))]
         for k, i in enumerate(rows):
             g = other.gammas[k]
             token_ids[i, :g], gammas[i] = other.token_ids[k, :g], g
             sources[i] = other.source(k)
             if probs is not None:
                 probs[i, :g] = other_probs[k, :g]
+            if parents is not None:
+                parents[i] = other.parents_of(k)
         return Proposal(token_ids, probs, gammas, [False] * len(gammas),
-                        [n for _, n in sources], [kind for kind, _ in sources])
+                        [n for _, n in sources], [kind for kind, _ in sources], parents)
 
 
 def dense_q(probs: torch.Tensor | None, token_ids: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -68,6 +68,9 @@ class ForwardRequest:
     block_table: list[int]
     num_logits: int  # logits wanted for the last `num_logits` new positions
     features: torch.Tensor | None = None  # a head's: [len(token_ids), width] (heads.py)
+    # a token tree's (engine/tree.py `row_tree`): each new position's offset from
+    # cached_len and its attention mask; None: a chain, offsets 0, 1, 2, ...
+    tree: tuple[list[int], list[int]] | None = None
 
 
 class ModelRunner:
@@ -215,14 +218,37 @@ class ModelRunner:
         for r in requests:
             n = len(r.token_ids)
             input_ids.extend(r.token_ids)
-            positions.extend(range(r.cached_len, r.cached_len + n))
+            offsets = range(n) if r.tree is None else r.tree[0]
+            positions.extend(r.cached_len + o for o in offsets)
             logits_rows.extend(range(offset + n - r.num_logits, offset + n))
             offset += n
         meta = AttentionMetadata.build(
-            [SequenceSlice(r.cached_len, len(r.token_ids), r.block_table) for r in requests],
+            [SequenceSlice(r.cached_len, len(r.token_ids), r.block_table,
+                           None if r.tree is None else r.tree[1]) for r in requests],
             self.cfg.block_size, device)
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
         return as_long(input_ids), as_long(positions), meta, as_long(logits_rows)
+
+    def move_kv(self, block_table: list[int], moves: list[tuple[int, int]]) -> None:
+        """Copy the KV at position src to position dst for each (src, dst) of one sequence,
+        in every layer (a token tree's accepted path, packed after the committed tokens);
+        every tensor-parallel rank does the same."""
+        if not moves:
+            return
+        bs = self.cfg.block_size
+        slots = [[block_table[p // bs] * bs + p % bs for p in ends] for ends in zip(*moves)]
+        if self.tp.size > 1 and self.tp.is_driver:
+            broadcast_requests(self.tp, torch.tensor([MOVE_KV, len(moves), *slots[0],
+                                                      *slots[1]], dtype=torch.long))
+        self._move_slots(*slots)
+
+    def _move_slots(self, src: list[int], dst: list[int]) -> None:
+        bs = self.cfg.block_size
+        src_t = torch.tensor(src, dtype=torch.long, device=self.device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for keys, values in self.kv_caches:  # keys [blocks, kv_heads, dim, bs]
+            keys[dst_t // bs, :, :, dst_t % bs] = keys[src_t // bs, :, :, src_t % bs]
+            values[dst_t] = values[src_t]  # [slots, kv_heads, dim]
 
     def _use_threads(self, num_tokens: int) -> None:
         """A small forward on `small_step_threads` (serving leaves the other cores to a
@@ -240,7 +266,10 @@ class ModelRunner:
         while (requests := receive_requests(self.tp)) is not None:
             with torch.inference_mode():
                 try:
-                    self._forward(requests)
+                    if isinstance(requests, tuple):  # KV moves (move_kv)
+                        self._move_slots(*requests)
+                    else:
+                        self._forward(requests)
                 except Exception as exc:  # the driver sees the same failure and reports it
                     print(f"tp rank {self.tp.rank}: forward failed: {exc}", file=sys.stderr,
                           flush=True)
@@ -300,22 +329,32 @@ def cpu_computes_bfloat16() -> bool:
 
 # -- driver -> worker forward descriptions (flat int64, no pickling) ------------------------
 
+MOVE_KV = -2  # a broadcast that moves KV (move_kv) instead of running a forward
+
+
 def encode_requests(requests: list[ForwardRequest]) -> torch.Tensor:
     flat = [len(requests)]
     for r in requests:
-        flat += [len(r.token_ids), r.cached_len, len(r.block_table), r.num_logits]
-        flat += r.token_ids + r.block_table
+        flat += [len(r.token_ids), r.cached_len, len(r.block_table), r.num_logits,
+                 r.tree is not None]
+        flat += r.token_ids + r.block_table + ([] if r.tree is None else r.tree[0] + r.tree[1])
     return torch.tensor(flat, dtype=torch.long)
 
 
-def decode_requests(flat: list[int]) -> list[ForwardRequest]:
+def decode_requests(flat: list[int]) -> list[ForwardRequest] | tuple[list[int], list[int]]:
+    if flat[0] == MOVE_KV:
+        n = flat[1]
+        return flat[2:2 + n], flat[2 + n:2 + 2 * n]
     requests, i = [], 1
     for _ in range(flat[0]):
-        n, cached, num_blocks, num_logits = flat[i:i + 4]
-        i += 4
+        n, cached, num_blocks, num_logits, is_tree = flat[i:i + 5]
+        i += 5
         tokens, table = flat[i:i + n], flat[i + n:i + n + num_blocks]
         i += n + num_blocks
-        requests.append(ForwardRequest(tokens, cached, table, num_logits))
+        tree = None
+        if is_tree:
+            tree, i = (flat[i:i + n], flat[i + n:i + 2 * n]), i + 2 * n
+        requests.append(ForwardRequest(tokens, cached, table, num_logits, tree=tree))
     return requests
 
 
@@ -324,7 +363,7 @@ def broadcast_requests(tp: TPGroup, payload: torch.Tensor) -> None:
     dist.broadcast(payload, 0, group=tp.cpu_group)
 
 
-def receive_requests(tp: TPGroup) -> list[ForwardRequest] | None:
+def receive_requests(tp: TPGroup) -> list[ForwardRequest] | tuple | None:
     size = torch.empty(1, dtype=torch.long)
     dist.broadcast(size, 0, group=tp.cpu_group)
     payload = torch.empty(int(size), dtype=torch.long)

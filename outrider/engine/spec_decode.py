@@ -54,8 +54,10 @@ from outrider.engine.sampling import (
     position_uniforms,
     probs_of,
     processed_logits,
+    sample_from_probs,
     token_logprobs,
 )
+from outrider.engine.tree import TreeShape, chain, depths, row_tree, walk
 
 
 class RequestError(ValueError):
@@ -116,6 +118,20 @@ class Row:
     num_verified: int = 0  # γ, or γ + 1 with a bonus-position candidate (overlap)
     ahead: DraftAhead | None = None  # next round's drafts, kept if the candidate passes
     committed: list[int] = field(default_factory=list)
+    parents: list[int] | None = None  # its proposals' tree (engine/tree.py); None: a chain
+    path: list[int] | None = None     # the tree's accepted nodes, root first
+
+    @property
+    def depth(self) -> int:
+        """How deep its proposals reach: γ for a chain."""
+        return max(depths(self.parents), default=0) if self.parents else self.gamma
+
+    def verified_row(self, j: int) -> int:
+        """Of its verification rows (the fed token's, then one per proposal), the one that
+        gave its j-th committed token."""
+        if self.path is None or j == 0:
+            return j
+        return self.path[j - 1] + 1
 
     @property
     def warms_draft(self) -> bool:
@@ -131,6 +147,7 @@ class Step:
     draft_ids: torch.Tensor | None = None    # [batch, γ_max (+1 with candidates)]
     drafts: list[list[int]] = field(default_factory=list)  # this round's proposals, as lists
     draft_probs: torch.Tensor | None = None  # [batch, γ_max (+1), vocab]; None: point masses
+    has_trees: bool = False  # rows' proposals are trees (Row.parents): verified by walking
     background: PendingProposal | None = None  # what the draft does during verification
     logits: torch.Tensor | None = None       # [sum over ready rows of (γ_i + 1), vocab]
     features: torch.Tensor | None = None     # [fed + proposed tokens, width]: a head's
@@ -148,7 +165,7 @@ class Step:
     @property
     def timing(self) -> StepTiming:
         gammas = [r.gamma for r in self.rows]
-        drafted = [r.gamma - r.source[1] for r in self.rows]
+        drafted = [r.depth - r.source[1] for r in self.rows]  # (a tree drafts level by level)
         return StepTiming(sum(r.feed for r in self.rows) + sum(gammas), self.verify_s,
                           max(drafted, default=0), sum(drafted), self.draft_s, self.mask_s,
                           self.draft_cpu_s)
@@ -156,7 +173,8 @@ class Step:
 
 class SpeculativeDecoder:
     def __init__(self, target: ModelRunner, drafter: Proposer | None = None,
-                 overlap_max_seqs: int = 0, overlap_sampled: bool = False) -> None:
+                 overlap_max_seqs: int = 0, overlap_sampled: bool = False,
+                 tree: TreeShape | None = None) -> None:
         if drafter is not None and drafter.vocab_size != target.vocab_size:
             raise RequestError(
                 f"draft and target have different vocabularies "
@@ -165,7 +183,13 @@ class SpeculativeDecoder:
         # a head drafts from the target's features of committed positions: it cannot
         # draft ahead of verification, nor take in a prompt before the target has
         self.reads = drafter.reads_target if drafter is not None else None
-        self.overlap_max_seqs = overlap_max_seqs if drafter is not None and not self.reads else 0
+        # a tree's drafts are chosen, not sampled: drafting ahead continues chains only
+        self.tree = tree if tree is not None and not tree.is_chain else None
+        if self.tree is not None and any(target.model_config.sliding_windows):
+            raise RequestError("token trees need a target without a sliding window (its "
+                               "window counts positions in the tree's order)")
+        self.overlap_max_seqs = (overlap_max_seqs if drafter is not None and not self.reads
+                                 and self.tree is None else 0)
         self.features = FeatureLog()  # a head's features, until it takes them
         if self.reads is not None:
             target.keep_features(self.reads)
@@ -265,6 +289,11 @@ class SpeculativeDecoder:
         """The draft weights' version that drafts for `seq` (0 without a draft)."""
         return self.drafter.version_of(seq.seq_id) if self.drafter is not None else 0
 
+    def verify_width(self, gamma: int) -> int:
+        """Positions the target verifies for a round of γ (a tree's nodes): what the
+        scheduler counts and reserves KV for."""
+        return gamma if self.tree is None else self.tree.width(gamma)
+
     def clip_gamma(self, seq: Sequence, gamma: int) -> int:
         """γ limited by what the request may still emit and by the contexts of the target
         and the draft (not by load): past the draft's context γ is 0."""
@@ -334,9 +363,12 @@ class SpeculativeDecoder:
         proposal = self._within_kv(step.rows, self._with_openings(step.rows, proposal))
         step.draft_ids, step.draft_probs = proposal.token_ids, proposal.probs
         step.drafts = [ids[:g] for ids, g in zip(proposal.token_ids.tolist(), proposal.gammas)]
+        step.has_trees = proposal.parents is not None
         for r, g in zip(step.rows, proposal.gammas):
             r.gamma = r.num_verified = g
             r.source = proposal.source(r.index)
+            if step.has_trees:
+                r.parents = proposal.parents_of(r.index)
         step.draft_s = time.perf_counter() - start
         step.draft_cpu_s = time.thread_time() - cpu_start
         self._start_background(step)
@@ -362,10 +394,12 @@ class SpeculativeDecoder:
         if sum(blocks.blocks_needed(r.seq.seq_id, r.feed + g)
                for r, g in zip(rows, proposal.gammas)) <= blocks.num_free_blocks:
             return proposal
-        gammas = [min(g, r.wanted) for r, g in zip(rows, proposal.gammas)]
+        gammas = [min(g, self.verify_width(r.wanted)) for r, g in zip(rows, proposal.gammas)]
         num_free = [min(n, g) for n, g in zip(proposal.num_free, gammas)]
+        parents = None if proposal.parents is None else [  # (a prefix of a tree is one)
+            proposal.parents_of(k)[:g] for k, g in enumerate(gammas)]
         return Proposal(proposal.token_ids, proposal.probs, gammas, proposal.is_miss,
-                        num_free, proposal.free_kinds)
+                        num_free, proposal.free_kinds, parents)
 
     def _verify(self, step: Step) -> None:
         """The target forward; then what the draft did meanwhile: prefills taken in, and
@@ -420,8 +454,11 @@ class SpeculativeDecoder:
         which are now committed (the target computed them over the right context)."""
         if step.features is not None:
             offset, position = step.feature_at[row.index]
-            self.features.add(row.seq.seq_id, position,
-                              step.features[offset:offset + num_committed])
+            rows = list(range(offset, offset + num_committed))
+            if row.path is not None:  # a tree's: its fed tokens', then the path's nodes'
+                rows = rows[:row.feed] + [offset + row.feed + n
+                                          for n in row.path[:num_committed - row.feed]]
+            self.features.add(row.seq.seq_id, position, step.features[rows])
 
     # -- propose ---------------------------------------------------------------------------
     def _draft(self, seqs: list[Sequence], gammas: list[int]) -> Proposal:
@@ -436,10 +473,12 @@ class SpeculativeDecoder:
             for i, retry in zip(missed, retries):
                 retry.teacher = items[i].teacher
             out = out.with_rows(missed, self.drafter.draft(retries, self.target.device))
+        holds_drafts = self.reads is None and self.tree is None
         for s, g in zip(seqs, out.gammas):
             if g:  # the draft now holds the context and its first γ-1 draft tokens (a
-                s.draft_len = len(s.token_ids) + (g - 1 if self.reads is None else 0)
-                #        head's are re-made from the target's features once verified)
+                s.draft_len = len(s.token_ids) + (g - 1 if holds_drafts else 0)
+                #    head's are re-made from the target's features once verified; a
+                #    tree's nodes are not kept)
                 self.features.taken(s.seq_id, len(s.token_ids))
         return out
 
@@ -461,7 +500,7 @@ class SpeculativeDecoder:
                          traceparent=seq.traceparent if start == 0 else "",
                          prompt_len=seq.prompt_len, teacher=teacher,
                          proposer=seq.round_proposer or seq.proposer,
-                         forced=forced, features=features)
+                         forced=forced, features=features, tree=self.tree)
 
     def _forced(self, seq: Sequence, gamma: int, drafts: list[int]) -> list[int]:
         """What a constrained sequence's grammar forces after its tokens + `drafts`: free
@@ -525,8 +564,10 @@ class SpeculativeDecoder:
         for r, x in zip(rows, inputs):
             seq = r.seq
             blocks.append(seq.seq_id, len(x))
+            tree = (row_tree(r.feed, r.parents) if r.parents is not None
+                    and r.parents != chain(r.gamma) else None)
             requests.append(ForwardRequest(x, seq.target_len, blocks.block_table(seq.seq_id),
-                                           r.gamma + 1 if r.is_ready else 0))
+                                           r.gamma + 1 if r.is_ready else 0, tree=tree))
             seq.target_len += len(x)
         return self.target.forward(requests)
 
@@ -577,6 +618,8 @@ class SpeculativeDecoder:
             if any(r.seq.params.structured_output for r in ready):
                 step.mask_s = time.perf_counter() - begun
         processed = processed_logits(step.logits, params, histories)  # [sum(γ_i + 1), vocab]
+        if step.has_trees:
+            return self._walk_trees(step, ready, processed, params, width), processed
         if all(r.seq.params.is_greedy for r in ready):
             argmax = _pad_rows(processed.argmax(-1), num_rows, width)  # [n, width]
             return greedy_verify(argmax, draft_ids[index], num_verified), processed
@@ -592,10 +635,41 @@ class SpeculativeDecoder:
             position_uniforms(seeds, positions, STREAM_SAMPLE))
         return result, processed
 
+    @staticmethod
+    def _walk_trees(step: Step, ready: list[Row], processed: torch.Tensor,
+                    params: list[SamplingParams], width: int) -> RejectionResult:
+        """Verification of trees (engine/tree.py): the target's choice at every row — its
+        argmax, or its sample at the row's position with the seeded uniform plain
+        decoding would use there —, then each row's walk down the children that match."""
+        choices = processed.argmax(-1)  # [sum(γ_i + 1)]
+        sampled = [k for k, p in enumerate(params) if not p.is_greedy]
+        if sampled:
+            rows = [(r, d) for r in ready for d in [0, *depths(r.parents or chain(r.gamma))]]
+            uniforms = position_uniforms([rows[k][0].seq.seed for k in sampled],
+                                         [len(rows[k][0].seq.token_ids) + rows[k][1]
+                                          for k in sampled], STREAM_SAMPLE)
+            choices[sampled] = sample_from_probs(
+                probs_of(processed[sampled], [params[k] for k in sampled]), uniforms)
+        choices_of = iter(choices.tolist())
+        token_ids = torch.full((len(ready), width), -1, dtype=torch.long)
+        accepted = []
+        for k, r in enumerate(ready):
+            mine = [next(choices_of) for _ in range(r.gamma + 1)]
+            drafts = step.drafts[r.index]
+            r.path = walk(r.parents or chain(r.gamma), drafts, mine)
+            emitted = [drafts[n] for n in r.path] + [mine[r.verified_row(len(r.path))]]
+            token_ids[k, :len(emitted)] = torch.tensor(emitted)
+            accepted.append(len(r.path))
+        return RejectionResult(token_ids, torch.tensor(accepted, dtype=torch.long))
+
     def _histories(self, row: Row, drafted: list[int]) -> list[History]:
-        """Its verification rows' histories: row j follows the round's drafted[:j], and a
-        constrained sequence's row allows what its grammar allows there (§3.8)."""
+        """Its verification rows' histories: row j follows the round's drafted[:j] (in a
+        tree, the drafts on the path to its node), and a constrained sequence's row allows
+        what its grammar allows there (§3.8)."""
         seq = row.seq
+        if row.parents is not None and row.parents != chain(row.gamma):
+            return [History(seq.token_ids, seq.prompt_len, tuple(path), None)
+                    for path in _paths(row.parents, drafted)]
         so = seq.params.structured_output
         masks = ([None] * (len(drafted) + 1) if so is None else self.grammars.row_masks(
             seq.seq_id, so, seq.token_ids, seq.prompt_len, drafted))
@@ -618,6 +692,9 @@ class SpeculativeDecoder:
                 break
         seq.last_round = _round_of(row, num_accepted, len(committed))
         seq.stats.record(*seq.last_round)
+        if row.path:  # the accepted nodes' KV, packed after the committed tokens
+            self.target.move_kv(self.target.blocks.block_table(seq.seq_id), [
+                (base + n, base + d) for d, n in enumerate(row.path[:num_accepted]) if n != d])
         # the KV of the tokens before the emitted one is final (the emitted token is
         # fed next round); the draft rolls back to `draft_len` itself when it drafts next
         blocks = self.target.blocks
@@ -700,7 +777,7 @@ def _round_of(row: Row, num_accepted: int, num_committed: int) -> Round:
     (EOS, a stop token, a finished grammar) ends the round there: the proposals after it
     were never a chance to be kept (a draft past a grammar's end proposes EOS again and
     again, and counting those as kept would inflate acceptance)."""
-    gamma, (kind, num_free) = row.gamma, row.source
+    gamma, (kind, num_free) = row.depth, row.source
     if num_committed <= num_accepted:
         gamma = num_accepted = num_committed
     num_free = min(num_free, gamma)
@@ -709,10 +786,19 @@ def _round_of(row: Row, num_accepted: int, num_committed: int) -> Round:
 
 def _committed_rows(ready: list[Row], which: Iterable[int]) -> list[int]:
     """The verification rows ([sum over ready of γ_i + 1]) of the committed tokens of
-    ready[k] for k in `which`, in order: row j of a sequence verified its j-th committed
-    token."""
+    ready[k] for k in `which`, in order (Row.verified_row)."""
     offsets = [0, *itertools.accumulate(r.gamma + 1 for r in ready)]
-    return [offsets[k] + j for k in which for j in range(len(ready[k].committed))]
+    return [offsets[k] + ready[k].verified_row(j) for k in which
+            for j in range(len(ready[k].committed))]
+
+
+def _paths(parents: list[int], drafts: list[int]) -> list[list[int]]:
+    """The drafts before each verification row of a tree: none before the fed token's,
+    then for node n those on the path to n, n's own included."""
+    paths: list[list[int]] = [[]]
+    for node, p in enumerate(parents):
+        paths.append(paths[p + 1] + [drafts[node]])
+    return paths
 
 
 def _pad_rows(values: torch.Tensor, num_rows: list[int], width: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ from outrider.engine.attention import (
     reference_attention,
 )
 from outrider.engine.kernels import cpu_kernels_loaded
+from outrider.engine.tree import tree_masks
 from tests.toolchain import needs_compiler
 
 # (cached positions, new positions): prefill chunks fresh and over a cache, verification
@@ -116,25 +117,28 @@ def dense_tree_attention(q, keys, values, cached, parents, scale):
     return (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, -1)
 
 
-@needs_compiler
+@pytest.mark.parametrize("path", ["kernel", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tree_rows_see_their_ancestors_only(dtype):
+def test_tree_rows_see_their_ancestors_only(dtype, path):
     """Token trees: each node's row attends to the context and its own ancestors, given as
-    a bitmask of the new positions it sees (bit j: the j-th new position)."""
+    a bitmask of the positions before it (bit d: the key d positions back), on the kernel
+    and on the reference path (GPUs); the third sequence's chain of 70 nodes reaches past
+    the mask's 64 positions, which are context."""
+    if path == "kernel" and not cpu_kernels_loaded():
+        pytest.skip("no compiler: the kernel is not built here")
     rng = random.Random(3)
-    trees = {0: [-1, 0, 0, 1, 1, 2, 5, 5, 3], 1: [-1, 0, 1, 2], 2: [-1]}  # parent per node
-    mix = [(37, len(trees[0])), (120, len(trees[1])), (5, len(trees[2]))]
+    trees = {0: [-1, 0, 0, 1, 1, 2, 5, 5, 3], 1: [-1, 0, 1, 2], 2: [-1],
+             3: [-1, *range(69)]}  # parent per node
+    mix = [(37, len(trees[0])), (120, len(trees[1])), (5, len(trees[2])), (9, len(trees[3]))]
     seqs, caches, qkv = ragged_batch(mix, dtype, 6, 2, 32, 16, seed=rng.randrange(100))
-    masks = []
-    for parents in trees.values():
-        for node in range(len(parents)):
-            bits, walk = 0, node
-            while walk != -1:
-                bits |= 1 << walk
-                walk = parents[walk]
-            masks.append(bits)
-    out, (k_cache, v_cache) = run_kernel(seqs, caches, qkv, 16, None,
-                                         torch.tensor(masks, dtype=torch.long))
+    for seq, parents in zip(seqs, trees.values(), strict=True):
+        seq.tree_masks = tree_masks(parents)
+    meta = AttentionMetadata.build(seqs, 16, torch.device("cpu"))
+    k_cache, v_cache = (c.clone() for c in caches)
+    if path == "kernel":
+        out, (k_cache, v_cache) = run_kernel(seqs, caches, qkv, 16, None, meta.tree_masks)
+    else:
+        out = reference_attention(*qkv, k_cache, v_cache, meta, None, 32 ** -0.5)
     keys_by_slot = k_cache.transpose(1, 3).transpose(2, 3).reshape(-1, 2, 32)
     row = 0
     for seq, parents in zip(seqs, trees.values(), strict=True):

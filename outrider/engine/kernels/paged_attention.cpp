@@ -12,8 +12,8 @@
 // intra-op threads. An item stacks the query heads that share its KV head into rows,
 // attends kRows rows at a time to each key tile (so each tile is read once per kRows
 // rows) and keeps an online softmax per row. Which keys a row sees is computed from
-// positions: causal, a sliding window, and for token trees its ancestor bitmask (bit j:
-// the j-th new position of its sequence). Nothing is padded and no mask tensor exists.
+// positions: causal, a sliding window, and for token trees its ancestor bitmask (bit d:
+// the key d positions before its own). Nothing is padded and no mask tensor exists.
 //
 // Built on first use by outrider/engine/kernels/__init__.py (torch's extension tooling).
 
@@ -121,15 +121,16 @@ Tile load_tile(int64_t t0, int64_t count, int64_t kv_head, const Cache& c, const
   return {kt, kTile, vt, dims};
 }
 
-// Which of a tile's 16 keys a row sees: [from, to) of the tile, and in a tree only its
-// ancestors (and itself) among the new positions.
-inline vi16 seen_keys(int64_t from, int64_t to, int64_t t0, int64_t cached, int64_t tree) {
+// Which of a tile's 16 keys a row sees: [from, to) of the tile, and in a token tree only
+// its ancestors and itself among the 64 positions before it (bit d of `tree`: the key d
+// positions before the row's own, `at`); keys further back are its context.
+inline vi16 seen_keys(int64_t from, int64_t to, int64_t t0, int64_t at, int64_t tree) {
   const vi16 index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   vi16 seen = (index >= static_cast<int32_t>(from)) & (index < static_cast<int32_t>(to));
   if (tree != -1) {
     for (int p = 0; p < 16; ++p) {
-      const int64_t j = t0 + p - cached;  // the j-th new position (< 64 in a tree)
-      if (j >= 0 && !((tree >> j) & 1)) seen[p] = 0;
+      const int64_t d = at - (t0 + p);
+      if (d >= 0 && d < 64 && !((tree >> d) & 1)) seen[p] = 0;
     }
   }
   return seen;
@@ -160,7 +161,7 @@ inline void add_values(int64_t r0, int64_t c, int64_t first, int64_t last, const
 // and sum, and the weighted values added to acc. The rows share every key and value load,
 // and their kN independent sums keep the FMA units busy.
 template <int kN>
-void attend_tile(int64_t r0, int64_t t0, int64_t count, int64_t cached, const Tile& tile,
+void attend_tile(int64_t r0, int64_t t0, int64_t count, const Tile& tile,
                  int64_t head_dim, int64_t group, int64_t first_token,
                  const int64_t* tree_masks, Scratch& w) {
   int64_t from[kN], to[kN], first = kTile, last = 0;
@@ -200,7 +201,7 @@ void attend_tile(int64_t r0, int64_t t0, int64_t count, int64_t cached, const Ti
   for (int k = 0; k < kN; ++k) {
     const int64_t r = r0 + k;
     const int64_t tree = tree_masks ? tree_masks[first_token + r / group] : -1;
-    const vi16 seen = seen_keys(from[k], to[k], t0, cached, tree);
+    const vi16 seen = seen_keys(from[k], to[k], t0, w.hi[r] - 1, tree);
     const float tile_max = lane_max(seen ? s[k] : splat(kNoScore));
     const float new_max = std::max(w.m[r], tile_max);
     correction[k] = new_max == w.m[r] ? 1.0f : std::exp(w.m[r] - new_max);
@@ -217,13 +218,13 @@ void attend_tile(int64_t r0, int64_t t0, int64_t count, int64_t cached, const Ti
 }
 
 // Rows [r0, r0 + n) for n <= kRows, with the row count known to the compiler.
-void attend_rows(int n, int64_t r0, int64_t t0, int64_t count, int64_t cached,
+void attend_rows(int n, int64_t r0, int64_t t0, int64_t count,
                  const Tile& tile, int64_t head_dim, int64_t group, int64_t first_token,
                  const int64_t* tree_masks, Scratch& w) {
   static constexpr decltype(&attend_tile<1>) by_rows[kRows] = {
       attend_tile<1>, attend_tile<2>, attend_tile<3>, attend_tile<4>,
       attend_tile<5>, attend_tile<6>, attend_tile<7>, attend_tile<8>};
-  by_rows[n - 1](r0, t0, count, cached, tile, head_dim, group, first_token, tree_masks, w);
+  by_rows[n - 1](r0, t0, count, tile, head_dim, group, first_token, tree_masks, w);
 }
 
 // One item: rows r = query * group + g of its queries' heads kv_head * group + g.
@@ -268,7 +269,7 @@ void attend_item(const Item& it, const T* q, const Cache& cache, T* out,
     const int64_t blocks = (rows + kRows - 1) / kRows;
     for (int64_t b = 0, r0 = 0; b < blocks; ++b) {
       const int n = static_cast<int>((rows - r0) / (blocks - b));
-      attend_rows(n, r0, t0, count, cached, tile, D, G, first_token, tree_masks, w);
+      attend_rows(n, r0, t0, count, tile, D, G, first_token, tree_masks, w);
       r0 += n;
     }
   }
@@ -347,7 +348,8 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "outrider paged_attentio
 // and values); k_cache: [blocks, kv_heads, head_dim, block_size]; v_cache: [blocks *
 // block_size, kv_heads, head_dim]; slot_mapping: [tokens] int64; query_start: [seqs + 1]
 // int32 (each sequence's first row, then the total); context_lens: [seqs] int32 (cached +
-// new positions); block_tables: [seqs, width] int32; tree_masks: [tokens] int64 or none.
+// new positions); block_tables: [seqs, width] int32; tree_masks: [tokens] int64 or none
+// (-1: causal; else bit d says whether the key d positions back is seen, d < 64).
 // Returns [tokens, heads * head_dim].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            at::Tensor k_cache, at::Tensor v_cache,

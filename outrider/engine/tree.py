@@ -1,0 +1,127 @@
+"""Token trees: what a proposer drafts when it drafts more than one candidate per position
+(docs/DESIGN.md §8.9), and the rules every tree follows.
+
+A tree is a list of parents, one per node in topological order (a node comes after its
+parent); parent -1 is the last committed token. A chain of γ drafts is the tree
+[-1, 0, 1, ..., γ-2]: top-k 1. Attention sees a tree through one int64 bitmask per
+position, relative to the position itself (bit d: the key d positions back is seen), so a
+node sees its ancestors and itself among the 64 positions before it and the context
+further back — the same masks serve the target's verification forward and the
+proposer's drafting forwards, on the C++ kernel and the reference path.
+
+Verification walks the tree with the target's own choice at each node — its argmax, or
+its sample from p at that position's seeded uniform — and follows the child carrying that
+token, if there is one. Every node is a point mass (its token, chosen deterministically by
+the proposer), and for point-mass drafts that walk is recursive rejection sampling: the
+committed tokens are distributed as the target alone would give them, and a seeded
+request commits the very tokens the target alone would sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MASK_BITS = 64  # positions a tree mask spans
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """Top-k children per expanded node and nodes verified per round (EAGLE-2's dynamic
+    tree: each level expands the `topk` best nodes by cumulative log-probability, and the
+    `tokens` best of every node drafted are verified). top-k 1 is a chain of γ."""
+
+    topk: int = 1
+    tokens: int = 0  # 0: every node drafted (at top-k 1: γ)
+
+    def __post_init__(self) -> None:
+        if self.topk < 1 or self.tokens < 0:
+            raise ValueError("tree top-k must be >= 1 and tree tokens >= 0")
+        if self.tokens >= MASK_BITS:
+            raise ValueError(f"tree tokens must be below {MASK_BITS}")
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
+
+    def drafted(self, depth: int) -> int:
+        """Nodes drafted for a tree `depth` deep: k at the first level, k² after."""
+        if depth <= 0:
+            return 0
+        return depth if self.is_chain else self.topk + (depth - 1) * self.topk ** 2
+
+    def width(self, depth: int) -> int:
+        """Nodes verified at γ = `depth`: what a round costs the target's batch."""
+        drafted = self.drafted(depth)
+        return min(drafted, self.tokens) if self.tokens and not self.is_chain else drafted
+
+
+def chain(n: int) -> list[int]:
+    """The parents of a chain of n nodes."""
+    return list(range(-1, n - 1))
+
+
+def depths(parents: list[int]) -> list[int]:
+    """Each node's depth: 1 for a child of the committed tokens."""
+    out: list[int] = []
+    for p in parents:
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
+def tree_masks(parents: list[int]) -> list[int]:
+    """Each node's attention mask: itself, its ancestors, and everything before node 0
+    (the context), as bits d = positions back."""
+    masks: list[int] = []
+    for node, p in enumerate(parents):
+        context = ~((1 << (node + 1)) - 1) & ((1 << MASK_BITS) - 1)  # d > node
+        bits = 1 | context if p < 0 else 1 | _shifted(masks[p], node - p)
+        masks.append(_signed(bits))
+    return masks
+
+
+def _shifted(mask: int, d: int) -> int:
+    """A parent's mask seen from a node d positions after it."""
+    parent = mask & ((1 << MASK_BITS) - 1)
+    # the parent's bit e is the node's bit e + d; the d bits the shift opens at the top
+    # are further back than the parent saw: context, seen
+    top = ((1 << d) - 1) << (MASK_BITS - d) if d < MASK_BITS else (1 << MASK_BITS) - 1
+    return ((parent << d) & ((1 << MASK_BITS) - 1)) | top
+
+
+def _signed(bits: int) -> int:
+    """64 bits as the int64 a tensor holds."""
+    return bits - (1 << MASK_BITS) if bits >> (MASK_BITS - 1) else bits
+
+
+def row_tree(num_fed: int, parents: list[int]) -> tuple[list[int], list[int]]:
+    """A verification row's fed tokens (a chain) and the tree drafted after them: each new
+    position's offset from the row's first (its RoPE position less the cached length) and
+    its attention mask."""
+    whole = chain(num_fed) + [num_fed - 1 if p < 0 else num_fed + p for p in parents]
+    return [d - 1 for d in depths(whole)], tree_masks(whole)
+
+
+def first_path(parents: list[int]) -> list[int]:
+    """The path down every node's first child: a chain's every node, a tree's best guess."""
+    path, at = [], -1
+    for node, p in enumerate(parents):
+        if p == at:
+            path.append(node)
+            at = node
+    return path
+
+
+def walk(parents: list[int], tokens: list[int], choices: list[int]) -> list[int]:
+    """The accepted path (node indices, root first): from the committed tokens, follow the
+    child whose token is the target's choice at its parent. choices[0] is the target's at
+    the last committed token, choices[n + 1] at node n."""
+    children: dict[int, list[int]] = {}
+    for node, p in enumerate(parents):
+        children.setdefault(p, []).append(node)
+    path, at = [], -1
+    while True:
+        want = choices[at + 1]
+        at = next((c for c in children.get(at, ()) if tokens[c] == want), None)
+        if at is None:
+            return path
+        path.append(at)
