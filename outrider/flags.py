@@ -26,6 +26,27 @@ def add_model_server_args(p: argparse.ArgumentParser, *, host: str, port: int, d
     add_compile_arg(p)
 
 
+def add_tree_args(p: argparse.ArgumentParser) -> None:
+    """Token trees (outrider/engine/tree.py): SGLang's names beside ours."""
+    p.add_argument("--tree-topk", "--speculative-eagle-topk", type=int, default=1,
+                   help="draft a token tree: each expanded node's top-k children, the k best "
+                        "nodes grown per level, γ levels deep (1: a chain, the default; "
+                        "a draft model or an EAGLE head in the target's process)")
+    p.add_argument("--tree-tokens", "--speculative-num-draft-tokens", type=int, default=0,
+                   help="nodes of a tree the target verifies per round, the best by "
+                        "cumulative log-probability (0: every node drafted; below 64)")
+
+
+def tree_shape(args: argparse.Namespace):
+    """--tree-topk and --tree-tokens as a TreeShape; a bad pair is a usage error."""
+    from outrider.engine.tree import TreeShape
+
+    try:
+        return TreeShape(args.tree_topk, args.tree_tokens)
+    except ValueError as exc:
+        raise ValueError(f"--tree-topk/--tree-tokens: {exc}") from None
+
+
 def add_compile_arg(p: argparse.ArgumentParser, default: bool = False) -> None:
     """--compile / --no-compile (RunnerConfig.compile; the default is what measured
     faster on the demo pair, BENCHMARKS.md)."""

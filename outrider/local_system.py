@@ -44,12 +44,17 @@ class LocalSystemConfig:
     proposer: str = TargetWorkerConfig.proposer.value  # the targets' --proposer
     restarts: RestartPolicy = RestartPolicy()  # of a process that dies (outrider.launch)
     max_model_len: int | None = None  # the target's and router's (None: the model's)
+    tree_topk: int = 1                # token trees (with a head: engine/tree.py)
+    tree_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.draft and self.draft_replicas < 1:
             raise ValueError("--draft-replicas must be >= 1 with a draft model")
         if self.target_replicas < 1:
             raise ValueError("--target-replicas must be >= 1")
+        if self.tree_topk > 1 and not (self.draft and head_kind(self.draft)):
+            raise ValueError("--tree-topk > 1 needs a draft head (--draft DIR of an EAGLE "
+                             "head): draft replicas propose chains")
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,8 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                             "--max-num-seqs", str(cfg.max_num_seqs),
                             *[a for d in drafts for a in ("--draft-address", d)],
                             *(("--draft-head", head) if head else ()),
+                            "--tree-topk", str(cfg.tree_topk),
+                            "--tree-tokens", str(cfg.tree_tokens),
                             *(("--small-step-threads", str(cpus.small_step_threads))
                               if cpus else ()), *cfg.extra_target_args)
                         for i in range(cfg.target_replicas))

@@ -186,7 +186,8 @@ class TargetEngine:
         heat = self._demand_heat()
         gammas = self._choose_gammas(heat)
         # a sequence preempted and readmitted this step may fall outside the choice
-        plan = self.scheduler.schedule(lambda seq: gammas.get(seq.seq_id, 0))
+        plan = self.scheduler.schedule(lambda seq: gammas.get(seq.seq_id, 0),
+                                       self.decoder.verify_width)
         if not plan.seqs:
             return False
         self.heat = heat

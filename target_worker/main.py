@@ -20,6 +20,7 @@ from outrider.flags import (
     add_metrics_arg,
     add_model_server_args,
     add_proposer_arg,
+    add_tree_args,
     resolve_device,
 )
 from outrider.v1.worker_pb2 import DESCRIPTOR
@@ -49,6 +50,8 @@ class TargetWorkerConfig:
     auto_gamma_max: int = PolicyConfig.gamma_max  # AUTO requests' γ cap when they set none
     proposer: ProposerKind = ProposerKind.AUTO  # requests' proposer when they name none
     draft_head: str | None = None  # a head's checkpoint dir: it drafts in this process
+    tree_topk: int = 1             # token trees (engine/tree.py; 1: chains)
+    tree_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("gamma", "auto_gamma_max"):
@@ -60,6 +63,15 @@ class TargetWorkerConfig:
         if self.draft_head and self.draft_addresses:
             raise ValueError("--draft-head and --draft-address: one proposes, not both")
         PolicyConfig(MAX_GAMMA, self.hot_heat, self.cool_heat)  # validates the heats
+        if self.tree.topk > 1 and not self.draft_head:
+            raise ValueError("--tree-topk > 1 needs --draft-head: draft replicas propose "
+                             "chains")
+
+    @property
+    def tree(self):
+        from outrider.engine.tree import TreeShape
+
+        return TreeShape(self.tree_topk, self.tree_tokens)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TargetWorkerConfig:
@@ -77,7 +89,8 @@ class TargetWorkerConfig:
         return cls(runner, sched, tuple(args.draft_address), args.gamma, args.host, args.port,
                    args.draft_dist_address, args.overlap_max_seqs, args.hot_heat,
                    args.cool_heat, args.metrics_port, args.auto_gamma_max,
-                   ProposerKind.parse(args.proposer, "--proposer"), args.draft_head)
+                   ProposerKind.parse(args.proposer, "--proposer"), args.draft_head,
+                   args.tree_topk, args.tree_tokens)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,6 +120,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft round r+1 while round r verifies when at most this many "
                         "sequences speculate (0: never; it pays in small batches)")
     add_proposer_arg(p)
+    add_tree_args(p)
     p.add_argument("--tp", "--tensor-parallel-size", type=int, default=RunnerConfig.tp,
                    help="tensor-parallel degree (ranks, one process each)")
     add_model_server_args(p, host=TargetWorkerConfig.host, port=TargetWorkerConfig.port,
@@ -179,9 +193,11 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
                                         kv_cache_mb=cfg.runner.kv_cache_mb * share,
                                         prepared_rows=0), group.runner)
     proposer = ProposerMix(drafter, group.runner.vocab_size, cfg.proposer)
-    decoder = SpeculativeDecoder(group.runner, proposer, overlap_max_seqs=cfg.overlap_max_seqs)
+    decoder = SpeculativeDecoder(group.runner, proposer, overlap_max_seqs=cfg.overlap_max_seqs,
+                                 tree=cfg.tree)
     cost = measure_cost_model(group.runner, drafter, cfg.sched.max_batch_tokens)
-    policy = GammaPolicy(PolicyConfig(MAX_GAMMA, cfg.hot_heat, cfg.cool_heat), cost)
+    policy = GammaPolicy(PolicyConfig(MAX_GAMMA, cfg.hot_heat, cfg.cool_heat), cost,
+                         width=decoder.verify_width)
     metrics = TargetMetrics(group.runner.model_name)
     engine = TargetEngine(decoder, cfg.sched, policy, metrics)
     metrics.watch_load(engine.load)
@@ -213,6 +229,6 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
         stop.set()
         loop.join(timeout=10)
         group.close()
-        if drafter:
+        if cfg.draft_addresses:  # (a head in this process holds no connection)
             drafter.close()
     return Running(server, f"{cfg.host}:{bound}", [close], service)

@@ -117,6 +117,10 @@ class RemoteDrafter:
         return max((k for _, k in self._reported.values()), default=0)
 
     @property
+    def drafts_trees(self) -> bool:
+        return False  # (Propose carries chains)
+
+    @property
     def reads_target(self) -> None:
         """Draft replicas run draft models: they read tokens alone."""
         return None

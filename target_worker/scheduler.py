@@ -48,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._width: Callable[[int], int] = int  # this step's (schedule)
 
     @property
     def has_work(self) -> bool:
@@ -63,9 +64,12 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def schedule(self, gamma_for: Callable[[Sequence], int]) -> ScheduledStep:
+    def schedule(self, gamma_for: Callable[[Sequence], int],
+                 width: Callable[[int], int] | None = None) -> ScheduledStep:
         """Plan one step. A sequence's γ is never cut to fit the batch: a sequence that does
-        not fit waits a step instead, so seeded sampling does not depend on the load."""
+        not fit waits a step instead, so seeded sampling does not depend on the load.
+        `width`: the positions a round of γ verifies (a token tree's nodes; None: γ)."""
+        self._width = width or int
         step = ScheduledStep()
         budget, reserved = self.cfg.max_batch_tokens, 0
         for seq in list(self.running):
@@ -74,12 +78,12 @@ class Scheduler:
             chunk = self._chunk(seq, gamma_for(seq), budget)
             if chunk is None:
                 continue
-            need = self._fit(seq, sum(chunk), reserved)
+            need = self._fit(seq, self._tokens(chunk), reserved)
             if need is None:
                 break  # `seq` itself was preempted: nothing younger is left
             reserved += need
             self._plan(step, seq, *chunk)
-            budget -= sum(chunk)
+            budget -= self._tokens(chunk)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             self._admit_kv(seq)
@@ -88,16 +92,16 @@ class Scheduler:
             # room for this step and for the whole prompt plus a token, so an admitted
             # sequence is not preempted at once
             if chunk is None or self.blocks.blocks_needed(seq.seq_id, max(
-                    pending + 1, sum(chunk))) > self.blocks.num_free_blocks - reserved:
+                    pending + 1, self._tokens(chunk))) > self.blocks.num_free_blocks - reserved:
                 # admit in arrival order: the head waits for room, holding its cached prefix
                 # unless those blocks are room the running sequences reserved this step
                 if self.blocks.num_free_blocks < reserved:
                     self._preempt_kv(seq)
                 break
-            reserved += self.blocks.blocks_needed(seq.seq_id, sum(chunk))
+            reserved += self.blocks.blocks_needed(seq.seq_id, self._tokens(chunk))
             self.running.append(self.waiting.popleft())
             self._plan(step, seq, *chunk)
-            budget -= sum(chunk)
+            budget -= self._tokens(chunk)
         return step
 
     def _chunk(self, seq: Sequence, gamma: int, budget: int) -> tuple[int, int] | None:
@@ -105,10 +109,15 @@ class Scheduler:
         carries the draft tokens; earlier chunks stop one token short of it."""
         gamma = min(gamma, self.cfg.max_batch_tokens - 1)
         pending = len(seq.token_ids) - seq.target_len
-        if pending + gamma <= budget:
+        if pending + self._width(gamma) <= budget:
             return pending, gamma
         feed = min(pending - 1, budget)
         return (feed, 0) if feed >= 1 else None
+
+    def _tokens(self, chunk: tuple[int, int]) -> int:
+        """A (feed, γ) chunk's positions in the step."""
+        feed, gamma = chunk
+        return feed + self._width(gamma)
 
     def _fit(self, seq: Sequence, num_tokens: int, reserved: int) -> int | None:
         """Preempt younger sequences until `seq`'s step fits the KV cache. Returns the

@@ -15,6 +15,7 @@ from outrider.flags import (
     add_compile_arg,
     add_device_args,
     add_max_model_len_arg,
+    add_tree_args,
     resolve_device,
 )
 
@@ -45,6 +46,7 @@ def add_model_args(p: argparse.ArgumentParser, model_positional: bool = False) -
                    help="KV cache budget per rank, in MiB")
     add_max_model_len_arg(p)
     add_compile_arg(p)
+    add_tree_args(p)
 
 
 def add_client_tls_args(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ from outrider.cli.common import (
     client_tls,
     model_dirs,
 )
-from outrider.flags import PROPOSERS
+from outrider.flags import PROPOSERS, tree_shape
 
 
 def generate_flags(gen: argparse.ArgumentParser) -> None:
@@ -135,7 +135,8 @@ def _local_engine(args):
     draft_kv = getattr(args, "draft_kv_cache_mb", None) or args.kv_cache_mb
     return LocalEngine(LocalEngineConfig(target=runner, draft_dir=draft if args.gamma else None,
                                          draft_kv_cache_mb=draft_kv,
-                                         proposer=args.proposer or "auto"))
+                                         proposer=args.proposer or "auto",
+                                         tree=tree_shape(args)))
 
 
 def _sampling_params(args):

@@ -95,6 +95,7 @@ def cmd_serve(args) -> int:
 
 
 def _local_system_config(args):
+    from outrider.flags import tree_shape
     from outrider.local_system import LocalSystemConfig
 
     target, draft = model_dirs(args)
@@ -108,6 +109,8 @@ def _local_system_config(args):
                              prefix_caching=args.enable_prefix_caching, adapt=args.adapt,
                              dtype=args.dtype, compile=args.compile,
                              max_model_len=args.max_model_len,
+                             tree_topk=tree_shape(args).topk,
+                             tree_tokens=args.tree_tokens,
                              # --gamma 0: no speculation, so nothing proposes
                              proposer=args.proposer if args.gamma else "model")
 

@@ -15,6 +15,7 @@ hysteresis; per-request overrides (OFF, FIXED γ) always win.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
@@ -180,6 +181,8 @@ class GammaPolicy:
     steps_off: int = 0  # steps in a row that speculated for no AUTO request, not hot
     probed: list[int] = field(default_factory=list)  # the last choice's probed requests
     looked_up: list[int] = field(default_factory=list)  # ... and those given lookup rounds
+    # positions the target verifies for a round of γ (a token tree's nodes; None: γ)
+    width: Callable[[int], int] | None = None
 
     def observe_heat(self, heat: float) -> bool:
         """Hysteresis: off at hot_heat, on again only at cool_heat."""
@@ -270,7 +273,8 @@ class GammaPolicy:
         is_auto = set(auto)
         fixed_tokens = sum(r.acceptance.expected_tokens(gammas[i])
                            for i, r in enumerate(requests) if i not in is_auto)
-        base_batch = sum(1 + g for g in gammas)  # AUTO rows start at γ = 0
+        width = self.width or (lambda g: g)
+        base_batch = sum(1 + width(g) for g in gammas)  # AUTO rows start at γ = 0
         # looked-up proposals cost verification positions, not draft time
         drafted = [0 if r.draft_free else g for r, g in zip(requests, gammas)]
         base_drafts = sum(drafted)
@@ -286,7 +290,10 @@ class GammaPolicy:
         # row G: the k best gains among positions < G (largest γ G); [G, k] at once
         tops = np.arange(1, self.cfg.gamma_max + 1)[:, None]
         take = positions[None, :] < tops                       # [G, num_gains]
-        k = np.cumsum(take, axis=1)
+        # a position's batch tokens: 1 in a chain, a tree level's nodes in a tree (so
+        # a hot batch sheds trees' deep levels before speculation turns off)
+        level = np.diff([width(g) for g in range(self.cfg.gamma_max + 1)])
+        k = np.cumsum(take * level[positions][None, :], axis=1)
         k_drafted = np.cumsum(take & costly[None, :], axis=1)
         tokens = base_tokens + np.cumsum(np.where(take, gains, 0.0), axis=1)
         largest = np.maximum(fixed_max, np.maximum.accumulate(

@@ -73,6 +73,10 @@ class Drafter:
         return self.runner.model_name
 
     @property
+    def drafts_trees(self) -> bool:
+        return True
+
+    @property
     def reads_target(self) -> FeatureTap | None:
         return getattr(self.runner, "reads", None)  # a HeadRunner's
 

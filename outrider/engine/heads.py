@@ -233,9 +233,11 @@ class HeadRunner(ModelRunner):
                                    f"embedding or lm_head needs the target at tp=1")
         self.target = target
         # the target's dtype (its embedding and features meet the head's weights) and
-        # context (a head's config may say less than the target serves)
+        # context (a head's config may say less than the target serves), as far as the
+        # target's cache holds it
+        context = min(target.max_model_len, target.blocks.num_blocks * target.blocks.block_size)
         super().__init__(replace(cfg, prefix_caching=False, compile=False, tp=1,
-                                 device=target.cfg.device, max_model_len=target.max_model_len,
+                                 device=target.cfg.device, max_model_len=context,
                                  dtype=str(target.dtype).removeprefix("torch.")))
 
     def read_model_config(self) -> ModelConfig:

@@ -16,6 +16,7 @@ from outrider.engine.mix import ProposerMix
 from outrider.engine.model_config import ModelConfig
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import RequestError, SpeculativeDecoder
+from outrider.engine.tree import TreeShape
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class LocalEngineConfig:
     draft_dir: str | None = None
     draft_kv_cache_mb: float = 64.0
     proposer: str = "auto"  # ProposerKind: what proposes (no draft_dir: only the lookups)
+    tree: TreeShape | None = None  # draft token trees of this shape (None: chains)
 
 
 class LocalEngine:
@@ -41,7 +43,8 @@ class LocalEngine:
             draft = (head_proposer(draft_cfg, target) if is_head
                      else Drafter(ModelRunner(draft_cfg)))
         self.decoder = SpeculativeDecoder(target, ProposerMix(
-            draft, target.vocab_size, ProposerKind.parse(cfg.proposer, "proposer")))
+            draft, target.vocab_size, ProposerKind.parse(cfg.proposer, "proposer")),
+            tree=cfg.tree if draft is not None else None)
 
     def close(self) -> None:
         self._target_group.close()

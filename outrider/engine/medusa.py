@@ -82,6 +82,7 @@ class MedusaProposer:
     version = 0
     target_topk = 0
     reads_target = FeatureTap(normed=True)
+    drafts_trees = False  # (Medusa's static trees are not built: its heads propose chains)
 
     def version_of(self, seq_id) -> int:
         return 0

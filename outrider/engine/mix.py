@@ -184,6 +184,10 @@ class ProposerMix:
         return self.model.target_topk if self.model is not None else 0
 
     @property
+    def drafts_trees(self) -> bool:
+        return self.model is not None and self.model.drafts_trees
+
+    @property
     def reads_target(self):
         return self.model.reads_target if self.model is not None else None
 

@@ -184,6 +184,11 @@ class Proposer(Protocol):
         for a proposer of tokens alone. A head's drafts are re-made from the target's
         features once verified: it holds no more than the committed tokens."""
 
+    @property
+    def drafts_trees(self) -> bool:
+        """Whether it drafts a token tree for an item that asks (DraftItem.tree); one
+        that does not proposes chains."""
+
     def draft(self, items: list[DraftItem], device: torch.device) -> Proposal:
         """Propose now, and wait for the proposal."""
 

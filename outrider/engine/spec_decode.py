@@ -185,6 +185,10 @@ class SpeculativeDecoder:
         self.reads = drafter.reads_target if drafter is not None else None
         # a tree's drafts are chosen, not sampled: drafting ahead continues chains only
         self.tree = tree if tree is not None and not tree.is_chain else None
+        if self.tree is not None and not (drafter is not None and drafter.drafts_trees):
+            raise RequestError(f"tree top-k {tree.topk}: the proposer drafts chains only (a "
+                               f"draft model or an EAGLE head in the target's process "
+                               f"drafts trees; draft replicas and Medusa heads do not)")
         if self.tree is not None and any(target.model_config.sliding_windows):
             raise RequestError("token trees need a target without a sliding window (its "
                                "window counts positions in the tree's order)")

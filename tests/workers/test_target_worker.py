@@ -395,3 +395,46 @@ def test_closing_a_serve_stream_cancels_its_requests(cluster, target_metrics):
     _wait_idle(stub, draft)
     # the replica stopped it when the stream closed, not at its length
     assert 0 < generated_tokens(target_metrics) - before < req.max_tokens
+
+
+def test_a_replica_verifies_a_heads_trees_under_kv_pressure():
+    """The replica with the shipped EAGLE-3 head drafting trees (top-k 3, 12 nodes) in its
+    process, AUTO and FIXED requests at once in a KV cache too small for them (its
+    scheduler counts a tree's nodes, and preempted sequences recompute their features):
+    every output is the target's greedy output alone, and the rounds kept drafts."""
+    from outrider.target_worker.main import TargetWorkerConfig, start
+    from outrider.target_worker.scheduler import SchedulerConfig
+
+    from outrider.core.tokenizer import Tokenizer
+    from outrider.paths import models_dir
+
+    target_dir, head_dir = models_dir() / "demo-target", models_dir() / "demo-eagle3"
+    tokenizer = Tokenizer(target_dir)
+    texts = ["def fibonacci(n):\n", "import os\n\ndef walk(path):\n", "class Node:\n",
+             "for i in range(10):\n", "def merge_sort(xs):\n", "    return self."]
+    reqs = [request_for(i, tokenizer.encode(t), gamma=4, max_tokens=40, sampled=False)
+            for i, t in enumerate(texts)]
+    for req in reqs[::2]:
+        req.spec_mode = pb.SPEC_MODE_AUTO
+    cfg = TargetWorkerConfig(RunnerConfig(str(target_dir), dtype="float32", kv_cache_mb=0.6,
+                                          threads=1),
+                             SchedulerConfig(max_batch_tokens=96), draft_head=str(head_dir),
+                             tree_topk=3, tree_tokens=12)
+    running = start(cfg, TOKEN)
+    try:
+        with grpc.insecure_channel(running.address) as chan:
+            stub = worker_pb2_grpc.TargetStub(chan)
+            with ThreadPoolExecutor(len(reqs)) as pool:
+                chunks = list(pool.map(lambda r: list(stub.Generate(
+                    r, metadata=token_metadata(TOKEN), timeout=120)), reqs))
+        num_preemptions = running.service.engine.scheduler.num_preemptions
+    finally:
+        running.stop(0)
+    alone = SpeculativeDecoder(ModelRunner(RunnerConfig(str(target_dir), dtype="float32"))
+                               ).generate([list(r.prompt_ids) for r in reqs],
+                                          SamplingParams(max_tokens=40, ignore_eos=True), 0)
+    assert num_preemptions > 0
+    outputs = [[t for c in cs for t in c.token_ids] for cs in chunks]
+    assert outputs == [s.output_ids for s in alone]
+    accepted = sum(r.num_accepted for cs in chunks for c in cs for r in c.rounds)
+    assert accepted > 40, accepted
