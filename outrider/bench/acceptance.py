@@ -3,7 +3,11 @@ ratio c = draft forward time / target forward time for one decode token. The dra
 be a draft model or a head that reads the target's hidden states (EAGLE-3, EAGLE-1).
 
     python -m outrider.bench.acceptance [--draft DIR] [--gamma 4] [--prompts 10]
-        [--max-tokens 128] [--out results/acceptance.json] [--vllm VLLM]
+        [--max-tokens 128] [--tree-topk K --tree-tokens N] [--out results/acceptance.json]
+        [--vllm VLLM]
+
+With --tree-topk K > 1 the draft proposes token trees γ deep (engine/tree.py), and the
+same prompts run as a chain too: both rows are in the report (tree_vs_chain).
 
 With --vllm (a vLLM venv, or the command that runs its CLI: bench.versus), the same
 greedy prompts also go through `vllm serve` with the same draft (method eagle3 for a head,
@@ -40,6 +44,7 @@ from outrider.engine.drafter import Drafter
 from outrider.engine.heads import HeadRunner
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
+from outrider.flags import add_tree_args, tree_shape
 
 SETTINGS = {"greedy": dict(temperature=0.0),
             "t0.7-p0.95": dict(temperature=0.7, top_p=0.95)}
@@ -154,7 +159,9 @@ def main() -> None:
     parser.add_argument("--out", default="results/acceptance.json")
     parser.add_argument("--vllm", help="also through `vllm serve` with the same draft "
                                        "(a vLLM venv, or the command that runs its CLI)")
+    add_tree_args(parser)
     args = parser.parse_args()
+    tree = tree_shape(args)
     torch.set_num_threads(args.threads)
     if head_kind(args.draft) == "medusa":
         raise SystemExit(f"{args.draft}: Medusa heads are not measured here (EAGLE heads and "
@@ -162,7 +169,7 @@ def main() -> None:
     target = ModelRunner(RunnerConfig(args.target))
     draft = (HeadRunner(RunnerConfig(args.draft), target) if head_kind(args.draft)
              else ModelRunner(RunnerConfig(args.draft)))
-    decoder = SpeculativeDecoder(target, Drafter(draft))
+    decoder = SpeculativeDecoder(target, Drafter(draft), tree=tree)
     prompts = heldout_prompts(Tokenizer(args.target), args.prompts, args.prompt_tokens)
     report = {"provenance": provenance(),
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
@@ -172,13 +179,22 @@ def main() -> None:
                          f"--gamma {args.gamma} "
                          f"--prompts {args.prompts} --max-tokens {args.max_tokens} "
                          f"--threads {args.threads}"
+                         + (f" --tree-topk {tree.topk} --tree-tokens {tree.tokens}"
+                            if not tree.is_chain else "")
                          + (f" --vllm '{args.vllm}'" if args.vllm else ""),
+              "tree": dataclasses.asdict(tree),
               "gamma": args.gamma, "settings": {}}
     for name, sampling in SETTINGS.items():
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, **sampling)
         row = run_setting(decoder, prompts, params, args.gamma)
         row["target_only_tokens_per_s"] = run_setting(decoder, prompts, params, 0)["tokens_per_s"]
         row["speedup"] = row["tokens_per_s"] / row["target_only_tokens_per_s"]
+        if decoder.tree is not None:  # the same draft as a chain, for the tree's gain
+            chain = run_setting(SpeculativeDecoder(target, Drafter(draft)), prompts, params,
+                                args.gamma)
+            row["chain"] = chain
+            row["tree_vs_chain"] = (row["mean_accepted_tokens_per_round"]
+                                    / chain["mean_accepted_tokens_per_round"])
         report["settings"][name] = row
     target_s = decode_forward_seconds(target, args.prompt_tokens)
     tap = getattr(draft, "reads", None)

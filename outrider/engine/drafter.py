@@ -27,7 +27,7 @@ from outrider.engine.sampling import (
     processed_logits,
     sample_from_probs,
 )
-from outrider.engine.tree import TreeShape, tree_masks
+from outrider.engine.tree import tree_masks
 
 # How q leaves the drafter (docs/DESIGN.md §3). "dense" stays in-process and "dense_dist" goes
 # over a torch.distributed channel, both at full precision; "dense_fp16" rounds q to fp16
@@ -134,13 +134,17 @@ class Drafter:
         device = device or self.runner.device
         is_miss = [miss or (it.prefill_only and not done)
                    for it, miss, done in zip(items, is_miss, is_prefilled)]
-        if any(g and _is_tree(it) for it, g in zip(items, gammas)):
-            trees = self._draft_trees(items, gammas, is_prefilled)
-            return Proposal.of_rows([(tokens, None) for tokens, _ in trees], self.vocab_size,
-                                    device, parents=[parents for _, parents in trees],
-                                    is_miss=is_miss)
-        token_ids, probs = self._draft_tokens(items, gammas, is_prefilled, device)
-        return Proposal(token_ids, probs, gammas, is_miss)
+        in_trees = [i for i, (it, g) in enumerate(zip(items, gammas)) if g and _is_tree(it)]
+        chains = [0 if i in in_trees else g for i, g in enumerate(gammas)]
+        token_ids, probs = self._draft_tokens(items, chains, is_prefilled, device)
+        proposal = Proposal(token_ids, probs, chains, is_miss)
+        if in_trees:  # (their own forwards: a level feeds k nodes where a chain feeds 1)
+            trees = self._draft_trees([items[i] for i in in_trees], [gammas[i] for i in in_trees])
+            proposal = proposal.with_rows(in_trees, Proposal.of_rows(
+                [(tokens, None) for tokens, _ in trees], self.vocab_size, device,
+                parents=[parents for _, parents in trees]))
+            proposal.is_miss = is_miss
+        return proposal
 
     def _compile_grammars(self, prefilled: list[DraftItem]) -> None:
         """Constrained sequences' grammars, compiled as the draft takes in their context
@@ -303,27 +307,20 @@ class Drafter:
         return token_ids, probs_out
 
     # -- the drafting tree: γ levels of batched forwards (engine/tree.py) -------------------
-    def _draft_trees(self, items: list[DraftItem], gammas: list[int],
-                     is_prefilled: list[bool]) -> list[tuple[list[int], list[int]]]:
-        """Each item's tree (tokens, parents), EAGLE-2's way: the root's top-k children,
-        then per level the top-k nodes by cumulative log-probability each grow their
-        top-k children; the `tree.tokens` best nodes of all are kept (a child scores no
-        more than its parent, so they form a tree). A constrained item drafts a chain
-        under its grammar. Its KV keeps the committed tokens alone."""
+    def _draft_trees(self, items: list[DraftItem],
+                     gammas: list[int]) -> list[tuple[list[int], list[int]]]:
+        """Each item's tree (tokens, parents), γ levels deep, EAGLE-2's way around the
+        draft's greedy chain (_Growth). Its KV keeps the committed tokens alone."""
         blocks = self.runner.blocks
-        prefills = [ForwardRequest(it.new_token_ids, it.committed_len,
-                                   blocks.block_table(it.seq_id), 0, it.features)
-                    for it, done in zip(items, is_prefilled) if done]
-        grow = {i: _Growth(it, gammas[i]) for i, it in enumerate(items) if gammas[i]}
+        grow = {i: _Growth(it) for i, it in enumerate(items)}
         reads = self.reads_target is not None
         for level in range(max(gammas)):
-            rows = [i for i, g in grow.items() if g.frontier or level == 0]
-            rows = [i for i in rows if level < gammas[i]]
+            rows = [i for i, g in grow.items() if (g.frontier or level == 0) and level < gammas[i]]
             if not rows:
                 break
             requests = [grow[i].request(blocks.block_table(items[i].seq_id), level)
                         for i in rows]
-            logits = self.runner.forward(requests + (prefills if level == 0 else []))
+            logits = self.runner.forward(requests)
             hidden = self.runner.model.hidden_out if reads else None  # [logit rows, hidden]
             offset = 0
             for i in rows:
@@ -337,13 +334,9 @@ class Drafter:
                                      None if hidden is None else hidden[offset:offset + n],
                                      frozenset(it.params.held_back_ids), level + 1 < gammas[i])
                 offset += n
-        out = []
-        for i, it in enumerate(items):
-            if i in grow:
-                blocks.rollback(it.seq_id, len(self.token_ids[it.seq_id]))
-            out.append(grow[i].tree() if i in grow else ([], []))
-            gammas[i] = len(out[-1][0])
-        return out
+        for it in items:
+            blocks.rollback(it.seq_id, len(self.token_ids[it.seq_id]))
+        return [grow[i].tree() for i in range(len(items))]
 
     def _histories(self, items: list[DraftItem], rows: list[int],
                    drafted: list[list[int]]) -> list[History] | None:
@@ -387,15 +380,14 @@ class _Growth:
     feature its children read), the frontier fed to the next level, and how many nodes
     the draft's KV holds after the committed tokens."""
 
-    def __init__(self, item: DraftItem, depth: int) -> None:
-        self.item, self.depth = item, depth
-        shape = item.tree if item.params.structured_output is None else TreeShape(1)
-        self.shape = shape or TreeShape(1)
+    def __init__(self, item: DraftItem) -> None:
+        self.item, self.shape = item, item.tree
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.scores: list[float] = []
         self.features: list[torch.Tensor | None] = []
         self.frontier: list[int] = []  # nodes fed at the next level
+        self.chain: list[int] = []      # the greedy chain's nodes (top-1 of top-1 ...)
         self.fed: list[int] = []        # nodes in the KV, in order
         self.base = item.committed_len + len(item.new_token_ids)
 
@@ -436,27 +428,36 @@ class _Growth:
     def add_children(self, logprobs: torch.Tensor, hidden: torch.Tensor | None,
                      stops: frozenset, grows_on: bool) -> None:
         """logprobs [len(expanding), vocab]: each expanding node's top-k children; then the
-        next frontier, the top-k new nodes by cumulative log-prob that may grow."""
+        next frontier: the greedy chain's newest node and the k - 1 other best new nodes
+        by cumulative log-prob that may grow."""
         k = self.shape.topk
         top = logprobs.topk(k, dim=-1)
         first_new = len(self.tokens)
         for row, parent in enumerate(self.expanding()):
             base = 0.0 if parent < 0 else self.scores[parent]
+            if parent == (self.chain[-1] if self.chain else -1):
+                self.chain.append(len(self.tokens))  # its top-1 child: the chain goes on
             for lp, token in zip(top.values[row].tolist(), top.indices[row].tolist()):
                 self.tokens.append(token)
                 self.parents.append(parent)
                 self.scores.append(base + lp)
                 self.features.append(None if hidden is None else hidden[row])
         new = [n for n in range(first_new, len(self.tokens)) if self.tokens[n] not in stops]
-        new.sort(key=lambda n: -self.scores[n])
-        self.frontier = new[:k] if grows_on else []
-        self.frontier.sort()
+        tip = [n for n in new if n == self.chain[-1]]
+        others = sorted((n for n in new if n not in tip), key=lambda n: -self.scores[n])
+        self.frontier = sorted(tip + others[:k - len(tip)]) if grows_on else []
 
     def tree(self) -> tuple[list[int], list[int]]:
-        """The kept nodes (the `tokens` best; all at top-k 1) re-indexed in order."""
+        """The kept nodes re-indexed in order: all at top-k 1; else the greedy chain (the
+        draft's own chain, so a tree keeps what its chain would) and the best others by
+        cumulative log-prob, `tokens` in all (a child scores no more than its parent, so
+        they form a tree)."""
         keep = range(len(self.tokens))
         if self.shape.tokens and not self.shape.is_chain:
-            keep = sorted(sorted(keep, key=lambda n: (-self.scores[n], n))[:self.shape.tokens])
+            chain = self.chain[:self.shape.tokens]
+            others = sorted((n for n in keep if n not in chain),
+                            key=lambda n: (-self.scores[n], n))
+            keep = sorted(chain + others[:self.shape.tokens - len(chain)])
         index = {node: k for k, node in enumerate(keep)}
         return ([self.tokens[n] for n in keep],
                 [-1 if self.parents[n] < 0 else index[self.parents[n]] for n in keep])

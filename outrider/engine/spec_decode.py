@@ -54,7 +54,6 @@ from outrider.engine.sampling import (
     position_uniforms,
     probs_of,
     processed_logits,
-    sample_from_probs,
     token_logprobs,
 )
 from outrider.engine.tree import TreeShape, chain, depths, row_tree, walk
@@ -504,7 +503,10 @@ class SpeculativeDecoder:
                          traceparent=seq.traceparent if start == 0 else "",
                          prompt_len=seq.prompt_len, teacher=teacher,
                          proposer=seq.round_proposer or seq.proposer,
-                         forced=forced, features=features, tree=self.tree)
+                         forced=forced, features=features,
+                         # greedy requests' drafts are trees: a sampled request's chain
+                         # carries its q, which a tree of chosen nodes cannot
+                         tree=self.tree if seq.params.is_greedy and not forced else None)
 
     def _forced(self, seq: Sequence, gamma: int, drafts: list[int]) -> list[int]:
         """What a constrained sequence's grammar forces after its tokens + `drafts`: free
@@ -622,49 +624,42 @@ class SpeculativeDecoder:
             if any(r.seq.params.structured_output for r in ready):
                 step.mask_s = time.perf_counter() - begun
         processed = processed_logits(step.logits, params, histories)  # [sum(γ_i + 1), vocab]
-        if step.has_trees:
-            return self._walk_trees(step, ready, processed, params, width), processed
         if all(r.seq.params.is_greedy for r in ready):
             argmax = _pad_rows(processed.argmax(-1), num_rows, width)  # [n, width]
-            return greedy_verify(argmax, draft_ids[index], num_verified), processed
-        draft_probs = step.draft_probs  # None: every proposal is a point mass
-        if draft_probs is None:
-            draft_probs = dense_draft_probs(draft_ids, self.target.vocab_size)
-        target_probs = _pad_rows(probs_of(processed, params), num_rows, width)
-        positions = [[len(r.seq.token_ids) + j for j in range(width)] for r in ready]
-        seeds = [r.seq.seed for r in ready]
-        result = rejection_sample(
-            target_probs, draft_ids[index], draft_probs[index], num_verified,
-            position_uniforms(seeds, [p[:-1] for p in positions], STREAM_ACCEPT),
-            position_uniforms(seeds, positions, STREAM_SAMPLE))
+            result = greedy_verify(argmax, draft_ids[index], num_verified)
+        else:
+            draft_probs = step.draft_probs  # None: every proposal is a point mass
+            if draft_probs is None:
+                draft_probs = dense_draft_probs(draft_ids, self.target.vocab_size)
+            target_probs = _pad_rows(probs_of(processed, params), num_rows, width)
+            positions = [[len(r.seq.token_ids) + j for j in range(width)] for r in ready]
+            seeds = [r.seq.seed for r in ready]
+            result = rejection_sample(
+                target_probs, draft_ids[index], draft_probs[index], num_verified,
+                position_uniforms(seeds, [p[:-1] for p in positions], STREAM_ACCEPT),
+                position_uniforms(seeds, positions, STREAM_SAMPLE))
+        if step.has_trees:  # (those rows' chain reading above means nothing)
+            self._walk_trees(step, ready, processed, result)
         return result, processed
 
     @staticmethod
     def _walk_trees(step: Step, ready: list[Row], processed: torch.Tensor,
-                    params: list[SamplingParams], width: int) -> RejectionResult:
-        """Verification of trees (engine/tree.py): the target's choice at every row — its
-        argmax, or its sample at the row's position with the seeded uniform plain
-        decoding would use there —, then each row's walk down the children that match."""
-        choices = processed.argmax(-1)  # [sum(γ_i + 1)]
-        sampled = [k for k, p in enumerate(params) if not p.is_greedy]
-        if sampled:
-            rows = [(r, d) for r in ready for d in [0, *depths(r.parents or chain(r.gamma))]]
-            uniforms = position_uniforms([rows[k][0].seq.seed for k in sampled],
-                                         [len(rows[k][0].seq.token_ids) + rows[k][1]
-                                          for k in sampled], STREAM_SAMPLE)
-            choices[sampled] = sample_from_probs(
-                probs_of(processed[sampled], [params[k] for k in sampled]), uniforms)
-        choices_of = iter(choices.tolist())
-        token_ids = torch.full((len(ready), width), -1, dtype=torch.long)
-        accepted = []
+                    result: RejectionResult) -> None:
+        """Verification of the rows whose proposals are trees (engine/tree.py; greedy
+        requests'): the target's argmax at every node, and the walk down the children
+        that carry it. Every node is a point mass, so this is what rejection sampling
+        gives them: the accepted path and the target's token after it."""
+        offsets = [0, *itertools.accumulate(r.gamma + 1 for r in ready)]
+        argmax = processed.argmax(-1).tolist()  # [sum(γ_i + 1)]
         for k, r in enumerate(ready):
-            mine = [next(choices_of) for _ in range(r.gamma + 1)]
-            drafts = step.drafts[r.index]
-            r.path = walk(r.parents or chain(r.gamma), drafts, mine)
+            if r.parents is None or r.parents == chain(r.gamma):
+                continue
+            mine, drafts = argmax[offsets[k]:offsets[k + 1]], step.drafts[r.index]
+            r.path = walk(r.parents, drafts, mine)
             emitted = [drafts[n] for n in r.path] + [mine[r.verified_row(len(r.path))]]
-            token_ids[k, :len(emitted)] = torch.tensor(emitted)
-            accepted.append(len(r.path))
-        return RejectionResult(token_ids, torch.tensor(accepted, dtype=torch.long))
+            result.token_ids[k] = -1
+            result.token_ids[k, :len(emitted)] = torch.tensor(emitted)
+            result.num_accepted[k] = len(r.path)
 
     def _histories(self, row: Row, drafted: list[int]) -> list[History]:
         """Its verification rows' histories: row j follows the round's drafted[:j] (in a

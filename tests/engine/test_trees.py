@@ -1,9 +1,7 @@
 """Token trees (outrider/engine/tree.py, docs/DESIGN.md §8.9): the masks and the walk,
-then trees drafted by a draft model and by an EAGLE head and verified by the target in
-one forward: greedy output is the target's alone, and a seeded sample is the very sample
-the target alone draws (every node is a point mass, and the walk follows the target's
-own choice), with penalties that read each node's own path. The distribution grid's tree
-case is in test_spec_distribution.py."""
+then trees drafted by a draft model and by an EAGLE head for greedy requests and verified
+by the target in one forward: output is the target's alone, and sampled requests beside
+them keep the chains their q needs."""
 
 from __future__ import annotations
 
@@ -125,7 +123,7 @@ def test_greedy_trees_give_the_target_alone(kind, shape, demo):
 
     def noted(step_, ready, *args):
         out = step(step_, ready, *args)
-        off_first_child.extend(any(n > d for d, n in enumerate(r.path)) for r in ready)
+        off_first_child.extend(any(n > d for d, n in enumerate(r.path or [])) for r in ready)
         return out
     decoder._walk_trees = noted
     for _ in range(2):
@@ -137,24 +135,28 @@ def test_greedy_trees_give_the_target_alone(kind, shape, demo):
 
 
 @pytest.mark.parametrize("kind", ["draft", "head"])
-def test_a_seeded_sample_through_a_tree_is_the_targets_own(kind, demo):
-    """Sampled with truncation and penalties that read every node's own path: each
-    sequence commits the tokens the target alone samples with its seed, and its
+def test_sampled_requests_beside_trees_keep_their_chains(kind, demo):
+    """Greedy and sampled requests in one batch: the greedy ones draft trees and give the
+    target's output; the sampled ones (truncation, penalties, logprobs) draft chains
+    with their q, exactly as in a replica without trees: the same seeded tokens and
     logprobs."""
-    params = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=11 + i,
-                             repetition_penalty=1.2, presence_penalty=0.4, logprobs=2,
-                             ignore_eos=True) for i in range(len(CODE))]
     target, prompts, models = demo
-    alone = SpeculativeDecoder(target).generate(prompts, params, gamma=0)
+    sampled = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=11 + i,
+                              repetition_penalty=1.2, presence_penalty=0.4, logprobs=2,
+                              ignore_eos=True) for i in range(len(prompts))]
+    greedy = [SamplingParams(max_tokens=20, ignore_eos=True)] * len(prompts)
+    chains = SpeculativeDecoder(target, proposer(kind, target, models)).generate(
+        prompts, sampled, gamma=4)
+    alone = SpeculativeDecoder(target).generate(prompts, greedy, gamma=0)
     decoder = SpeculativeDecoder(target, proposer(kind, target, models),
                                  tree=TreeShape(3, 12))
-    out = decoder.generate(prompts, params, gamma=4)
-    assert [s.output_ids for s in out] == [s.output_ids for s in alone]
-    for s, a in zip(out, alone):
-        assert [lp.token_id for lp in s.logprobs] == [lp.token_id for lp in a.logprobs]
+    out = decoder.generate(prompts * 2, sampled + greedy, gamma=4)
+    assert [s.output_ids for s in out] == [s.output_ids for s in chains + alone]
+    for s, c in zip(out, chains):
         assert [lp.logprob for lp in s.logprobs] == pytest.approx(
-            [lp.logprob for lp in a.logprobs], abs=1e-4)
-    assert sum(s.stats.num_accepted_tokens for s in out) > 0
+            [lp.logprob for lp in c.logprobs], abs=1e-4)
+    assert all(s.stats.num_accepted_tokens > 0 for s in out)
+    assert target.blocks.num_used_blocks == 0
 
 
 def test_trees_are_refused_for_a_sliding_window_target(tmp_path, llama_dir, draft_dir):
