@@ -24,6 +24,7 @@ Systems, each measured at every concurrency level:
                     is measured against, with the same γ and with none
   outrider-head     `outrider serve --draft HEAD`: a draft head (EAGLE-3) in the target's
                     process, the γ policy
+  outrider-head-tree  the same with token trees (--tree-topk, --tree-tokens)
   vllm-draftN       `vllm serve` with the draft model, N speculative tokens
   vllm-eagle3       `vllm serve` with the same head (method eagle3), --gamma tokens
   vllm              `vllm serve`, no speculation
@@ -58,6 +59,7 @@ from outrider.launch import free_port
 SERVED_NAME = "demo-target"
 # outrider-* systems that need a server of their own (the others are request modes)
 SERVER_FLAGS = {"outrider-compiled": ("--compile",)}  # `outrider serve --compile`, AUTO
+HEADS = ("outrider-head", "outrider-head-tree")  # servers with the head in the target
 DEFAULT_OUT = "results/versus.json"
 PACKAGES = ("fastapi", "starlette", "pydantic", "jinja2", "yaml", "redis", "uvicorn",
             "opentelemetry", "prometheus_client", "tqdm", "safetensors", "tokenizers")
@@ -287,7 +289,7 @@ def server_groups(systems: list[str]) -> list[list[str]]:
     on its own."""
     groups: dict[object, list[str]] = {}
     for system in systems:
-        key = (("outrider", SERVER_FLAGS.get(system, ()), system == "outrider-head")
+        key = (("outrider", SERVER_FLAGS.get(system, ()), system if system in HEADS else "")
                if system.startswith("outrider") else system)
         groups.setdefault(key, []).append(system)
     return list(groups.values())
@@ -301,8 +303,10 @@ def run_round(args, groups: list[list[str]], prompts_files: dict[int, Path], pro
         if group[0].startswith("engine"):
             results[group[0]] = measure_engine(args, group[0], prompt_ids, levels)
             continue
-        head = args.head if group[0] == "outrider-head" else None
-        server = (outrider_server(args, SERVER_FLAGS.get(group[0], ()), head)
+        head = args.head if group[0] in HEADS else None
+        tree = (("--tree-topk", str(args.tree_topk), "--tree-tokens", str(args.tree_tokens))
+                if group[0] == "outrider-head-tree" else ())
+        server = (outrider_server(args, (*SERVER_FLAGS.get(group[0], ()), *tree), head)
                   if group[0].startswith("outrider") else vllm_server(args, group[0]))
         with server as (url, engines):
             for name in group:
@@ -521,6 +525,8 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
                         help="γ of FIXED, the engine and vLLM's draft (and the server's default)")
     parser.add_argument("--head", default=str(paths.demo_head_dir()),
                         help="the draft head (EAGLE-3) of outrider-head and vllm-eagle3")
+    parser.add_argument("--tree-topk", type=int, default=3, help="outrider-head-tree's")
+    parser.add_argument("--tree-tokens", type=int, default=16, help="outrider-head-tree's")
     parser.add_argument("--rounds", type=int, default=2,
                         help="runs of every level, the systems' order reversed each time")
     parser.add_argument("--requests-per-stream", type=int, default=4,

@@ -24,8 +24,10 @@ from outrider.engine.sampling import (
     STREAM_DRAFT,
     logits_to_probs,
     position_uniforms,
+    probs_of,
     processed_logits,
     sample_from_probs,
+    sibling_stream,
 )
 from outrider.engine.tree import tree_masks
 
@@ -141,8 +143,8 @@ class Drafter:
         if in_trees:  # (their own forwards: a level feeds k nodes where a chain feeds 1)
             trees = self._draft_trees([items[i] for i in in_trees], [gammas[i] for i in in_trees])
             proposal = proposal.with_rows(in_trees, Proposal.of_rows(
-                [(tokens, None) for tokens, _ in trees], self.vocab_size, device,
-                parents=[parents for _, parents in trees]))
+                [(tokens, q) for tokens, _, q in trees], self.vocab_size, device,
+                parents=[parents for _, parents, _ in trees]))
             proposal.is_miss = is_miss
         return proposal
 
@@ -307,10 +309,11 @@ class Drafter:
         return token_ids, probs_out
 
     # -- the drafting tree: γ levels of batched forwards (engine/tree.py) -------------------
-    def _draft_trees(self, items: list[DraftItem],
-                     gammas: list[int]) -> list[tuple[list[int], list[int]]]:
-        """Each item's tree (tokens, parents), γ levels deep, EAGLE-2's way around the
-        draft's greedy chain (_Growth). Its KV keeps the committed tokens alone."""
+    def _draft_trees(self, items: list[DraftItem], gammas: list[int]
+                     ) -> list[tuple[list[int], list[int], torch.Tensor | None]]:
+        """Each item's tree (tokens, parents, and for a sampled item the q each node was
+        drawn from [nodes, vocab]), γ levels deep, EAGLE-2's way around the draft's own
+        chain (_Growth). Its KV keeps the committed tokens alone."""
         blocks = self.runner.blocks
         grow = {i: _Growth(it) for i, it in enumerate(items)}
         reads = self.reads_target is not None
@@ -330,7 +333,8 @@ class Drafter:
                              grow[i].expanding()] if it.params.reads_history else None
                 processed = processed_logits(logits[offset:offset + n],
                                              [it.params] * n, histories)
-                grow[i].add_children(processed.float().log_softmax(-1),
+                grow[i].add_children(*_children(processed, it, grow[i].base + level,
+                                                grow[i].shape.topk),
                                      None if hidden is None else hidden[offset:offset + n],
                                      frozenset(it.params.held_back_ids), level + 1 < gammas[i])
                 offset += n
@@ -389,6 +393,7 @@ class _Growth:
         self.frontier: list[int] = []  # nodes fed at the next level
         self.chain: list[int] = []      # the greedy chain's nodes (top-1 of top-1 ...)
         self.fed: list[int] = []        # nodes in the KV, in order
+        self.qs: list[torch.Tensor | None] = []  # what each was drawn from (sampled)
         self.base = item.committed_len + len(item.new_token_ids)
 
     def request(self, block_table: list[int], level: int) -> ForwardRequest:
@@ -425,42 +430,79 @@ class _Growth:
         frontier just fed."""
         return [-1] if not self.fed and not self.tokens else self.frontier
 
-    def add_children(self, logprobs: torch.Tensor, hidden: torch.Tensor | None,
-                     stops: frozenset, grows_on: bool) -> None:
-        """logprobs [len(expanding), vocab]: each expanding node's top-k children; then the
-        next frontier: the greedy chain's newest node and the k - 1 other best new nodes
-        by cumulative log-prob that may grow."""
+    def add_children(self, children: list[list[tuple[int, float]]], q: torch.Tensor | None,
+                     hidden: torch.Tensor | None, stops: frozenset, grows_on: bool) -> None:
+        """Each expanding node's children (token, log-prob), in order (q [len(expanding),
+        vocab]: the distribution a sampled item's were drawn from); then the next
+        frontier: the chain's newest node (every first child's) and the k - 1 other best
+        new nodes by cumulative log-prob that may grow."""
         k = self.shape.topk
-        top = logprobs.topk(k, dim=-1)
         first_new = len(self.tokens)
         for row, parent in enumerate(self.expanding()):
             base = 0.0 if parent < 0 else self.scores[parent]
             if parent == (self.chain[-1] if self.chain else -1):
-                self.chain.append(len(self.tokens))  # its top-1 child: the chain goes on
-            for lp, token in zip(top.values[row].tolist(), top.indices[row].tolist()):
+                self.chain.append(len(self.tokens))  # its first child: the chain goes on
+            for token, lp in children[row]:
                 self.tokens.append(token)
                 self.parents.append(parent)
                 self.scores.append(base + lp)
                 self.features.append(None if hidden is None else hidden[row])
+                self.qs.append(None if q is None else q[row])
         new = [n for n in range(first_new, len(self.tokens)) if self.tokens[n] not in stops]
         tip = [n for n in new if n == self.chain[-1]]
         others = sorted((n for n in new if n not in tip), key=lambda n: -self.scores[n])
         self.frontier = sorted(tip + others[:k - len(tip)]) if grows_on else []
 
-    def tree(self) -> tuple[list[int], list[int]]:
-        """The kept nodes re-indexed in order: all at top-k 1; else the greedy chain (the
-        draft's own chain, so a tree keeps what its chain would) and the best others by
-        cumulative log-prob, `tokens` in all (a child scores no more than its parent, so
-        they form a tree)."""
-        keep = range(len(self.tokens))
-        if self.shape.tokens and not self.shape.is_chain:
-            chain = self.chain[:self.shape.tokens]
-            others = sorted((n for n in keep if n not in chain),
-                            key=lambda n: (-self.scores[n], n))
-            keep = sorted(chain + others[:self.shape.tokens - len(chain)])
+    def tree(self) -> tuple[list[int], list[int], torch.Tensor | None]:
+        """The kept nodes re-indexed in order, and their q (sampled): all of them, or the
+        chain (the draft's own, so a tree keeps what its chain would) and the best
+        others by cumulative log-prob, `tokens` in all. A node is kept only after its
+        parent and the siblings drawn before it: siblings are a draw without
+        replacement, which verification needs whole from the first."""
+        keep = list(range(len(self.tokens)))
+        if self.shape.tokens and len(keep) > self.shape.tokens:
+            kept = set(self.chain[:self.shape.tokens])
+            ranked = sorted((n for n in keep if n not in kept), key=lambda n: (-self.scores[n], n))
+            while len(kept) < self.shape.tokens:
+                n = next((n for n in ranked if n not in kept and self._may_keep(n, kept)), None)
+                if n is None:
+                    break
+                kept.add(n)
+            keep = sorted(kept)
         index = {node: k for k, node in enumerate(keep)}
+        qs = torch.stack([self.qs[n] for n in keep]) if keep and self.qs[0] is not None else None
         return ([self.tokens[n] for n in keep],
-                [-1 if self.parents[n] < 0 else index[self.parents[n]] for n in keep])
+                [-1 if self.parents[n] < 0 else index[self.parents[n]] for n in keep], qs)
+
+    def _may_keep(self, node: int, kept: set[int]) -> bool:
+        """Its parent is kept, and the sibling drawn just before it."""
+        parent = self.parents[node]
+        before = next((m for m in range(node - 1, -1, -1) if self.parents[m] == parent), None)
+        return (parent < 0 or parent in kept) and (before is None or before in kept)
+
+
+def _children(processed: torch.Tensor, item: DraftItem, position: int,
+              k: int) -> tuple[list[list[tuple[int, float]]], torch.Tensor | None]:
+    """Each row's k children (token, log q) and, sampled, q [rows, vocab]: a greedy
+    item's top-k; a sampled item's k draws from q without replacement, each with the
+    seeded uniform of its position and place (the first: the chain's own draw)."""
+    logprobs = processed.float().log_softmax(-1)  # [rows, vocab]
+    if item.params.is_greedy:
+        top = logprobs.topk(k, dim=-1)
+        return [list(zip(ids, lps)) for ids, lps in zip(top.indices.tolist(),
+                                                       top.values.tolist())], None
+    q = probs_of(processed, [item.params] * len(processed))
+    left, drawn = q.clone(), []
+    for j in range(k):
+        if not bool((left.sum(-1) > 0).all()):
+            break
+        u = position_uniforms([item.seed] * len(q), [position] * len(q),
+                              sibling_stream(STREAM_DRAFT, j))
+        drawn.append(sample_from_probs(left, u))
+        left.scatter_(-1, drawn[-1][:, None], 0.0)
+    ids = torch.stack(drawn, -1) if drawn else torch.zeros(len(q), 0, dtype=torch.long)
+    lps = logprobs.gather(-1, ids)
+    return [list(zip(i, lp)) for i, lp in zip(ids.tolist(), lps.tolist())], q
 
 
 def _as_sent(probs: torch.Tensor, q_formats: list[str]) -> torch.Tensor:

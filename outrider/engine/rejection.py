@@ -101,3 +101,47 @@ def dense_draft_probs(draft_token_ids: torch.Tensor, vocab: int,
     if sparse_ids is None:
         return q.scatter_(-1, draft_token_ids.clamp(0, vocab - 1).unsqueeze(-1), 1.0)
     return q.scatter_add_(-1, sparse_ids.long(), sparse_probs.float())
+
+
+def tree_rejection_sample(
+    parents: list[int],            # [n] each node's parent (-1: the committed tokens)
+    tokens: list[int],             # [n] each node's token
+    target_probs: torch.Tensor,    # [n + 1, vocab] p at the committed tokens', then each node's row
+    draft_probs: torch.Tensor,     # [n, vocab] the q each node was drawn from (its parent's)
+    accept_uniforms: torch.Tensor,  # [depth + 1, children] in [0, 1): per depth, per sibling
+    sample_uniforms: torch.Tensor,  # [depth + 1] in [0, 1)
+) -> tuple[list[int], int]:
+    """Recursive rejection sampling down a token tree whose siblings are draws without
+    replacement from their parent's q (engine/tree.py). At a node, its children are
+    tested in the order drawn: child x is accepted with probability min(1, p(x)/q(x));
+    on a rejection p becomes norm(max(p - q, 0)) and q loses x (renormalised), and the
+    next child is tested; when none is accepted the token is drawn from what p has
+    become, and the walk ends there (at a leaf: from p itself, the bonus token). Returns
+    (the accepted nodes, root first; the final token). The committed tokens follow the
+    target's distribution exactly."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    path, node = [], -1
+    while True:
+        depth = len(path)
+        p = target_probs[node + 1].double()
+        kids = children.get(node, [])
+        q = draft_probs[kids[0]].double().clone() if kids else None
+        accepted = None
+        for j, child in enumerate(kids):
+            x = tokens[child]
+            if float(accept_uniforms[depth, j]) * float(q[x]) < float(p[x]):
+                accepted = child
+                break
+            residual = (p - q).clamp(min=0)
+            p = residual / residual.sum() if residual.sum() > 0 else p
+            q[x] = 0.0
+            if q.sum() <= 0:
+                break
+            q = q / q.sum()
+        if accepted is None:
+            final = sample_from_probs(p[None], sample_uniforms[depth:depth + 1])
+            return path, int(final[0])
+        path.append(accepted)
+        node = accepted

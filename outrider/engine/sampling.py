@@ -261,6 +261,12 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
 # -- position-keyed randomness -----------------------------------------------------------------
 
 STREAM_DRAFT, STREAM_ACCEPT, STREAM_SAMPLE = 1, 2, 3
+
+
+def sibling_stream(stream: int, j: int) -> int:
+    """A token tree's: the stream of the j-th child drawn (or tested) at a position; the
+    first child's is the chain's own."""
+    return stream + 16 * j
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 

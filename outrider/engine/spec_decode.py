@@ -23,6 +23,7 @@ sample a seed gives is not, and seeded output must not depend on the load.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import secrets
 import time
@@ -46,6 +47,7 @@ from outrider.engine.rejection import (
     dense_draft_probs,
     greedy_verify,
     rejection_sample,
+    tree_rejection_sample,
 )
 from outrider.engine.runner import ForwardRequest, ModelRunner
 from outrider.engine.sampling import (
@@ -54,6 +56,7 @@ from outrider.engine.sampling import (
     position_uniforms,
     probs_of,
     processed_logits,
+    sibling_stream,
     token_logprobs,
 )
 from outrider.engine.tree import TreeShape, chain, depths, row_tree, walk
@@ -504,9 +507,8 @@ class SpeculativeDecoder:
                          prompt_len=seq.prompt_len, teacher=teacher,
                          proposer=seq.round_proposer or seq.proposer,
                          forced=forced, features=features,
-                         # greedy requests' drafts are trees: a sampled request's chain
-                         # carries its q, which a tree of chosen nodes cannot
-                         tree=self.tree if seq.params.is_greedy and not forced else None)
+                         # (a grammar's rows are masked along a chain)
+                         tree=self.tree if seq.params.structured_output is None else None)
 
     def _forced(self, seq: Sequence, gamma: int, drafts: list[int]) -> list[int]:
         """What a constrained sequence's grammar forces after its tokens + `drafts`: free
@@ -639,24 +641,31 @@ class SpeculativeDecoder:
                 position_uniforms(seeds, [p[:-1] for p in positions], STREAM_ACCEPT),
                 position_uniforms(seeds, positions, STREAM_SAMPLE))
         if step.has_trees:  # (those rows' chain reading above means nothing)
-            self._walk_trees(step, ready, processed, result)
+            self._walk_trees(step, ready, processed, params, result)
         return result, processed
 
     @staticmethod
     def _walk_trees(step: Step, ready: list[Row], processed: torch.Tensor,
-                    result: RejectionResult) -> None:
-        """Verification of the rows whose proposals are trees (engine/tree.py; greedy
-        requests'): the target's argmax at every node, and the walk down the children
-        that carry it. Every node is a point mass, so this is what rejection sampling
-        gives them: the accepted path and the target's token after it."""
+                    params: list[SamplingParams], result: RejectionResult) -> None:
+        """Verification of the rows whose proposals are trees (engine/tree.py): a greedy
+        row walks down the children carrying the target's argmax (its nodes are point
+        masses: this is rejection sampling for them); a sampled row's siblings are draws
+        without replacement from their parent's q, verified by recursive rejection
+        sampling with the seeded uniforms of each position and sibling."""
         offsets = [0, *itertools.accumulate(r.gamma + 1 for r in ready)]
         argmax = processed.argmax(-1).tolist()  # [sum(γ_i + 1)]
         for k, r in enumerate(ready):
             if r.parents is None or r.parents == chain(r.gamma):
                 continue
-            mine, drafts = argmax[offsets[k]:offsets[k + 1]], step.drafts[r.index]
-            r.path = walk(r.parents, drafts, mine)
-            emitted = [drafts[n] for n in r.path] + [mine[r.verified_row(len(r.path))]]
+            rows, drafts = slice(offsets[k], offsets[k + 1]), step.drafts[r.index]
+            if r.seq.params.is_greedy:
+                mine = argmax[rows]
+                r.path = walk(r.parents, drafts, mine)
+                final = mine[r.verified_row(len(r.path))]
+            else:
+                r.path, final = _sample_tree(r, drafts, probs_of(processed[rows], params[rows]),
+                                             step.draft_probs[r.index, :r.gamma])
+            emitted = [drafts[n] for n in r.path] + [final]
             result.token_ids[k] = -1
             result.token_ids[k, :len(emitted)] = torch.tensor(emitted)
             result.num_accepted[k] = len(r.path)
@@ -769,6 +778,20 @@ class SpeculativeDecoder:
             first = len(r.seq.token_ids) - len(r.committed)
             r.seq.teacher += [(first + j, tuple(next(ids)), tuple(next(logprobs)))
                               for j in range(len(r.committed))]
+
+
+def _sample_tree(row: Row, drafts: list[int], target_probs: torch.Tensor,
+                 draft_probs: torch.Tensor) -> tuple[list[int], int]:
+    """A sampled row's tree: target_probs [γ + 1, vocab], draft_probs [γ, vocab]."""
+    seq, depth = row.seq, row.depth
+    positions = [len(seq.token_ids) + d for d in range(depth + 1)]
+    width = max(collections.Counter(row.parents).values())
+    accept = torch.stack([position_uniforms([seq.seed], [positions],
+                                            sibling_stream(STREAM_ACCEPT, j))[0]
+                          for j in range(width)], -1)  # [depth + 1, siblings]
+    sample = position_uniforms([seq.seed], [positions], STREAM_SAMPLE)[0]
+    return tree_rejection_sample(row.parents, drafts, target_probs,
+                                 draft_probs, accept, sample)
 
 
 def _round_of(row: Row, num_accepted: int, num_committed: int) -> Round:

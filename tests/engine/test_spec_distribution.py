@@ -50,6 +50,7 @@ from outrider.engine.heads import head_proposer
 from outrider.engine.mix import ProposerMix
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
+from outrider.engine.tree import TreeShape
 from tests.checkpoints import perturbed_copy, save_random_head, save_random_medusa
 from tests.toolchain import needs_compiler
 
@@ -442,3 +443,29 @@ def target_like_medusa(head_dir, llama_dir):
     save_file(tensors, str(head_dir / "model.safetensors"))
     return head_dir
 
+
+# -- token trees (outrider/engine/tree.py) --------------------------------------------------
+
+TREE_GAMMA = 4
+
+
+@pytest.mark.slow
+def test_tree_speculative_sampling_matches_target_distribution(samples, close_draft_dir):
+    """Trees drafted by the close draft (3 children per node drawn from q without
+    replacement, the 10 best nodes, 4 deep), truncation, penalties over each node's own
+    path and a bias: recursive rejection sampling keeps branches past the first child and
+    is exact in distribution."""
+    config = "truncated-penalties-bias"
+    target = samples.decoders["far", False].target
+    draft = Drafter(ModelRunner(RunnerConfig(str(close_draft_dir), kv_cache_mb=64)))
+    decoder = SpeculativeDecoder(target, draft, tree=TreeShape(3, 10))
+    params = [SamplingParams(max_tokens=MAX_TOKENS, seed=seed_base("tree", config) + i,
+                             ignore_eos=True, **CONFIGS[config]) for i in range(NUM_SAMPLES)]
+    seqs = decoder.generate([PROMPT] * NUM_SAMPLES, params, gamma=TREE_GAMMA)
+    assert target.blocks.num_used_blocks == 0
+    stats = SpecStats()
+    for s in seqs:
+        stats.merge(s.stats)
+    assert min(stats.accepted_per_position[:TREE_GAMMA]) >= NUM_SAMPLES // 20, stats
+    pvalues = comparisons([tuple(s.output_ids) for s in seqs], samples.target_only(config))
+    assert not failures(pvalues), failures(pvalues)
