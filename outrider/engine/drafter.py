@@ -440,7 +440,7 @@ class _Growth:
         first_new = len(self.tokens)
         for row, parent in enumerate(self.expanding()):
             base = 0.0 if parent < 0 else self.scores[parent]
-            if parent == (self.chain[-1] if self.chain else -1):
+            if children[row] and parent == (self.chain[-1] if self.chain else -1):
                 self.chain.append(len(self.tokens))  # its first child: the chain goes on
             for token, lp in children[row]:
                 self.tokens.append(token)
@@ -449,7 +449,7 @@ class _Growth:
                 self.features.append(None if hidden is None else hidden[row])
                 self.qs.append(None if q is None else q[row])
         new = [n for n in range(first_new, len(self.tokens)) if self.tokens[n] not in stops]
-        tip = [n for n in new if n == self.chain[-1]]
+        tip = [n for n in new if self.chain and n == self.chain[-1]]
         others = sorted((n for n in new if n not in tip), key=lambda n: -self.scores[n])
         self.frontier = sorted(tip + others[:k - len(tip)]) if grows_on else []
 

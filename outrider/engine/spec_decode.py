@@ -59,7 +59,7 @@ from outrider.engine.sampling import (
     sibling_stream,
     token_logprobs,
 )
-from outrider.engine.tree import TreeShape, chain, depths, row_tree, walk
+from outrider.engine.tree import TreeChoice, TreeShape, chain, depths, row_tree, walk
 
 
 class RequestError(ValueError):
@@ -176,7 +176,7 @@ class Step:
 class SpeculativeDecoder:
     def __init__(self, target: ModelRunner, drafter: Proposer | None = None,
                  overlap_max_seqs: int = 0, overlap_sampled: bool = False,
-                 tree: TreeShape | None = None) -> None:
+                 tree: TreeShape | None = None, choose_trees: bool = True) -> None:
         if drafter is not None and drafter.vocab_size != target.vocab_size:
             raise RequestError(
                 f"draft and target have different vocabularies "
@@ -187,6 +187,9 @@ class SpeculativeDecoder:
         self.reads = drafter.reads_target if drafter is not None else None
         # a tree's drafts are chosen, not sampled: drafting ahead continues chains only
         self.tree = tree if tree is not None and not tree.is_chain else None
+        # whether greedy requests draft trees this step (None: always)
+        self.tree_choice = TreeChoice() if choose_trees else None
+        self._trees_now = self.tree is not None
         if self.tree is not None and not (drafter is not None and drafter.drafts_trees):
             raise RequestError(f"tree top-k {tree.topk}: the proposer drafts chains only (a "
                                f"draft model or an EAGLE head in the target's process "
@@ -323,12 +326,21 @@ class SpeculativeDecoder:
         background: the next round drafts at once. A
         resumed or recomputed sequence speculates at once, as the run it continues did
         at that position: a seeded sample must not depend on where a run broke."""
+        drafting = sum(1 for s, g in zip(seqs, gammas) if g and s.params.is_greedy)
+        choosing = self.tree_choice is not None and self.tree is not None and drafting > 0
+        self._trees_now = self.tree is not None and (
+            not choosing or self.tree_choice.use_tree(drafting))
+        start = time.perf_counter()
         step = self._schedule(seqs, gammas, chunk_lens)
         self._propose(step)
         self._verify(step)
         if step.ready:
             self._commit(step)
         self.last_timing = step.timing  # after the commit: it times the grammar masks
+        if choosing:
+            self.tree_choice.observe(drafting, self._trees_now,
+                                     sum(len(r.committed) for r in step.rows),
+                                     time.perf_counter() - start)
         return [r.committed for r in step.rows]
 
     def _schedule(self, seqs: list[Sequence], gammas: list[int],
@@ -488,6 +500,13 @@ class SpeculativeDecoder:
                 self.features.taken(s.seq_id, len(s.token_ids))
         return out
 
+    def _tree_for(self, params: SamplingParams) -> TreeShape | None:
+        """The tree a request drafts this step: none under a grammar (it masks rows along
+        a chain), none for a greedy one in a step of chains (TreeChoice)."""
+        if params.structured_output is not None or (params.is_greedy and not self._trees_now):
+            return None
+        return self.tree
+
     def _draft_item(self, seq: Sequence, gamma: int, drafts: list[int] = ()) -> DraftItem:
         """Draft after the committed tokens (+ `drafts`, assumed accepted). The draft must
         be sent at least the last token: drafting needs its logits."""
@@ -507,8 +526,7 @@ class SpeculativeDecoder:
                          prompt_len=seq.prompt_len, teacher=teacher,
                          proposer=seq.round_proposer or seq.proposer,
                          forced=forced, features=features,
-                         # (a grammar's rows are masked along a chain)
-                         tree=self.tree if seq.params.structured_output is None else None)
+                         tree=self._tree_for(seq.params))
 
     def _forced(self, seq: Sequence, gamma: int, drafts: list[int]) -> list[int]:
         """What a constrained sequence's grammar forces after its tokens + `drafts`: free

@@ -398,13 +398,7 @@ def test_head_speculative_sampling_matches_target_distribution(samples, llama_di
                                                   scale=0.02), llama_dir))
     decoder = SpeculativeDecoder(target, head_proposer(
         RunnerConfig(str(head_dir), kv_cache_mb=64), target))
-    params = [SamplingParams(max_tokens=MAX_TOKENS, seed=seed_base("head", kind, config) + i,
-                             ignore_eos=True, **CONFIGS[config]) for i in range(NUM_SAMPLES)]
-    seqs = decoder.generate([PROMPT] * NUM_SAMPLES, params, gamma=HEAD_GAMMA)
-    assert target.blocks.num_used_blocks == 0
-    stats = SpecStats()
-    for s in seqs:
-        stats.merge(s.stats)
+    seqs, stats = sampled_run(decoder, HEAD_GAMMA, config, "head", kind)
     # the head drafted every round, and verification kept some of it at every depth
     assert stats.drafted_per_position[HEAD_GAMMA - 1] >= NUM_SAMPLES
     # (a head made of the target's own rows is no draft model: its third drafts are kept
@@ -412,6 +406,20 @@ def test_head_speculative_sampling_matches_target_distribution(samples, llama_di
     assert min(stats.accepted_per_position[:HEAD_GAMMA]) >= NUM_SAMPLES // 200, stats
     pvalues = comparisons([tuple(s.output_ids) for s in seqs], samples.target_only(config))
     assert not failures(pvalues), failures(pvalues)
+
+
+def sampled_run(decoder: SpeculativeDecoder, gamma: int, config: str, *run
+                ) -> tuple[list, SpecStats]:
+    """NUM_SAMPLES requests of PROMPT under CONFIGS[config] in one batch, seeded by what
+    the run is (`run`); every KV block back. Returns the sequences and their statistics."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS, seed=seed_base(*run, config) + i,
+                             ignore_eos=True, **CONFIGS[config]) for i in range(NUM_SAMPLES)]
+    seqs = decoder.generate([PROMPT] * NUM_SAMPLES, params, gamma=gamma)
+    assert decoder.target.blocks.num_used_blocks == 0
+    stats = SpecStats()
+    for s in seqs:
+        stats.merge(s.stats)
+    return seqs, stats
 
 
 def target_like_head(head_dir, llama_dir):
@@ -459,13 +467,7 @@ def test_tree_speculative_sampling_matches_target_distribution(samples, close_dr
     target = samples.decoders["far", False].target
     draft = Drafter(ModelRunner(RunnerConfig(str(close_draft_dir), kv_cache_mb=64)))
     decoder = SpeculativeDecoder(target, draft, tree=TreeShape(3, 10))
-    params = [SamplingParams(max_tokens=MAX_TOKENS, seed=seed_base("tree", config) + i,
-                             ignore_eos=True, **CONFIGS[config]) for i in range(NUM_SAMPLES)]
-    seqs = decoder.generate([PROMPT] * NUM_SAMPLES, params, gamma=TREE_GAMMA)
-    assert target.blocks.num_used_blocks == 0
-    stats = SpecStats()
-    for s in seqs:
-        stats.merge(s.stats)
+    seqs, stats = sampled_run(decoder, TREE_GAMMA, config, "tree")
     assert min(stats.accepted_per_position[:TREE_GAMMA]) >= NUM_SAMPLES // 20, stats
     pvalues = comparisons([tuple(s.output_ids) for s in seqs], samples.target_only(config))
     assert not failures(pvalues), failures(pvalues)

@@ -26,7 +26,15 @@ from outrider.engine.runner import (
     encode_requests,
 )
 from outrider.engine.spec_decode import RequestError, SpeculativeDecoder
-from outrider.engine.tree import MASK_BITS, TreeShape, chain, row_tree, tree_masks, walk
+from outrider.engine.tree import (
+    MASK_BITS,
+    TreeChoice,
+    TreeShape,
+    chain,
+    row_tree,
+    tree_masks,
+    walk,
+)
 from outrider.paths import models_dir
 
 SHAPES = [TreeShape(2, 6), TreeShape(4, 20), TreeShape(3)]
@@ -119,7 +127,7 @@ def test_greedy_trees_give_the_target_alone(kind, shape, demo):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     alone = SpeculativeDecoder(target).generate(prompts, params, gamma=0)
     decoder = SpeculativeDecoder(target, proposer(kind, target, models), overlap_max_seqs=8,
-                                 tree=shape)
+                                 tree=shape, choose_trees=False)
     assert decoder.overlap_max_seqs == 0  # a tree's drafts are not drafted ahead
     off_first_child = []
     step = decoder._walk_trees
@@ -170,7 +178,7 @@ def test_greedy_and_sampled_trees_share_a_batch(demo):
     greedy = [SamplingParams(max_tokens=20, ignore_eos=True)] * len(prompts)
     alone = SpeculativeDecoder(target).generate(prompts, greedy, gamma=0)
     decoder = SpeculativeDecoder(target, proposer("draft", target, models),
-                                 tree=TreeShape(3, 12))
+                                 tree=TreeShape(3, 12), choose_trees=False)
     paths = []
     walk_trees = decoder._walk_trees
 
@@ -184,6 +192,22 @@ def test_greedy_and_sampled_trees_share_a_batch(demo):
     for s in out[:len(prompts)]:  # one logprob per token, the token's own among its top
         assert [lp.token_id for lp in s.logprobs] == s.output_ids
     assert target.blocks.num_used_blocks == 0
+
+
+def test_greedy_steps_keep_the_kind_that_serves_more():
+    """TreeChoice: each kind measured once, then the faster one per batch class, the other
+    every explore_every steps; a class of its own for 8 drafting requests."""
+    choice = TreeChoice(explore_every=4)
+    assert choice.use_tree(1)
+    choice.observe(1, True, 30, 0.1)     # trees: 300 tokens a second
+    assert not choice.use_tree(1)
+    choice.observe(1, False, 20, 0.1)    # chains: 200
+    picks = [choice.use_tree(1) for _ in range(8)]
+    assert picks.count(False) == 2 and all(picks[i] for i in range(8) if (i + 3) % 4)
+    assert choice.use_tree(8)  # another class: not measured yet
+    for _ in range(3):  # trees fall to 131 (decayed sums): chains lead now
+        choice.observe(1, True, 10, 0.1)
+    assert sum(choice.use_tree(1) for _ in range(8)) == 2
 
 
 def test_trees_are_refused_for_a_sliding_window_target(tmp_path, llama_dir, draft_dir):
