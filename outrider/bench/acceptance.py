@@ -169,7 +169,8 @@ def main() -> None:
     target = ModelRunner(RunnerConfig(args.target))
     draft = (HeadRunner(RunnerConfig(args.draft), target) if head_kind(args.draft)
              else ModelRunner(RunnerConfig(args.draft)))
-    decoder = SpeculativeDecoder(target, Drafter(draft), tree=tree)
+    # trees on every round (TreeChoice would keep greedy steps on the faster kind)
+    decoder = SpeculativeDecoder(target, Drafter(draft), tree=tree, choose_trees=False)
     prompts = heldout_prompts(Tokenizer(args.target), args.prompts, args.prompt_tokens)
     report = {"provenance": provenance(),
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "

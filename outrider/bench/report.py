@@ -423,6 +423,24 @@ def _agreeing(shares: list[float]) -> str:
     return f"{sum(x == 1.0 for x in shares)}/{len(shares)} equal token for token"
 
 
+def render_acceptance(runs: list[Run]) -> str:
+    """python -m outrider.bench.acceptance with --tree-topk: per draft and sampling, tokens
+    a round and tok/s of its trees (every round) beside its chains, batch 1."""
+    lines = ["| draft | tree (top-k, nodes), γ | sampling | tokens a round: tree / chain "
+             "| tok/s: tree / chain | tree ÷ chain |", "|---|---|---|---|---|---|"]
+    for run in runs:
+        d, tree = run.data, run.data.get("tree") or {}
+        for name, row in d["settings"].items():
+            chain = row.get("chain", row)
+            lines.append(
+                f"| {d['draft']} | {tree.get('topk', 1)}, {tree.get('tokens', 0)}; "
+                f"{d['gamma']} | {name} | {fmt(row['mean_accepted_tokens_per_round'])} / "
+                f"{fmt(chain['mean_accepted_tokens_per_round'])} | "
+                f"{round(row['tokens_per_s'])} / {round(chain['tokens_per_s'])} | "
+                f"{fmt(row.get('tree_vs_chain', 1.0), 3)} |")
+    return with_provenance(runs, "\n".join(lines))
+
+
 def render_index(runs: list[Run]) -> str:
     """One row per file: its commit, date and command (the runs the page does not show)."""
     lines = ["| file | commit | date | command |", "|---|---|---|---|"]
@@ -439,7 +457,8 @@ def render_index(runs: list[Run]) -> str:
 RENDERERS: dict[str, Callable[[list[Run]], str]] = {
     "headline": render_headline, "versus": render_versus, "proposers": render_proposers,
     "structured": render_structured, "prefix": render_prefix, "adapt": render_adapt,
-    "step": render_step, "peer": render_peer, "gpu": render_gpu, "index": render_index}
+    "step": render_step, "peer": render_peer, "gpu": render_gpu, "index": render_index,
+    "acceptance": render_acceptance}
 
 
 def render_block(name: str, files: str, root: Path) -> str:

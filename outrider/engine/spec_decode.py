@@ -299,9 +299,11 @@ class SpeculativeDecoder:
         return self.drafter.version_of(seq.seq_id) if self.drafter is not None else 0
 
     def verify_width(self, gamma: int) -> int:
-        """Positions the target verifies for a round of γ (a tree's nodes): what the
-        scheduler counts and reserves KV for."""
-        return gamma if self.tree is None else self.tree.width(gamma)
+        """Positions the target verifies for a round of γ (a tree's nodes, in a step of
+        trees): what the γ policy prices and the scheduler counts and reserves KV for.
+        (A step of chains prices a sampled request's tree as a chain; its KV check
+        `_within_kv` trims what does not fit.)"""
+        return self.tree.width(gamma) if self.tree is not None and self._trees_now else gamma
 
     def clip_gamma(self, seq: Sequence, gamma: int) -> int:
         """γ limited by what the request may still emit and by the contexts of the target
@@ -328,8 +330,6 @@ class SpeculativeDecoder:
         at that position: a seeded sample must not depend on where a run broke."""
         drafting = sum(1 for s, g in zip(seqs, gammas) if g and s.params.is_greedy)
         choosing = self.tree_choice is not None and self.tree is not None and drafting > 0
-        self._trees_now = self.tree is not None and (
-            not choosing or self.tree_choice.use_tree(drafting))
         start = time.perf_counter()
         step = self._schedule(seqs, gammas, chunk_lens)
         self._propose(step)
@@ -337,10 +337,11 @@ class SpeculativeDecoder:
         if step.ready:
             self._commit(step)
         self.last_timing = step.timing  # after the commit: it times the grammar masks
-        if choosing:
+        if choosing:  # and the next step's kind, before its γ and KV are planned
             self.tree_choice.observe(drafting, self._trees_now,
                                      sum(len(r.committed) for r in step.rows),
                                      time.perf_counter() - start)
+            self._trees_now = self.tree_choice.use_tree(drafting)
         return [r.committed for r in step.rows]
 
     def _schedule(self, seqs: list[Sequence], gammas: list[int],
