@@ -58,26 +58,38 @@ class TreeShape:
 class TreeChoice:
     """Whether a step's greedy requests draft trees or chains: the kind whose recent steps
     committed more tokens a second at this many drafting requests (in classes 1, 2-3,
-    4-7, ...); the other kind runs every `explore_every` steps so its figure follows the
-    load and the text. A tree costs a level's k nodes and the N verified where a chain
-    costs one each, and only pays where the chain's drafts are often rejected: measured,
-    always-on trees served 0.80x the chain's tokens a second at 8 streams. Sampled
-    requests keep the configured shape (a seed's sample must not depend on timing)."""
+    4-7, ...); the other kind runs now and then so its figure follows the load and the
+    text: after 8 steps, and after twice as many (up to 128) each time it loses again. A
+    tree costs a level's k nodes and the N verified where a chain costs one each, and
+    only pays where the chain's drafts are often rejected: measured, always-on trees
+    served 0.80x the chain's tokens a second at 8 streams, and trying them every 8 steps
+    0.89x. Sampled requests keep the configured shape (a seed's sample must not depend
+    on timing)."""
 
-    def __init__(self, explore_every: int = 8, weight: float = 0.25) -> None:
-        self.explore_every, self.weight = explore_every, weight
+    FIRST_TRY, LAST_TRY = 8, 128  # steps between tries of the losing kind
+
+    def __init__(self, weight: float = 0.25) -> None:
+        self.weight = weight
         # (class, tree) -> decayed (tokens, seconds): a rate of sums, not a mean of
         # per-step rates (a step commits 1 token or 7)
         self.sums: dict[tuple[int, bool], tuple[float, float]] = {}
-        self.steps = 0
+        self.waits: dict[int, list] = {}  # class -> [steps to the next try, that wait, leader]
 
     def use_tree(self, drafting: int) -> bool:
-        self.steps += 1
+        size = drafting.bit_length()
         tree, chain_rate = (self.rate(drafting, kind) for kind in (True, False))
         if tree is None or chain_rate is None:
             return tree is None  # each kind measured once first
         best = tree >= chain_rate
-        return best != (self.steps % self.explore_every == 0)
+        wait = self.waits.setdefault(size, [self.FIRST_TRY, self.FIRST_TRY, best])
+        if wait[2] != best:  # the lead changed: try the other kind soon
+            wait[:] = [self.FIRST_TRY, self.FIRST_TRY, best]
+        wait[0] -= 1
+        if wait[0] > 0:
+            return best
+        wait[1] = min(2 * wait[1], self.LAST_TRY)  # (it lost again, or the lead changes)
+        wait[0] = wait[1]
+        return not best
 
     def rate(self, drafting: int, tree: bool) -> float | None:
         """Tokens a second of recent steps of that kind (None: none yet)."""

@@ -195,19 +195,21 @@ def test_greedy_and_sampled_trees_share_a_batch(demo):
 
 
 def test_greedy_steps_keep_the_kind_that_serves_more():
-    """TreeChoice: each kind measured once, then the faster one per batch class, the other
-    every explore_every steps; a class of its own for 8 drafting requests."""
-    choice = TreeChoice(explore_every=4)
+    """TreeChoice: each kind measured once, then the faster one per batch class, the
+    other after 8 steps, then after 16, 32 ... while it keeps losing; a class of its own
+    for 8 drafting requests; a lead that changes brings the tries back to every 8."""
+    choice = TreeChoice()
     assert choice.use_tree(1)
     choice.observe(1, True, 30, 0.1)     # trees: 300 tokens a second
     assert not choice.use_tree(1)
     choice.observe(1, False, 20, 0.1)    # chains: 200
-    picks = [choice.use_tree(1) for _ in range(8)]
-    assert picks.count(False) == 2 and all(picks[i] for i in range(8) if (i + 3) % 4)
+    picks = [choice.use_tree(1) for _ in range(8 + 16 + 32)]
+    assert [i for i, p in enumerate(picks) if not p] == [7, 23, 55]
     assert choice.use_tree(8)  # another class: not measured yet
     for _ in range(3):  # trees fall to 131 (decayed sums): chains lead now
         choice.observe(1, True, 10, 0.1)
-    assert sum(choice.use_tree(1) for _ in range(8)) == 2
+    picks = [choice.use_tree(1) for _ in range(16)]
+    assert [i for i, p in enumerate(picks) if p] == [7]
 
 
 def test_trees_are_refused_for_a_sliding_window_target(tmp_path, llama_dir, draft_dir):
