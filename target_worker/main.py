@@ -200,6 +200,8 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
                          width=decoder.verify_width)
     metrics = TargetMetrics(group.runner.model_name)
     engine = TargetEngine(decoder, cfg.sched, policy, metrics)
+    # trees or chains, priced by the cost model the replica keeps true (engine/tree.py)
+    decoder.verify_seconds = lambda n: float(engine.policy.cost.verify_seconds(n))
     metrics.watch_load(engine.load)
     metrics.watch_prefix_cache(group.runner.blocks)
     if cfg.metrics_port is not None:

@@ -27,7 +27,7 @@ import collections
 import itertools
 import secrets
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -59,7 +59,15 @@ from outrider.engine.sampling import (
     sibling_stream,
     token_logprobs,
 )
-from outrider.engine.tree import TreeChoice, TreeShape, chain, depths, row_tree, walk
+from outrider.engine.tree import (
+    TreeChoice,
+    TreeShape,
+    chain,
+    depths,
+    first_path,
+    row_tree,
+    walk,
+)
 
 
 class RequestError(ValueError):
@@ -187,8 +195,10 @@ class SpeculativeDecoder:
         self.reads = drafter.reads_target if drafter is not None else None
         # a tree's drafts are chosen, not sampled: drafting ahead continues chains only
         self.tree = tree if tree is not None and not tree.is_chain else None
-        # whether greedy requests draft trees this step (None: always)
+        # whether greedy requests draft trees this step (None: always), by the seconds
+        # a target forward of n positions takes (the replica's cost model sets it)
         self.tree_choice = TreeChoice() if choose_trees else None
+        self.verify_seconds: Callable[[int], float] | None = None
         self._trees_now = self.tree is not None
         if self.tree is not None and not (drafter is not None and drafter.drafts_trees):
             raise RequestError(f"tree top-k {tree.topk}: the proposer drafts chains only (a "
@@ -328,21 +338,32 @@ class SpeculativeDecoder:
         background: the next round drafts at once. A
         resumed or recomputed sequence speculates at once, as the run it continues did
         at that position: a seeded sample must not depend on where a run broke."""
-        drafting = sum(1 for s, g in zip(seqs, gammas) if g and s.params.is_greedy)
-        choosing = self.tree_choice is not None and self.tree is not None and drafting > 0
-        start = time.perf_counter()
         step = self._schedule(seqs, gammas, chunk_lens)
         self._propose(step)
         self._verify(step)
         if step.ready:
             self._commit(step)
         self.last_timing = step.timing  # after the commit: it times the grammar masks
-        if choosing:  # and the next step's kind, before its γ and KV are planned
-            self.tree_choice.observe(drafting, self._trees_now,
-                                     sum(len(r.committed) for r in step.rows),
-                                     time.perf_counter() - start)
-            self._trees_now = self.tree_choice.use_tree(drafting)
+        if self.tree is not None and self.tree_choice is not None and self.verify_seconds:
+            self._choose_trees(step)  # the next step's kind, before its γ and KV are planned
         return [r.committed for r in step.rows]
+
+    def _choose_trees(self, step: Step) -> None:
+        """What this step's greedy rounds kept, and what their first children alone kept
+        (a tree's chain), into TreeChoice; then its choice for the next step."""
+        greedy = [r for r in step.ready if r.gamma and r.seq.params.is_greedy
+                  and not r.seq.params.structured_output]
+        if not greedy:
+            return
+        choice = self.tree_choice
+        for r in greedy:
+            chain_kept = _chain_kept(r, step.drafts[r.index])
+            choice.observe_round(self._trees_now, min(len(r.committed) - 1, r.depth),
+                                 chain_kept)
+        choice.observe_draft(self._trees_now, len(greedy), step.draft_s)
+        gamma = round(sum(r.depth for r in greedy) / len(greedy))
+        self._trees_now = choice.use_tree(len(greedy), gamma, self.tree.width(gamma),
+                                          self.verify_seconds)
 
     def _schedule(self, seqs: list[Sequence], gammas: list[int],
                   chunk_lens: list[int] | None) -> Step:
@@ -811,6 +832,15 @@ def _sample_tree(row: Row, drafts: list[int], target_probs: torch.Tensor,
     sample = position_uniforms([seq.seed], [positions], STREAM_SAMPLE)[0]
     return tree_rejection_sample(row.parents, drafts, target_probs,
                                  draft_probs, accept, sample)
+
+
+def _chain_kept(row: Row, drafts: list[int]) -> int:
+    """Of a round's drafts down its first children (the whole chain, in a chain), how
+    many the committed tokens kept."""
+    chain_nodes = first_path(row.parents) if row.parents else range(row.gamma)
+    kept = row.committed[:-1]
+    return next((j for j, n in enumerate(chain_nodes)
+                 if j >= len(kept) or drafts[n] != kept[j]), len(chain_nodes))
 
 
 def _round_of(row: Row, num_accepted: int, num_committed: int) -> Round:

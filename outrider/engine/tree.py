@@ -19,6 +19,7 @@ request commits the very tokens the target alone would sample.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 MASK_BITS = 64  # positions a tree mask spans
@@ -56,52 +57,60 @@ class TreeShape:
 
 
 class TreeChoice:
-    """Whether a step's greedy requests draft trees or chains: the kind whose recent steps
-    committed more tokens a second at this many drafting requests (in classes 1, 2-3,
-    4-7, ...); the other kind runs now and then so its figure follows the load and the
-    text: after 8 steps, and after twice as many (up to 128) each time it loses again. A
-    tree costs a level's k nodes and the N verified where a chain costs one each, and
-    only pays where the chain's drafts are often rejected: measured, always-on trees
-    served 0.80x the chain's tokens a second at 8 streams, and trying them every 8 steps
-    0.89x. Sampled requests keep the configured shape (a seed's sample must not depend
-    on timing)."""
+    """Whether a step's greedy requests draft trees or chains, by expected goodput. A
+    tree round keeps what its own chain (its first children) would have kept plus a
+    gain, measured in every tree round against that chain exactly (greedy: the chain's
+    tokens are known); it costs its N nodes where the chain verifies γ, priced by the
+    replica's cost model (`verify_seconds`), and its levels' k nodes where the chain
+    drafts one, measured as draft seconds per drafting row of either kind. The losing
+    kind runs now and then so its figures follow the load and the text: after 8 steps,
+    then twice as long each time it loses again (up to 128). Timing each kind's steps
+    instead was too noisy (prefill chunks, γ and batch move with every step): trying
+    trees on such figures served 0.79-0.89x the chains at 8 streams. Sampled requests
+    keep the configured shape (a seed's sample must not depend on timing)."""
 
     FIRST_TRY, LAST_TRY = 8, 128  # steps between tries of the losing kind
 
-    def __init__(self, weight: float = 0.25) -> None:
+    def __init__(self, weight: float = 0.1) -> None:
         self.weight = weight
-        # (class, tree) -> decayed (tokens, seconds): a rate of sums, not a mean of
-        # per-step rates (a step commits 1 token or 7)
-        self.sums: dict[tuple[int, bool], tuple[float, float]] = {}
-        self.waits: dict[int, list] = {}  # class -> [steps to the next try, that wait, leader]
+        self.gain: float | None = None   # tokens a tree round keeps over its chain
+        self.kept: float | None = None   # drafts a chain round keeps
+        self.draft_s: dict[bool, float] = {}  # kind -> draft seconds per drafting row
+        self.wait = [self.FIRST_TRY, self.FIRST_TRY, True]  # [steps left, wait, leader]
 
-    def use_tree(self, drafting: int) -> bool:
-        size = drafting.bit_length()
-        tree, chain_rate = (self.rate(drafting, kind) for kind in (True, False))
-        if tree is None or chain_rate is None:
-            return tree is None  # each kind measured once first
-        best = tree >= chain_rate
-        wait = self.waits.setdefault(size, [self.FIRST_TRY, self.FIRST_TRY, best])
-        if wait[2] != best:  # the lead changed: try the other kind soon
-            wait[:] = [self.FIRST_TRY, self.FIRST_TRY, best]
-        wait[0] -= 1
-        if wait[0] > 0:
+    def observe_round(self, used_tree: bool, kept: int, chain_kept: int) -> None:
+        """A greedy round: drafts kept, and what its first children alone kept."""
+        self.kept = self._mean(self.kept, chain_kept)
+        if used_tree:
+            self.gain = self._mean(self.gain, kept - chain_kept)
+
+    def observe_draft(self, used_tree: bool, rows: int, seconds: float) -> None:
+        if rows:
+            self.draft_s[used_tree] = self._mean(self.draft_s.get(used_tree), seconds / rows)
+
+    def _mean(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.weight * (new - old)
+
+    def use_tree(self, rows: int, gamma: int, width: int,
+                 verify_seconds: Callable[[int], float]) -> bool:
+        """For `rows` greedy requests drafting γ deep (a tree: `width` nodes)."""
+        if self.gain is None or True not in self.draft_s:
+            return True  # measure each kind first
+        if False not in self.draft_s:
+            return False
+        chain_rate = rows * (1 + self.kept) / (
+            verify_seconds(rows * (1 + gamma)) + rows * self.draft_s[False])
+        tree_rate = rows * (1 + self.kept + self.gain) / (
+            verify_seconds(rows * (1 + width)) + rows * self.draft_s[True])
+        best = tree_rate >= chain_rate
+        if self.wait[2] != best:  # the lead changed: try the other kind soon
+            self.wait = [self.FIRST_TRY, self.FIRST_TRY, best]
+        self.wait[0] -= 1
+        if self.wait[0] > 0:
             return best
-        wait[1] = min(2 * wait[1], self.LAST_TRY)  # (it lost again, or the lead changes)
-        wait[0] = wait[1]
+        self.wait[1] = min(2 * self.wait[1], self.LAST_TRY)
+        self.wait[0] = self.wait[1]
         return not best
-
-    def rate(self, drafting: int, tree: bool) -> float | None:
-        """Tokens a second of recent steps of that kind (None: none yet)."""
-        sums = self.sums.get((drafting.bit_length(), tree))
-        return None if sums is None else sums[0] / sums[1]
-
-    def observe(self, drafting: int, used_tree: bool, tokens: int, seconds: float) -> None:
-        if seconds <= 0:
-            return
-        key, keep = (drafting.bit_length(), used_tree), 1 - self.weight
-        old_tokens, old_seconds = self.sums.get(key, (0.0, 0.0))
-        self.sums[key] = (keep * old_tokens + tokens, keep * old_seconds + seconds)
 
 
 def chain(n: int) -> list[int]:

@@ -194,22 +194,25 @@ def test_greedy_and_sampled_trees_share_a_batch(demo):
     assert target.blocks.num_used_blocks == 0
 
 
-def test_greedy_steps_keep_the_kind_that_serves_more():
-    """TreeChoice: each kind measured once, then the faster one per batch class, the
-    other after 8 steps, then after 16, 32 ... while it keeps losing; a class of its own
-    for 8 drafting requests; a lead that changes brings the tries back to every 8."""
+def test_greedy_steps_draft_the_kind_with_more_goodput():
+    """TreeChoice: each kind measured first; then a tree that keeps no more than its own
+    chain loses (12 more positions to verify) and is tried after 8 steps, then 16; one
+    that keeps 2 more a round wins at one request but not at 32, where every position
+    verified costs a share of the step."""
     choice = TreeChoice()
-    assert choice.use_tree(1)
-    choice.observe(1, True, 30, 0.1)     # trees: 300 tokens a second
-    assert not choice.use_tree(1)
-    choice.observe(1, False, 20, 0.1)    # chains: 200
-    picks = [choice.use_tree(1) for _ in range(8 + 16 + 32)]
-    assert [i for i, p in enumerate(picks) if not p] == [7, 23, 55]
-    assert choice.use_tree(8)  # another class: not measured yet
-    for _ in range(3):  # trees fall to 131 (decayed sums): chains lead now
-        choice.observe(1, True, 10, 0.1)
-    picks = [choice.use_tree(1) for _ in range(16)]
-    assert [i for i, p in enumerate(picks) if p] == [7]
+    verify = lambda n: 0.004 + 0.0002 * n  # noqa: E731 (seconds for n positions)
+    assert choice.use_tree(1, 4, 16, verify)
+    choice.observe_round(True, 3, 3)
+    choice.observe_draft(True, 1, 0.004)
+    assert not choice.use_tree(1, 4, 16, verify)
+    choice.observe_round(False, 3, 3)
+    choice.observe_draft(False, 1, 0.003)
+    picks = [choice.use_tree(1, 4, 16, verify) for _ in range(8 + 16)]
+    assert [i for i, p in enumerate(picks) if p] == [7, 23]
+    for _ in range(60):
+        choice.observe_round(True, 5, 3)
+    assert choice.use_tree(1, 4, 16, verify)
+    assert not choice.use_tree(32, 4, 16, verify)
 
 
 def test_trees_are_refused_for_a_sliding_window_target(tmp_path, llama_dir, draft_dir):
