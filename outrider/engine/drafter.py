@@ -323,20 +323,25 @@ class Drafter:
                 break
             requests = [grow[i].request(blocks.block_table(items[i].seq_id), level)
                         for i in rows]
-            logits = self.runner.forward(requests)
+            logits = self.runner.forward(requests)  # [expanding nodes of every row, V]
             hidden = self.runner.model.hidden_out if reads else None  # [logit rows, hidden]
+            owners = [i for i in rows for _ in grow[i].expanding()]
+            histories = None
+            if any(items[i].params.reads_history for i in rows):
+                histories = [self._history(items[i], grow[i].path(node))
+                             for i in rows for node in grow[i].expanding()]
+            processed = processed_logits(logits, [items[i].params for i in owners], histories)
+            children, q = _children(processed, [items[i] for i in owners],
+                                    [grow[i].base + level for i in owners],
+                                    max(grow[i].shape.topk for i in rows))
             offset = 0
             for i in rows:
-                n = requests[rows.index(i)].num_logits
-                it = items[i]
-                histories = [self._history(it, grow[i].path(node)) for node in
-                             grow[i].expanding()] if it.params.reads_history else None
-                processed = processed_logits(logits[offset:offset + n],
-                                             [it.params] * n, histories)
-                grow[i].add_children(*_children(processed, it, grow[i].base + level,
-                                                grow[i].shape.topk),
+                n = len(grow[i].expanding())
+                grow[i].add_children(children[offset:offset + n],
+                                     None if q is None else q[offset:offset + n],
                                      None if hidden is None else hidden[offset:offset + n],
-                                     frozenset(it.params.held_back_ids), level + 1 < gammas[i])
+                                     frozenset(items[i].params.held_back_ids),
+                                     level + 1 < gammas[i])
                 offset += n
         for it in items:
             blocks.rollback(it.seq_id, len(self.token_ids[it.seq_id]))
@@ -481,28 +486,34 @@ class _Growth:
         return (parent < 0 or parent in kept) and (before is None or before in kept)
 
 
-def _children(processed: torch.Tensor, item: DraftItem, position: int,
+def _children(processed: torch.Tensor, items: list[DraftItem], positions: list[int],
               k: int) -> tuple[list[list[tuple[int, float]]], torch.Tensor | None]:
-    """Each row's k children (token, log q) and, sampled, q [rows, vocab]: a greedy
-    item's top-k; a sampled item's k draws from q without replacement, each with the
-    seeded uniform of its position and place (the first: the chain's own draw)."""
+    """processed [rows, vocab] (row r expands a node of items[r], drafting the token at
+    positions[r]): each row's k children (token, log q), and q [rows, vocab] where any
+    item samples. A greedy item's are its top k; a sampled item's are k draws from q
+    without replacement, each with the seeded uniform of its position and place (the
+    first: the chain's own draw)."""
     logprobs = processed.float().log_softmax(-1)  # [rows, vocab]
-    if item.params.is_greedy:
-        top = logprobs.topk(k, dim=-1)
-        return [list(zip(ids, lps)) for ids, lps in zip(top.indices.tolist(),
-                                                       top.values.tolist())], None
-    q = probs_of(processed, [item.params] * len(processed))
-    left, drawn = q.clone(), []
+    top = logprobs.topk(k, dim=-1)
+    children = [list(zip(ids, lps)) for ids, lps in zip(top.indices.tolist(),
+                                                       top.values.tolist())]
+    sampled = [r for r, it in enumerate(items) if not it.params.is_greedy]
+    if not sampled:
+        return children, None
+    q = torch.zeros_like(logprobs)
+    q[sampled] = probs_of(processed[sampled], [items[r].params for r in sampled])
+    left, drawn = q[sampled].clone(), []
+    seeds, where = [items[r].seed for r in sampled], [positions[r] for r in sampled]
     for j in range(k):
-        if not bool((left.sum(-1) > 0).all()):
-            break
-        u = position_uniforms([item.seed] * len(q), [position] * len(q),
-                              sibling_stream(STREAM_DRAFT, j))
-        drawn.append(sample_from_probs(left, u))
-        left.scatter_(-1, drawn[-1][:, None], 0.0)
-    ids = torch.stack(drawn, -1) if drawn else torch.zeros(len(q), 0, dtype=torch.long)
-    lps = logprobs.gather(-1, ids)
-    return [list(zip(i, lp)) for i, lp in zip(ids.tolist(), lps.tolist())], q
+        has_mass = left.sum(-1) > 0  # (fewer than k tokens may have mass)
+        ids = sample_from_probs(left, position_uniforms(seeds, where,
+                                                        sibling_stream(STREAM_DRAFT, j)))
+        drawn.append(torch.where(has_mass, ids, -1))
+        left.scatter_(-1, ids[:, None], 0.0)
+    for row, ids in zip(sampled, torch.stack(drawn, -1).tolist()):
+        ids = [t for t in ids if t >= 0]
+        children[row] = list(zip(ids, logprobs[row, ids].tolist()))
+    return children, q
 
 
 def _as_sent(probs: torch.Tensor, q_formats: list[str]) -> torch.Tensor:
