@@ -90,8 +90,7 @@ class Proposal:
     @classmethod
     def of_rows(cls, rows: list[tuple[list[int], torch.Tensor | None]], vocab: int,
                 device: torch.device, sources: list[tuple[str, int]] = (),
-                parents: list[list[int]] | None = None,
-                is_miss: list[bool] | None = None) -> Proposal:
+                parents: list[list[int]] | None = None) -> Proposal:
         """Rows of (token ids [n_k], their q [n_k, vocab] or None for point masses), where
         they came from (`source`; none: the model) and their trees (None: chains)."""
         width = max((len(ids) for ids, _ in rows), default=0)
@@ -104,9 +103,8 @@ class Proposal:
             for k, (ids, q) in enumerate(rows):
                 if q is not None:
                     probs[k, :len(ids)] = q
-        return cls(token_ids, probs, [len(ids) for ids, _ in rows],
-                   is_miss or [False] * len(rows), [n for _, n in sources],
-                   [kind for kind, _ in sources], parents)
+        return cls(token_ids, probs, [len(ids) for ids, _ in rows], [False] * len(rows),
+                   [n for _, n in sources], [kind for kind, _ in sources], parents)
 
     def dense_probs(self, vocab: int) -> torch.Tensor:
         """q rows [batch, max_gamma, vocab], point masses made dense."""
