@@ -178,7 +178,8 @@ class TargetEngine:
             self._observe_cost(timing, step_s)
         if self.metrics:
             self.metrics.record_step(step_s, time.thread_time() - cpu,
-                                     timing.draft_wait_s if ran else 0.0)
+                                     timing.draft_wait_s if ran else 0.0,
+                                     *((timing.tree_rounds, timing.tree_nodes) if ran else ()))
         return True
 
     def _step(self) -> bool:

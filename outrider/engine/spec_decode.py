@@ -85,6 +85,8 @@ class StepTiming:
     draft_s: float      # time the step waited for the proposer
     mask_s: float = 0.0  # time computing grammar masks for its verification rows (§3.8)
     draft_cpu_s: float = 0.0  # of draft_s, this thread's own CPU time (lookups, tensors)
+    tree_rounds: int = 0  # rounds verified as token trees, and their nodes
+    tree_nodes: int = 0
 
     @property
     def draft_wait_s(self) -> float:
@@ -176,9 +178,10 @@ class Step:
     def timing(self) -> StepTiming:
         gammas = [r.gamma for r in self.rows]
         drafted = [r.depth - r.source[1] for r in self.rows]  # (a tree drafts level by level)
+        trees = [r.gamma for r in self.rows if r.path is not None]
         return StepTiming(sum(r.feed for r in self.rows) + sum(gammas), self.verify_s,
                           max(drafted, default=0), sum(drafted), self.draft_s, self.mask_s,
-                          self.draft_cpu_s)
+                          self.draft_cpu_s, len(trees), sum(trees))
 
 
 class SpeculativeDecoder:

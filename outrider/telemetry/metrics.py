@@ -66,6 +66,10 @@ GRAMMAR_MASK_SECONDS = Histogram("outrider_grammar_mask_seconds", "Time a step s
 # the engine thread's steps: whatever of their wall time is neither its own CPU time nor a
 # wait for the proposer, it waited otherwise: for the GIL (the process's gRPC threads) or
 # for the forward's intra-op threads (their CPU time is theirs, not the engine thread's)
+TREE_ROUNDS = Counter("outrider_spec_tree_rounds", "Rounds verified as token trees "
+                      "(docs/DESIGN.md §8.9)", ENGINE)
+TREE_NODES = Counter("outrider_spec_tree_nodes", "Tree nodes verified (their rounds' "
+                     "accepted depth: vllm:spec_decode_num_accepted_tokens)", ENGINE)
 ENGINE_STEPS = Counter("outrider_engine_steps", "Steps the engine thread ran", ENGINE)
 ENGINE_STEP_SECONDS = Counter("outrider_engine_step_seconds", "The engine thread's steps: "
                               "their wall time (part=wall), its CPU time in them (cpu) and "
@@ -196,6 +200,7 @@ class TargetMetrics:
                       for b in (False, True)}
         self._by_version: dict[int, tuple] = {}  # draft version -> (drafted, accepted)
         self._steps = ENGINE_STEPS.labels(**self.labels)
+        self._trees = (TREE_ROUNDS.labels(**self.labels), TREE_NODES.labels(**self.labels))
         self._step_seconds = [ENGINE_STEP_SECONDS.labels(**self.labels, part=part)
                               for part in ("wall", "cpu", "proposer_wait")]
 
@@ -232,8 +237,12 @@ class TargetMetrics:
         self._by_version[draft_version] = pair
         return pair
 
-    def record_step(self, wall_s: float, cpu_s: float, proposer_wait_s: float) -> None:
+    def record_step(self, wall_s: float, cpu_s: float, proposer_wait_s: float,
+                    tree_rounds: int = 0, tree_nodes: int = 0) -> None:
         self._steps.inc()
+        if tree_rounds:
+            self._trees[0].inc(tree_rounds)
+            self._trees[1].inc(tree_nodes)
         for part, seconds in zip(self._step_seconds, (wall_s, cpu_s, proposer_wait_s)):
             part.inc(seconds)
 

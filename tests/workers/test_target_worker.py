@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from outrider.core.sampling import SamplingParams, sampling_to_proto
 from outrider.engine.drafter import Drafter
@@ -421,6 +422,9 @@ def test_a_replica_verifies_a_heads_trees_under_kv_pressure():
                              SchedulerConfig(max_batch_tokens=96), draft_head=str(head_dir),
                              tree_topk=3, tree_tokens=12)
     running = start(cfg, TOKEN)
+    tree_nodes = lambda: REGISTRY.get_sample_value(  # noqa: E731
+        "outrider_spec_tree_nodes_total", {"model_name": "demo-target", "engine": "0"}) or 0
+    nodes_before = tree_nodes()
     try:
         with grpc.insecure_channel(running.address) as chan:
             stub = worker_pb2_grpc.TargetStub(chan)
@@ -430,6 +434,7 @@ def test_a_replica_verifies_a_heads_trees_under_kv_pressure():
         num_preemptions = running.service.engine.scheduler.num_preemptions
     finally:
         running.stop(0)
+    assert tree_nodes() > nodes_before  # trees ran, and /metrics counts their nodes
     alone = SpeculativeDecoder(ModelRunner(RunnerConfig(str(target_dir), dtype="float32"))
                                ).generate([list(r.prompt_ids) for r in reqs],
                                           SamplingParams(max_tokens=40, ignore_eos=True), 0)
