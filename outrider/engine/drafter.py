@@ -29,7 +29,7 @@ from outrider.engine.sampling import (
     sample_from_probs,
     sibling_stream,
 )
-from outrider.engine.tree import tree_masks
+from outrider.engine.tree import depths, tree_masks
 
 # How q leaves the drafter (docs/DESIGN.md §3). "dense" stays in-process and "dense_dist" goes
 # over a torch.distributed channel, both at full precision; "dense_fp16" rounds q to fp16
@@ -412,15 +412,12 @@ class _Growth:
         slot = {node: k for k, node in enumerate(self.fed)}
         fed_parents = [slot.get(self.parents[n], -1) for n in self.fed]
         masks = tree_masks(fed_parents)[-len(new):]
-        depths = [self.depth_of(n) for n in new]
-        offsets = [d - 1 - (len(self.fed) - len(new)) for d in depths]
+        levels = depths(self.parents)  # (a node's depth: 1 under the committed tokens)
+        offsets = [levels[n] - 1 - (len(self.fed) - len(new)) for n in new]
         features = (torch.stack([self.features[n] for n in new])
                     if it.features is not None else None)
         return ForwardRequest([self.tokens[n] for n in new], cached, block_table, len(new),
                               features, tree=(offsets, masks))
-
-    def depth_of(self, node: int) -> int:
-        return 0 if node < 0 else 1 + self.depth_of(self.parents[node])
 
     def path(self, node: int) -> list[int]:
         """The tokens from the committed ones to `node` (none for the root)."""

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from outrider.engine.sampling import sample_from_probs
+from outrider.engine.tree import children_of
 
 
 @dataclass
@@ -120,9 +121,7 @@ def tree_rejection_sample(
     become, and the walk ends there (at a leaf: from p itself, the bonus token). Returns
     (the accepted nodes, root first; the final token). The committed tokens follow the
     target's distribution exactly."""
-    children: dict[int, list[int]] = {}
-    for node, parent in enumerate(parents):
-        children.setdefault(parent, []).append(node)
+    children = children_of(parents)
     # numpy rows: a row's walk is a few small steps each, where torch's per-call cost
     # made the walk 3x slower
     target, draft = target_probs.double().cpu().numpy(), draft_probs.double().cpu().numpy()

@@ -23,7 +23,6 @@ sample a seed gives is not, and seeded output must not depend on the load.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import secrets
 import time
@@ -63,6 +62,7 @@ from outrider.engine.tree import (
     TreeChoice,
     TreeShape,
     chain,
+    children_of,
     depths,
     first_path,
     row_tree,
@@ -132,6 +132,13 @@ class Row:
     committed: list[int] = field(default_factory=list)
     parents: list[int] | None = None  # its proposals' tree (engine/tree.py); None: a chain
     path: list[int] | None = None     # the tree's accepted nodes, root first
+
+    @property
+    def tree(self) -> list[int] | None:
+        """Its proposals' parents when they branch (a chain's are None: it needs no mask,
+        walk or path)."""
+        return None if self.parents is None or self.parents == chain(self.gamma) \
+            else self.parents
 
     @property
     def depth(self) -> int:
@@ -615,8 +622,7 @@ class SpeculativeDecoder:
         for r, x in zip(rows, inputs):
             seq = r.seq
             blocks.append(seq.seq_id, len(x))
-            tree = (row_tree(r.feed, r.parents) if r.parents is not None
-                    and r.parents != chain(r.gamma) else None)
+            tree = row_tree(r.feed, r.tree) if r.tree is not None else None
             requests.append(ForwardRequest(x, seq.target_len, blocks.block_table(seq.seq_id),
                                            r.gamma + 1 if r.is_ready else 0, tree=tree))
             seq.target_len += len(x)
@@ -698,7 +704,7 @@ class SpeculativeDecoder:
         offsets = [0, *itertools.accumulate(r.gamma + 1 for r in ready)]
         argmax = processed.argmax(-1).tolist()  # [sum(γ_i + 1)]
         for k, r in enumerate(ready):
-            if r.parents is None or r.parents == chain(r.gamma):
+            if r.tree is None:
                 continue
             rows, drafts = slice(offsets[k], offsets[k + 1]), step.drafts[r.index]
             if r.seq.params.is_greedy:
@@ -718,7 +724,7 @@ class SpeculativeDecoder:
         tree, the drafts on the path to its node), and a constrained sequence's row allows
         what its grammar allows there (§3.8)."""
         seq = row.seq
-        if row.parents is not None and row.parents != chain(row.gamma):
+        if row.tree is not None:
             return [History(seq.token_ids, seq.prompt_len, tuple(path), None)
                     for path in _paths(row.parents, drafted)]
         so = seq.params.structured_output
@@ -828,7 +834,7 @@ def _sample_tree(row: Row, drafts: list[int], target_probs: torch.Tensor,
     """A sampled row's tree: target_probs [γ + 1, vocab], draft_probs [γ, vocab]."""
     seq, depth = row.seq, row.depth
     positions = [len(seq.token_ids) + d for d in range(depth + 1)]
-    width = max(collections.Counter(row.parents).values())
+    width = max(map(len, children_of(row.parents).values()))
     accept = torch.stack([position_uniforms([seq.seed], [positions],
                                             sibling_stream(STREAM_ACCEPT, j))[0]
                           for j in range(width)], -1)  # [depth + 1, siblings]

@@ -169,13 +169,19 @@ def first_path(parents: list[int]) -> list[int]:
     return path
 
 
+def children_of(parents: list[int]) -> dict[int, list[int]]:
+    """Each node's children in order (-1: the committed tokens')."""
+    children: dict[int, list[int]] = {}
+    for node, p in enumerate(parents):
+        children.setdefault(p, []).append(node)
+    return children
+
+
 def walk(parents: list[int], tokens: list[int], choices: list[int]) -> list[int]:
     """The accepted path (node indices, root first): from the committed tokens, follow the
     child whose token is the target's choice at its parent. choices[0] is the target's at
     the last committed token, choices[n + 1] at node n."""
-    children: dict[int, list[int]] = {}
-    for node, p in enumerate(parents):
-        children.setdefault(p, []).append(node)
+    children = children_of(parents)
     path, at = [], -1
     while True:
         want = choices[at + 1]
