@@ -42,6 +42,7 @@ from outrider.router.openai_protocol import (
     http_field,
 )
 from outrider.router.refusal import Refused
+from outrider.router.replica_metrics import ReplicaMetrics
 from outrider.router.service import GenerationService
 from outrider.router.target_link import UNREAD, UNREAD_TIMEOUT_S
 from outrider.router.tool_calls import CALL_FORMATS, ForcedCalls, ParsedCalls
@@ -123,6 +124,7 @@ def build_app(service: GenerationService, settings: HttpSettings,
     pool = ThreadPoolExecutor(max_workers=settings.max_streams, thread_name_prefix="http")
     created = int(time.time())
     app.state.streams = OpenStreams()
+    replica_metrics = ReplicaMetrics(service.replicas)  # the engine's on /metrics too
 
     def answer(refusal: Refused) -> JSONResponse:
         """A refusal made before the service ran the request, counted as it counts its own."""
@@ -248,8 +250,8 @@ def build_app(service: GenerationService, settings: HttpSettings,
                                               body.stream, app.state.streams), ignored)
 
     @app.get("/metrics")
-    async def metrics():
-        body, content_type = exposition()
+    async def metrics():  # off the loop: it reads the replicas' expositions
+        body, content_type = await asyncio.to_thread(exposition, replica_metrics)
         return Response(body, media_type=content_type)
 
     @app.get("/dashboard", response_class=HTMLResponse)

@@ -204,11 +204,12 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
     decoder.verify_seconds = lambda n: float(engine.policy.cost.verify_seconds(n))
     metrics.watch_load(engine.load)
     metrics.watch_prefix_cache(group.runner.blocks)
-    if cfg.metrics_port is not None:
-        serve_metrics(cfg.host, cfg.metrics_port, "target worker", tries=16)
+    metrics_port = (0 if cfg.metrics_port is None else
+                    serve_metrics(cfg.host, cfg.metrics_port, "target worker", tries=16))
     speculates = drafter is not None or cfg.proposer is not ProposerKind.MODEL
     service = TargetService(engine, default_gamma=cfg.gamma if speculates else 0,
-                            auto_gamma_max=cfg.auto_gamma_max if speculates else 0)
+                            auto_gamma_max=cfg.auto_gamma_max if speculates else 0,
+                            metrics_port=metrics_port)
     # every open stream holds a handler thread, waiting ones too: room for a full batch,
     # the queue a router may build (ServiceLimits.max_waiting) and the control calls
     # (GetLoad, Cancel), which must stay answerable under load or routers drop a

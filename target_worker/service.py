@@ -226,8 +226,9 @@ class ServeSession:
 
 class TargetService(worker_pb2_grpc.TargetServicer):
     def __init__(self, engine: TargetEngine, default_gamma: int,
-                 auto_gamma_max: int | None = None) -> None:
+                 auto_gamma_max: int | None = None, metrics_port: int = 0) -> None:
         self.engine = engine
+        self.metrics_port = metrics_port  # told to routers, which serve what it holds
         self.default_gamma = default_gamma            # FIXED requests that set no γ
         self.auto_gamma_max = default_gamma if auto_gamma_max is None else auto_gamma_max
 
@@ -306,7 +307,7 @@ class TargetService(worker_pb2_grpc.TargetServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, self.engine.broken)
         cost = pb.CostModel(**vars(self.engine.policy.cost))  # as the latest steps measured it
         return pb.Load(**dataclasses.asdict(self.engine.load()), cost=cost,
-                       gamma_max=self.auto_gamma_max)
+                       gamma_max=self.auto_gamma_max, metrics_port=self.metrics_port)
 
     def _handle(self, request: pb.TargetRequest, sink) -> Handle:
         if request.gamma > MAX_GAMMA:

@@ -12,6 +12,7 @@ import pytest
 
 from outrider.launch import free_port
 from tests.cli_utils import generate_json, run_cli
+from tests.scraping import scrape
 
 PROMPT = "import os\n"
 
@@ -109,26 +110,25 @@ def test_an_enumerated_flag_refuses_a_value_naming_the_choices():
 CHAT_TEMPLATE = "<chat>{% for m in messages %}{{ m.content }}{% endfor %}"
 
 
-def test_a_vllm_serve_command_line_works_unchanged(tmp_path):
-    """`outrider serve MODEL` with vLLM's flags, then the `openai` package with the key."""
+def test_a_vllm_serve_command_line_works_unchanged(tmp_path, llama_dir, draft_dir):
+    """`outrider serve MODEL` with vLLM's flags (two tensor-parallel ranks), then the
+    `openai` package with the key, and the engine's metrics where vLLM's are."""
     import openai
 
-    from outrider import paths
     from outrider.core.tokenizer import Tokenizer
 
     port = free_port()
     log = tmp_path / "serve.log"
-    model = tmp_path / "demo"  # whose generation_config.json makes unset temperatures greedy
-    shutil.copytree(paths.demo_target_dir(), model)
-    config = json.loads((model / "generation_config.json").read_text())
-    (model / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0}))
+    model = tmp_path / "llama"  # whose generation_config.json makes unset temperatures greedy
+    shutil.copytree(llama_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
     with log.open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "outrider.cli", "serve", str(model),
-             "--draft", str(paths.demo_draft_dir()),
+             "--draft", str(draft_dir),
              "--port", str(port), "--api-key", "k-1", "--served-model-name", "m",
-             "--tensor-parallel-size", "1", "--max-num-batched-tokens", "512",
-             "--max-model-len", "1024", "--chat-template", CHAT_TEMPLATE,
+             "--tensor-parallel-size", "2", "--max-num-batched-tokens", "512",
+             "--max-model-len", "384", "--chat-template", CHAT_TEMPLATE,
              "--max-num-seqs", "8", "--grpc-port", "0", "--kv-cache-mb", "16",
              "--tool-call-parser", "hermes"],
             stdout=out, stderr=subprocess.STDOUT)
@@ -144,8 +144,8 @@ def test_a_vllm_serve_command_line_works_unchanged(tmp_path):
         unset = [client.completions.create(model="m", prompt=PROMPT, max_tokens=8, seed=seed)
                  for seed in (1, 2)]  # no temperature: the model's 0.0
         assert [u.choices[0].text for u in unset] == [done.choices[0].text] * 2
-        with pytest.raises(openai.BadRequestError, match="1024"):  # --max-model-len's
-            client.completions.create(model="m", prompt=PROMPT, max_tokens=1100)
+        with pytest.raises(openai.BadRequestError, match="384"):  # --max-model-len's
+            client.completions.create(model="m", prompt=PROMPT, max_tokens=400)
         chat = client.chat.completions.create(  # rendered by --chat-template
             model="m", messages=[{"role": "user", "content": PROMPT}], max_tokens=1)
         tokens = Tokenizer(str(model)).encode(f"<chat>{PROMPT}")
@@ -154,20 +154,26 @@ def test_a_vllm_serve_command_line_works_unchanged(tmp_path):
         with pytest.raises(openai.AuthenticationError):
             stranger.completions.create(model="m", prompt=PROMPT, max_tokens=1)
         tools_offered_with_no_tool_choice_are_read_from_the_text(client)
+        engine = scrape(f"127.0.0.1:{port}")  # the target's vllm:* beside the router's
+        generated = {dict(labels)["replica"]: value for (name, labels), value in engine.items()
+                     if name == "vllm:generation_tokens_total"}
+        (replica, tokens), = generated.items()
+        assert tokens >= 8 + 8 + 8 and ":" in replica
+        assert engine[("outrider_router_replica_metrics_up", (("replica", replica),))] == 1
     finally:
         proc.terminate()
         proc.wait(timeout=60)
 
 
 def tools_offered_with_no_tool_choice_are_read_from_the_text(client):
-    """What agent frameworks send: tools, no tool_choice. The demo model writes no calls of
+    """What agent frameworks send: tools, no tool_choice. A test model writes no calls of
     its own, so a regex holds it to Hermes' format: the router reads the call from it."""
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}
     written = r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": ' \
               r'\{"city": "Paris"\}\}\n</tool_call>'
     options = dict(model="m", messages=[{"role": "user", "content": "Weather in Paris?"}],
-                   tools=[weather], max_tokens=60, temperature=0,
+                   tools=[weather], max_tokens=120, temperature=0,
                    extra_body={"structured_outputs": {"regex": written}})
     done = client.chat.completions.create(**options)
     (call,) = done.choices[0].message.tool_calls

@@ -19,7 +19,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from outrider.core.load import ReplicaLoad
@@ -327,19 +327,37 @@ class DraftMetrics:
         watch_prefix_cache("outrider_draft_", {"model_name": self.model}, blocks)
 
 
-def exposition() -> tuple[bytes, str]:
+def exposition(*also) -> tuple[bytes, str]:
     """(body, content type) of a scrape: always the text format 0.0.4, which keeps
     vLLM's `vllm:` names; prometheus_client's OpenMetrics output, which Prometheus asks
-    for first, would escape their colons to underscores."""
-    return generate_latest(), CONTENT_TYPE_PLAIN_0_0_4
+    for first, would escape their colons to underscores. `also`: more collectors (the
+    router's replicas, router/replica_metrics.py), a family of a name this process has
+    too merged into one, as the format wants each name once."""
+    return generate_latest(_Merged((REGISTRY, *also))), CONTENT_TYPE_PLAIN_0_0_4
+
+
+class _Merged:
+    def __init__(self, collectors) -> None:
+        self.collectors = collectors
+
+    def collect(self):
+        families: dict[str, Metric] = {}
+        for collector in self.collectors:
+            for family in collector.collect():
+                merged = families.setdefault(
+                    family.name, Metric(family.name, family.documentation, family.type))
+                merged.samples += family.samples
+        return families.values()
 
 
 class _MetricsHandler(BaseHTTPRequestHandler):
+    also: tuple = ()  # exposition's
+
     def do_GET(self) -> None:
         if self.path.split("?")[0] != "/metrics":
             self.send_error(404, "try /metrics")
             return
-        body, content_type = exposition()
+        body, content_type = exposition(*self.also)
         self.send_response(200)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -350,13 +368,14 @@ class _MetricsHandler(BaseHTTPRequestHandler):
         pass
 
 
-def serve_metrics(host: str, port: int, name: str, tries: int = 1) -> int:
-    """Prometheus exposition at http://host:port/metrics; returns the bound port. With
-    tries > 1 a taken port moves it to the next (replicas sharing a node)."""
+def serve_metrics(host: str, port: int, name: str, tries: int = 1, also: tuple = ()) -> int:
+    """Prometheus exposition (with `also`'s families) at http://host:port/metrics;
+    returns the bound port. With tries > 1 a taken port moves it to the next (replicas
+    sharing a node)."""
+    handler = type("MetricsHandler", (_MetricsHandler,), {"also": also})
     for attempt in range(tries):
         try:
-            server = ThreadingHTTPServer((host, port + attempt if port else 0),
-                                         _MetricsHandler)
+            server = ThreadingHTTPServer((host, port + attempt if port else 0), handler)
             break
         except OSError:
             if attempt == tries - 1:

@@ -300,7 +300,7 @@ class CostModel(_message.Message):
     def __init__(self, verify_base_s: _Optional[float] = ..., verify_per_token_s: _Optional[float] = ..., knee_tokens: _Optional[int] = ..., draft_per_position_s: _Optional[float] = ..., draft_rtt_s: _Optional[float] = ..., draft_per_token_s: _Optional[float] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "heat", "kv_used_blocks", "kv_total_blocks", "tokens_per_s", "model_pair", "cost", "max_batch_tokens", "gamma_max", "block_size", "prefix_caching", "queued_tokens")
+    __slots__ = ("num_running", "num_waiting", "heat", "kv_used_blocks", "kv_total_blocks", "tokens_per_s", "model_pair", "cost", "max_batch_tokens", "gamma_max", "block_size", "prefix_caching", "queued_tokens", "metrics_port")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     HEAT_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +314,7 @@ class Load(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     heat: float
@@ -327,7 +328,8 @@ class Load(_message.Message):
     block_size: int
     prefix_caching: bool
     queued_tokens: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., heat: _Optional[float] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., model_pair: _Optional[str] = ..., cost: _Optional[_Union[CostModel, _Mapping]] = ..., max_batch_tokens: _Optional[int] = ..., gamma_max: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., queued_tokens: _Optional[int] = ...) -> None: ...
+    metrics_port: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., heat: _Optional[float] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., model_pair: _Optional[str] = ..., cost: _Optional[_Union[CostModel, _Mapping]] = ..., max_batch_tokens: _Optional[int] = ..., gamma_max: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., queued_tokens: _Optional[int] = ..., metrics_port: _Optional[int] = ...) -> None: ...
 
 class DraftReplicas(_message.Message):
     __slots__ = ("addresses",)

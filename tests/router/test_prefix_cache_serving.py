@@ -14,6 +14,7 @@ from outrider import paths
 from outrider.client import Client
 from outrider.local_system import LocalSystemConfig, local_system
 from tests.router.demo_system import openai_client
+from tests.scraping import scrape
 
 pytestmark = pytest.mark.slow
 
@@ -92,6 +93,13 @@ def test_cached_tokens_reach_the_openai_usage_and_the_metrics(system):
         hits += metric(text, "vllm:prefix_cache_hits_total")
         queries += metric(text, "vllm:prefix_cache_queries_total")
     assert 0 < hits < queries
+    # the router's /metrics serves both replicas' families, a series each, a name once
+    routed = [(dict(labels)["replica"], value) for (name, labels), value
+              in scrape(system.http).items() if name == "vllm:prefix_cache_hits_total"]
+    assert len({replica for replica, _ in routed}) == 2 and sum(v for _, v in routed) == hits
+    page = urllib.request.urlopen(f"http://{system.http}/metrics", timeout=10).read().decode()
+    types = [line.split()[2] for line in page.splitlines() if line.startswith("# TYPE")]
+    assert len(types) == len(set(types))
     draft = urllib.request.urlopen(f"http://{system.metrics['draft-0']}/metrics",
                                    timeout=10).read().decode()
     assert metric(draft, "outrider_draft_prefix_cache_hits_total") > 0
