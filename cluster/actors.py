@@ -62,6 +62,7 @@ class DraftReplica(_Replica):
         self.running = start(DraftWorkerConfig(runner.model_dir, host, port,
                                                device=runner.device, dtype=runner.dtype,
                                                kv_cache_mb=runner.kv_cache_mb,
+                                               memory_utilization=runner.memory_utilization,
                                                threads=runner.threads,
                                                metrics_port=metrics_port,
                                                prefix_caching=runner.prefix_caching,

@@ -146,7 +146,9 @@ class Controller:
 
         pair = self.spec.pair
         return RunnerConfig(model_dir=model_dir, device=pair.device, dtype=pair.dtype, tp=tp,
-                            kv_cache_mb=pair.kv_cache_mb, threads=pair.threads,
+                            kv_cache_mb=pair.kv_cache_mb,
+                            memory_utilization=pair.gpu_memory_utilization,
+                            max_num_seqs=pair.max_num_seqs, threads=pair.threads,
                             prefix_caching=pair.prefix_caching, compile=pair.compile,
                             prepared_rows=pair.max_batch_tokens)
 

@@ -82,7 +82,8 @@ class ModelPair(_Strict):
     proposer: ProposerKind = TargetWorkerConfig.proposer  # requests that name none
     device: str = "cpu"                               # "cuda" on GPU clusters
     dtype: str = "auto"
-    kv_cache_mb: Annotated[float, Field(gt=0)] = 256.0
+    kv_cache_mb: Annotated[float, Field(gt=0)] | None = None  # None: sized from memory
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None  # RunnerConfig's
     prefix_caching: bool = True                       # share cached prefixes' KV
     compile: bool = False                             # compiled forwards (compiled.py)
     adapt: bool = False                               # online distillation on the drafts

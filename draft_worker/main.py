@@ -34,7 +34,8 @@ class DraftWorkerConfig:
     port: int = 0
     device: str = RunnerConfig.device
     dtype: str = RunnerConfig.dtype
-    kv_cache_mb: float = RunnerConfig.kv_cache_mb
+    kv_cache_mb: float | None = RunnerConfig.kv_cache_mb  # None: sized from memory
+    memory_utilization: float | None = None  # RunnerConfig's
     idle_ttl_s: float = 300.0          # idle sequences are freed (they MISS later)
     dist_address: str | None = None    # the co-located target's dense q channel
     threads: int = RunnerConfig.threads
@@ -54,7 +55,8 @@ class DraftWorkerConfig:
         """From `outrider draft-worker`'s flags (add_arguments)."""
         return cls(args.model, args.host, args.port, device=resolve_device(args.device),
                    dtype=args.dtype,
-                   kv_cache_mb=args.kv_cache_mb, idle_ttl_s=args.idle_ttl_s,
+                   kv_cache_mb=args.kv_cache_mb,
+                   memory_utilization=args.gpu_memory_utilization, idle_ttl_s=args.idle_ttl_s,
                    dist_address=args.dist_address, threads=args.threads,
                    metrics_port=args.metrics_port, target_cpus=args.target_cpus,
                    prefix_caching=args.enable_prefix_caching, compile=args.compile,
@@ -69,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="draft checkpoint dir")
     cfg = DraftWorkerConfig
     add_model_server_args(p, host=cfg.host, port=cfg.port, device="auto", dtype=cfg.dtype,
-                          kv_cache_mb=cfg.kv_cache_mb, threads=cfg.threads,
+                          threads=cfg.threads,
                           threads_help="CPU threads (0: one per core it may use)")
     add_cpus_arg(p)
     p.add_argument("--target-cpus",
@@ -106,7 +108,8 @@ def start(cfg: DraftWorkerConfig, token: str | None) -> Running:
     setup_tracing("outrider-draft")
     credentials = cluster_tls.server_credentials()  # before loading: a bad setup fails fast
     runner_cfg = RunnerConfig(cfg.model_dir, device=cfg.device, dtype=cfg.dtype,
-                              kv_cache_mb=cfg.kv_cache_mb, threads=cfg.threads,
+                              kv_cache_mb=cfg.kv_cache_mb,
+                              memory_utilization=cfg.memory_utilization, threads=cfg.threads,
                               prefix_caching=cfg.prefix_caching, compile=cfg.compile,
                               prepared_rows=cfg.prepared_rows)
     set_cpu_threads(runner_cfg)

@@ -12,14 +12,12 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def add_model_server_args(p: argparse.ArgumentParser, *, host: str, port: int, device: str,
-                          dtype: str, kv_cache_mb: float, threads: int,
-                          threads_help: str) -> None:
+                          dtype: str, threads: int, threads_help: str) -> None:
     """Where a replica listens and how it runs its model (the role's defaults)."""
     p.add_argument("--host", default=host, help="the interface it listens on")
     p.add_argument("--port", type=int, default=port, help="0 picks a free port")
     add_device_args(p, device, dtype)
-    p.add_argument("--kv-cache-mb", type=float, default=kv_cache_mb,
-                   help="KV cache budget per rank, in MiB")
+    add_kv_cache_args(p)
     p.add_argument("--threads", type=int, default=threads, help=threads_help)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="share the KV of prompts' common prefixes (default: on)")
@@ -63,6 +61,30 @@ def add_device_args(p: argparse.ArgumentParser, device: str = "auto",
     p.add_argument("--dtype", choices=DTYPES, default=dtype,
                    help="auto: the checkpoint's where the device computes it natively "
                         "(bf16 on GPUs and on CPUs with AVX512-BF16 or AMX), else float32")
+
+
+def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
+    """The KV cache's size: given, or sized from memory (engine/memory.py)."""
+    p.add_argument("--kv-cache-mb", type=float, default=None,
+                   help="KV cache per rank, in MiB (default: sized from memory by "
+                        "--gpu-memory-utilization)")
+    p.add_argument("--gpu-memory-utilization", type=unit_share, default=None,
+                   help="with no --kv-cache-mb: on a GPU, the share of its memory the "
+                        "process fills, weights included (default 0.9, as vLLM); on a "
+                        "CPU, the share of the machine's memory one rank's KV cache takes "
+                        "(default 0.1: replicas share the machine), at most what a full "
+                        "batch of full-length sequences uses")
+
+
+def unit_share(value: str) -> float:
+    """A share in (0, 1], checked when parsed."""
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0 < share <= 1:
+        raise argparse.ArgumentTypeError(f"a share in (0, 1] (got {value!r})")
+    return share
 
 
 def add_max_model_len_arg(p: argparse.ArgumentParser) -> None:

@@ -28,7 +28,7 @@ class LocalSystemConfig:
     grpc_port: int = 50051
     redis_url: str | None = None
     device: str = "cpu"
-    kv_cache_mb: float = 256.0
+    kv_cache_mb: float | None = 256.0  # per target rank; None: sized from memory
     max_batch_tokens: int = SchedulerConfig.max_batch_tokens
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     extra_target_args: tuple[str, ...] = ()
@@ -46,6 +46,7 @@ class LocalSystemConfig:
     max_model_len: int | None = None  # the target's and router's (None: the model's)
     tree_topk: int = 1                # token trees (with a head: engine/tree.py)
     tree_tokens: int = 0
+    memory_utilization: float | None = None  # --gpu-memory-utilization of every replica
 
     def __post_init__(self) -> None:
         if self.draft and self.draft_replicas < 1:
@@ -97,7 +98,9 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
         caching = () if cfg.prefix_caching else ("--no-enable-prefix-caching",)
         context = ("--max-model-len", str(cfg.max_model_len)) if cfg.max_model_len else ()
         model = ("--device", cfg.device, "--dtype", cfg.dtype, *caching,
-                 "--compile" if cfg.compile else "--no-compile")
+                 "--compile" if cfg.compile else "--no-compile",
+                 *(("--gpu-memory-utilization", str(cfg.memory_utilization))
+                   if cfg.memory_utilization else ()))
         head = cfg.draft if cfg.draft and head_kind(cfg.draft) else None
         drafts = tuple(run(f"draft-{i}", "draft-worker", "--model", cfg.draft, *model,
                            *(("--adapt",) if cfg.adapt else ()),
@@ -108,7 +111,8 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
         targets = tuple(run("target" if i == 0 else f"target-{i}", "target-worker",
                             "--model", cfg.target, "--tp", str(cfg.tp),
                             "--gamma", str(cfg.gamma), "--proposer", cfg.proposer, *model,
-                            "--kv-cache-mb", str(cfg.kv_cache_mb), *context,
+                            *(("--kv-cache-mb", str(cfg.kv_cache_mb)) if cfg.kv_cache_mb
+                              else ()), *context,
                             "--max-batch-tokens", str(cfg.max_batch_tokens),
                             "--max-num-seqs", str(cfg.max_num_seqs),
                             *[a for d in drafts for a in ("--draft-address", d)],

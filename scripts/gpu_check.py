@@ -35,7 +35,7 @@ from outrider.core.sampling import SamplingParams  # noqa: E402
 from outrider.core.sequence import Sequence  # noqa: E402
 from outrider.engine.kernels import use_cpu_kernels  # noqa: E402
 from outrider.engine.local import LocalEngine, LocalEngineConfig  # noqa: E402
-from outrider.engine.runner import RunnerConfig  # noqa: E402
+from outrider.engine.runner import ModelRunner, RunnerConfig  # noqa: E402
 
 PROMPT_TOKENS, NEW_TOKENS, GAMMA = 64, 64, 4
 BATCHES = (1, 8, 32, 64)
@@ -150,6 +150,23 @@ def profile(device: str, dtype: str, prompts: list[list[int]]) -> None:
                   flush=True)
 
 
+def check_kv_from_memory(device: str) -> dict:
+    """The KV cache sized from memory on the device (engine/memory.py): what it took, and
+    what the device had free before and after."""
+    free_before, total = torch.cuda.mem_get_info(device)
+    runner = ModelRunner(RunnerConfig(model_dir=str(paths.demo_pair()[0]), device=device,
+                                      kv_cache_mb=None, memory_utilization=0.5))
+    free_after, _ = torch.cuda.mem_get_info(device)
+    used_share = (total - free_after) / total  # of the device, this runner's and others'
+    result = {"kv_cache_mib": round(runner.kv_cache_mb), "total_gib": total / 2**30,
+              "free_before_gib": free_before / 2**30, "free_after_gib": free_after / 2**30,
+              "device_used_share": used_share, "within_share": used_share <= 0.5 + 0.02}
+    del runner
+    torch.cuda.empty_cache()
+    print("kv from memory:", result, flush=True)
+    return result
+
+
 def provenance(device: str) -> dict:
     """What ran, where: the commit comes from $OUTRIDER_COMMIT where the tree has no .git
     (the device tool sends the working tree alone)."""
@@ -186,6 +203,8 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(report, indent=1))
     report["bfloat16"], _ = check_dtype(args.device, "bfloat16", prompts, None)
     Path(args.out).write_text(json.dumps(report, indent=1))
+    if args.device.startswith("cuda"):
+        report["kv_from_memory"] = check_kv_from_memory(args.device)
     if args.compile:
         report["compiled_float32"] = check_compiled(args.device, prompts, eager)
     Path(args.out).write_text(json.dumps(report, indent=1))

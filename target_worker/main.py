@@ -80,7 +80,9 @@ class TargetWorkerConfig:
 
         runner = RunnerConfig(model_dir=args.model, device=resolve_device(args.device),
                               dtype=args.dtype, max_model_len=args.max_model_len,
-                              tp=args.tp, kv_cache_mb=args.kv_cache_mb, threads=args.threads,
+                              tp=args.tp, kv_cache_mb=args.kv_cache_mb,
+                              memory_utilization=args.gpu_memory_utilization,
+                              max_num_seqs=args.max_num_seqs, threads=args.threads,
                               small_step_threads=args.small_step_threads,
                               prefix_caching=args.enable_prefix_caching,
                               compile=args.compile, prepared_rows=args.max_batch_tokens)
@@ -125,7 +127,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel degree (ranks, one process each)")
     add_model_server_args(p, host=TargetWorkerConfig.host, port=TargetWorkerConfig.port,
                           device="auto", dtype=RunnerConfig.dtype,
-                          kv_cache_mb=RunnerConfig.kv_cache_mb, threads=RunnerConfig.threads,
+                          threads=RunnerConfig.threads,
                           threads_help="CPU threads per rank (0: the cores it may use, "
                                        "shared out over --tp)")
     p.add_argument("--small-step-threads", type=int, default=RunnerConfig.small_step_threads,
@@ -190,7 +192,7 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
         # a head's one layer holds as many positions as the target's cache in a share of it
         share = 2 / group.runner.model_config.num_layers
         drafter = head_proposer(replace(cfg.runner, model_dir=cfg.draft_head,
-                                        kv_cache_mb=cfg.runner.kv_cache_mb * share,
+                                        kv_cache_mb=group.runner.kv_cache_mb * share,
                                         prepared_rows=0), group.runner)
     proposer = ProposerMix(drafter, group.runner.vocab_size, cfg.proposer)
     decoder = SpeculativeDecoder(group.runner, proposer, overlap_max_seqs=cfg.overlap_max_seqs,

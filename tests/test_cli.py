@@ -102,7 +102,8 @@ def test_every_flag_has_help_that_shows_its_default():
 
 def test_an_enumerated_flag_refuses_a_value_naming_the_choices():
     for flag, value, named in (("--device", "tpu", "auto, cpu, cuda, cuda:N"),
-                               ("--dtype", "half", "'bfloat16'")):
+                               ("--dtype", "half", "'bfloat16'"),
+                               ("--gpu-memory-utilization", "1.5", "a share in (0, 1]")):
         proc = run_cli("serve", flag, value, timeout=60)
         assert proc.returncode == 2 and named in proc.stderr, proc.stderr
 
@@ -111,8 +112,9 @@ CHAT_TEMPLATE = "<chat>{% for m in messages %}{{ m.content }}{% endfor %}"
 
 
 def test_a_vllm_serve_command_line_works_unchanged(tmp_path, llama_dir, draft_dir):
-    """`outrider serve MODEL` with vLLM's flags (two tensor-parallel ranks), then the
-    `openai` package with the key, and the engine's metrics where vLLM's are."""
+    """`outrider serve MODEL` with vLLM's flags (two tensor-parallel ranks, the KV cache
+    sized from memory on both), then the `openai` package with the key, and the engine's
+    metrics where vLLM's are."""
     import openai
 
     from outrider.core.tokenizer import Tokenizer
@@ -129,7 +131,7 @@ def test_a_vllm_serve_command_line_works_unchanged(tmp_path, llama_dir, draft_di
              "--port", str(port), "--api-key", "k-1", "--served-model-name", "m",
              "--tensor-parallel-size", "2", "--max-num-batched-tokens", "512",
              "--max-model-len", "384", "--chat-template", CHAT_TEMPLATE,
-             "--max-num-seqs", "8", "--grpc-port", "0", "--kv-cache-mb", "16",
+             "--max-num-seqs", "8", "--grpc-port", "0",
              "--tool-call-parser", "hermes"],
             stdout=out, stderr=subprocess.STDOUT)
     try:

@@ -14,6 +14,7 @@ from outrider.core.hf_config import head_kind
 from outrider.flags import (
     add_compile_arg,
     add_device_args,
+    add_kv_cache_args,
     add_max_model_len_arg,
     add_tree_args,
     resolve_device,
@@ -42,8 +43,7 @@ def add_model_args(p: argparse.ArgumentParser, model_positional: bool = False) -
     p.add_argument("--tp", "--tensor-parallel-size", type=int, default=1,
                    help="tensor-parallel degree of the target")
     add_device_args(p)
-    p.add_argument("--kv-cache-mb", type=float, default=256.0,
-                   help="KV cache budget per rank, in MiB")
+    add_kv_cache_args(p)
     add_max_model_len_arg(p)
     add_compile_arg(p)
     add_tree_args(p)

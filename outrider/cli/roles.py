@@ -109,6 +109,7 @@ def _local_system_config(args):
                              prefix_caching=args.enable_prefix_caching, adapt=args.adapt,
                              dtype=args.dtype, compile=args.compile,
                              max_model_len=args.max_model_len,
+                             memory_utilization=args.gpu_memory_utilization,
                              tree_topk=tree_shape(args).topk,
                              tree_tokens=args.tree_tokens,
                              # --gamma 0: no speculation, so nothing proposes

@@ -23,7 +23,7 @@ from outrider.engine.tree import TreeShape
 class LocalEngineConfig:
     target: RunnerConfig
     draft_dir: str | None = None
-    draft_kv_cache_mb: float = 64.0
+    draft_kv_cache_mb: float | None = 64.0  # None: sized from memory (RunnerConfig)
     proposer: str = "auto"  # ProposerKind: what proposes (no draft_dir: only the lookups)
     tree: TreeShape | None = None  # draft token trees of this shape (None: chains)
 

@@ -37,6 +37,14 @@ class TPGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def min_over_ranks(self, value: int) -> int:
+        """The least of every rank's `value` (a figure all ranks must agree on)."""
+        if self.size == 1:
+            return value
+        least = torch.tensor([value], dtype=torch.long)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(least.item())
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x

@@ -20,6 +20,7 @@ from outrider.engine.attention import AttentionMetadata, SequenceSlice, kv_cache
 from outrider.engine.block_manager import BlockManager
 from outrider.engine.compiled import CompiledForward
 from outrider.engine.features import FeatureTap
+from outrider.engine.memory import kv_budget_from_memory
 from outrider.engine.model import CausalLM
 from outrider.engine.model_config import ModelConfig, ModelConfigError, parse_dtype
 from outrider.engine.parallel import PackedForCPU, TPGroup, prepare_cpu_linears
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 
 
 SMALL_STEP_TOKENS = 16  # a forward of fewer tokens is small (RunnerConfig.small_step_threads)
+ACTIVATION_TOKENS = 8192  # tokens of the largest forward a budget from memory leaves room for
+LOGITS_ROWS = 1024        # logits rows of that forward
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,13 @@ class RunnerConfig:
     dtype: str = "auto"        # auto: the checkpoint's, where the device computes it (_auto_dtype)
     tp: int = 1
     block_size: int = 16
-    kv_cache_mb: float = 256.0  # KV budget per rank
+    kv_cache_mb: float | None = 256.0  # KV budget per rank; None: from memory (_kv_budget)
+    memory_utilization: float | None = None  # what the budget from memory may take:
+    #                           the share of a GPU the process fills, weights included
+    #                           (default 0.9), or of a CPU machine's RAM the KV cache
+    #                           takes (default 0.1: replicas share the machine)
+    max_num_seqs: int = 256     # CPU: the budget from memory holds at most this many
+    #                             sequences of max_model_len
     max_model_len: int | None = None  # None: the model's context, at most
     #                                  DEFAULT_MAX_MODEL_LEN; given: checked at start
     #                                  against the model's context and the KV cache
@@ -51,8 +60,13 @@ class RunnerConfig:
     #                             of up to this many tokens (serving replicas; 0: none)
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.kv_cache_mb <= 0 or (self.max_model_len or 1) < 1:
-            raise ValueError("block_size, kv_cache_mb and max_model_len must be positive")
+        given = [v for v in (self.kv_cache_mb, self.max_model_len) if v is not None]
+        if self.block_size < 1 or self.max_num_seqs < 1 or any(v <= 0 for v in given):
+            raise ValueError("block_size, kv_cache_mb, max_model_len and max_num_seqs must be "
+                             "positive")
+        if self.memory_utilization is not None and not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"memory_utilization must be in (0, 1], got "
+                             f"{self.memory_utilization}")
         if self.prepared_rows < 0 or self.small_step_threads < 0:
             raise ValueError("prepared_rows and small_step_threads must be >= 0")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -176,26 +190,53 @@ class ModelRunner:
         wanted, block = self.cfg.max_model_len, self.cfg.block_size
         if wanted is None or num_blocks * block >= wanted:
             return
-        needed_mb = -(-wanted // block) * self.cfg.kv_cache_mb / num_blocks
+        needed_mb = -(-wanted // block) * self.kv_cache_mb / num_blocks
+        budget = (f"--kv-cache-mb {self.kv_cache_mb:g}" if self.cfg.kv_cache_mb is not None
+                  else f"the {self.kv_cache_mb:.0f} MiB free memory left it")
         raise ModelConfigError(
-            f"--max-model-len {wanted} does not fit the KV cache: --kv-cache-mb "
-            f"{self.cfg.kv_cache_mb:g} holds {num_blocks * block} tokens; give --kv-cache-mb "
-            f"{needed_mb:.0f} or more, or a --max-model-len of at most {num_blocks * block}")
+            f"--max-model-len {wanted} does not fit the KV cache: {budget} holds "
+            f"{num_blocks * block} tokens; give --kv-cache-mb {needed_mb:.0f} or more"
+            f"{' (or a larger --gpu-memory-utilization)' if self.cfg.kv_cache_mb is None else ''}"
+            f", or a --max-model-len of at most {num_blocks * block}")
 
     def _allocate_kv(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
         mc = self.model_config
         kv_heads = mc.num_kv_heads // self.tp.size
         slot_bytes = 2 * mc.num_layers * kv_heads * mc.head_dim * self.dtype.itemsize
-        num_blocks = int(self.cfg.kv_cache_mb * 2**20) // (slot_bytes * self.cfg.block_size)
+        budget = self._kv_budget(slot_bytes)
+        self.kv_cache_mb = budget / 2**20  # per rank, as given or as sized from memory
+        num_blocks = budget // (slot_bytes * self.cfg.block_size)
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_mb={self.cfg.kv_cache_mb} holds no KV block "
-                             f"({slot_bytes * self.cfg.block_size} bytes each)")
+            raise ModelConfigError(
+                f"a KV cache of {self.kv_cache_mb:.1f} MiB holds no KV block "
+                f"({slot_bytes * self.cfg.block_size} bytes each)"
+                + ("" if self.cfg.kv_cache_mb is not None else
+                   ": free memory is short; give --kv-cache-mb or a larger "
+                   "--gpu-memory-utilization"))
         shapes = kv_cache_shapes(num_blocks, self.cfg.block_size, kv_heads, mc.head_dim)
         # one tensor per layer and kind, not views of one: a compiled graph that writes
         # into a view copies its whole base (measured: 0.7 s a forward at 256 MB)
         def layer_cache(shape: tuple[int, ...]) -> torch.Tensor:
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
         return [tuple(map(layer_cache, shapes)) for _ in range(mc.num_layers)], num_blocks
+
+    def _kv_budget(self, slot_bytes: int) -> int:
+        """Bytes of KV cache per rank: --kv-cache-mb, or what memory leaves (memory.py),
+        the same on every rank (the driver's block tables index all of them)."""
+        if self.cfg.kv_cache_mb is not None:
+            return int(self.cfg.kv_cache_mb * 2**20)
+        full_batch = slot_bytes * self.cfg.max_num_seqs * self.max_model_len
+        budget = kv_budget_from_memory(self.device, self.cfg.memory_utilization,
+                                       self._activation_bytes(), full_batch)
+        return self.tp.min_over_ranks(budget)
+
+    def _activation_bytes(self) -> int:
+        """What one large forward needs beside weights and KV (a GPU's budget keeps it
+        free): its hidden states and MLP activations, and fp32 logits."""
+        mc = self.model_config
+        per_token = (3 * mc.intermediate_size // self.tp.size + 6 * mc.hidden_size)
+        return (ACTIVATION_TOKENS * per_token * self.dtype.itemsize
+                + LOGITS_ROWS * mc.vocab_size * 4)
 
     @torch.inference_mode()
     def forward(self, requests: list[ForwardRequest]) -> torch.Tensor:

@@ -11,6 +11,7 @@ from outrider.core.sampling import SamplingParams
 from outrider.engine.checkpoint import CheckpointError
 from outrider.engine.drafter import Drafter
 from outrider.engine.local import check_pair_compatible
+from outrider.engine.memory import ram_bytes
 from outrider.engine.model_config import ModelConfigError
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import RequestError, SpeculativeDecoder
@@ -179,5 +180,18 @@ def test_a_max_model_len_beyond_the_model_or_the_kv_cache_is_refused_at_start(ll
         ModelRunner(RunnerConfig(str(llama_dir), max_model_len=512, kv_cache_mb=0.05))
     runner = ModelRunner(RunnerConfig(str(llama_dir), max_model_len=300))
     assert runner.max_model_len == 300
+    sized = dict(kv_cache_mb=None, max_model_len=512)  # from memory, with a share too small
+    share = 12 * 2**10 / ram_bytes()[0]  # 12 KiB of this machine: a block or two
+    with pytest.raises(ModelConfigError, match="does not fit.*--gpu-memory-utilization"):
+        ModelRunner(RunnerConfig(str(llama_dir), memory_utilization=share, **sized))
+    with pytest.raises(ModelConfigError, match="holds no KV block.*--gpu-memory-utilization"):
+        ModelRunner(RunnerConfig(str(llama_dir), memory_utilization=1e-12, **sized))
     with pytest.raises(RequestError, match="context is 300"):
         SpeculativeDecoder(runner).new_sequence([1] * 300, SamplingParams())
+
+
+def test_a_kv_cache_sized_from_memory_holds_a_full_batch_on_a_cpu(llama_dir):
+    """No --kv-cache-mb: on a CPU, what max_num_seqs sequences of max_model_len use (the
+    demo-sized share of RAM allows more)."""
+    cfg = RunnerConfig(str(llama_dir), kv_cache_mb=None, max_model_len=256, max_num_seqs=3)
+    assert ModelRunner(cfg).blocks.num_blocks * cfg.block_size == 3 * 256
