@@ -14,7 +14,6 @@ from outrider.router.auth import Authenticator
 from outrider.router.chat_template import ChatTemplate
 from outrider.router.http_api import GRACEFUL_STOP_S, HttpSettings, build_app, start_http
 from outrider.router.http_guard import HttpBounds
-from outrider.router.replica_metrics import ReplicaMetrics
 from outrider.router.replicas import ROUTING, ReplicaSet
 from outrider.router.service import GenerationService, ServiceLimits
 from outrider.router.telemetry import RouterTelemetry
@@ -195,7 +194,8 @@ def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
     service = GenerationService(tokenizer, max_model_len, store, replicas, auth,
                                 cfg.limits, telemetry, defaults)
     if cfg.metrics_port is not None:
-        serve_metrics(cfg.host, cfg.metrics_port, "router", also=(ReplicaMetrics(replicas),))
+        serve_metrics(cfg.host, cfg.metrics_port, "router")  # its own: scraped beside
+        #                                   each replica's, it must not repeat theirs
     health_servicer = health.HealthServicer()
     server, bound = build_server(
         lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(service, s),

@@ -351,13 +351,11 @@ class _Merged:
 
 
 class _MetricsHandler(BaseHTTPRequestHandler):
-    also: tuple = ()  # exposition's
-
     def do_GET(self) -> None:
         if self.path.split("?")[0] != "/metrics":
             self.send_error(404, "try /metrics")
             return
-        body, content_type = exposition(*self.also)
+        body, content_type = exposition()
         self.send_response(200)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -368,14 +366,13 @@ class _MetricsHandler(BaseHTTPRequestHandler):
         pass
 
 
-def serve_metrics(host: str, port: int, name: str, tries: int = 1, also: tuple = ()) -> int:
-    """Prometheus exposition (with `also`'s families) at http://host:port/metrics;
-    returns the bound port. With tries > 1 a taken port moves it to the next (replicas
-    sharing a node)."""
-    handler = type("MetricsHandler", (_MetricsHandler,), {"also": also})
+def serve_metrics(host: str, port: int, name: str, tries: int = 1) -> int:
+    """Prometheus exposition at http://host:port/metrics; returns the bound port. With
+    tries > 1 a taken port moves it to the next (replicas sharing a node)."""
     for attempt in range(tries):
         try:
-            server = ThreadingHTTPServer((host, port + attempt if port else 0), handler)
+            server = ThreadingHTTPServer((host, port + attempt if port else 0),
+                                         _MetricsHandler)
             break
         except OSError:
             if attempt == tries - 1:

@@ -100,6 +100,8 @@ def test_cached_tokens_reach_the_openai_usage_and_the_metrics(system):
     page = urllib.request.urlopen(f"http://{system.http}/metrics", timeout=10).read().decode()
     types = [line.split()[2] for line in page.splitlines() if line.startswith("# TYPE")]
     assert len(types) == len(set(types))
+    # its --metrics-port, scraped beside the replicas' in a cluster, holds its own alone
+    assert not any("replica" in dict(labels) for _, labels in scrape(system.metrics["router"]))
     draft = urllib.request.urlopen(f"http://{system.metrics['draft-0']}/metrics",
                                    timeout=10).read().decode()
     assert metric(draft, "outrider_draft_prefix_cache_hits_total") > 0
