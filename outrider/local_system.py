@@ -90,8 +90,9 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
         pinned = lambda role: ("--cpus", getattr(cpus, role)) if cpus else ()  # noqa: E731
 
         def run(name: str, *args: str) -> str:
-            if cfg.metrics:
-                metrics[name] = f"{cfg.host}:{free_port()}"
+            if cfg.metrics:  # the router's on its --host, the workers' on their default
+                host = cfg.host if name == "router" else TargetWorkerConfig.host
+                metrics[name] = f"{host}:{free_port()}"
                 args = (*args, "--metrics-port", metrics[name].rsplit(":", 1)[1])
             return start(name, *args, echo=f"[{name}] " if echo else None)
 

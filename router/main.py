@@ -107,10 +107,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_public_arguments(p: argparse.ArgumentParser,
-                         http_port_flags: tuple[str, ...] = ("--http-port",)) -> None:
+                         http_port_flags: tuple[str, ...] = ("--http-port",),
+                         host: str = RouterConfig.host) -> None:
     """The public side's flags: keys, rate limit, TLS, the HTTP API, admission (`outrider
-    serve` takes them too, for its router, with vLLM's --port for the HTTP API's)."""
-    p.add_argument("--host", default=RouterConfig.host, help="the router's interface")
+    serve` takes them too, for its router, with vLLM's --port for the HTTP API's and its
+    default host, every interface)."""
+    p.add_argument("--host", default=host,
+                   help="the interface the router's public ports listen on")
     p.add_argument("--redis", help="redis://host:port/db shared by routers (default: "
                                    "state in the router process)")
     p.add_argument("--require-api-key", action="store_true",

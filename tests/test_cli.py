@@ -128,7 +128,8 @@ def test_a_vllm_serve_command_line_works_unchanged(tmp_path, llama_dir, draft_di
         proc = subprocess.Popen(
             [sys.executable, "-m", "outrider.cli", "serve", str(model),
              "--draft", str(draft_dir),
-             "--port", str(port), "--api-key", "k-1", "--served-model-name", "m",
+             "--host", "127.0.0.1", "--port", str(port), "--api-key", "k-1",
+             "--served-model-name", "m",
              "--tensor-parallel-size", "2", "--max-num-batched-tokens", "512",
              "--max-model-len", "384", "--chat-template", CHAT_TEMPLATE,
              "--max-num-seqs", "8", "--grpc-port", "0",

@@ -176,7 +176,8 @@ def outrider_server(args, extra: tuple[str, ...] = (),
     port = free_port()
     command = [sys.executable, "-m", "outrider.cli", "serve", "--target", args.target,
                "--draft", draft or args.draft, "--gamma", str(args.gamma), "--grpc-port", "0",
-               "--http-port", str(port), "--served-model-name", SERVED_NAME,
+               "--host", "127.0.0.1", "--http-port", str(port),
+               "--served-model-name", SERVED_NAME,
                "--dtype", args.dtype, *extra]
     with _server(command, f"http://127.0.0.1:{port}", os.environ) as log:
         yield f"http://127.0.0.1:{port}", _printed_metrics(log, "target")

@@ -74,7 +74,9 @@ def serve_flags(serve: argparse.ArgumentParser) -> None:
                        help="let the processes share every core (default on a CPU: the "
                             "target gets cores of its own, drafts and router the rest; "
                             "several target replicas always share every core)")
-    add_public_arguments(serve, http_port_flags=("--port", "--http-port"))
+    # as vLLM's: every interface (a container's published port answers); the
+    # workers behind the router stay on loopback
+    add_public_arguments(serve, http_port_flags=("--port", "--http-port"), host="0.0.0.0")
 
 
 def cmd_serve(args) -> int:

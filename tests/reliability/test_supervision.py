@@ -62,7 +62,8 @@ def start_serve(log: Path, *args: str) -> Serve:
     port = free_port()
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "outrider.cli", "serve", "--grpc-port",
-                                 str(port), "--kv-cache-mb", "8", "--no-http", *args],
+                                 str(port), "--host", "127.0.0.1", "--kv-cache-mb", "8",
+                                 "--no-http", *args],
                                 stdout=out, stderr=subprocess.STDOUT)
     serve = Serve(proc, f"127.0.0.1:{port}", log)
     deadline = time.monotonic() + 120
