@@ -41,9 +41,8 @@ class Grammars:
 
     def __init__(self, tokenizer_file: str | Path, vocab_size: int,
                  eos_token_ids: Sequence[int]) -> None:
-        text = Path(tokenizer_file).read_text()
-        self.tokenizer = LLTokenizer(text, n_vocab=vocab_size,
-                                     eos_token=list(eos_token_ids) or None)
+        self._tokenizer_file = Path(tokenizer_file)
+        self._tokenizer: LLTokenizer | None = None  # built when a constraint first needs it
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
         self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
@@ -53,6 +52,21 @@ class Grammars:
         self._eos_ids = sorted({t for t in eos_token_ids if t < vocab_size})
         eos[self._eos_ids] = True
         self._eos_only = np.packbits(eos, bitorder="little").view(np.int32)  # [words]
+
+    @property
+    def tokenizer(self) -> LLTokenizer:
+        """llguidance's view of the vocabulary, built on first use, so that a vocabulary
+        it refuses fails constrained requests (naming why) and nothing else."""
+        if self._tokenizer is None:
+            try:
+                self._tokenizer = LLTokenizer(self._tokenizer_file.read_text(),
+                                              n_vocab=self.vocab_size,
+                                              eos_token=self._eos_ids or None)
+            except (ValueError, RuntimeError, OSError) as exc:
+                raise StructuredOutputError(
+                    f"structured outputs are not available for this model: the grammar "
+                    f"engine refuses its tokenizer ({self._tokenizer_file}): {exc}") from None
+        return self._tokenizer
 
     @classmethod
     def for_model(cls, model_dir: str | Path, vocab_size: int,

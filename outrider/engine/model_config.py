@@ -6,6 +6,7 @@ in QKV bias, sliding-window attention and RoPE scaling, which are fields here.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from outrider.core.hf_config import ModelConfigError, context_length, read_confi
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SUPPORTED_TP = (1, 2, 4, 8)
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -130,8 +133,7 @@ class ModelConfig:
                 mlp_bias=bool(raw.get("mlp_bias", False)),
                 rope_scaling=_parse_rope_scaling(rope, source),
                 sliding_windows=_sliding_windows(raw, arch, num_layers),
-                eos_token_ids=_token_ids((generation or {}).get("eos_token_id",
-                                                                raw.get("eos_token_id"))),
+                eos_token_ids=_eos_token_ids(raw, generation or {}, source),
                 bos_token_id=raw.get("bos_token_id"),
             )
         except KeyError as exc:
@@ -183,6 +185,19 @@ def _parse_dtype(name: str, source: str) -> torch.dtype:
 
 def parse_dtype(name: str) -> torch.dtype:
     return _parse_dtype(name, "dtype")
+
+
+def _eos_token_ids(raw: dict, generation: dict, source: str) -> tuple[int, ...]:
+    """Every id config.json and generation_config.json name as EOS (either may list
+    several; both end a sequence, as in vLLM). One outside the vocabulary can never be
+    generated: it is dropped with a warning, as transformers only warns of it."""
+    named = {*_token_ids(raw.get("eos_token_id")), *_token_ids(generation.get("eos_token_id"))}
+    vocab = int(raw["vocab_size"])
+    outside = sorted(t for t in named if not 0 <= t < vocab)
+    if outside:
+        log.warning("%s: eos_token_id %s outside the vocabulary (%d tokens) ignored: EOS "
+                    "never comes from it", source, ", ".join(map(str, outside)), vocab)
+    return tuple(sorted(named - set(outside)))
 
 
 def _token_ids(value) -> tuple[int, ...]:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 
+from outrider import paths
 from outrider.core.sampling import SamplingParams
+from outrider.core.structured import StructuredOutput
 from outrider.engine.checkpoint import CheckpointError
 from outrider.engine.drafter import Drafter
 from outrider.engine.local import check_pair_compatible
@@ -195,3 +198,32 @@ def test_a_kv_cache_sized_from_memory_holds_a_full_batch_on_a_cpu(llama_dir):
     demo-sized share of RAM allows more)."""
     cfg = RunnerConfig(str(llama_dir), kv_cache_mb=None, max_model_len=256, max_num_seqs=3)
     assert ModelRunner(cfg).blocks.num_blocks * cfg.block_size == 3 * 256
+
+
+def test_an_eos_id_outside_the_vocabulary_is_dropped_with_a_warning(model_copy, caplog):
+    """config.json and generation_config.json both name EOS ids (their union ends a
+    sequence); one past the vocabulary can never come, so it is left out, with a warning,
+    and unconstrained and constrained generation go on (the grammar engine refused it)."""
+    edit_config(model_copy, eos_token_id=10000)
+    (model_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    with caplog.at_level("WARNING"):
+        decoder = SpeculativeDecoder(load(model_copy, kv_cache_mb=8))
+    assert decoder.eos_token_ids == {2, 3} and "eos_token_id 10000" in caplog.text
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert len(decoder.generate([[5, 6, 7]], greedy, 0)[0].output_ids) == 6
+    digits = replace(greedy, structured_output=StructuredOutput("regex", "[0-9]+"))
+    assert decoder.generate([[5, 6, 7]], digits, 0)[0].output_ids
+
+
+def test_a_vocabulary_the_grammar_engine_refuses_fails_constrained_requests_only(
+        model_copy):
+    """A tokenizer.json with more tokens than the model's vocabulary: llguidance refuses
+    it, which a constrained request is told; the others never build it."""
+    (model_copy / "tokenizer.json").write_bytes(
+        (paths.demo_target_dir() / "tokenizer.json").read_bytes())  # 4,096 tokens > 512
+    decoder = SpeculativeDecoder(load(model_copy, kv_cache_mb=8))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    assert len(decoder.generate([[5, 6, 7]], greedy, 0)[0].output_ids) == 4
+    digits = replace(greedy, structured_output=StructuredOutput("regex", "[0-9]+"))
+    with pytest.raises(RequestError, match="grammar engine refuses its tokenizer.*4096"):
+        decoder.new_sequence([5, 6, 7], digits)
