@@ -12,7 +12,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 
 
 def _config(arch: str, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
@@ -20,17 +20,25 @@ def _config(arch: str, **overrides):
                 # fp32 rounding differences between implementations could flip
                 initializer_range=0.25, bos_token_id=1, eos_token_id=2)
     base.update(overrides)
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "mistral": MistralConfig}[arch]
     return cls(**base)
 
 
 def save_random_checkpoint(path: Path, arch: str = "llama", seed: int = 0,
                            tokenizer_from: Path | None = None, dtype=torch.float32,
-                           max_shard_size: str | None = None, **overrides) -> Path:
+                           max_shard_size: str | None = None, norm_noise: float = 0.0,
+                           **overrides) -> Path:
+    """A random model of `arch`; norm_noise > 0 also draws its norms' weights (which
+    transformers starts at one, so a norm read wrongly would go unnoticed)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_config(arch, **overrides)).eval().to(dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if norm_noise and "norm" in name:
+                param.add_(torch.randn_like(param) * norm_noise)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     if tokenizer_from is not None:

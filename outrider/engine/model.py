@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Qwen2, Mistral) built from tensor-parallel layers."""
+"""The Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) built from tensor-parallel
+layers."""
 
 from __future__ import annotations
 
@@ -65,12 +66,17 @@ class Attention(nn.Module):
                                           cfg.num_kv_heads, cfg.qkv_bias, tp)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
                                         False, tp)
+        if cfg.qk_norm:  # over head_dim, shared by every head (so replicated across ranks)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple, kv_cache: tuple,
                 meta: AttentionMetadata) -> torch.Tensor:
         # x: [num_tokens, hidden]
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(-1, heads + 2 * kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            qkv = self._norm_heads(qkv)
         if runs_kernels(qkv):  # queries and keys rotated in place, in one go
             torch.ops.outrider_cpu.rope_(qkv[:, :heads + kv_heads], *cos_sin)
             qk = qkv
@@ -79,6 +85,14 @@ class Attention(nn.Module):
         q, k, v = qk[:, :heads], qk[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
         out = attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.window, self.scale)
         return self.o_proj(out)
+
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [num_tokens, heads + 2 kv_heads, head_dim] with every query and key head
+        RMS-normed (a new tensor: the rotation then runs in place on it)."""
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_norm(qkv[:, :heads].reshape(-1, dim)).view(-1, heads, dim)
+        k = self.k_norm(qkv[:, heads:heads + kv_heads].reshape(-1, dim)).view(-1, kv_heads, dim)
+        return torch.cat([q, k, qkv[:, heads + kv_heads:]], dim=1)
 
 
 class MLP(nn.Module):

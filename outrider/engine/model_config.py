@@ -1,7 +1,8 @@
 """Model configuration read from a Hugging Face `config.json`.
 
-One frozen dataclass covers the Llama family (Llama, Qwen2, Mistral): they differ only
-in QKV bias, sliding-window attention and RoPE scaling, which are fields here.
+One frozen dataclass covers the Llama family (Llama, Qwen2, Qwen3, Mistral): they differ
+only in QKV bias, per-head query and key norms, sliding-window attention and RoPE
+scaling, which are fields here.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 
 from outrider.core.hf_config import ModelConfigError, context_length, read_config
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "MistralForCausalLM")
 SUPPORTED_TP = (1, 2, 4, 8)
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ class ModelConfig:
     dtype: torch.dtype
     qkv_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False       # Qwen3: each head's query and key RMS-normed before RoPE
     rope_scaling: RopeScaling | None = None
     # per layer: window in tokens, or None for full attention
     sliding_windows: tuple[int | None, ...] = ()
@@ -131,6 +134,7 @@ class ModelConfig:
                 dtype=_parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32", source),
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
                 mlp_bias=bool(raw.get("mlp_bias", False)),
+                qk_norm=arch == "Qwen3ForCausalLM",
                 rope_scaling=_parse_rope_scaling(rope, source),
                 sliding_windows=_sliding_windows(raw, arch, num_layers),
                 eos_token_ids=_eos_token_ids(raw, generation or {}, source),
@@ -168,7 +172,8 @@ def _sliding_windows(raw: dict, arch: str, num_layers: int) -> tuple[int | None,
     window = raw.get("sliding_window")
     if arch == "MistralForCausalLM":
         return (int(window) if window else None,) * num_layers
-    if arch == "Qwen2ForCausalLM" and raw.get("use_sliding_window") and window:
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and raw.get("use_sliding_window") \
+            and window:
         types = raw.get("layer_types") or [
             "sliding_attention" if i >= int(raw.get("max_window_layers", num_layers))
             else "full_attention" for i in range(num_layers)]

@@ -7,9 +7,16 @@ import torch
 
 from outrider.core.sampling import SamplingParams
 from outrider.engine import runner as runner_module
-from outrider.engine.runner import ModelRunner, RunnerConfig, cpu_computes_bfloat16
+from outrider.engine.distributed import TPRunnerGroup
+from outrider.engine.drafter import Drafter
+from outrider.engine.runner import (
+    ForwardRequest,
+    ModelRunner,
+    RunnerConfig,
+    cpu_computes_bfloat16,
+)
 from outrider.engine.spec_decode import SpeculativeDecoder
-from tests.checkpoints import LLAMA3_ROPE, VOCAB, save_random_checkpoint
+from tests.checkpoints import LLAMA3_ROPE, VOCAB, perturbed_copy, save_random_checkpoint
 
 NEW_TOKENS = 64
 
@@ -45,6 +52,7 @@ CASES = {
     "qwen2-qkv-bias-tied-sharded": dict(arch="qwen2", tie_word_embeddings=True,
                                         max_shard_size="60KB"),
     "mistral-sliding-window": dict(arch="mistral", sliding_window=24, head_dim=16),
+    "qwen3-qk-norm-head-dim": dict(arch="qwen3", head_dim=16, norm_noise=0.3),
 }
 
 
@@ -83,3 +91,48 @@ def test_checkpoint_dtype_is_honoured(tmp_path):
     assert half.model.embed_tokens.weight.dtype == torch.bfloat16
     out = SpeculativeDecoder(half).generate([[5, 6, 7]], SamplingParams(max_tokens=8), 0)
     assert len(out[0].output_ids) >= 1
+
+
+# an architecture's row: its logits, and greedy output alone, speculating with a draft of
+# its own kind, and over two tensor-parallel ranks (the suite's other rows cover Llama,
+# Qwen2 and Mistral through the engine's, tp and speculation tests)
+ARCHITECTURES = {
+    "qwen3": dict(arch="qwen3", head_dim=16, norm_noise=0.3),
+}
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_an_architecture_matches_transformers_alone_speculating_and_over_two_ranks(
+        tmp_path, tokenizer_dir, arch):
+    target = save_random_checkpoint(tmp_path / "target", seed=11, tokenizer_from=tokenizer_dir,
+                                    **ARCHITECTURES[arch])
+    draft = perturbed_copy(target, tmp_path / "draft", noise=0.1)
+    prompt_list = prompts(4)
+    expected = hf_greedy(target, prompt_list)
+    assert max_logit_difference(target, prompt_list[0]) < 1e-4
+    assert outrider_greedy(target, prompt_list) == expected
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    for tp in (1, 2):
+        group = TPRunnerGroup(RunnerConfig(str(target), tp=tp, kv_cache_mb=8))
+        try:
+            drafter = Drafter(ModelRunner(RunnerConfig(str(draft), kv_cache_mb=8)))
+            decoder = SpeculativeDecoder(group.runner, drafter)
+            seqs = decoder.generate(prompt_list, greedy, gamma=4)
+            assert [s.output_ids for s in seqs] == expected, f"tp={tp}"
+            assert sum(s.stats.num_accepted_tokens for s in seqs) > 0
+        finally:
+            group.close()
+
+
+def max_logit_difference(model_dir, prompt: list[int]) -> float:
+    """Largest |ours - transformers'| over a prompt's logits (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor([prompt])).logits[0]
+    runner = ModelRunner(RunnerConfig(str(model_dir), kv_cache_mb=8))
+    runner.blocks.append("p", len(prompt))
+    ours = runner.forward([ForwardRequest(prompt, 0, runner.blocks.block_table("p"),
+                                          len(prompt))])
+    return (ours - theirs).abs().max().item()
