@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from outrider.engine.model import CausalLM
-from outrider.engine.rope import apply_rope
 from outrider.engine.runner import ModelRunner
 
 
@@ -159,10 +158,8 @@ def causal_logits(model: CausalLM, input_ids: torch.Tensor,
 
 def _attention(attn, x: torch.Tensor, cos_sin, batch: int, length: int) -> torch.Tensor:
     heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    qkv = attn.qkv_proj(x).view(-1, heads + 2 * kv_heads, dim)
-    qk = apply_rope(qkv[:, :heads + kv_heads], cos_sin)
     split = lambda t: t.reshape(batch, length, -1, dim).transpose(1, 2)  # noqa: E731
-    q, k, v = split(qk[:, :heads]), split(qk[:, heads:]), split(qkv[:, heads + kv_heads:])
+    q, k, v = map(split, attn.queries_keys_values(x, cos_sin))
     k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))  # [b, H, T, D]
     mask = None
     if attn.window:

@@ -59,6 +59,7 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_heads // tp.size
         self.num_kv_heads = cfg.num_kv_heads // tp.size
         self.head_dim = cfg.head_dim
+        self.rotary_dim = cfg.rotary_dim
         self.window = cfg.sliding_windows[layer]
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(input_size or cfg.hidden_size, cfg.head_dim,
@@ -73,18 +74,27 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos_sin: tuple, kv_cache: tuple,
                 meta: AttentionMetadata) -> torch.Tensor:
         # x: [num_tokens, hidden]
-        heads, kv_heads = self.num_heads, self.num_kv_heads
+        q, k, v = self.queries_keys_values(x, cos_sin)
+        out = attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.window, self.scale)
+        return self.o_proj(out)
+
+    def queries_keys_values(self, x: torch.Tensor, cos_sin: tuple) -> tuple[torch.Tensor, ...]:
+        """x [num_tokens, hidden] -> q [num_tokens, heads, head_dim], k and v [num_tokens,
+        kv_heads, head_dim]: projected, normed (Qwen3) and rotated (the first rotary_dim
+        dimensions of each head: Phi-4-mini rotates 3/4 of them)."""
+        heads, kv_heads, rotary = self.num_heads, self.num_kv_heads, self.rotary_dim
         qkv = self.qkv_proj(x).view(-1, heads + 2 * kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             qkv = self._norm_heads(qkv)
         if runs_kernels(qkv):  # queries and keys rotated in place, in one go
-            torch.ops.outrider_cpu.rope_(qkv[:, :heads + kv_heads], *cos_sin)
+            torch.ops.outrider_cpu.rope_(qkv[:, :heads + kv_heads, :rotary], *cos_sin)
             qk = qkv
-        else:
+        elif rotary == self.head_dim:
             qk = apply_rope(qkv[:, :heads + kv_heads], cos_sin)
-        q, k, v = qk[:, :heads], qk[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
-        out = attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.window, self.scale)
-        return self.o_proj(out)
+        else:
+            qk = torch.cat([apply_rope(qkv[:, :heads + kv_heads, :rotary], cos_sin),
+                            qkv[:, :heads + kv_heads, rotary:]], dim=-1)
+        return qk[:, :heads], qk[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [num_tokens, heads + 2 kv_heads, head_dim] with every query and key head
@@ -135,7 +145,7 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
+        self.rope = RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta,
                                     cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
@@ -214,7 +224,7 @@ def load_checkpoint(model: nn.Module, model_dir: Path,
         loaded.add(param_name if shard_id is None else f"{param_name}#{shard_id}")
     missing = []
     for name in params:
-        if optional(name):
+        if optional(name) or name in loaded:  # (a fused tensor loaded whole: Phi-3's)
             continue
         fused = next((f for f in SHARDS if f".{f}." in name), None)
         wanted = [f"{name}#{i}" for i in range(SHARDS[fused])] if fused else [name]

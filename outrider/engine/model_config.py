@@ -1,13 +1,15 @@
 """Model configuration read from a Hugging Face `config.json`.
 
-One frozen dataclass covers the Llama family (Llama, Qwen2, Qwen3, Mistral): they differ
-only in QKV bias, per-head query and key norms, sliding-window attention and RoPE
-scaling, which are fields here.
+One frozen dataclass covers the Llama family (Llama, Qwen2, Qwen3, Mistral, Phi-3): they
+differ only in QKV bias, per-head query and key norms, sliding-window attention, how much
+of a head RoPE rotates and its scaling, which are fields here (Phi-3's fused projections
+are a matter of loading: model.py).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import torch
 from outrider.core.hf_config import ModelConfigError, context_length, read_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM")
+                           "MistralForCausalLM", "Phi3ForCausalLM")
 SUPPORTED_TP = (1, 2, 4, 8)
 
 log = logging.getLogger(__name__)
@@ -32,12 +34,19 @@ _DTYPES = {
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling (`rope_type: llama3`)."""
+    """Frequency scaling: Llama-3's (`rope_type: llama3`) or LongRoPE's (`longrope`, Phi-3's
+    long-context checkpoints: a factor per frequency, the short ones for positions within
+    the original context and the long ones past it, cos and sin scaled by
+    attention_factor)."""
 
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
     original_max_position_embeddings: int
+    rope_type: str = "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,7 @@ class ModelConfig:
     qkv_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False       # Qwen3: each head's query and key RMS-normed before RoPE
+    partial_rotary_factor: float = 1.0  # the share of head_dim RoPE rotates (Phi-4-mini 0.75)
     rope_scaling: RopeScaling | None = None
     # per layer: window in tokens, or None for full attention
     sliding_windows: tuple[int | None, ...] = ()
@@ -73,10 +83,16 @@ class ModelConfig:
             raise ModelConfigError(
                 f"config.json: num_attention_heads ({self.num_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ModelConfigError(f"config.json: head_dim ({self.head_dim}) must be even for RoPE")
+        if self.rotary_dim % 2 or self.rotary_dim < 2:
+            raise ModelConfigError(f"config.json: RoPE's dimensions ({self.rotary_dim} of "
+                                   f"head_dim {self.head_dim}) must be even")
         if len(self.sliding_windows) != self.num_layers:
             raise ModelConfigError("config.json: layer_types does not match num_hidden_layers")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The first dimensions of each head RoPE rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def check_tp(self, tp: int) -> None:
         """Raise a clear error when `tp` cannot shard this model."""
@@ -135,7 +151,9 @@ class ModelConfig:
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
                 mlp_bias=bool(raw.get("mlp_bias", False)),
                 qk_norm=arch == "Qwen3ForCausalLM",
-                rope_scaling=_parse_rope_scaling(rope, source),
+                partial_rotary_factor=float(rope.get("partial_rotary_factor",
+                                                     raw.get("partial_rotary_factor", 1.0))),
+                rope_scaling=_parse_rope_scaling(rope, raw, source),
                 sliding_windows=_sliding_windows(raw, arch, num_layers),
                 eos_token_ids=_eos_token_ids(raw, generation or {}, source),
                 bos_token_id=raw.get("bos_token_id"),
@@ -153,24 +171,33 @@ def _rope_parameters(raw: dict) -> dict:
     return dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
 
 
-def _parse_rope_scaling(rope: dict, source: str) -> RopeScaling | None:
+def _parse_rope_scaling(rope: dict, raw: dict, source: str) -> RopeScaling | None:
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind in (None, "default"):
         return None
-    if kind != "llama3":
-        raise ModelConfigError(f"{source}: rope_scaling type {kind!r} is not supported "
-                               "(supported: default, llama3)")
-    return RopeScaling(
-        factor=float(rope["factor"]),
-        low_freq_factor=float(rope["low_freq_factor"]),
-        high_freq_factor=float(rope["high_freq_factor"]),
-        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-    )
+    # Phi-3 keeps the pretrained context beside max_position_embeddings, not in the rope dict
+    original = int(rope.get("original_max_position_embeddings")
+                   or raw["original_max_position_embeddings"])
+    if kind == "llama3":
+        return RopeScaling(original, "llama3", float(rope["factor"]),
+                           float(rope["low_freq_factor"]), float(rope["high_freq_factor"]))
+    if kind in ("longrope", "su"):  # "su": the name older Phi-3 configs use
+        factor = float(rope.get("factor") or raw["max_position_embeddings"] / original)
+        attention = rope.get("attention_factor")
+        if attention is None:  # the LongRoPE paper's, as transformers and vLLM take it
+            attention = (math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1
+                         else 1.0)
+        return RopeScaling(original, "longrope", factor,
+                           short_factor=tuple(map(float, rope["short_factor"])),
+                           long_factor=tuple(map(float, rope["long_factor"])),
+                           attention_factor=float(attention))
+    raise ModelConfigError(f"{source}: rope_scaling type {kind!r} is not supported "
+                           "(supported: default, llama3, longrope)")
 
 
 def _sliding_windows(raw: dict, arch: str, num_layers: int) -> tuple[int | None, ...]:
     window = raw.get("sliding_window")
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return (int(window) if window else None,) * num_layers
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and raw.get("use_sliding_window") \
             and window:

@@ -195,11 +195,22 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.local_sizes = [size // tp.size for size in output_sizes]
 
     def weight_loader(self, param: nn.Parameter, tensor_slice, shard_id=None) -> None:
+        if shard_id is None:  # every part in one tensor, stacked (Phi-3's qkv_proj, gate_up_proj)
+            self._load_stacked(param, tensor_slice)
+            return
         offset = sum(self.local_sizes[:shard_id])
         local = self.local_sizes[shard_id]
         _check_shape(tensor_slice, _full_shape(param, 0, local * self.tp.size))
         start = self.tp.rank * local
         param.data.narrow(0, offset, local).copy_(_rows(tensor_slice, start, start + local))
+
+    def _load_stacked(self, param: nn.Parameter, tensor_slice) -> None:
+        full = [local * self.tp.size for local in self.local_sizes]
+        _check_shape(tensor_slice, _full_shape(param, 0, sum(full)))
+        for i, local in enumerate(self.local_sizes):
+            start = sum(full[:i]) + self.tp.rank * local
+            param.data.narrow(0, sum(self.local_sizes[:i]), local).copy_(
+                _rows(tensor_slice, start, start + local))
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):

@@ -1,4 +1,4 @@
-"""Rotary position embedding (RoPE), with llama3 frequency scaling."""
+"""Rotary position embedding (RoPE), with Llama-3's and LongRoPE's frequency scaling."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import math
 
 import torch
 
-from outrider.engine.model_config import RopeScaling
+from outrider.engine.model_config import ModelConfigError, RopeScaling
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2], computed in fp32 as the reference does."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta ** exponents)
-    if scaling is None:
+    if scaling is None or scaling.rope_type != "llama3":
         return inv_freq
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
@@ -27,17 +27,37 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _longrope_inv_freq(head_dim: int, theta: float, factors: tuple[float, ...]) -> torch.Tensor:
+    """LongRoPE's inverse frequencies [head_dim // 2], one factor each, in fp32 as the
+    reference computes them."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if len(factors) != len(exponents):
+        raise ModelConfigError(f"config.json: rope_scaling longrope has {len(factors)} "
+                               f"factors for RoPE's {len(exponents)} frequencies")
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponents)
+
+
 class RotaryEmbedding(torch.nn.Module):
     """Applies RoPE to flattened ragged tokens, looking positions up in a cos/sin table."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: RopeScaling | None) -> None:
         super().__init__()
+        positions = torch.arange(max_positions, dtype=torch.float32)[:, None]
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        freqs = positions * inv_freq[None, :]  # [max_positions, head_dim // 2]
+        scale = 1.0
+        if scaling is not None and scaling.rope_type == "longrope":
+            # each position by its own: within the original context the short factors,
+            # past it the long ones (what cached keys were rotated with stays true)
+            short, long = (positions * _longrope_inv_freq(head_dim, theta, factors)[None, :]
+                           for factors in (scaling.short_factor, scaling.long_factor))
+            freqs = torch.where(positions < scaling.original_max_position_embeddings,
+                                short, long)
+            scale = scaling.attention_factor
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos, sin for a forward's positions [num_tokens] -> 2 x [num_tokens, 1, head_dim];

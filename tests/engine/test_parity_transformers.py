@@ -95,22 +95,41 @@ def test_checkpoint_dtype_is_honoured(tmp_path):
 
 # an architecture's row: its logits, and greedy output alone, speculating with a draft of
 # its own kind, and over two tensor-parallel ranks (the suite's other rows cover Llama,
-# Qwen2 and Mistral through the engine's, tp and speculation tests)
+# Qwen2 and Mistral through the engine's, tp and speculation tests). Greedy output is held
+# to transformers' generate(), or (`forward`) to its forward over the prompt and that
+# output, each token its argmax: for Phi-3 with a partial rotary factor or LongRoPE its
+# generate() departs from its own forward (transformers 5.23).
+LONGROPE = dict(rope_type="longrope", short_factor=[1.0, 1.3, 2.1, 3.7, 1.2, 1.9, 2.8, 5.0],
+                long_factor=[1.1, 2.5, 4.0, 9.0, 1.4, 3.3, 6.1, 12.0])
+PHI3 = dict(arch="phi3", num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+            norm_noise=0.3)
 ARCHITECTURES = {
     "qwen3": dict(arch="qwen3", head_dim=16, norm_noise=0.3),
+    # fused qkv and gate/up tensors; LongRoPE within its original context (its short
+    # factors; crossing to the long ones: test_longrope_*)
+    "phi3-longrope": dict(PHI3, original_max_position_embeddings=256,
+                          rope_scaling=LONGROPE, reference="forward"),
+    # Phi-4-mini's shape: part of each head rotated; a sliding window
+    "phi3-partial-rotary-window": dict(PHI3, partial_rotary_factor=0.5, sliding_window=32,
+                                       reference="forward"),
 }
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_an_architecture_matches_transformers_alone_speculating_and_over_two_ranks(
         tmp_path, tokenizer_dir, arch):
+    overrides = dict(ARCHITECTURES[arch])
+    reference = overrides.pop("reference", "generate")
     target = save_random_checkpoint(tmp_path / "target", seed=11, tokenizer_from=tokenizer_dir,
-                                    **ARCHITECTURES[arch])
+                                    **overrides)
     draft = perturbed_copy(target, tmp_path / "draft", noise=0.1)
     prompt_list = prompts(4)
-    expected = hf_greedy(target, prompt_list)
-    assert max_logit_difference(target, prompt_list[0]) < 1e-4
-    assert outrider_greedy(target, prompt_list) == expected
+    expected = outrider_greedy(target, prompt_list)
+    if reference == "generate":
+        assert expected == hf_greedy(target, prompt_list)
+    else:
+        assert all(hf_argmax_path(target, p, out) for p, out in zip(prompt_list, expected))
+    assert max_logit_difference(target, prompt_list[0] + expected[0]) < 1e-4
     greedy = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     for tp in (1, 2):
         group = TPRunnerGroup(RunnerConfig(str(target), tp=tp, kv_cache_mb=8))
@@ -122,6 +141,16 @@ def test_an_architecture_matches_transformers_alone_speculating_and_over_two_ran
             assert sum(s.stats.num_accepted_tokens for s in seqs) > 0
         finally:
             group.close()
+
+
+def hf_argmax_path(model_dir, prompt: list[int], output: list[int]) -> bool:
+    """Whether every output token is transformers' argmax after the tokens before it."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1]
+    return logits.argmax(-1).tolist() == output
 
 
 def max_logit_difference(model_dir, prompt: list[int]) -> float:
@@ -136,3 +165,19 @@ def max_logit_difference(model_dir, prompt: list[int]) -> float:
     ours = runner.forward([ForwardRequest(prompt, 0, runner.blocks.block_table("p"),
                                           len(prompt))])
     return (ours - theirs).abs().max().item()
+
+
+def test_longrope_takes_the_long_factors_from_the_original_context_on(tmp_path):
+    """Each position by its own, as transformers rotates a token generated there: the
+    short factors below the original context, the long ones from it, cos and sin scaled
+    by the attention factor."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = save_random_checkpoint(tmp_path, **dict(
+        PHI3, original_max_position_embeddings=48, rope_scaling=LONGROPE))
+    theirs = AutoModelForCausalLM.from_pretrained(model_dir).model.rotary_emb
+    ours = ModelRunner(RunnerConfig(str(model_dir), kv_cache_mb=8)).model.rope
+    for position in (0, 47, 48, 300):  # a token at p: transformers' sequence has p + 1
+        cos, sin = theirs(torch.zeros(1, 1, 16), torch.tensor([[position]]))
+        assert torch.allclose(ours.cos[position], cos[0, 0], atol=1e-6)
+        assert torch.allclose(ours.sin[position], sin[0, 0], atol=1e-6)
