@@ -12,7 +12,15 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 
 
 def _config(arch: str, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
@@ -21,7 +29,8 @@ def _config(arch: str, **overrides):
                 initializer_range=0.25, bos_token_id=1, eos_token_id=2)
     base.update(overrides)
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-           "mistral": MistralConfig, "phi3": Phi3Config}[arch]
+           "mistral": MistralConfig, "phi3": Phi3Config, "mixtral": MixtralConfig,
+           "qwen3_moe": Qwen3MoeConfig}[arch]
     return cls(**base)
 
 

@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) built from tensor-parallel
-layers."""
+"""The Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Phi-3, and with routed experts
+Mixtral and Qwen3-MoE: moe.py) built from tensor-parallel layers."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from outrider.engine.compiled import attention
 from outrider.engine.features import FeatureTap
 from outrider.engine.kernels import runs_kernels
 from outrider.engine.model_config import ModelConfig
+from outrider.engine.moe import SparseMoE, checkpoint_name
 from outrider.engine.parallel import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -106,19 +107,29 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+    """The gated MLP (a layer's, or one routed expert's of `intermediate` features)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, intermediate: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias, tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
-                                           cfg.mlp_bias, tp)
+        size = intermediate or cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size] * 2,
+                                                       cfg.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self._activated(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, before the all-reduce and any bias (routed
+        experts sum theirs first: moe.py)."""
+        return self.down_proj.matmul(self._activated(x))
+
+    def _activated(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if runs_kernels(gate_up):
-            return self.down_proj(torch.ops.outrider_cpu.silu_mul(gate_up))
+            return torch.ops.outrider_cpu.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return nn.functional.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -126,7 +137,8 @@ class DecoderLayer(nn.Module):
                  input_norm: bool = True) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer, tp)
-        self.mlp = MLP(cfg, tp)
+        is_moe = bool(cfg.moe_layers) and cfg.moe_layers[layer]
+        self.mlp = SparseMoE(cfg, tp, MLP) if is_moe else MLP(cfg, tp)
         # (EAGLE-1 heads have none: their input is already a fused feature)
         self.input_layernorm = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm
                                 else nn.Identity())
@@ -183,7 +195,7 @@ class CausalLM(nn.Module):
     def _param_for(self, name: str) -> tuple[str, int | None] | None:
         if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
             return None
-        return fused_param(name.removeprefix("model."))
+        return fused_param(checkpoint_name(name.removeprefix("model.")))
 
 
 # checkpoint name fragment -> (our fused parameter, shard index)

@@ -18,7 +18,9 @@ import torch
 from outrider.core.hf_config import ModelConfigError, context_length, read_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM", "Phi3ForCausalLM")
+                           "MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
+                           "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_TP = (1, 2, 4, 8)
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,13 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False       # Qwen3: each head's query and key RMS-normed before RoPE
     partial_rotary_factor: float = 1.0  # the share of head_dim RoPE rotates (Phi-4-mini 0.75)
+    # mixture of experts (Mixtral, Qwen3-MoE; moe.py): per layer whether its MLP is the
+    # routed experts' (empty: none is)
+    moe_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to one
     rope_scaling: RopeScaling | None = None
     # per layer: window in tokens, or None for full attention
     sliding_windows: tuple[int | None, ...] = ()
@@ -105,13 +114,21 @@ class ModelConfig:
         if self.intermediate_size % tp:
             raise ModelConfigError(
                 f"tp={tp} does not divide intermediate_size ({self.intermediate_size})")
+        if any(self.moe_layers) and self.moe_intermediate_size % tp:
+            raise ModelConfigError(f"tp={tp} does not divide the experts' intermediate size "
+                                   f"({self.moe_intermediate_size})")
 
     @property
     def num_params(self) -> int:
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         mlp = 3 * self.hidden_size * self.intermediate_size
+        experts = self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size
+                                      + self.hidden_size)
+        mlps = sum(experts if is_moe else mlp for is_moe in self.moe_layers or
+                   (False,) * self.num_layers)
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
+        return (self.num_layers * (attn + 2 * self.hidden_size) + mlps + embed
+                + self.hidden_size)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -150,13 +167,14 @@ class ModelConfig:
                 dtype=_parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32", source),
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
                 mlp_bias=bool(raw.get("mlp_bias", False)),
-                qk_norm=arch == "Qwen3ForCausalLM",
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
                 partial_rotary_factor=float(rope.get("partial_rotary_factor",
                                                      raw.get("partial_rotary_factor", 1.0))),
                 rope_scaling=_parse_rope_scaling(rope, raw, source),
                 sliding_windows=_sliding_windows(raw, arch, num_layers),
                 eos_token_ids=_eos_token_ids(raw, generation or {}, source),
                 bos_token_id=raw.get("bos_token_id"),
+                **_moe(raw, arch, num_layers),
             )
         except KeyError as exc:
             raise ModelConfigError(f"{source}: missing required key {exc.args[0]!r}") from exc
@@ -195,12 +213,29 @@ def _parse_rope_scaling(rope: dict, raw: dict, source: str) -> RopeScaling | Non
                            "(supported: default, llama3, longrope)")
 
 
+def _moe(raw: dict, arch: str, num_layers: int) -> dict:
+    """The routed experts' fields: Mixtral's in every layer; Qwen3-MoE's where
+    decoder_sparse_step says and mlp_only_layers does not."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    experts = int(raw.get("num_local_experts") or raw["num_experts"])
+    if arch == "MixtralForCausalLM":
+        layers, size, norm = (True,) * num_layers, int(raw["intermediate_size"]), True
+    else:
+        step, dense = int(raw.get("decoder_sparse_step", 1)), set(raw.get("mlp_only_layers", []))
+        layers = tuple(i not in dense and step > 0 and (i + 1) % step == 0
+                       for i in range(num_layers))
+        size, norm = int(raw["moe_intermediate_size"]), bool(raw.get("norm_topk_prob", False))
+    return dict(moe_layers=layers, num_experts=experts, moe_intermediate_size=size,
+                num_experts_per_tok=int(raw["num_experts_per_tok"]), norm_topk_prob=norm)
+
+
 def _sliding_windows(raw: dict, arch: str, num_layers: int) -> tuple[int | None, ...]:
     window = raw.get("sliding_window")
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
         return (int(window) if window else None,) * num_layers
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and raw.get("use_sliding_window") \
-            and window:
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") \
+            and raw.get("use_sliding_window") and window:
         types = raw.get("layer_types") or [
             "sliding_attention" if i >= int(raw.get("max_window_layers", num_layers))
             else "full_attention" for i in range(num_layers)]

@@ -112,6 +112,15 @@ ARCHITECTURES = {
     # Phi-4-mini's shape: part of each head rotated; a sliding window
     "phi3-partial-rotary-window": dict(PHI3, partial_rotary_factor=0.5, sliding_window=32,
                                        reference="forward"),
+    # routed experts: top-2 of 4, renormalised (Mixtral); top-2 of 8 as they come, a dense
+    # first layer (Qwen3-MoE's mlp_only_layers). Against the forward: where the router
+    # nearly ties, transformers' generate() (a token a forward) and its forward pick
+    # different experts from rounding alone
+    "mixtral": dict(arch="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                    reference="forward"),
+    "qwen3-moe": dict(arch="qwen3_moe", num_experts=8, num_experts_per_tok=2, head_dim=16,
+                      moe_intermediate_size=48, mlp_only_layers=[0], norm_topk_prob=False,
+                      norm_noise=0.3, reference="forward"),
 }
 
 

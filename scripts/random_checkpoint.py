@@ -1,0 +1,56 @@
+"""Write a randomly initialised Hugging Face checkpoint of an architecture Outrider loads,
+sized like the demo target and carrying its tokenizer, for benchmarks of architectures
+the repo ships no trained model of (e.g. `outrider bench --step --target DIR` on routed
+experts).
+
+    python scripts/random_checkpoint.py mixtral /tmp/mixtral-demo
+    python scripts/random_checkpoint.py qwen3_moe /tmp/qwen3-moe-demo
+
+Shapes: 4 layers, hidden 256, 8 heads (2 KV heads), the demo's 4,096-token vocabulary;
+the MoE kinds 8 experts of 896 features, top-2 (Mixtral's ratios); bfloat16."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import torch
+
+from outrider import paths
+
+SHAPES = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+              num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1,
+              eos_token_id=2)
+KINDS = {
+    "mixtral": ("MixtralConfig", dict(intermediate_size=896, num_local_experts=8,
+                                      num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=896, moe_intermediate_size=896,
+                                         num_experts=8, num_experts_per_tok=2, head_dim=32,
+                                         norm_topk_prob=True)),
+    "qwen3": ("Qwen3Config", dict(intermediate_size=896, head_dim=32)),
+    "phi3": ("Phi3Config", dict(intermediate_size=896, pad_token_id=0)),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kind", choices=sorted(KINDS))
+    parser.add_argument("out")
+    args = parser.parse_args()
+    import transformers
+
+    config_class, extra = KINDS[args.kind]
+    config = getattr(transformers, config_class)(**SHAPES, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    out = Path(args.out)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (paths.demo_target_dir() / name).is_file():
+            shutil.copy(paths.demo_target_dir() / name, out / name)
+    print(f"wrote {out} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)")
+
+
+if __name__ == "__main__":
+    main()
