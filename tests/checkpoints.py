@@ -21,6 +21,7 @@ def _config(arch: str, **overrides):
         Qwen3Config,
         Qwen3MoeConfig,
     )
+    from transformers.models.gemma3 import Gemma3TextConfig
 
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
@@ -30,7 +31,7 @@ def _config(arch: str, **overrides):
     base.update(overrides)
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
            "mistral": MistralConfig, "phi3": Phi3Config, "mixtral": MixtralConfig,
-           "qwen3_moe": Qwen3MoeConfig}[arch]
+           "qwen3_moe": Qwen3MoeConfig, "gemma3": Gemma3TextConfig}[arch]
     return cls(**base)
 
 

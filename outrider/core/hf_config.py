@@ -15,16 +15,48 @@ class ModelConfigError(ValueError):
 
 def read_config(model_dir: str | Path, name: str = "config.json",
                 required: bool = True) -> dict | None:
-    """The JSON file `name` of a checkpoint dir (None when optional and absent)."""
+    """The JSON file `name` of a checkpoint dir (None when optional and absent); a
+    config.json as the language model it describes (text_model)."""
     path = Path(model_dir) / name
     if not path.is_file():
         if not required:
             return None
         raise ModelConfigError(f"{model_dir}: no {name} (not a Hugging Face checkpoint dir)")
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelConfigError(f"{path}: not valid JSON ({exc})") from exc
+    return text_model(raw) if name == "config.json" and isinstance(raw, dict) else raw
+
+
+# multimodal checkpoints whose language model is served alone (the vision tower is not
+# loaded: model.py skips its tensors), and that model's architecture
+TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# Gemma 3's text defaults (transformers' Gemma3TextConfig): its checkpoints' text_config
+# lists only what differs from them
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "sliding_window_pattern": 6, "tie_word_embeddings": True, "bos_token_id": 2,
+    "eos_token_id": 1}
+
+
+def text_model(raw: dict) -> dict:
+    """A config.json's language model: a multimodal checkpoint's text_config (with the
+    outer dtype and token ids where it has none) as its own architecture; Gemma 3's
+    defaults filled in."""
+    arch = (raw.get("architectures") or [None])[0]
+    if arch in TEXT_MODELS:
+        outer = {k: raw[k] for k in ("dtype", "torch_dtype", "tie_word_embeddings",
+                                     "eos_token_id", "bos_token_id") if k in raw}
+        raw = {**outer, **(raw.get("text_config") or {}), "architectures": [TEXT_MODELS[arch]]}
+        arch = TEXT_MODELS[arch]
+    if arch == "Gemma3ForCausalLM":
+        raw = {**GEMMA3_TEXT_DEFAULTS, **raw}
+    return raw
 
 
 # a draft head's config.json architectures -> its kind (the names vLLM's registry takes

@@ -62,7 +62,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.rotary_dim = cfg.rotary_dim
         self.window = cfg.sliding_windows[layer]
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.query_scale or cfg.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(input_size or cfg.hidden_size, cfg.head_dim,
                                           cfg.num_heads,
                                           cfg.num_kv_heads, cfg.qkv_bias, tp)
@@ -112,6 +112,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, intermediate: int | None = None) -> None:
         super().__init__()
         size = intermediate or cfg.intermediate_size
+        self.is_gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # Gemma's; else SiLU
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size] * 2,
                                                        cfg.mlp_bias, tp)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, tp)
@@ -126,9 +127,11 @@ class MLP(nn.Module):
 
     def _activated(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if runs_kernels(gate_up):
+        if runs_kernels(gate_up) and not self.is_gelu:
             return torch.ops.outrider_cpu.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
+        if self.is_gelu:
+            return nn.functional.gelu(gate, approximate="tanh") * up
         return nn.functional.silu(gate) * up
 
 
@@ -143,10 +146,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm
                                 else nn.Identity())
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention's output
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
         # x: [num_tokens, hidden], this layer's own (the previous layer's fresh output)
         attended = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        if hasattr(self, "pre_feedforward_layernorm"):
+            attended = self.post_attention_layernorm(attended)
+            h, x = self.pre_feedforward_layernorm.add_and_norm(attended, x)
+            return x + self.post_feedforward_layernorm(self.mlp(h))
         h, x = self.post_attention_layernorm.add_and_norm(attended, x)
         return x + self.mlp(h)
 
@@ -159,6 +169,9 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.rope = RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta,
                                     cfg.rope_scaling)
+        # Gemma 3's sliding-window layers rotate with a base of their own
+        self.local_rope = (RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.local_rope_theta,
+                                           None) if cfg.local_rope_theta else None)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -172,12 +185,15 @@ class CausalLM(nn.Module):
                 meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [num_tokens]; logits_rows: [num_rows] -> [num_rows, vocab]
         x = self.embed_tokens(input_ids)
+        if self.cfg.embedding_multiplier != 1.0:  # (in the model's dtype, as Gemma's own)
+            x = x * torch.tensor(self.cfg.embedding_multiplier, dtype=x.dtype)
         cos_sin = self.rope.lookup(positions, x.dtype)
+        local = self.local_rope.lookup(positions, x.dtype) if self.local_rope else cos_sin
         taps = []
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if self.tap is not None and i in self.tap.layers:
                 taps.append(x.clone())  # (the next layer adds into x in place)
-            x = layer(x, cos_sin, kv_cache, meta)
+            x = layer(x, local if layer.self_attn.window else cos_sin, kv_cache, meta)
         if self.tap is None:
             return self.lm_head(self.norm(x.index_select(0, logits_rows))).float()
         if self.tap.normed:
@@ -191,8 +207,18 @@ class CausalLM(nn.Module):
         tied = self.cfg.tie_word_embeddings
         load_checkpoint(self, model_dir, self._param_for,
                         optional=lambda name: tied and name == "lm_head.weight")
+        if self.cfg.norm_offset:  # Gemma's norms scale by (1 + w): kept as the factor
+            with torch.no_grad():
+                for norm in self.modules():
+                    if isinstance(norm, RMSNorm):
+                        norm.weight.add_(self.cfg.norm_offset)
 
     def _param_for(self, name: str) -> tuple[str, int | None] | None:
+        # a multimodal checkpoint's language model (hf_config.text_model): its own names,
+        # under language_model. (or model.language_model.); the rest is not loaded
+        name = name.removeprefix("model.").removeprefix("language_model.")
+        if name.startswith(("vision_tower.", "multi_modal_projector.")):
+            return None
         if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
             return None
         return fused_param(checkpoint_name(name.removeprefix("model.")))

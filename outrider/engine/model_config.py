@@ -19,8 +19,10 @@ from outrider.core.hf_config import ModelConfigError, context_length, read_confi
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
-                           "Qwen3MoeForCausalLM")
+                           "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+GEMMA = ("Gemma3ForCausalLM",)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_TP = (1, 2, 4, 8)
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,15 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to one
+    # Gemma 3: norms scale by (1 + w), the embedding by sqrt(hidden), the MLP's gate is
+    # GELU (tanh), each block's output is normed too (sandwich), queries scale by
+    # query_pre_attn_scalar, sliding-window layers rotate with their own base
+    norm_offset: float = 0.0
+    embedding_multiplier: float = 1.0
+    hidden_act: str = "silu"
+    sandwich_norms: bool = False
+    query_scale: float | None = None  # None: head_dim ** -0.5
+    local_rope_theta: float | None = None  # sliding-window layers' RoPE base (no scaling)
     rope_scaling: RopeScaling | None = None
     # per layer: window in tokens, or None for full attention
     sliding_windows: tuple[int | None, ...] = ()
@@ -144,9 +155,10 @@ class ModelConfig:
             raise ModelConfigError(
                 f"{source}: unsupported architecture {arch!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (only silu)")
+        act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+        if act not in ACTIVATIONS:
+            raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (only "
+                                   f"{', '.join(ACTIVATIONS)})")
         try:
             hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
             num_layers = int(raw["num_hidden_layers"])
@@ -161,13 +173,14 @@ class ModelConfig:
                 num_kv_heads=int(raw.get("num_key_value_heads") or heads),
                 head_dim=int(raw.get("head_dim") or hidden // heads),
                 rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+                local_rope_theta=_local_rope_theta(raw, arch),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=context_length(raw),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch in GEMMA)),
                 dtype=_parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32", source),
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
                 mlp_bias=bool(raw.get("mlp_bias", False)),
-                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *GEMMA),
                 partial_rotary_factor=float(rope.get("partial_rotary_factor",
                                                      raw.get("partial_rotary_factor", 1.0))),
                 rope_scaling=_parse_rope_scaling(rope, raw, source),
@@ -175,6 +188,7 @@ class ModelConfig:
                 eos_token_ids=_eos_token_ids(raw, generation or {}, source),
                 bos_token_id=raw.get("bos_token_id"),
                 **_moe(raw, arch, num_layers),
+                **_gemma(raw, arch, hidden, act),
             )
         except KeyError as exc:
             raise ModelConfigError(f"{source}: missing required key {exc.args[0]!r}") from exc
@@ -185,14 +199,36 @@ class ModelConfig:
 
 
 def _rope_parameters(raw: dict) -> dict:
-    # transformers >= 5 writes `rope_parameters`; older checkpoints use `rope_scaling`.
-    return dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    # transformers >= 5 writes `rope_parameters` (Gemma 3: one per layer type, the global
+    # layers' here); older checkpoints use `rope_scaling`.
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    return dict(rope.get("full_attention", rope))
+
+
+def _local_rope_theta(raw: dict, arch: str) -> float | None:
+    """Gemma 3's sliding-window layers' RoPE base: their own rope_parameters, or
+    rope_local_base_freq in older configs."""
+    if arch not in GEMMA:
+        return None
+    local = (raw.get("rope_parameters") or {}).get("sliding_attention") or {}
+    return float(local.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0)
+
+
+def _gemma(raw: dict, arch: str, hidden: int, act: str) -> dict:
+    if arch not in GEMMA:
+        return {}
+    head_dim = int(raw.get("head_dim") or hidden // int(raw["num_attention_heads"]))
+    return dict(norm_offset=1.0, embedding_multiplier=hidden ** 0.5, hidden_act=act,
+                sandwich_norms=True,
+                query_scale=float(raw.get("query_pre_attn_scalar") or head_dim) ** -0.5)
 
 
 def _parse_rope_scaling(rope: dict, raw: dict, source: str) -> RopeScaling | None:
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind in (None, "default"):
         return None
+    if kind == "linear":  # Gemma 3's global layers: positions divided by the factor
+        return RopeScaling(0, "linear", float(rope["factor"]))
     # Phi-3 keeps the pretrained context beside max_position_embeddings, not in the rope dict
     original = int(rope.get("original_max_position_embeddings")
                    or raw["original_max_position_embeddings"])
@@ -210,7 +246,7 @@ def _parse_rope_scaling(rope: dict, raw: dict, source: str) -> RopeScaling | Non
                            long_factor=tuple(map(float, rope["long_factor"])),
                            attention_factor=float(attention))
     raise ModelConfigError(f"{source}: rope_scaling type {kind!r} is not supported "
-                           "(supported: default, llama3, longrope)")
+                           "(supported: default, linear, llama3, longrope)")
 
 
 def _moe(raw: dict, arch: str, num_layers: int) -> dict:
@@ -234,6 +270,12 @@ def _sliding_windows(raw: dict, arch: str, num_layers: int) -> tuple[int | None,
     window = raw.get("sliding_window")
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
         return (int(window) if window else None,) * num_layers
+    if arch in GEMMA and window:  # every pattern-th layer global, the others windowed
+        pattern = int(raw.get("sliding_window_pattern") or 6)
+        types = raw.get("layer_types") or [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(num_layers)]
+        return tuple(int(window) if t == "sliding_attention" else None for t in types)
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") \
             and raw.get("use_sliding_window") and window:
         types = raw.get("layer_types") or [

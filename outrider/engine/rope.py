@@ -13,6 +13,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     """Inverse frequencies [head_dim // 2], computed in fp32 as the reference does."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta ** exponents)
+    if scaling is not None and scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
     if scaling is None or scaling.rope_type != "llama3":
         return inv_freq
     old_len = scaling.original_max_position_embeddings

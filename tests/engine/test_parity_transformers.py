@@ -118,6 +118,14 @@ ARCHITECTURES = {
     # different experts from rounding alone
     "mixtral": dict(arch="mixtral", num_local_experts=4, num_experts_per_tok=2,
                     reference="forward"),
+    # (1 + w) norms, scaled embeddings, GELU, sandwich norms, query_pre_attn_scalar, every
+    # third layer global with its own RoPE base and linear scaling, the others windowed
+    "gemma3": dict(arch="gemma3", head_dim=16, query_pre_attn_scalar=24, sliding_window=20,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                   num_hidden_layers=3, norm_noise=0.3, rope_parameters={
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                       "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                          "rope_theta": 100000.0}}),
     "qwen3-moe": dict(arch="qwen3_moe", num_experts=8, num_experts_per_tok=2, head_dim=16,
                       moe_intermediate_size=48, mlp_only_layers=[0], norm_topk_prob=False,
                       norm_noise=0.3, reference="forward"),
@@ -190,3 +198,42 @@ def test_longrope_takes_the_long_factors_from_the_original_context_on(tmp_path):
         cos, sin = theirs(torch.zeros(1, 1, 16), torch.tensor([[position]]))
         assert torch.allclose(ours.cos[position], cos[0, 0], atol=1e-6)
         assert torch.allclose(ours.sin[position], sin[0, 0], atol=1e-6)
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path):
+    """Gemma3ForConditionalGeneration: its text_config (partial, Gemma 3's defaults
+    filling the rest) and its language model's tensors; the vision tower is not loaded.
+    Greedy output is transformers' argmax path on text alone."""
+    from transformers import AutoModelForCausalLM, Gemma3Config, SiglipVisionConfig
+    from transformers.models.gemma3 import Gemma3TextConfig
+
+    torch.manual_seed(5)
+    text = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, initializer_range=0.25,
+                            sliding_window=16, layer_types=["sliding_attention",
+                                                            "full_attention"])
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    prompt_list = prompts(2)
+    outputs = outrider_greedy(tmp_path, prompt_list)
+    assert all(hf_argmax_path(tmp_path, p, out) for p, out in zip(prompt_list, outputs))
+
+
+def test_a_gemma3_text_config_lists_only_what_differs_from_its_defaults():
+    """As Gemma 3's multimodal checkpoints ship it (gemma-3-4b-it's text_config)."""
+    from outrider.core.hf_config import text_model
+    from outrider.engine.model_config import ModelConfig
+
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "torch_dtype": "bfloat16",
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                           "num_hidden_layers": 34, "sliding_window": 1024,
+                           "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}}
+    cfg = ModelConfig.from_hf_dict(text_model(raw))
+    assert (cfg.architecture, cfg.vocab_size, cfg.head_dim, cfg.num_heads) == (
+        "Gemma3ForCausalLM", 262208, 256, 8)
+    assert cfg.sliding_windows[:6] == (1024,) * 5 + (None,) and cfg.tie_word_embeddings
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling.factor) == (1e6, 1e4, 8.0)
+    assert cfg.dtype == torch.bfloat16 and cfg.query_scale == 256 ** -0.5
