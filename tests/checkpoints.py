@@ -21,6 +21,7 @@ def _config(arch: str, **overrides):
         Qwen3Config,
         Qwen3MoeConfig,
     )
+    from transformers.models.gemma2 import Gemma2Config
     from transformers.models.gemma3 import Gemma3TextConfig
 
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -31,7 +32,8 @@ def _config(arch: str, **overrides):
     base.update(overrides)
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
            "mistral": MistralConfig, "phi3": Phi3Config, "mixtral": MixtralConfig,
-           "qwen3_moe": Qwen3MoeConfig, "gemma3": Gemma3TextConfig}[arch]
+           "qwen3_moe": Qwen3MoeConfig, "gemma2": Gemma2Config,
+           "gemma3": Gemma3TextConfig}[arch]
     return cls(**base)
 
 

@@ -187,37 +187,40 @@ def kv_cache_shapes(num_blocks: int, block_size: int, kv_heads: int,
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, window: int | None, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, window: int | None, scale: float,
+                    softcap: float = 0.0) -> torch.Tensor:
     """q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim]; caches as
-    kv_cache_shapes gives. Returns [num_tokens, heads * head_dim]."""
+    kv_cache_shapes gives; softcap > 0: scores become softcap * tanh(score / softcap)
+    (Gemma 2). Returns [num_tokens, heads * head_dim]."""
     if q.device.type == "cpu" and cpu_kernels_loaded():
         return torch.ops.outrider_cpu.paged_attention(
             q, k, v, k_cache, v_cache, meta.slot_mapping, meta.query_start, meta.context_lens,
-            meta.block_tables, meta.tree_masks, window or 0, scale)
-    return reference_attention(q, k, v, k_cache, v_cache, meta, window, scale)
+            meta.block_tables, meta.tree_masks, window or 0, scale, softcap)
+    return reference_attention(q, k, v, k_cache, v_cache, meta, window, scale, softcap)
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, window: int | None,
-                        scale: float) -> torch.Tensor:
+                        scale: float, softcap: float = 0.0) -> torch.Tensor:
     """paged_attention in torch ops: SDPA per group over gathered contexts."""
     block_size = meta.block_size
     blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
     k_cache[blocks, :, :, offsets] = k  # [num_tokens, kv_heads, head_dim] into the blocks
     v_cache.index_copy_(0, meta.slot_mapping, v)
     if len(meta.groups) == 1:
-        return _attend(meta.groups[0], q, k, v, k_cache, v_cache, block_size, window, scale)
+        return _attend(meta.groups[0], q, k, v, k_cache, v_cache, block_size, window, scale,
+                       softcap)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
     for group in meta.groups:
         out[group.rows] = _attend(group, q[group.rows], k[group.rows], v[group.rows],
-                                  k_cache, v_cache, block_size, window, scale)
+                                  k_cache, v_cache, block_size, window, scale, softcap)
     return out
 
 
 def _attend(group: AttentionGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int,
-            window: int | None, scale: float) -> torch.Tensor:
+            window: int | None, scale: float, softcap: float = 0.0) -> torch.Tensor:
     """One group's queries q [n, heads, head_dim] -> [n, heads * head_dim]."""
     batch, max_q = group.batch, group.max_query_len
     num_tokens, heads, head_dim = q.shape
@@ -230,19 +233,21 @@ def _attend(group: AttentionGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         out = _sdpa(  # [1, heads, q, head_dim]
             q_pad.transpose(1, 2), k.unsqueeze(0).transpose(1, 2),
             v.unsqueeze(0).transpose(1, 2), is_causal=True, scale=scale,
-            enable_gqa=k.shape[1] != heads)
+            enable_gqa=k.shape[1] != heads, softcap=softcap)
         return out.transpose(1, 2).reshape(num_tokens, heads * head_dim)
     # keys: [batch, max_ctx, kv_heads, head_dim] from transposed blocks; values likewise
     keys = _gather_context(k_cache.transpose(1, 3).transpose(2, 3), group)
     values = _gather_context(v_cache.view(-1, block_size, *v_cache.shape[1:]), group)
     fold = heads // keys.shape[2]
-    out = _grouped_sdpa(q_pad, keys, values, group.mask(window, fold, q.dtype), scale)
+    out = _grouped_sdpa(q_pad, keys, values, group.mask(window, fold, q.dtype), scale,
+                        softcap)
     out = out.reshape(batch * max_q, heads * head_dim)
     return out if group.pad_index is None else out.index_select(0, group.pad_index)
 
 
 def _grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                  mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+                  mask: torch.Tensor | None, scale: float,
+                  softcap: float = 0.0) -> torch.Tensor:
     """q [batch, max_q, heads, dim], keys/values [batch, ctx, kv_heads, dim], mask
     [batch, 1, group * max_q, ctx] additive or None -> [batch, max_q, heads, dim]. The
     query heads sharing a KV head are folded into its query rows (one SDPA head per KV
@@ -254,23 +259,44 @@ def _grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     folded = (q.view(batch, max_q, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
               .reshape(batch, kv_heads, group * max_q, dim))  # rows: (head in group, query)
     out = _sdpa(folded, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
-                scale=scale)
+                scale=scale, softcap=softcap)
     return out.view(batch, kv_heads, group, max_q, dim).permute(0, 3, 1, 2, 4)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-          attn_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+          attn_mask: torch.Tensor | None = None, softcap: float = 0.0,
+          **kwargs) -> torch.Tensor:
     """SDPA, on CPU in float64 rounded once to q's dtype. How SDPA blocks its loops
     depends on the padded shapes, so in float32 or bf16 a row's result moves with the
     batch around it; in float64 it moves by ~1e-16, which the rounding removes: rows come
     out as they would alone (the batch invariance greedy exactness relies on, which the
     C++ kernel has by construction), at some cost to a path that runs only without it."""
+    attend = soft_capped_sdpa if softcap else F.scaled_dot_product_attention
+    extra = {"softcap": softcap} if softcap else {}
     if q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
+        return attend(q, k, v, attn_mask=attn_mask, **kwargs, **extra)
     mask = None if attn_mask is None else attn_mask.double()
-    out = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
-                                         attn_mask=mask, **kwargs)
+    out = attend(q.double(), k.double(), v.double(), attn_mask=mask, **kwargs, **extra)
     return out.to(q.dtype)
+
+
+def soft_capped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      attn_mask: torch.Tensor | None, scale: float, softcap: float,
+                      is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
+    """SDPA's arithmetic with the scores capped by softcap * tanh(score / softcap) before
+    the mask and the softmax (SDPA has no such step). q [b, heads, n, d], k and v
+    [b, kv_heads, m, d]."""
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    scores = q @ k.transpose(-1, -2) * scale  # [b, heads, n, m]
+    scores = softcap * torch.tanh(scores / softcap)
+    if is_causal:  # the n queries are the last n of the m keys
+        n, m = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q.device)
+                                    .triu(m - n + 1), float("-inf"))
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    return torch.softmax(scores, dim=-1) @ v
 
 
 def _gather_context(blocks: torch.Tensor, group: AttentionGroup) -> torch.Tensor:

@@ -52,26 +52,26 @@ def forward_metadata(meta: AttentionMetadata) -> Iterator[None]:
 @torch.library.custom_op("outrider::paged_attention", mutates_args=("k_cache", "v_cache"))
 def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, window: int,
-                        scale: float) -> torch.Tensor:
+                        scale: float, softcap: float) -> torch.Tensor:
     return paged_attention(q, k, v, k_cache, v_cache, _metadata[-1],
-                           window if window > 0 else None, scale)
+                           window if window > 0 else None, scale, softcap)
 
 
 @_paged_attention_op.register_fake
-def _(q, k, v, k_cache, v_cache, window, scale):
+def _(q, k, v, k_cache, v_cache, window, scale, softcap):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor, meta: AttentionMetadata | None, window: int | None,
-              scale: float) -> torch.Tensor:
+              scale: float, softcap: float = 0.0) -> torch.Tensor:
     """Paged attention, called directly in eager mode (a custom op's dispatch costs
     ~10 µs a call) and as an opaque op inside a compiled graph, which is given no
     metadata (its guards would cost more than the step saves) and reads it from
     forward_metadata instead."""
     if meta is None:
-        return _paged_attention_op(q, k, v, k_cache, v_cache, window or 0, scale)
-    return paged_attention(q, k, v, k_cache, v_cache, meta, window, scale)
+        return _paged_attention_op(q, k, v, k_cache, v_cache, window or 0, scale, softcap)
+    return paged_attention(q, k, v, k_cache, v_cache, meta, window, scale, softcap)
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

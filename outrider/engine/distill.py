@@ -18,10 +18,12 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+from outrider.engine.attention import soft_capped_sdpa
 from outrider.engine.model import CausalLM
 from outrider.engine.runner import ModelRunner
 
@@ -146,14 +148,13 @@ def causal_logits(model: CausalLM, input_ids: torch.Tensor,
     (differentiable when their weights are)."""
     batch, length = input_ids.shape
     positions = torch.arange(length, device=input_ids.device).repeat(batch)
-    x = model.embed_tokens(input_ids.reshape(-1))  # [batch * T, hidden]
-    cos_sin = model.rope.lookup(positions, x.dtype)
-    for layer in model.layers:
-        x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos_sin, batch, length)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    x = model.embed(input_ids.reshape(-1))  # [batch * T, hidden]
+    for layer, cos_sin in zip(model.layers, model.rotations(positions, x.dtype), strict=True):
+        x = layer.around(x, lambda h, layer=layer, cos_sin=cos_sin: _attention(
+            layer.self_attn, h, cos_sin, batch, length))
     if at is not None:
-        return model.lm_head(model.norm(x[at.reshape(-1)]))  # [n, vocab]
-    return model.lm_head(model.norm(x)).view(batch, length, -1)
+        return model.logits(model.norm(x[at.reshape(-1)]))  # [n, vocab]
+    return model.logits(model.norm(x)).view(batch, length, -1)
 
 
 def _attention(attn, x: torch.Tensor, cos_sin, batch: int, length: int) -> torch.Tensor:
@@ -165,8 +166,9 @@ def _attention(attn, x: torch.Tensor, cos_sin, batch: int, length: int) -> torch
     if attn.window:
         pos = torch.arange(length, device=x.device)
         mask = (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < attn.window)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                         scale=attn.scale)
+    attend = (partial(soft_capped_sdpa, softcap=attn.softcap) if attn.softcap
+              else F.scaled_dot_product_attention)
+    out = attend(q, k, v, attn_mask=mask, is_causal=mask is None, scale=attn.scale)
     return attn.o_proj(out.transpose(1, 2).reshape(batch * length, heads * dim))
 
 

@@ -63,6 +63,7 @@ class Attention(nn.Module):
         self.rotary_dim = cfg.rotary_dim
         self.window = cfg.sliding_windows[layer]
         self.scale = cfg.query_scale or cfg.head_dim ** -0.5
+        self.softcap = cfg.attn_logit_softcap
         self.qkv_proj = QKVParallelLinear(input_size or cfg.hidden_size, cfg.head_dim,
                                           cfg.num_heads,
                                           cfg.num_kv_heads, cfg.qkv_bias, tp)
@@ -76,7 +77,8 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         # x: [num_tokens, hidden]
         q, k, v = self.queries_keys_values(x, cos_sin)
-        out = attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.window, self.scale)
+        out = attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.window, self.scale,
+                        self.softcap)
         return self.o_proj(out)
 
     def queries_keys_values(self, x: torch.Tensor, cos_sin: tuple) -> tuple[torch.Tensor, ...]:
@@ -152,7 +154,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
         # x: [num_tokens, hidden], this layer's own (the previous layer's fresh output)
-        attended = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        return self.around(x, lambda h: self.self_attn(h, cos_sin, kv_cache, meta))
+
+    def around(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]):
+        """The layer's norms, residuals and MLP around `attend`, the attention of its
+        normed input (the engine's over the paged cache; distillation's over whole
+        sequences, distill.py)."""
+        attended = attend(self.input_layernorm(x))
         if hasattr(self, "pre_feedforward_layernorm"):
             attended = self.post_attention_layernorm(attended)
             h, x = self.pre_feedforward_layernorm.add_and_norm(attended, x)
@@ -184,24 +192,43 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [num_tokens]; logits_rows: [num_rows] -> [num_rows, vocab]
-        x = self.embed_tokens(input_ids)
-        if self.cfg.embedding_multiplier != 1.0:  # (in the model's dtype, as Gemma's own)
-            x = x * torch.tensor(self.cfg.embedding_multiplier, dtype=x.dtype)
-        cos_sin = self.rope.lookup(positions, x.dtype)
-        local = self.local_rope.lookup(positions, x.dtype) if self.local_rope else cos_sin
+        x = self.embed(input_ids)
+        rotations = self.rotations(positions, x.dtype)
         taps = []
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        for i, (layer, cos_sin, kv_cache) in enumerate(zip(self.layers, rotations, kv_caches,
+                                                          strict=True)):
             if self.tap is not None and i in self.tap.layers:
                 taps.append(x.clone())  # (the next layer adds into x in place)
-            x = layer(x, local if layer.self_attn.window else cos_sin, kv_cache, meta)
+            x = layer(x, cos_sin, kv_cache, meta)
         if self.tap is None:
-            return self.lm_head(self.norm(x.index_select(0, logits_rows))).float()
+            return self.logits(self.norm(x.index_select(0, logits_rows)))
         if self.tap.normed:
             normed = self.norm(x)  # [num_tokens, hidden]
             self.features = normed
-            return self.lm_head(normed.index_select(0, logits_rows)).float()
+            return self.logits(normed.index_select(0, logits_rows))
         self.features = torch.cat(taps + [x] * (self.cfg.num_layers in self.tap.layers), -1)
-        return self.lm_head(self.norm(x.index_select(0, logits_rows))).float()
+        return self.logits(self.norm(x.index_select(0, logits_rows)))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] -> [num_tokens, hidden] (Gemma's scaled, in the model's dtype as
+        its own)."""
+        x = self.embed_tokens(input_ids)
+        if self.cfg.embedding_multiplier != 1.0:
+            x = x * torch.tensor(self.cfg.embedding_multiplier, dtype=x.dtype)
+        return x
+
+    def rotations(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple]:
+        """Each layer's cos/sin for `positions`, looked up once per table (Gemma 3's
+        sliding-window layers have one of their own)."""
+        cos_sin = self.rope.lookup(positions, dtype)
+        local = self.local_rope.lookup(positions, dtype) if self.local_rope else cos_sin
+        return [local if layer.self_attn.window else cos_sin for layer in self.layers]
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] normed -> fp32 logits [rows, vocab] (Gemma 2's soft-capped)."""
+        logits = self.lm_head(normed).float()
+        cap = self.cfg.final_logit_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def load_weights(self, model_dir: Path) -> None:
         tied = self.cfg.tie_word_embeddings

@@ -19,9 +19,9 @@ from outrider.core.hf_config import ModelConfigError, context_length, read_confi
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
-                           "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+                           "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
-GEMMA = ("Gemma3ForCausalLM",)
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_TP = (1, 2, 4, 8)
 
@@ -88,6 +88,8 @@ class ModelConfig:
     sandwich_norms: bool = False
     query_scale: float | None = None  # None: head_dim ** -0.5
     local_rope_theta: float | None = None  # sliding-window layers' RoPE base (no scaling)
+    attn_logit_softcap: float = 0.0   # Gemma 2: scores capped by c * tanh(score / c)
+    final_logit_softcap: float = 0.0  # and the logits likewise
     rope_scaling: RopeScaling | None = None
     # per layer: window in tokens, or None for full attention
     sliding_windows: tuple[int | None, ...] = ()
@@ -180,7 +182,7 @@ class ModelConfig:
                 dtype=_parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32", source),
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
                 mlp_bias=bool(raw.get("mlp_bias", False)),
-                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *GEMMA),
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
                 partial_rotary_factor=float(rope.get("partial_rotary_factor",
                                                      raw.get("partial_rotary_factor", 1.0))),
                 rope_scaling=_parse_rope_scaling(rope, raw, source),
@@ -208,7 +210,7 @@ def _rope_parameters(raw: dict) -> dict:
 def _local_rope_theta(raw: dict, arch: str) -> float | None:
     """Gemma 3's sliding-window layers' RoPE base: their own rope_parameters, or
     rope_local_base_freq in older configs."""
-    if arch not in GEMMA:
+    if arch != "Gemma3ForCausalLM":
         return None
     local = (raw.get("rope_parameters") or {}).get("sliding_attention") or {}
     return float(local.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0)
@@ -220,7 +222,9 @@ def _gemma(raw: dict, arch: str, hidden: int, act: str) -> dict:
     head_dim = int(raw.get("head_dim") or hidden // int(raw["num_attention_heads"]))
     return dict(norm_offset=1.0, embedding_multiplier=hidden ** 0.5, hidden_act=act,
                 sandwich_norms=True,
-                query_scale=float(raw.get("query_pre_attn_scalar") or head_dim) ** -0.5)
+                query_scale=float(raw.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+                attn_logit_softcap=float(raw.get("attn_logit_softcapping") or 0.0),
+                final_logit_softcap=float(raw.get("final_logit_softcapping") or 0.0))
 
 
 def _parse_rope_scaling(rope: dict, raw: dict, source: str) -> RopeScaling | None:
@@ -271,7 +275,8 @@ def _sliding_windows(raw: dict, arch: str, num_layers: int) -> tuple[int | None,
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
         return (int(window) if window else None,) * num_layers
     if arch in GEMMA and window:  # every pattern-th layer global, the others windowed
-        pattern = int(raw.get("sliding_window_pattern") or 6)
+        pattern = int(raw.get("sliding_window_pattern")
+                      or (2 if arch == "Gemma2ForCausalLM" else 6))
         types = raw.get("layer_types") or [
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
             for i in range(num_layers)]

@@ -60,13 +60,14 @@ def ragged_batch(mix, dtype, heads, kv_heads, head_dim, block_size, shared_prefi
     return seqs, caches, qkv
 
 
-def run_kernel(seqs, caches, qkv, block_size, window, trees=None):
+def run_kernel(seqs, caches, qkv, block_size, window, trees=None, softcap=0.0):
+    assert cpu_kernels_loaded()  # (built and registered: whichever test runs first)
     meta = AttentionMetadata.build(seqs, block_size, torch.device("cpu"))
     k_cache, v_cache = (c.clone() for c in caches)
     q, k, v = qkv
     out = torch.ops.outrider_cpu.paged_attention(
         q, k, v, k_cache, v_cache, meta.slot_mapping, meta.query_start, meta.context_lens,
-        meta.block_tables, trees, window or 0, q.shape[-1] ** -0.5)
+        meta.block_tables, trees, window or 0, q.shape[-1] ** -0.5, softcap)
     return out, (k_cache, v_cache)
 
 
@@ -84,6 +85,23 @@ def test_kernel_equals_the_reference_path(dtype, heads, kv_heads, head_dim, bloc
     expected = reference_attention(*qkv, k_cache, v_cache, meta, window, head_dim ** -0.5)
     torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=TOLERANCE[dtype])
     assert torch.equal(written[0], k_cache) and torch.equal(written[1], v_cache)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 24])
+def test_soft_capped_scores_equal_the_reference_path(dtype, window):
+    """Gemma 2's attention logit soft-capping: the kernel's tanh against torch's."""
+    seqs, caches, qkv = ragged_batch(MIX, dtype, 8, 2, 16, 16)
+    qkv = (qkv[0] * 4, *qkv[1:])  # larger scores, so the cap of 2 bends most of them
+    out, _ = run_kernel(seqs, caches, qkv, 16, window, softcap=2.0)
+    meta = AttentionMetadata.build(seqs, 16, torch.device("cpu"))
+    expected = reference_attention(*qkv, *(c.clone() for c in caches), meta, window,
+                                   16 ** -0.5, softcap=2.0)
+    uncapped = reference_attention(*qkv, *(c.clone() for c in caches), meta, window,
+                                   16 ** -0.5)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=TOLERANCE[dtype])
+    assert not torch.allclose(expected.float(), uncapped.float(), atol=10 * TOLERANCE[dtype])
 
 
 @needs_compiler

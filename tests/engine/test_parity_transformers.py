@@ -126,6 +126,11 @@ ARCHITECTURES = {
                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                        "full_attention": {"rope_type": "linear", "factor": 4.0,
                                           "rope_theta": 100000.0}}),
+    # Gemma 2: attention scores and logits soft-capped (low caps, so they bite), layers
+    # alternating windowed and global
+    "gemma2": dict(arch="gemma2", head_dim=16, query_pre_attn_scalar=24, sliding_window=20,
+                   num_hidden_layers=3, norm_noise=0.3, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=5.0),
     "qwen3-moe": dict(arch="qwen3_moe", num_experts=8, num_experts_per_tok=2, head_dim=16,
                       moe_intermediate_size=48, mlp_only_layers=[0], norm_topk_prob=False,
                       norm_noise=0.3, reference="forward"),

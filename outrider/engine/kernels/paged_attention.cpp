@@ -51,6 +51,7 @@ struct Layout {
   int64_t q_row, q_head;  // q strides (token, head); head_dim is contiguous
   int64_t window;         // 0: none
   float scale;
+  float softcap;          // scores become softcap * tanh(score / softcap); 0: none
 };
 
 struct Item {
@@ -136,6 +137,12 @@ inline vi16 seen_keys(int64_t from, int64_t to, int64_t t0, int64_t at, int64_t 
   return seen;
 }
 
+// cap * tanh(s / cap) (Gemma 2's logit soft-capping), as 1 - 2 / (e^2x + 1)
+inline vf16 soft_capped(vf16 s, float cap) {
+  const vf16 e = vexp(s * (2.0f / cap));
+  return (1.0f - 2.0f / (e + 1.0f)) * cap;
+}
+
 // acc of rows [r0, r0 + kN), chunks [c, c + kC) of head_dim: rescaled by the rows'
 // corrections, plus the tile's values weighted by e.
 template <int kN, int kC>
@@ -163,7 +170,7 @@ inline void add_values(int64_t r0, int64_t c, int64_t first, int64_t last, const
 template <int kN>
 void attend_tile(int64_t r0, int64_t t0, int64_t count, const Tile& tile,
                  int64_t head_dim, int64_t group, int64_t first_token,
-                 const int64_t* tree_masks, Scratch& w) {
+                 const int64_t* tree_masks, float softcap, Scratch& w) {
   int64_t from[kN], to[kN], first = kTile, last = 0;
   for (int k = 0; k < kN; ++k) {
     from[k] = std::max(w.lo[r0 + k], t0) - t0;
@@ -195,6 +202,7 @@ void attend_tile(int64_t r0, int64_t t0, int64_t count, const Tile& tile,
   for (int k = 0; k < kN; ++k) {
     s[k] = part[0][k];
     for (int j = 1; j < kSplit; ++j) s[k] += part[j][k];
+    if (softcap > 0.0f) s[k] = soft_capped(s[k], softcap);
   }
   vf16 e[kN];
   float correction[kN];
@@ -220,11 +228,11 @@ void attend_tile(int64_t r0, int64_t t0, int64_t count, const Tile& tile,
 // Rows [r0, r0 + n) for n <= kRows, with the row count known to the compiler.
 void attend_rows(int n, int64_t r0, int64_t t0, int64_t count,
                  const Tile& tile, int64_t head_dim, int64_t group, int64_t first_token,
-                 const int64_t* tree_masks, Scratch& w) {
+                 const int64_t* tree_masks, float softcap, Scratch& w) {
   static constexpr decltype(&attend_tile<1>) by_rows[kRows] = {
       attend_tile<1>, attend_tile<2>, attend_tile<3>, attend_tile<4>,
       attend_tile<5>, attend_tile<6>, attend_tile<7>, attend_tile<8>};
-  by_rows[n - 1](r0, t0, count, tile, head_dim, group, first_token, tree_masks, w);
+  by_rows[n - 1](r0, t0, count, tile, head_dim, group, first_token, tree_masks, softcap, w);
 }
 
 // One item: rows r = query * group + g of its queries' heads kv_head * group + g.
@@ -269,7 +277,7 @@ void attend_item(const Item& it, const T* q, const Cache& cache, T* out,
     const int64_t blocks = (rows + kRows - 1) / kRows;
     for (int64_t b = 0, r0 = 0; b < blocks; ++b) {
       const int n = static_cast<int>((rows - r0) / (blocks - b));
-      attend_rows(n, r0, t0, count, tile, D, G, first_token, tree_masks, w);
+      attend_rows(n, r0, t0, count, tile, D, G, first_token, tree_masks, L.softcap, w);
       r0 += n;
     }
   }
@@ -349,14 +357,15 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "outrider paged_attentio
 // block_size, kv_heads, head_dim]; slot_mapping: [tokens] int64; query_start: [seqs + 1]
 // int32 (each sequence's first row, then the total); context_lens: [seqs] int32 (cached +
 // new positions); block_tables: [seqs, width] int32; tree_masks: [tokens] int64 or none
-// (-1: causal; else bit d says whether the key d positions back is seen, d < 64).
+// (-1: causal; else bit d says whether the key d positions back is seen, d < 64);
+// softcap: scores capped to (-softcap, softcap) by tanh before the softmax (0: none).
 // Returns [tokens, heads * head_dim].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            at::Tensor k_cache, at::Tensor v_cache,
                            const at::Tensor& slot_mapping, const at::Tensor& query_start,
                            const at::Tensor& context_lens, const at::Tensor& block_tables,
                            const std::optional<at::Tensor>& tree_masks, int64_t window,
-                           double scale) {
+                           double scale, double softcap) {
   check(q.device().is_cpu(), "CPU tensors only");
   check(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v: [tokens, heads, head_dim]");
   check(k_cache.dim() == 4 && v_cache.dim() == 3, "cache shapes");
@@ -377,7 +386,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   check(heads % kv_heads == 0 && k_cache.size(2) == head_dim, "heads and kv_heads");
   at::Tensor out = at::empty({q.size(0), heads * head_dim}, q.options());
   const Layout L{heads,       kv_heads,    head_dim, heads / kv_heads, k_cache.size(3),
-                 q.stride(0), q.stride(1), window,   static_cast<float>(scale)};
+                 q.stride(0), q.stride(1), window,   static_cast<float>(scale),
+                 static_cast<float>(softcap)};
   if (q.scalar_type() == at::kFloat) {
     run<float>(q, k, v, k_cache, v_cache, slot_mapping, query_start, context_lens,
                block_tables, tree_masks, out, L);
@@ -396,7 +406,7 @@ TORCH_LIBRARY(outrider_cpu, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, Tensor query_start, Tensor context_lens, Tensor block_tables, "
-      "Tensor? tree_masks, int window, float scale) -> Tensor");
+      "Tensor? tree_masks, int window, float scale, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(outrider_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
