@@ -23,13 +23,20 @@ SHAPES = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attenti
               num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1,
               eos_token_id=2)
 KINDS = {
+    "llama": ("LlamaConfig", dict(intermediate_size=896)),
+    "qwen2": ("Qwen2Config", dict(intermediate_size=896)),
+    "mistral": ("MistralConfig", dict(intermediate_size=896, sliding_window=1024)),
+    "gemma2": ("Gemma2Config", dict(intermediate_size=896, head_dim=32,
+                                    query_pre_attn_scalar=32, sliding_window=1024)),
+    "gemma3": ("Gemma3TextConfig", dict(intermediate_size=896, head_dim=32,
+                                        query_pre_attn_scalar=32, sliding_window=1024)),
     "mixtral": ("MixtralConfig", dict(intermediate_size=896, num_local_experts=8,
                                       num_experts_per_tok=2)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=896, moe_intermediate_size=896,
                                          num_experts=8, num_experts_per_tok=2, head_dim=32,
                                          norm_topk_prob=True)),
     "qwen3": ("Qwen3Config", dict(intermediate_size=896, head_dim=32)),
-    "phi3": ("Phi3Config", dict(intermediate_size=896, pad_token_id=0)),
+    "phi3": ("Phi3Config", dict(intermediate_size=896, pad_token_id=0, sliding_window=1024)),
 }
 
 
@@ -41,7 +48,7 @@ def main() -> None:
     import transformers
 
     config_class, extra = KINDS[args.kind]
-    config = getattr(transformers, config_class)(**SHAPES, **extra)
+    config = getattr(transformers, config_class)(**{**SHAPES, **extra})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     out = Path(args.out)

@@ -376,6 +376,26 @@ def render_step(runs: list[Run]) -> str:
                            step.table(default), f"One core's limit: {limits}.")
 
 
+def render_architectures(runs: list[Run]) -> str:
+    """One step JSON per architecture (outrider bench --step --target DIR): a decode and a
+    verification of 1 + 4 tokens for 8 sequences, and their ratio."""
+    header = ("| architecture | parameters | dtype | decode ×8 ms | verify ×8 ms | "
+              "verify / decode |\n|---|---|---|---|---|---|")
+    lines = []
+    for run in runs:
+        model = run.data["model"]
+        name = model["architecture"].removesuffix("ForCausalLM")
+        if model["experts"]:
+            name += f" ({model['experts_per_token']} of {model['experts']} experts)"
+        ms = {(c["kind"], c["dtype"]): c["ms"] for c in run.data["cases"] if c["batch"] == 8
+              and c.get("attention", "kernel") == "kernel" and not c["compiled"]}
+        for dtype in dict.fromkeys(d for _, d in ms):
+            decode, verify = ms[("decode", dtype)], ms[("verify", dtype)]
+            lines.append(f"| {name} | {model['params'] / 1e6:.1f}M | {dtype} | "
+                         f"{fmt(decode, 2)} | {fmt(verify, 2)} | {verify / decode:.2f}× |")
+    return with_provenance(runs, "\n".join([header, *lines]))
+
+
 def render_peer(runs: list[Run]) -> str:
     data = runs[0].data
     batch1 = [t for t in data["targets"] if "concurrency" not in t]
@@ -458,7 +478,7 @@ RENDERERS: dict[str, Callable[[list[Run]], str]] = {
     "headline": render_headline, "versus": render_versus, "proposers": render_proposers,
     "structured": render_structured, "prefix": render_prefix, "adapt": render_adapt,
     "step": render_step, "peer": render_peer, "gpu": render_gpu, "index": render_index,
-    "acceptance": render_acceptance}
+    "acceptance": render_acceptance, "architectures": render_architectures}
 
 
 def render_block(name: str, files: str, root: Path) -> str:

@@ -266,6 +266,8 @@ def run(args) -> int:
     report = {"provenance": provenance(),
               "machine": machine(), "command": command_line(), "cases": [], "limits": {}}
     mc = ModelConfig.from_dir(args.target)
+    report["model"] = {"architecture": mc.architecture, "params": mc.num_params,
+                       "experts": mc.num_experts, "experts_per_token": mc.num_experts_per_tok}
     for dtype in args.dtypes.split(","):
         limits = machine_limits(getattr(torch, dtype), mc.hidden_size, mc.intermediate_size)
         report["limits"][dtype] = limits
