@@ -15,11 +15,22 @@ class TokenizerError(ValueError):
     """tokenizer.json is missing or unreadable."""
 
 
+def _sentencepiece_hint(model_dir: str | Path) -> str:
+    """How to get a tokenizer.json from a folder that holds only SentencePiece's model (the
+    tokenizers library reads no .model file; transformers converts it, once)."""
+    if not (Path(model_dir) / "tokenizer.model").is_file():
+        return ""
+    return (f" (only a SentencePiece tokenizer.model): write one once with python -c "
+            f"\"from transformers import AutoTokenizer; AutoTokenizer.from_pretrained("
+            f"'{model_dir}').save_pretrained('{model_dir}')\" (needs transformers and "
+            f"sentencepiece)")
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
-            raise TokenizerError(f"{model_dir}: no tokenizer.json")
+            raise TokenizerError(f"{model_dir}: no tokenizer.json{_sentencepiece_hint(model_dir)}")
         self.path = path
         try:
             self._tok = HFTokenizer.from_file(str(path))

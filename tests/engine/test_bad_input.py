@@ -227,3 +227,15 @@ def test_a_vocabulary_the_grammar_engine_refuses_fails_constrained_requests_only
     digits = replace(greedy, structured_output=StructuredOutput("regex", "[0-9]+"))
     with pytest.raises(RequestError, match="grammar engine refuses its tokenizer.*4096"):
         decoder.new_sequence([5, 6, 7], digits)
+
+
+def test_a_folder_with_only_a_sentencepiece_model_says_how_to_convert_it(model_copy):
+    from outrider.core.tokenizer import Tokenizer, TokenizerError
+
+    (model_copy / "tokenizer.json").unlink()
+    with pytest.raises(TokenizerError, match=r"no tokenizer.json$"):
+        Tokenizer(model_copy)
+    (model_copy / "tokenizer.model").write_bytes(b"\x0a\x00")  # SentencePiece's (a stub)
+    with pytest.raises(TokenizerError, match="only a SentencePiece tokenizer.model.*"
+                                             "save_pretrained"):
+        Tokenizer(model_copy)
