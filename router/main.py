@@ -20,7 +20,7 @@ from outrider.router.telemetry import RouterTelemetry
 from outrider.router.tool_calls import CALL_FORMATS
 
 from outrider.core.hf_config import context_length, read_config, sampling_defaults
-from outrider.core.tokenizer import Tokenizer
+from outrider.core.tokenizer import Tokenizer, tokenizer_file
 from outrider.flags import add_cpus_arg, add_max_model_len_arg, add_metrics_arg
 from outrider.grpc_server import Running, build_server, serve_until_signalled
 from outrider.state import open_store
@@ -69,8 +69,7 @@ class RouterConfig:
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
-        if not (Path(self.model_dir) / "tokenizer.json").is_file():
-            raise ValueError(f"no tokenizer.json in {self.model_dir}")
+        tokenizer_file(self.model_dir)  # (a TokenizerError, a ValueError, naming what lacks)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:

@@ -21,6 +21,7 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
 from outrider.core.structured import StructuredOutput, StructuredOutputError
+from outrider.core.tokenizer import TokenizerError, tokenizer_file
 
 MAX_COMPILED = 64  # compiled grammars kept per process (the newest)
 
@@ -72,8 +73,10 @@ class Grammars:
     def for_model(cls, model_dir: str | Path, vocab_size: int,
                   eos_token_ids: Sequence[int]) -> Grammars | None:
         """The model's, or None when its folder holds no tokenizer.json."""
-        path = Path(model_dir) / "tokenizer.json"
-        return cls(path, vocab_size, eos_token_ids) if path.is_file() else None
+        try:
+            return cls(tokenizer_file(model_dir), vocab_size, eos_token_ids)
+        except TokenizerError:
+            return None
 
     def check(self, so: StructuredOutput) -> None:
         """Compiles it (or finds it compiled); raises StructuredOutputError naming it."""

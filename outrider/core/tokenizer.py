@@ -3,34 +3,70 @@
 from __future__ import annotations
 
 import functools
+import hashlib
+import logging
+import os
 import re
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+log = logging.getLogger(__name__)
 
 
 class TokenizerError(ValueError):
     """tokenizer.json is missing or unreadable."""
 
 
-def _sentencepiece_hint(model_dir: str | Path) -> str:
-    """How to get a tokenizer.json from a folder that holds only SentencePiece's model (the
-    tokenizers library reads no .model file; transformers converts it, once)."""
-    if not (Path(model_dir) / "tokenizer.model").is_file():
-        return ""
-    return (f" (only a SentencePiece tokenizer.model): write one once with python -c "
-            f"\"from transformers import AutoTokenizer; AutoTokenizer.from_pretrained("
-            f"'{model_dir}').save_pretrained('{model_dir}')\" (needs transformers and "
-            f"sentencepiece)")
+CONVERTED_CACHE = Path.home() / ".cache" / "outrider" / "tokenizers"
+
+
+def tokenizer_file(model_dir: str | Path) -> Path:
+    """The folder's tokenizer.json. A folder with only SentencePiece's tokenizer.model gets
+    one converted from it as transformers converts it (the tokenizers library reads no
+    .model file), once, kept in CONVERTED_CACHE by the content of the files it reads;
+    where transformers or sentencepiece is not installed, an error says how to write it."""
+    path = Path(model_dir) / "tokenizer.json"
+    if path.is_file():
+        return path
+    model = Path(model_dir) / "tokenizer.model"
+    if not model.is_file():
+        raise TokenizerError(f"{model_dir}: no tokenizer.json")
+    digest = hashlib.sha256(model.read_bytes())
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(model_dir) / name).is_file():
+            digest.update((Path(model_dir) / name).read_bytes())
+    converted = CONVERTED_CACHE / digest.hexdigest()[:16] / "tokenizer.json"
+    if not converted.is_file():
+        _convert_sentencepiece(Path(model_dir), converted)
+    return converted
+
+
+def _convert_sentencepiece(model_dir: Path, out: Path) -> None:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise TokenizerError(
+            f"{model_dir}: no tokenizer.json, only a SentencePiece tokenizer.model: install "
+            f"transformers and sentencepiece (it is converted once), or write it with python "
+            f"-c \"from transformers import AutoTokenizer; AutoTokenizer.from_pretrained("
+            f"'{model_dir}').save_pretrained('{model_dir}')\"") from None
+    try:
+        backend = AutoTokenizer.from_pretrained(str(model_dir)).backend_tokenizer
+    except Exception as exc:  # transformers raises many kinds (ImportError, ValueError, ...)
+        raise TokenizerError(f"{model_dir}/tokenizer.model: transformers could not convert it "
+                             f"to a tokenizer.json ({exc})") from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(f".{os.getpid()}.tmp")
+    backend.save(str(partial))
+    partial.replace(out)  # whole or not at all, whoever converts at the same time
+    log.warning("%s: tokenizer.model converted to %s", model_dir, out)
 
 
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
-        path = Path(model_dir) / "tokenizer.json"
-        if not path.is_file():
-            raise TokenizerError(f"{model_dir}: no tokenizer.json{_sentencepiece_hint(model_dir)}")
+        path = tokenizer_file(model_dir)
         self.path = path
         try:
             self._tok = HFTokenizer.from_file(str(path))

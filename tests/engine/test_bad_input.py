@@ -229,13 +229,42 @@ def test_a_vocabulary_the_grammar_engine_refuses_fails_constrained_requests_only
         decoder.new_sequence([5, 6, 7], digits)
 
 
-def test_a_folder_with_only_a_sentencepiece_model_says_how_to_convert_it(model_copy):
-    from outrider.core.tokenizer import Tokenizer, TokenizerError
+def test_a_folder_with_only_a_sentencepiece_model_is_converted_once(model_copy, tmp_path,
+                                                                    monkeypatch):
+    """No tokenizer.json, SentencePiece's tokenizer.model: converted as transformers
+    converts it (the same ids), kept, and used by the grammar engine too; without
+    transformers, an error that says how to write tokenizer.json."""
+    import builtins
+    import inspect
+
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    from outrider.core import tokenizer as tokenizer_module
+    from outrider.core.grammar import Grammars
 
     (model_copy / "tokenizer.json").unlink()
-    with pytest.raises(TokenizerError, match=r"no tokenizer.json$"):
-        Tokenizer(model_copy)
-    (model_copy / "tokenizer.model").write_bytes(b"\x0a\x00")  # SentencePiece's (a stub)
-    with pytest.raises(TokenizerError, match="only a SentencePiece tokenizer.model.*"
-                                             "save_pretrained"):
-        Tokenizer(model_copy)
+    with pytest.raises(tokenizer_module.TokenizerError, match=r"no tokenizer.json$"):
+        tokenizer_module.Tokenizer(model_copy)
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(inspect.getsource(json).splitlines()), vocab_size=400,
+        model_prefix=str(model_copy / "tokenizer"), model_type="bpe", byte_fallback=True,
+        minloglevel=2)
+    (model_copy / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>"}))
+    monkeypatch.setattr(tokenizer_module, "CONVERTED_CACHE", tmp_path / "cache")
+    ours = tokenizer_module.Tokenizer(model_copy)
+    theirs = AutoTokenizer.from_pretrained(str(model_copy))
+    for text in ("def f(x): return 1", "two  spaces\nand é ünïcode 🙂"):
+        assert ours.encode(text) == theirs(text).input_ids
+    assert ours.path.parent.parent == tmp_path / "cache"
+    assert Grammars.for_model(model_copy, 512, [2]) is not None
+    real_import = builtins.__import__
+    monkeypatch.setattr(tokenizer_module, "CONVERTED_CACHE", tmp_path / "empty")
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (
+        (_ for _ in ()).throw(ImportError(name)) if name == "transformers"
+        else real_import(name, *a, **k)))
+    with pytest.raises(tokenizer_module.TokenizerError, match="only a SentencePiece "
+                                                              "tokenizer.model.*save_pretrained"):
+        tokenizer_module.Tokenizer(model_copy)
