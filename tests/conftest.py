@@ -52,9 +52,12 @@ def redis_url(tmp_path_factory):
 
 # A worker takes a whole module, so a module-scoped system starts once; modules that must
 # not run beside each other share a group, which one worker runs in turn: the Ray tests
-# each start and stop a local Ray, and `down` must find none left.
+# each start and stop a local Ray, and `down` must find none left; the soak's 64 streams
+# beside the Ray cluster's seven processes starve both on 2 cores (its tp=2 test took
+# 312 s there, past the timeout, against 30 s alone).
 SHARED_GROUPS = {"tests/cluster/test_ray_cluster.py": "ray",
-                 "tests/cluster/test_up_down_cli.py": "ray"}
+                 "tests/cluster/test_up_down_cli.py": "ray",
+                 "tests/reliability/test_soak.py": "ray"}
 
 
 def pytest_xdist_make_scheduler(config, log):
