@@ -1,8 +1,9 @@
-"""The Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Phi-3, and with routed experts
-Mixtral and Qwen3-MoE: moe.py) built from tensor-parallel layers."""
+"""The Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and 3, and with
+routed experts Mixtral and Qwen3-MoE: moe.py) built from tensor-parallel layers."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 
@@ -69,9 +70,9 @@ class Attention(nn.Module):
                                           cfg.num_kv_heads, cfg.qkv_bias, tp)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
                                         False, tp)
-        if cfg.qk_norm:  # over head_dim, shared by every head (so replicated across ranks)
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        # Qwen3, Gemma 3: over head_dim, shared by every head (so replicated across ranks)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos_sin: tuple, kv_cache: tuple,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -83,11 +84,11 @@ class Attention(nn.Module):
 
     def queries_keys_values(self, x: torch.Tensor, cos_sin: tuple) -> tuple[torch.Tensor, ...]:
         """x [num_tokens, hidden] -> q [num_tokens, heads, head_dim], k and v [num_tokens,
-        kv_heads, head_dim]: projected, normed (Qwen3) and rotated (the first rotary_dim
-        dimensions of each head: Phi-4-mini rotates 3/4 of them)."""
+        kv_heads, head_dim]: projected, normed (Qwen3, Gemma 3) and rotated (the first
+        rotary_dim dimensions of each head: Phi-4-mini rotates 3/4 of them)."""
         heads, kv_heads, rotary = self.num_heads, self.num_kv_heads, self.rotary_dim
         qkv = self.qkv_proj(x).view(-1, heads + 2 * kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
         if runs_kernels(qkv):  # queries and keys rotated in place, in one go
             torch.ops.outrider_cpu.rope_(qkv[:, :heads + kv_heads, :rotary], *cos_sin)
@@ -148,20 +149,23 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm
                                 else nn.Identity())
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention's output
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Gemma's sandwich: post_attention_layernorm norms the attention's output, these the
+        # MLP's input and output
+        norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
+        self.pre_feedforward_layernorm = norm
+        self.post_feedforward_layernorm = copy.deepcopy(norm)
 
     def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
         # x: [num_tokens, hidden], this layer's own (the previous layer's fresh output)
         return self.around(x, lambda h: self.self_attn(h, cos_sin, kv_cache, meta))
 
-    def around(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]):
+    def around(self, x: torch.Tensor,
+               attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The layer's norms, residuals and MLP around `attend`, the attention of its
         normed input (the engine's over the paged cache; distillation's over whole
         sequences, distill.py)."""
         attended = attend(self.input_layernorm(x))
-        if hasattr(self, "pre_feedforward_layernorm"):
+        if self.pre_feedforward_layernorm is not None:
             attended = self.post_attention_layernorm(attended)
             h, x = self.pre_feedforward_layernorm.add_and_norm(attended, x)
             return x + self.post_feedforward_layernorm(self.mlp(h))
