@@ -163,6 +163,7 @@ class ModelConfig:
                                    f"{', '.join(ACTIVATIONS)})")
         try:
             hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+            head_dim = int(raw.get("head_dim") or hidden // heads)
             num_layers = int(raw["num_hidden_layers"])
             rope = _rope_parameters(raw)
             return cls(
@@ -173,7 +174,7 @@ class ModelConfig:
                 num_layers=num_layers,
                 num_heads=heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or hidden // heads),
+                head_dim=head_dim,
                 rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
                 local_rope_theta=_local_rope_theta(raw, arch),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
@@ -190,7 +191,7 @@ class ModelConfig:
                 eos_token_ids=_eos_token_ids(raw, generation or {}, source),
                 bos_token_id=raw.get("bos_token_id"),
                 **_moe(raw, arch, num_layers),
-                **_gemma(raw, arch, hidden, act),
+                **_gemma(raw, arch, hidden, head_dim, act),
             )
         except KeyError as exc:
             raise ModelConfigError(f"{source}: missing required key {exc.args[0]!r}") from exc
@@ -216,10 +217,9 @@ def _local_rope_theta(raw: dict, arch: str) -> float | None:
     return float(local.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0)
 
 
-def _gemma(raw: dict, arch: str, hidden: int, act: str) -> dict:
+def _gemma(raw: dict, arch: str, hidden: int, head_dim: int, act: str) -> dict:
     if arch not in GEMMA:
         return {}
-    head_dim = int(raw.get("head_dim") or hidden // int(raw["num_attention_heads"]))
     return dict(norm_offset=1.0, embedding_multiplier=hidden ** 0.5, hidden_act=act,
                 sandwich_norms=True,
                 query_scale=float(raw.get("query_pre_attn_scalar") or head_dim) ** -0.5,
