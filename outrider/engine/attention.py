@@ -271,18 +271,18 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     batch around it; in float64 it moves by ~1e-16, which the rounding removes: rows come
     out as they would alone (the batch invariance greedy exactness relies on, which the
     C++ kernel has by construction), at some cost to a path that runs only without it."""
-    attend = soft_capped_sdpa if softcap else F.scaled_dot_product_attention
-    extra = {"softcap": softcap} if softcap else {}
+    attend = (functools.partial(soft_capped_sdpa, softcap=softcap) if softcap
+              else F.scaled_dot_product_attention)
     if q.device.type != "cpu":
-        return attend(q, k, v, attn_mask=attn_mask, **kwargs, **extra)
+        return attend(q, k, v, attn_mask=attn_mask, **kwargs)
     mask = None if attn_mask is None else attn_mask.double()
-    out = attend(q.double(), k.double(), v.double(), attn_mask=mask, **kwargs, **extra)
+    out = attend(q.double(), k.double(), v.double(), attn_mask=mask, **kwargs)
     return out.to(q.dtype)
 
 
 def soft_capped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      attn_mask: torch.Tensor | None, scale: float, softcap: float,
-                      is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
+                     attn_mask: torch.Tensor | None, scale: float, softcap: float,
+                     is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
     """SDPA's arithmetic with the scores capped by softcap * tanh(score / softcap) before
     the mask and the softmax (SDPA has no such step). q [b, heads, n, d], k and v
     [b, kv_heads, m, d]."""

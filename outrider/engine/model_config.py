@@ -1,9 +1,10 @@
 """Model configuration read from a Hugging Face `config.json`.
 
-One frozen dataclass covers the Llama family (Llama, Qwen2, Qwen3, Mistral, Phi-3): they
-differ only in QKV bias, per-head query and key norms, sliding-window attention, how much
-of a head RoPE rotates and its scaling, which are fields here (Phi-3's fused projections
-are a matter of loading: model.py).
+One frozen dataclass covers the Llama family (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2
+and 3, and with routed experts Mixtral and Qwen3-MoE): they differ in QKV bias, per-head
+query and key norms, sliding-window attention, how much of a head RoPE rotates and its
+scaling, Gemma's norms, scales and caps, and the experts, which are fields here (Phi-3's
+fused projections are a matter of loading: model.py).
 """
 
 from __future__ import annotations
@@ -79,12 +80,12 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to one
-    # Gemma 3: norms scale by (1 + w), the embedding by sqrt(hidden), the MLP's gate is
-    # GELU (tanh), each block's output is normed too (sandwich), queries scale by
-    # query_pre_attn_scalar, sliding-window layers rotate with their own base
+    hidden_act: str = "silu"    # the MLP gate's (Gemma's: GELU, tanh approximation)
+    # Gemma: norms scale by (1 + w), the embedding by sqrt(hidden), each block's output is
+    # normed too (sandwich), queries scale by query_pre_attn_scalar, Gemma 3's
+    # sliding-window layers rotate with their own base
     norm_offset: float = 0.0
     embedding_multiplier: float = 1.0
-    hidden_act: str = "silu"
     sandwich_norms: bool = False
     query_scale: float | None = None  # None: head_dim ** -0.5
     local_rope_theta: float | None = None  # sliding-window layers' RoPE base (no scaling)
@@ -183,6 +184,7 @@ class ModelConfig:
                 dtype=_parse_dtype(raw.get("dtype") or raw.get("torch_dtype") or "float32", source),
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
                 mlp_bias=bool(raw.get("mlp_bias", False)),
+                hidden_act=act,
                 qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
                 partial_rotary_factor=float(rope.get("partial_rotary_factor",
                                                      raw.get("partial_rotary_factor", 1.0))),
@@ -191,7 +193,7 @@ class ModelConfig:
                 eos_token_ids=_eos_token_ids(raw, generation or {}, source),
                 bos_token_id=raw.get("bos_token_id"),
                 **_moe(raw, arch, num_layers),
-                **_gemma(raw, arch, hidden, head_dim, act),
+                **_gemma(raw, arch, hidden, head_dim),
             )
         except KeyError as exc:
             raise ModelConfigError(f"{source}: missing required key {exc.args[0]!r}") from exc
@@ -217,11 +219,10 @@ def _local_rope_theta(raw: dict, arch: str) -> float | None:
     return float(local.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0)
 
 
-def _gemma(raw: dict, arch: str, hidden: int, head_dim: int, act: str) -> dict:
+def _gemma(raw: dict, arch: str, hidden: int, head_dim: int) -> dict:
     if arch not in GEMMA:
         return {}
-    return dict(norm_offset=1.0, embedding_multiplier=hidden ** 0.5, hidden_act=act,
-                sandwich_norms=True,
+    return dict(norm_offset=1.0, embedding_multiplier=hidden ** 0.5, sandwich_norms=True,
                 query_scale=float(raw.get("query_pre_attn_scalar") or head_dim) ** -0.5,
                 attn_logit_softcap=float(raw.get("attn_logit_softcapping") or 0.0),
                 final_logit_softcap=float(raw.get("final_logit_softcapping") or 0.0))

@@ -9,13 +9,19 @@ import torch
 from outrider.engine.model_config import ModelConfigError, RopeScaling
 
 
+def _wavelength_bases(head_dim: int, theta: float) -> torch.Tensor:
+    """theta ** (2i / head_dim) for each of the head_dim // 2 frequencies, in fp32 as the
+    reference computes them."""
+    return theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2], computed in fp32 as the reference does."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
-    if scaling is not None and scaling.rope_type == "linear":
+    """Inverse frequencies [head_dim // 2] (LongRoPE's per position: RotaryEmbedding)."""
+    inv_freq = 1.0 / _wavelength_bases(head_dim, theta)
+    kind = scaling.rope_type if scaling is not None else None
+    if kind == "linear":
         return inv_freq / scaling.factor
-    if scaling is None or scaling.rope_type != "llama3":
+    if kind != "llama3":
         return inv_freq
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
@@ -30,13 +36,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 def _longrope_inv_freq(head_dim: int, theta: float, factors: tuple[float, ...]) -> torch.Tensor:
-    """LongRoPE's inverse frequencies [head_dim // 2], one factor each, in fp32 as the
-    reference computes them."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    if len(factors) != len(exponents):
+    """LongRoPE's inverse frequencies [head_dim // 2], one factor each."""
+    bases = _wavelength_bases(head_dim, theta)
+    if len(factors) != len(bases):
         raise ModelConfigError(f"config.json: rope_scaling longrope has {len(factors)} "
-                               f"factors for RoPE's {len(exponents)} frequencies")
-    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponents)
+                               f"factors for RoPE's {len(bases)} frequencies")
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * bases)
 
 
 class RotaryEmbedding(torch.nn.Module):
