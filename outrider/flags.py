@@ -69,8 +69,8 @@ def add_kv_cache_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache per rank, in MiB (default: sized from memory by "
                         "--gpu-memory-utilization)")
     p.add_argument("--gpu-memory-utilization", type=unit_share, default=None,
-                   help="with no --kv-cache-mb: on a GPU, the share of its memory the "
-                        "process fills, weights included (default 0.9, as vLLM); on a "
+                   help="with no --kv-cache-mb: on a GPU, the share of its memory this "
+                        "process may take, weights included (default 0.9, as vLLM); on a "
                         "CPU, the share of the machine's memory one rank's KV cache takes "
                         "(default 0.1: replicas share the machine), at most what a full "
                         "batch of full-length sequences uses")

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from outrider.core.hf_config import head_kind
 from outrider.cpus import plan_cpus
+from outrider.engine.memory import GPU_SHARE
+from outrider.flags import resolve_device
 from outrider.launch import RestartPolicy, free_port, supervised_group
 from outrider.target_worker.main import TargetWorkerConfig
 from outrider.target_worker.scheduler import SchedulerConfig
@@ -46,7 +48,8 @@ class LocalSystemConfig:
     max_model_len: int | None = None  # the target's and router's (None: the model's)
     tree_topk: int = 1                # token trees (with a head: engine/tree.py)
     tree_tokens: int = 0
-    memory_utilization: float | None = None  # --gpu-memory-utilization of every replica
+    memory_utilization: float | None = None  # --gpu-memory-utilization: all replicas'
+    #                                          share of the GPU, split (gpu_shares)
 
     def __post_init__(self) -> None:
         if self.draft and self.draft_replicas < 1:
@@ -99,19 +102,21 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
         caching = () if cfg.prefix_caching else ("--no-enable-prefix-caching",)
         context = ("--max-model-len", str(cfg.max_model_len)) if cfg.max_model_len else ()
         model = ("--device", cfg.device, "--dtype", cfg.dtype, *caching,
-                 "--compile" if cfg.compile else "--no-compile",
-                 *(("--gpu-memory-utilization", str(cfg.memory_utilization))
-                   if cfg.memory_utilization else ()))
+                 "--compile" if cfg.compile else "--no-compile")
         head = cfg.draft if cfg.draft and head_kind(cfg.draft) else None
+        num_drafts = cfg.draft_replicas if cfg.draft and not head else 0
+        draft_share, target_share = gpu_shares(cfg, num_drafts)
         drafts = tuple(run(f"draft-{i}", "draft-worker", "--model", cfg.draft, *model,
+                           *draft_share,
                            *(("--adapt",) if cfg.adapt else ()),
                            *(("--adapt-redis", cfg.redis_url) if cfg.adapt and cfg.redis_url
                              else ()),
                            *(("--target-cpus", cpus.target, "--threads", "1") if cpus else ()))
-                       for i in range(cfg.draft_replicas if cfg.draft and not head else 0))
+                       for i in range(num_drafts))
         targets = tuple(run("target" if i == 0 else f"target-{i}", "target-worker",
                             "--model", cfg.target, "--tp", str(cfg.tp),
                             "--gamma", str(cfg.gamma), "--proposer", cfg.proposer, *model,
+                            *target_share,
                             *(("--kv-cache-mb", str(cfg.kv_cache_mb)) if cfg.kv_cache_mb
                               else ()), *context,
                             "--max-batch-tokens", str(cfg.max_batch_tokens),
@@ -132,3 +137,23 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                      *pinned("router"), *context, *cfg.extra_router_args)
         http = None if http_port is None else f"{cfg.host}:{http_port}"
         yield LocalSystem(router, targets, drafts, http, metrics)
+
+
+DRAFT_GPU_SHARE = 0.1  # of the processes' share of one GPU, for all draft replicas
+
+
+def gpu_shares(cfg: LocalSystemConfig, num_drafts: int) -> tuple[tuple[str, ...], ...]:
+    """The --gpu-memory-utilization flags of (each draft replica, each target replica).
+    On a GPU every process takes its own share of the device (engine/memory.py), and here
+    they all run on the one machine's GPU: the whole share (default 0.9, as vLLM's) is
+    split, DRAFT_GPU_SHARE of it to the draft replicas, the rest to the targets. On a
+    CPU the flag is each rank's share of RAM: passed on as given."""
+    if resolve_device(cfg.device) == "cpu":
+        given = (("--gpu-memory-utilization", str(cfg.memory_utilization))
+                 if cfg.memory_utilization else ())
+        return given, given
+    whole = cfg.memory_utilization or GPU_SHARE
+    drafts = whole * DRAFT_GPU_SHARE if num_drafts else 0.0
+    flag = lambda share: ("--gpu-memory-utilization", f"{share:.4f}")  # noqa: E731
+    draft_flag = flag(drafts / num_drafts) if num_drafts else ()
+    return draft_flag, flag((whole - drafts) / cfg.target_replicas)

@@ -10,12 +10,18 @@ shipped demo pair on the device and reports, as JSON:
   path's, as the share of each output that agrees before the first difference;
 - `throughput`: generated tokens/s of `SpeculativeDecoder.generate` at batch 1/8/32/64,
   γ=0 and γ=4, 64 tokens per sequence (ignore_eos), after one warm-up;
-- with --compile: the compiled forward's greedy outputs against eager's, and its speed.
+- with --compile: the compiled forward's greedy outputs against eager's, and its speed;
+- with --served: the served system on the device (router, target and draft replicas as
+  processes, as `outrider serve` starts them, the KV caches sized from GPU memory): greedy
+  outputs through the router with γ=4 against speculation off, then `outrider bench`'s
+  serving sweep (off and auto, code prompts, greedy) at 1, 8, 32 and 64 streams, its JSON
+  beside --out. The installed package must be importable (the router is outrider.router).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -28,7 +34,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+if importlib.util.find_spec("outrider") is None:  # a checkout without the package installed
+    sys.path.insert(0, str(REPO))
 
 from outrider import paths  # noqa: E402
 from outrider.core.sampling import SamplingParams  # noqa: E402
@@ -167,6 +174,42 @@ def check_kv_from_memory(device: str) -> dict:
     return result
 
 
+def check_served(device: str, dtype: str, prompts: list[list[int]], out: Path) -> dict:
+    from outrider.bench import serving
+    from outrider.client import Client
+    from outrider.local_system import LocalSystemConfig, local_system
+
+    target, draft = map(str, paths.demo_pair())
+    cfg = LocalSystemConfig(target, draft, grpc_port=0, device=device, dtype=dtype,
+                            kv_cache_mb=None)
+    options = dict(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    with local_system(cfg) as system, Client(system.router, timeout_s=600) as client:
+        result = {"start_s": round(time.perf_counter() - start, 1)}
+        off = [client.generate(p, speculation="off", **options) for p in prompts[:8]]
+        spec = [client.generate(p, speculation="fixed", gamma_max=GAMMA, **options)
+                for p in prompts[:8]]
+        result["spec_equals_off"] = [a.token_ids == b.token_ids for a, b in zip(off, spec)]
+        result["acceptance_rate"] = [round(g.speculation.acceptance_rate, 3) for g in spec]
+        print(f"served {dtype}: spec == off {result['spec_equals_off']}", flush=True)
+        sweep = out.with_name(f"{out.stem}_served_{dtype}.json")
+        serving.main(["--address", system.router, "--target", target, "--draft", draft,
+                      "--concurrency", ",".join(map(str, BATCHES)), "--modes", "off,auto",
+                      "--workloads", "code", "--samplings", "greedy", "--prompts", "8",
+                      "--max-tokens", "128", "--no-plots", "--quiet", "--out", str(sweep)])
+        result["streams"] = served_rows(json.loads(sweep.read_text())["rows"])
+        print("served", dtype, result["streams"], flush=True)
+    return result
+
+
+def served_rows(rows: list[dict]) -> dict:
+    """The sweep's rows by "MODE_STREAMS": tok/s, TTFT p50 and tokens a round."""
+    return {f"{r['mode']}_{r['concurrency']}": {
+        "tokens_per_s": round(r["tokens_per_s"], 1), "ttft_ms_p50": round(r["ttft_ms_p50"], 1),
+        "mean_accepted_len": r["mean_accepted_len"] and round(r["mean_accepted_len"], 2)}
+        for r in rows}
+
+
 def provenance(device: str) -> dict:
     """What ran, where: the commit comes from $OUTRIDER_COMMIT where the tree has no .git
     (the device tool sends the working tree alone)."""
@@ -186,6 +229,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="gpu_check.json")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--served", metavar="DTYPES",
+                        help="also: the served system in these dtypes (comma-separated)")
     parser.add_argument("--profile", metavar="DTYPES",
                         help="instead: profile greedy steps in these dtypes (comma-separated)")
     args = parser.parse_args()
@@ -208,6 +253,9 @@ def main() -> None:
     if args.compile:
         report["compiled_float32"] = check_compiled(args.device, prompts, eager)
     Path(args.out).write_text(json.dumps(report, indent=1))
+    for dtype in (args.served or "").split(",") if args.served else ():
+        report[f"served_{dtype}"] = check_served(args.device, dtype, prompts, Path(args.out))
+        Path(args.out).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -432,6 +432,35 @@ def render_gpu(runs: list[Run]) -> str:
 GPU_GAMMA = 4  # scripts/gpu_check.py's
 
 
+def render_gpu_served(runs: list[Run]) -> str:
+    """scripts/gpu_check.py --served: the served system's checks, then per dtype and mode
+    tok/s (TTFT p50) per number of streams."""
+    data = runs[0].data
+    served = {k.removeprefix("served_"): v for k, v in data.items() if k.startswith("served_")}
+    kv = data.get("kv_from_memory")
+    checks = ["| check | " + " | ".join(served) + " |", "|---|" + "---|" * len(served),
+              f"| greedy through the router, draft γ {GPU_GAMMA}, against speculation off | "
+              + " | ".join(_equal(v["spec_equals_off"], []) for v in served.values()) + " |"]
+    if kv:
+        checks.append(f"| KV cache sized from memory at --gpu-memory-utilization 0.5 | "
+                      f"{kv['kv_cache_mib']:,} MiB, the device {kv['device_used_share']:.1%} "
+                      f"used after |" + " – |" * (len(served) - 1))
+    streams = sorted({int(k.rsplit("_", 1)[1]) for v in served.values() for k in v["streams"]})
+    speed = [f"| served | {' | '.join(f'{n} streams' for n in streams)} |",
+             "|---|" + "---|" * len(streams)]
+    for dtype, v in served.items():
+        for mode, label in (("off", "speculation off"), ("auto", "AUTO")):
+            cells = " | ".join(_served_cell(v["streams"].get(f"{mode}_{n}")) for n in streams)
+            speed.append(f"| {dtype}, {label} | {cells} |")
+    return with_provenance(runs, "\n".join(checks), "\n".join(speed))
+
+
+def _served_cell(row: dict | None) -> str:
+    if row is None:
+        return "–"
+    return f"{round(row['tokens_per_s']):,} ({fmt(row['ttft_ms_p50'], 0)} ms)"
+
+
 def _equal(flags: list[bool], splits: list[dict]) -> str:
     where = "; ".join(f"prompt {x['prompt']} split at token {x['position']} where the "
                       f"target's top two are {fmt(x['top2_margin'], 3)} apart"
@@ -477,7 +506,8 @@ def render_index(runs: list[Run]) -> str:
 RENDERERS: dict[str, Callable[[list[Run]], str]] = {
     "headline": render_headline, "versus": render_versus, "proposers": render_proposers,
     "structured": render_structured, "prefix": render_prefix, "adapt": render_adapt,
-    "step": render_step, "peer": render_peer, "gpu": render_gpu, "index": render_index,
+    "step": render_step, "peer": render_peer, "gpu": render_gpu, "gpu_served": render_gpu_served,
+    "index": render_index,
     "acceptance": render_acceptance, "architectures": render_architectures}
 
 

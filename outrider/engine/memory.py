@@ -1,13 +1,15 @@
 """How much KV cache a rank allocates when --kv-cache-mb is not given.
 
-On a GPU, as vLLM's --gpu-memory-utilization: the process may fill that share of the
-device (default 0.9), weights and activations included; the KV cache gets what the share
-leaves after what is in use now (weights loaded, the CUDA context, other processes) and
-the room a large forward needs. On a CPU every replica of a machine shares its RAM (the
-target, the draft replicas, tensor-parallel ranks), so the flag is the share of the
-machine's memory (its cgroup limit in a container) one rank's KV cache may take (default
-0.1), never more than is available now less a margin, nor more than a full batch of
-full-length sequences can use."""
+On a GPU, as vLLM's --gpu-memory-utilization, a limit per process: the process may take
+that share of the device (default 0.9), weights and activations included, whatever other
+processes hold; the KV cache gets what the share leaves after this process's own memory
+(its weights) and the room a large forward needs, and never more than is free now less
+that room. Processes sharing one GPU (a draft beside its target, `outrider serve`) each
+take their own share: the shares must add up to at most 1. On a CPU every replica of a
+machine shares its RAM (the target, the draft replicas, tensor-parallel ranks), so the
+flag is the share of the machine's memory (its cgroup limit in a container) one rank's KV
+cache may take (default 0.1), never more than is available now less a margin, nor more
+than a full batch of full-length sequences can use."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ log = logging.getLogger(__name__)
 
 GPU_SHARE = 0.9  # vLLM's default --gpu-memory-utilization
 CPU_SHARE = 0.1  # of the machine's memory, per rank
+CUDA_CONTEXT = 512 * 2**20  # a process's CUDA context and kernels, outside torch's pool
 RAM_MARGIN = 2**30  # left available on a CPU machine whatever the share says
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -30,8 +33,10 @@ def kv_budget_from_memory(device: torch.device, utilization: float | None,
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         share = GPU_SHARE if utilization is None else utilization
-        budget = int(share * total) - (total - free) - activation_bytes
-        where = f"{share:g} of {total / 2**30:.1f} GiB on {device}, {free / 2**30:.1f} free"
+        own = torch.cuda.memory_reserved(device) + CUDA_CONTEXT
+        budget = min(int(share * total) - own, free) - activation_bytes
+        where = (f"{share:g} of {total / 2**30:.1f} GiB on {device}, {own / 2**30:.1f} GiB "
+                 f"this process's, {free / 2**30:.1f} GiB free")
     else:
         total, available = ram_bytes()
         share = CPU_SHARE if utilization is None else utilization

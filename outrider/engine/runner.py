@@ -42,7 +42,7 @@ class RunnerConfig:
     block_size: int = 16
     kv_cache_mb: float | None = 256.0  # KV budget per rank; None: from memory (_kv_budget)
     memory_utilization: float | None = None  # what the budget from memory may take:
-    #                           the share of a GPU the process fills, weights included
+    #                           the share of a GPU the process may take, weights included
     #                           (default 0.9), or of a CPU machine's RAM the KV cache
     #                           takes (default 0.1: replicas share the machine)
     max_num_seqs: int = 256     # CPU: the budget from memory holds at most this many
