@@ -1,10 +1,11 @@
 """CPU cores for processes that share a machine. `outrider serve` on a CPU keeps the last
 cores for the router (with whatever clients run there) and gives the target replica the
-others to itself for its small steps, every core for its large ones: a model's threads
+others to itself for its small steps (and its decode steps, which keep the router busy
+streaming a delta per token), every core for its large ones: a model's threads
 that meet other busy processes on their cores wait at every parallel region for the one
 that was preempted, and the target's forward is the step every request waits on; but a
-large step (a busy batch, where speculation is mostly off and the draft idle) has work
-for every core, and the router then needs a small share of one. A draft replica drafts on
+large step (a verification or a prefill) has work for every core, and the router then
+needs a small share of one. A draft replica drafts on
 the target's cores while the target waits for its Propose (they are idle then) and on the
 others while the target verifies (overlap): draft-worker --target-cpus. Every role takes
 `--cpus LIST`."""

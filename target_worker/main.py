@@ -84,6 +84,7 @@ class TargetWorkerConfig:
                               memory_utilization=args.gpu_memory_utilization,
                               max_num_seqs=args.max_num_seqs, threads=args.threads,
                               small_step_threads=args.small_step_threads,
+                              step_threads=args.step_threads,
                               prefix_caching=args.enable_prefix_caching,
                               compile=args.compile, prepared_rows=args.max_batch_tokens)
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
@@ -97,7 +98,7 @@ class TargetWorkerConfig:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`outrider target-worker`'s flags (TargetWorkerConfig.from_args reads them)."""
-    from outrider.engine.runner import SMALL_STEP_TOKENS, RunnerConfig
+    from outrider.engine.runner import SMALL_STEP_TOKENS, STEP_THREADS, RunnerConfig
 
     p.add_argument("--model", required=True, help="target checkpoint dir")
     p.add_argument("--draft-address", action="append", default=[],
@@ -131,10 +132,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           threads_help="CPU threads per rank (0: the cores it may use, "
                                        "shared out over --tp)")
     p.add_argument("--small-step-threads", type=int, default=RunnerConfig.small_step_threads,
-                   help="CPU threads for a forward of fewer than "
-                        f"{SMALL_STEP_TOKENS} tokens, leaving the other cores to a draft "
-                        "replica drafting beside it (0: --threads; `outrider serve` on a "
-                        "CPU sets the target's own cores)")
+                   help="CPU threads of a small forward (--step-threads), leaving the "
+                        "other cores to a draft replica drafting beside it and the router "
+                        "(0: --threads; `outrider serve` on a CPU sets the target's own "
+                        "cores)")
+    p.add_argument("--step-threads", choices=STEP_THREADS, default=RunnerConfig.step_threads,
+                   help=f"which forwards are small: fewer than {SMALL_STEP_TOKENS} tokens, "
+                        "and with by-kind every decode step (one token a sequence)")
     add_max_model_len_arg(p)
     add_cpus_arg(p)
     add_batch_arguments(p)

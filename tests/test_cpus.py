@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -39,8 +40,8 @@ def test_a_role_runs_on_the_cores_it_was_given():
 
 
 def test_small_steps_run_on_the_small_step_threads_and_large_ones_on_all(llama_dir):
-    """The target's plan: a forward of fewer than SMALL_STEP_TOKENS tokens on its own
-    cores' threads, any larger one on every thread it has."""
+    """The target's plan: a forward of fewer than SMALL_STEP_TOKENS tokens, or a decode
+    step of any batch, on its own cores' threads, any other on every thread it has."""
     import torch
 
     from outrider.engine.runner import SMALL_STEP_TOKENS, ForwardRequest, ModelRunner, RunnerConfig
@@ -56,5 +57,15 @@ def test_small_steps_run_on_the_small_step_threads_and_large_ones_on_all(llama_d
             seen.append(torch.get_num_threads())
             runner.blocks.free(tokens)
         assert seen == [1, 2, 1]
+        for kind, threads in (("by-kind", 1), ("by-size", 2)):
+            runner.cfg = replace(runner.cfg, step_threads=kind)
+            decode = [(seq, 1) for seq in range(SMALL_STEP_TOKENS + 4)]  # a token each
+            for seq, n in decode:
+                runner.blocks.append(seq, n)
+            runner.forward([ForwardRequest([5], 0, runner.blocks.block_table(seq), 1)
+                            for seq, _ in decode])
+            assert torch.get_num_threads() == threads, kind
+            for seq, _ in decode:
+                runner.blocks.free(seq)
     finally:
         torch.set_num_threads(before)

@@ -191,6 +191,8 @@ def command_line(argv: list[str] | None = None) -> str:
     """The command as typed: `python -m outrider.bench.<module> ...` or `outrider ...`."""
     argv = sys.argv if argv is None else argv
     program = Path(argv[0]).name
+    if Path(argv[0]).parent.name == "scripts":  # the repository's scripts/
+        return f"python scripts/{program} {shlex.join(argv[1:])}".strip()
     if program.endswith(".py") and program != "cli.py":
         return f"python -m outrider.bench.{program[:-3]} {shlex.join(argv[1:])}".strip()
     return f"outrider {shlex.join(argv[1:])}".strip()

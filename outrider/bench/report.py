@@ -432,6 +432,37 @@ def render_gpu(runs: list[Run]) -> str:
 GPU_GAMMA = 4  # scripts/gpu_check.py's
 
 
+def render_served_ab(runs: list[Run]) -> str:
+    """scripts/served_ab.py: per variant and mode, mean tok/s [each round] per level, then
+    the target engine thread's mean step and its share waiting neither on its CPU nor on
+    the proposer."""
+    import statistics
+
+    run = runs[0]
+    cells: dict[tuple[str, str], dict[int, list[dict]]] = {}
+    for row in run.data["rows"]:
+        cells.setdefault((row["variant"], row["mode"]), {}).setdefault(
+            row["concurrency"], []).append(row)
+    levels = sorted({c for by_level in cells.values() for c in by_level})
+    head = f"| target-worker flags | mode | {' | '.join(f'{c} streams' for c in levels)} |"
+    rule = "|---|---|" + "---|" * len(levels)
+    speed, steps = [head, rule], [head, rule]
+    for (variant, mode), by_level in cells.items():
+        label = f"| {variant if variant != 'default' else '(defaults)'} | {mode} |"
+        speed.append(label + "".join(
+            f" {statistics.mean(r['tokens_per_s'] for r in rows):,.0f} "
+            f"[{' / '.join(str(round(r['tokens_per_s'])) for r in rows)}] |"
+            for rows in (by_level[c] for c in levels)))
+        steps.append(label + "".join(
+            f" {statistics.mean(r['engine_step_ms'] for r in rows):.1f} ms, "
+            f"{statistics.mean(r['engine_other_wait'] for r in rows):.0%} |"
+            for rows in (by_level[c] for c in levels)))
+    return with_provenance(runs, "Mean output tok/s [each round]:", "\n".join(speed),
+                           "The target's engine thread: mean step, and its share waiting "
+                           "otherwise (neither on its CPU nor for the proposer):",
+                           "\n".join(steps))
+
+
 def render_gpu_served(runs: list[Run]) -> str:
     """scripts/gpu_check.py --served: the served system's checks, then per dtype and mode
     tok/s (TTFT p50) per number of streams."""
@@ -507,6 +538,7 @@ RENDERERS: dict[str, Callable[[list[Run]], str]] = {
     "headline": render_headline, "versus": render_versus, "proposers": render_proposers,
     "structured": render_structured, "prefix": render_prefix, "adapt": render_adapt,
     "step": render_step, "peer": render_peer, "gpu": render_gpu, "gpu_served": render_gpu_served,
+    "served_ab": render_served_ab,
     "index": render_index,
     "acceptance": render_acceptance, "architectures": render_architectures}
 

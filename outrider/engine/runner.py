@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 
 SMALL_STEP_TOKENS = 16  # a forward of fewer tokens is small (RunnerConfig.small_step_threads)
+STEP_THREADS = ("by-kind", "by-size")  # RunnerConfig.step_threads
 ACTIVATION_TOKENS = 8192  # tokens of the largest forward a budget from memory leaves room for
 LOGITS_ROWS = 1024        # logits rows of that forward
 
@@ -51,8 +52,9 @@ class RunnerConfig:
     #                                  DEFAULT_MAX_MODEL_LEN; given: checked at start
     #                                  against the model's context and the KV cache
     threads: int = 0            # CPU threads per rank; 0: the cores shared out over tp
-    small_step_threads: int = 0  # CPU threads for a forward of < SMALL_STEP_TOKENS tokens
-    #                             (0: as many as for any other)
+    small_step_threads: int = 0  # CPU threads of a small forward (step_threads); 0: all
+    step_threads: str = "by-kind"  # small: fewer than SMALL_STEP_TOKENS tokens, and with
+    #                               "by-kind" a decode step (one token a sequence)
     prefix_caching: bool = True  # share the KV of common prefixes (block_manager.py)
     compile: bool = False       # the forward as one compiled graph (compiled.py); off:
     #                             it measured no faster on CPU (BENCHMARKS.md)
@@ -67,6 +69,9 @@ class RunnerConfig:
         if self.memory_utilization is not None and not 0 < self.memory_utilization <= 1:
             raise ValueError(f"memory_utilization must be in (0, 1], got "
                              f"{self.memory_utilization}")
+        if self.step_threads not in STEP_THREADS:
+            raise ValueError(f"step_threads must be one of {', '.join(STEP_THREADS)}, got "
+                             f"{self.step_threads!r}")
         if self.prepared_rows < 0 or self.small_step_threads < 0:
             raise ValueError("prepared_rows and small_step_threads must be >= 0")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -254,7 +259,7 @@ class ModelRunner:
     def _batch(self, requests: list[ForwardRequest]):
         """(input_ids, positions, metadata, logits rows) of a forward over `requests`."""
         device = self.device
-        self._use_threads(sum(len(r.token_ids) for r in requests))
+        self._use_threads(requests)
         input_ids, positions, logits_rows, offset = [], [], [], 0
         for r in requests:
             n = len(r.token_ids)
@@ -291,13 +296,20 @@ class ModelRunner:
             keys[dst_t // bs, :, :, dst_t % bs] = keys[src_t // bs, :, :, src_t % bs]
             values[dst_t] = values[src_t]  # [slots, kv_heads, dim]
 
-    def _use_threads(self, num_tokens: int) -> None:
-        """A small forward on `small_step_threads` (serving leaves the other cores to a
-        draft replica drafting beside it and to the router), any other on every thread of
-        this rank. Every rank runs the same forward, so they switch alike."""
+    def _use_threads(self, requests: list[ForwardRequest]) -> None:
+        """A small forward on `small_step_threads`, any other on every thread of this
+        rank. Small: fewer than SMALL_STEP_TOKENS tokens, and (step_threads "by-kind") a
+        decode step, one token a sequence, whatever the batch: serving, such a step
+        streams a delta per token to the router, which keeps the other cores busy, and a
+        forward there waits at every parallel region for its preempted threads (two
+        threads made 64-stream decode steps 25 % slower than one, BENCHMARKS §1), while
+        a verification's or a prefill's larger forward gains from them. Every rank runs
+        the same forward, so they switch alike."""
         if self.device.type != "cpu" or not self.cfg.small_step_threads:
             return
-        small = num_tokens < SMALL_STEP_TOKENS
+        decode = self.cfg.step_threads == "by-kind" and all(len(r.token_ids) == 1
+                                                             for r in requests)
+        small = decode or sum(len(r.token_ids) for r in requests) < SMALL_STEP_TOKENS
         threads = min(self.cfg.small_step_threads, self.threads) if small else self.threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
