@@ -357,7 +357,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         if progress.num_cached_tokens is None and chunk.token_ids:
             progress.num_cached_tokens = min(chunk.num_cached_tokens, len(job.prompt_ids))
         for r in chunk.rounds:
-            progress.stats.record(r.gamma, r.num_accepted, r.free_kind, r.num_free)
+            progress.stats.record(r.gamma, r.num_accepted, r.free_kind, r.num_free,
+                                  r.model_method)
         delta = progress.text.push(list(chunk.token_ids))
         if progress.text.is_stopped:
             feed.cancel()
@@ -406,7 +407,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         if progress.job.include_rounds:
             msg.rounds.extend(gp.Round(gamma=r.gamma, num_accepted=r.num_accepted, heat=r.heat,
                                        draft_version=r.draft_version, free_kind=r.free_kind,
-                                       num_free=r.num_free) for r in rounds)
+                                       num_free=r.num_free, model_method=r.model_method)
+                              for r in rounds)
         return msg
 
     def _finish(self, progress: Progress) -> gp.GenerateResponse:

@@ -219,7 +219,8 @@ class TargetEngine:
         version = self.decoder.draft_version(seq)
         self._learn(handle, seq.last_round)
         logprobs = seq.logprobs[len(seq.logprobs) - len(tokens):] if seq.logprobs else []
-        stats = RoundStats(gamma, accepted, heat, version, free_kind, num_free)
+        stats = RoundStats(gamma, accepted, heat, version, free_kind, num_free,
+                           self.decoder.model_method)
         self._deliver(handle, Chunk(tokens, [stats], logprobs=logprobs,
                                     num_cached_tokens=seq.num_cached_tokens or 0))
         if self.metrics:

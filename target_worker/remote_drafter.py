@@ -17,6 +17,7 @@ import torch
 
 from outrider.cluster_tls import QUICK_RECONNECT, internal_channel
 from outrider.core.sampling import sampling_to_proto
+from outrider.core.stats import MODEL_METHOD
 from outrider.dense_channel import DenseChannel
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal
 from outrider.engine.rejection import dense_draft_probs
@@ -119,6 +120,8 @@ class RemoteDrafter:
     @property
     def drafts_trees(self) -> bool:
         return False  # (Propose carries chains)
+
+    method = MODEL_METHOD  # draft replicas run draft models
 
     @property
     def reads_target(self) -> None:

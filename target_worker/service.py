@@ -71,7 +71,7 @@ class RequestSpan:
             self.span.set_attribute("gen_ai.usage.cache_read.input_tokens",
                                     chunk.num_cached_tokens)
         for r in chunk.rounds:
-            self.stats.record(r.gamma, r.num_accepted, r.free_kind, r.num_free)
+            self.stats.record(r.gamma, r.num_accepted, r.free_kind, r.num_free, r.model_method)
             round_event(self.span, r)
         if chunk.finish_reason is FinishReason.ERROR:
             self.span.set_status(trace.StatusCode.ERROR, finish_text(chunk))

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from outrider.core.sampling import TokenLogprob as Logprob  # the SDK's name for it
+from outrider.core.stats import MODEL_METHOD
 from outrider.v1 import generate_pb2 as gp
 
 
@@ -17,8 +18,9 @@ class Round:
     heat: float           # the replica's batch heat when γ was chosen
     draft_version: int = 0  # the draft weights' version that drafted (online distillation)
     # the first num_free were looked up ("ngram", "suffix") or forced by the grammar
-    free_kind: str = ""   # ("grammar"), the rest drafted by the draft model
+    free_kind: str = ""   # ("grammar"), the rest drafted by the model:
     num_free: int = 0
+    model_method: str = "draft_model"  # a draft model, or a head: "eagle3", "eagle", "medusa"
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ class Collector:
         if msg.token_ids and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         rounds = tuple(Round(r.gamma, r.num_accepted, r.heat, r.draft_version, r.free_kind,
-                             r.num_free) for r in msg.rounds)
+                             r.num_free, r.model_method or MODEL_METHOD) for r in msg.rounds)
         self.parts.append(msg.text)
         self.token_ids.extend(msg.token_ids)
         self.rounds.extend(rounds)

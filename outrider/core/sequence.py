@@ -68,6 +68,7 @@ class RoundStats(NamedTuple):
     draft_version: int
     free_kind: str = ""  # the first num_free proposals were looked up, the rest drafted
     num_free: int = 0
+    model_method: str = ""  # what drafted the rest (Proposer.method; "": draft_model)
 
 
 @dataclass(eq=False)  # a sequence is itself, not its fields: the scheduler's membership

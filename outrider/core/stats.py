@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from outrider.v1 import generate_pb2 as gp
 
 MODEL_METHOD = "draft_model"  # the draft model's name among the proposers (vLLM's)
+HEAD_METHODS = {"eagle3": "eagle3", "eagle1": "eagle", "medusa": "medusa"}  # vLLM's names
 GRAMMAR_METHOD = "grammar"  # tokens a request's grammar forces, proposed for free (§3.8)
 
 
@@ -23,16 +24,17 @@ def _add(total: list[int], values: list[int]) -> None:
         total[j] += v
 
 
-def by_proposer(gamma: int, num_accepted: int, free_kind: str, num_free: int
-                ) -> dict[str, tuple[int, int]]:
+def by_proposer(gamma: int, num_accepted: int, free_kind: str, num_free: int,
+                model_method: str = "") -> dict[str, tuple[int, int]]:
     """A round's (proposed, accepted) per proposer: its first `num_free` proposals were
-    looked up (`free_kind`), the rest drafted by the model; acceptance stops at the
-    first rejection, so the looked-up part is accepted first."""
+    looked up (`free_kind`), the rest drafted by the model (`model_method`: a head's
+    kind, or the draft model); acceptance stops at the first rejection, so the
+    looked-up part is accepted first."""
     out = {}
     if num_free:
         out[free_kind] = (num_free, min(num_accepted, num_free))
     if gamma > num_free:
-        out[MODEL_METHOD] = (gamma - num_free, max(0, num_accepted - num_free))
+        out[model_method or MODEL_METHOD] = (gamma - num_free, max(0, num_accepted - num_free))
     return out
 
 
@@ -78,15 +80,17 @@ class SpecStats:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     counts: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts([], []))
-    # the totals per proposer ("draft_model", "ngram", "suffix", "grammar"): [drafted, accepted]
+    # the totals per proposer ("draft_model" or a head's method, "ngram", "suffix",
+    # "grammar"): [drafted, accepted]
     by_proposer: dict[str, list[int]] = field(default_factory=dict)
 
     def record(self, num_draft: int, num_accepted: int, free_kind: str = "",
-               num_free: int = 0) -> None:
+               num_free: int = 0, model_method: str = "") -> None:
         """One round: `num_draft` tokens proposed (γ), the first `num_accepted` accepted;
         the first `num_free` of them were looked up (`free_kind`), the rest drafted by
-        the model."""
-        for method, totals in by_proposer(num_draft, num_accepted, free_kind, num_free).items():
+        the model (`model_method`, "": the draft model)."""
+        for method, totals in by_proposer(num_draft, num_accepted, free_kind, num_free,
+                                          model_method).items():
             _add(self.by_proposer.setdefault(method, [0, 0]), list(totals))
         self.num_rounds += 1
         self.num_draft_tokens += num_draft

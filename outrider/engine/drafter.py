@@ -17,6 +17,7 @@ import torch
 
 from outrider.core.grammar import Grammars
 from outrider.core.sampling import History
+from outrider.core.stats import HEAD_METHODS, MODEL_METHOD
 from outrider.engine.features import FeatureTap
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal
 from outrider.engine.runner import ForwardRequest, ModelRunner
@@ -77,6 +78,11 @@ class Drafter:
     @property
     def drafts_trees(self) -> bool:
         return True
+
+    @property
+    def method(self) -> str:
+        head = getattr(self.runner, "head", None)  # a HeadRunner's
+        return HEAD_METHODS[head.kind] if head is not None else MODEL_METHOD
 
     @property
     def reads_target(self) -> FeatureTap | None:

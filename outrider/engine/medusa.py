@@ -83,6 +83,7 @@ class MedusaProposer:
     target_topk = 0
     reads_target = FeatureTap(normed=True)
     drafts_trees = False  # (Medusa's static trees are not built: its heads propose chains)
+    method = "medusa"
 
     def version_of(self, seq_id) -> int:
         return 0

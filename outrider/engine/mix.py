@@ -26,7 +26,7 @@ import torch
 from outrider.core.grammar import Grammars
 from outrider.core.sampling import SamplingParams
 from outrider.core.sequence import ProposerKind, TeacherRow
-from outrider.core.stats import GRAMMAR_METHOD
+from outrider.core.stats import GRAMMAR_METHOD, MODEL_METHOD
 from outrider.engine.features import FeatureLog
 from outrider.engine.lookup import Lookup, SuffixCorpus, prompt_lookup, suffix_lookup
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal, Proposer, dense_q
@@ -190,6 +190,10 @@ class ProposerMix:
     @property
     def reads_target(self):
         return self.model.reads_target if self.model is not None else None
+
+    @property
+    def method(self) -> str:
+        return self.model.method if self.model is not None else MODEL_METHOD
 
     def version_of(self, seq_id) -> int:
         return self.model.version_of(seq_id) if self.model is not None else 0

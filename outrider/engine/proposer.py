@@ -187,6 +187,12 @@ class Proposer(Protocol):
         """Whether it drafts a token tree for an item that asks (DraftItem.tree); one
         that does not proposes chains."""
 
+    @property
+    def method(self) -> str:
+        """What its weights are, by vLLM's names for speculative methods: "draft_model",
+        or a head's "eagle3", "eagle" or "medusa" (metrics and statistics count its
+        proposals under it; model-free lookups count under their own)."""
+
     def draft(self, items: list[DraftItem], device: torch.device) -> Proposal:
         """Propose now, and wait for the proposal."""
 

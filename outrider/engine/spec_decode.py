@@ -35,7 +35,7 @@ from outrider.core.grammar import Grammars
 from outrider.core.policy import MAX_GAMMA
 from outrider.core.sampling import MAX_SEED, History, SamplingParams
 from outrider.core.sequence import FinishReason, Round, Sequence
-from outrider.core.stats import GRAMMAR_METHOD
+from outrider.core.stats import GRAMMAR_METHOD, MODEL_METHOD
 from outrider.core.structured import StructuredOutputError
 from outrider.engine.block_manager import OutOfBlocksError
 from outrider.engine.features import FeatureLog
@@ -219,6 +219,8 @@ class SpeculativeDecoder:
                                "window counts positions in the tree's order)")
         self.overlap_max_seqs = (overlap_max_seqs if drafter is not None and not self.reads
                                  and self.tree is None else 0)
+        # what the model part of a round counts under (Proposer.method)
+        self.model_method = drafter.method if drafter is not None else MODEL_METHOD
         self.features = FeatureLog()  # a head's features, until it takes them
         if self.reads is not None:
             target.keep_features(self.reads)
@@ -748,7 +750,7 @@ class SpeculativeDecoder:
             if seq.is_finished:
                 break
         seq.last_round = _round_of(row, num_accepted, len(committed))
-        seq.stats.record(*seq.last_round)
+        seq.stats.record(*seq.last_round, model_method=self.model_method)
         if row.path:  # the accepted nodes' KV, packed after the committed tokens
             self.target.move_kv(self.target.blocks.block_table(seq.seq_id), [
                 (base + n, base + d) for d, n in enumerate(row.path[:num_accepted]) if n != d])

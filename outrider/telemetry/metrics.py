@@ -37,9 +37,10 @@ ENGINE = ["model_name", "engine"]
 MODEL = ["model_name"]
 
 # -- target replicas (vLLM's engine metrics) ----------------------------------------------
-# by proposer: method "draft_model", "ngram", "suffix" or "grammar" (tokens a grammar forced)
-# (a round's first proposal's, for num_drafts; a round whose looked-up or forced tokens the
-# model continued counts its tokens under both)
+# by proposer: method "draft_model" (or a head's "eagle3", "eagle", "medusa", bound when
+# it first drafts), "ngram", "suffix" or "grammar" (tokens a grammar forced) (a round's
+# first proposal's, for num_drafts; a round whose looked-up or forced tokens the model
+# continued counts its tokens under both)
 METHODS = ("draft_model", "ngram", "suffix", "grammar")
 SPEC_DRAFTS = Counter("vllm:spec_decode_num_drafts", "Speculative rounds verified",
                       [*ENGINE, "method"])
@@ -181,11 +182,9 @@ class TargetMetrics:
 
     def __init__(self, model_name: str, engine: str = "0") -> None:
         self.labels = {"model_name": model_name, "engine": engine}
-        self.drafts = {m: SPEC_DRAFTS.labels(**self.labels, method=m) for m in METHODS}
-        self.draft_tokens = {m: SPEC_DRAFT_TOKENS.labels(**self.labels, method=m)
-                             for m in METHODS}
-        self.accepted_tokens = {m: SPEC_ACCEPTED_TOKENS.labels(**self.labels, method=m)
-                                for m in METHODS}
+        self.drafts, self.draft_tokens, self.accepted_tokens = {}, {}, {}
+        for method in METHODS:
+            self._bind_method(method)
         self.accepted_at = [SPEC_ACCEPTED_PER_POS.labels(**self.labels, position=str(p))
                             for p in range(MAX_POSITIONS)]
         self.drafted_at = [SPEC_DRAFTED_PER_POS.labels(**self.labels, position=str(p))
@@ -204,6 +203,14 @@ class TargetMetrics:
         self._step_seconds = [ENGINE_STEP_SECONDS.labels(**self.labels, part=part)
                               for part in ("wall", "cpu", "proposer_wait")]
 
+    def _bind_method(self, method: str):
+        """The speculation counters of `method`, bound (children looked up once); returns
+        its num_drafts child."""
+        self.drafts[method] = SPEC_DRAFTS.labels(**self.labels, method=method)
+        self.draft_tokens[method] = SPEC_DRAFT_TOKENS.labels(**self.labels, method=method)
+        self.accepted_tokens[method] = SPEC_ACCEPTED_TOKENS.labels(**self.labels, method=method)
+        return self.drafts[method]
+
     def record_round(self, r: RoundStats, mode: str, num_tokens: int) -> None:
         """One sequence's round: γ proposals (the first num_free looked up, the rest
         drafted by weights `draft_version`), `num_accepted` of them kept, `num_tokens`
@@ -214,9 +221,12 @@ class TargetMetrics:
         self._heat[gamma > 0].observe(r.heat)
         if not gamma:
             return
-        self.drafts[r.free_kind or MODEL_METHOD].inc()
-        for method, (proposed, kept) in by_proposer(gamma, accepted, r.free_kind,
-                                                    r.num_free).items():
+        first = r.free_kind or r.model_method or MODEL_METHOD
+        (self.drafts.get(first) or self._bind_method(first)).inc()
+        for method, (proposed, kept) in by_proposer(gamma, accepted, r.free_kind, r.num_free,
+                                                    r.model_method).items():
+            if method not in self.draft_tokens:
+                self._bind_method(method)
             self.draft_tokens[method].inc(proposed)
             self.accepted_tokens[method].inc(kept)
         for p in range(gamma):
@@ -224,7 +234,7 @@ class TargetMetrics:
         for p in range(accepted):
             self.accepted_at[p].inc()
         modelled = by_proposer(gamma, accepted, r.free_kind, r.num_free).get(MODEL_METHOD)
-        if modelled:  # the draft weights' own acceptance
+        if modelled:  # the draft weights' own acceptance (a head's too)
             drafted, kept = (self._by_version.get(draft_version)
                              or self._bind_version(draft_version))
             drafted.inc(modelled[0])

@@ -202,7 +202,10 @@ def test_greedy_speculation_with_a_head_is_the_target_alone(head_dir, llama_dir,
         for s in out:  # (its first token comes from the prefill, its last round has
             #             room for no draft)
             assert s.stats.drafted_per_position[0] >= s.stats.num_rounds - 2, s.stats
-        by_head = sum(s.stats.by_proposer.get("draft_model", [0])[0] for s in out)
+        # counted under the head's own method, vLLM's name for it, not the draft model's
+        assert mix.method == head.method in ("eagle3", "eagle", "medusa")
+        assert not any("draft_model" in s.stats.by_proposer for s in out)
+        by_head = sum(s.stats.by_proposer.get(head.method, [0])[0] for s in out)
         assert by_head == sum(s.stats.num_draft_tokens for s in out) or proposer == "auto"
     # every sequence's KV went back, the target's and the head's, and no feature is kept
     assert target.blocks.num_used_blocks == 0

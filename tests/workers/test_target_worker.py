@@ -424,7 +424,10 @@ def test_a_replica_verifies_a_heads_trees_under_kv_pressure():
     running = start(cfg, TOKEN)
     tree_nodes = lambda: REGISTRY.get_sample_value(  # noqa: E731
         "outrider_spec_tree_nodes_total", {"model_name": "demo-target", "engine": "0"}) or 0
-    nodes_before = tree_nodes()
+    head_tokens = lambda: REGISTRY.get_sample_value(  # noqa: E731
+        "vllm:spec_decode_num_draft_tokens_total",
+        {"model_name": "demo-target", "engine": "0", "method": "eagle3"}) or 0
+    nodes_before, head_before = tree_nodes(), head_tokens()
     try:
         with grpc.insecure_channel(running.address) as chan:
             stub = worker_pb2_grpc.TargetStub(chan)
@@ -435,6 +438,10 @@ def test_a_replica_verifies_a_heads_trees_under_kv_pressure():
     finally:
         running.stop(0)
     assert tree_nodes() > nodes_before  # trees ran, and /metrics counts their nodes
+    # the head's drafts count under its method, as vLLM names it, in rounds and /metrics
+    assert {r.model_method for cs in chunks for c in cs for r in c.rounds
+            if r.gamma > r.num_free} == {"eagle3"}
+    assert head_tokens() > head_before
     alone = SpeculativeDecoder(ModelRunner(RunnerConfig(str(target_dir), dtype="float32"))
                                ).generate([list(r.prompt_ids) for r in reqs],
                                           SamplingParams(max_tokens=40, ignore_eos=True), 0)
