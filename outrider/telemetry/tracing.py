@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from opentelemetry import context, propagate, trace
 
 from outrider.core.sequence import RoundStats
+from outrider.core.stats import MODEL_METHOD
 
 TRACER_NAME = "outrider"
 ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
@@ -95,11 +96,14 @@ def request_attributes(model: str, params, request_id: str) -> dict:
 
 def round_event(span: trace.Span, r: RoundStats) -> None:
     """A speculative round on `span`: γ proposed (the policy's decision), tokens accepted,
-    the batch heat the decision was made at, the draft weights' version, and how many of
-    the proposals were looked up (model-free) and by which kind."""
+    the batch heat the decision was made at, the draft weights' version, how many of
+    the proposals were looked up (model-free) and by which kind, and what drafted the
+    rest (a draft model, or a head: "eagle3", "eagle", "medusa")."""
     span.add_event("outrider.spec.round", {"outrider.spec.gamma": r.gamma,
                                            "outrider.spec.accepted": r.num_accepted,
                                            "outrider.spec.heat": r.heat,
                                            "outrider.draft.version": r.draft_version,
                                            "outrider.spec.free_kind": r.free_kind,
-                                           "outrider.spec.num_free": r.num_free})
+                                           "outrider.spec.num_free": r.num_free,
+                                           "outrider.spec.model_method":
+                                               r.model_method or MODEL_METHOD})
