@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 from outrider.core.hf_config import head_kind
 from outrider.cpus import plan_cpus
-from outrider.engine.memory import GPU_SHARE
 from outrider.flags import resolve_device
 from outrider.launch import RestartPolicy, free_port, supervised_group
 from outrider.target_worker.main import TargetWorkerConfig
@@ -152,6 +151,8 @@ def gpu_shares(cfg: LocalSystemConfig, num_drafts: int) -> tuple[tuple[str, ...]
         given = (("--gpu-memory-utilization", str(cfg.memory_utilization))
                  if cfg.memory_utilization else ())
         return given, given
+    from outrider.engine.memory import GPU_SHARE  # (torch's import, where a GPU serves)
+
     whole = cfg.memory_utilization or GPU_SHARE
     drafts = whole * DRAFT_GPU_SHARE if num_drafts else 0.0
     flag = lambda share: ("--gpu-memory-utilization", f"{share:.4f}")  # noqa: E731
