@@ -301,10 +301,10 @@ class ModelRunner:
         rank. Small: fewer than SMALL_STEP_TOKENS tokens, and (step_threads "by-kind") a
         decode step, one token a sequence, whatever the batch: serving, such a step
         streams a delta per token to the router, which keeps the other cores busy, and a
-        forward there waits at every parallel region for its preempted threads (two
-        threads made 64-stream decode steps 25 % slower than one, BENCHMARKS §1), while
-        a verification's or a prefill's larger forward gains from them. Every rank runs
-        the same forward, so they switch alike."""
+        forward there waits at every parallel region for its preempted threads (a
+        32-stream decode step took 9.7 ms on two threads, 7.5 on one: BENCHMARKS §1),
+        while a verification's or a prefill's larger forward gains from them. Every rank
+        runs the same forward, so they switch alike."""
         if self.device.type != "cpu" or not self.cfg.small_step_threads:
             return
         decode = self.cfg.step_threads == "by-kind" and all(len(r.token_ids) == 1
