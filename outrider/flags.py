@@ -29,7 +29,7 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-topk", "--speculative-eagle-topk", type=int, default=1,
                    help="draft a token tree: each expanded node's top-k children, the k best "
                         "nodes grown per level, γ levels deep (1: a chain, the default; "
-                        "a draft model or an EAGLE head in the target's process)")
+                        "a draft model or a head (EAGLE, Medusa) in the target's process)")
     p.add_argument("--tree-tokens", "--speculative-num-draft-tokens", type=int, default=0,
                    help="nodes of a tree the target verifies per round, the best by "
                         "cumulative log-probability (0: every node drafted; below 64)")

@@ -57,7 +57,7 @@ class LocalSystemConfig:
             raise ValueError("--target-replicas must be >= 1")
         if self.tree_topk > 1 and not (self.draft and head_kind(self.draft)):
             raise ValueError("--tree-topk > 1 needs a draft head (--draft DIR of an EAGLE "
-                             "head): draft replicas propose chains")
+                             "or Medusa head): draft replicas propose chains")
 
 
 @dataclass(frozen=True)

@@ -142,16 +142,13 @@ class Drafter:
         device = device or self.runner.device
         is_miss = [miss or (it.prefill_only and not done)
                    for it, miss, done in zip(items, is_miss, is_prefilled)]
-        in_trees = [i for i, (it, g) in enumerate(zip(items, gammas)) if g and _is_tree(it)]
+        in_trees = [i for i, (it, g) in enumerate(zip(items, gammas)) if g and is_tree(it)]
         chains = [0 if i in in_trees else g for i, g in enumerate(gammas)]
         token_ids, probs = self._draft_tokens(items, chains, is_prefilled, device)
         proposal = Proposal(token_ids, probs, chains, is_miss)
         if in_trees:  # (their own forwards: a level feeds k nodes where a chain feeds 1)
             trees = self._draft_trees([items[i] for i in in_trees], [gammas[i] for i in in_trees])
-            proposal = proposal.with_rows(in_trees, Proposal.of_rows(
-                [(tokens, q) for tokens, _, q in trees], self.vocab_size, device,
-                parents=[parents for _, parents, _ in trees]))
-            proposal.is_miss = is_miss
+            proposal = with_trees(proposal, in_trees, trees, self.vocab_size, device)
         return proposal
 
     def _compile_grammars(self, prefilled: list[DraftItem]) -> None:
@@ -219,7 +216,7 @@ class Drafter:
         """KV room for the new tokens and γ-1 draft positions (the last draft token is
         never fed back); evicts least-recently-used other sequences when allowed."""
         blocks = self.runner.blocks
-        fed = item.tree.topk * max(0, item.gamma - 1) if _is_tree(item) else item.gamma - 1
+        fed = item.tree.topk * max(0, item.gamma - 1) if is_tree(item) else item.gamma - 1
         needed = len(item.new_token_ids) + max(0, fed)
         context = item.committed_len + needed + 1
         if context > self.max_model_len:
@@ -319,36 +316,19 @@ class Drafter:
                      ) -> list[tuple[list[int], list[int], torch.Tensor | None]]:
         """Each item's tree (tokens, parents, and for a sampled item the q each node was
         drawn from [nodes, vocab]), γ levels deep, EAGLE-2's way around the draft's own
-        chain (_Growth). Its KV keeps the committed tokens alone."""
+        chain (TreeGrowth). Its KV keeps the committed tokens alone."""
         blocks = self.runner.blocks
-        grow = {i: _Growth(it) for i, it in enumerate(items)}
+        grow = {i: TreeGrowth(it) for i, it in enumerate(items)}
         reads = self.reads_target is not None
         for level in range(max(gammas)):
-            rows = [i for i, g in grow.items() if (g.frontier or level == 0) and level < gammas[i]]
+            rows = growing(grow, gammas, level)
             if not rows:
                 break
             requests = [grow[i].request(blocks.block_table(items[i].seq_id), level)
                         for i in rows]
             logits = self.runner.forward(requests)  # [expanding nodes of every row, V]
             hidden = self.runner.model.hidden_out if reads else None  # [logit rows, hidden]
-            owners = [i for i in rows for _ in grow[i].expanding()]
-            histories = None
-            if any(items[i].params.reads_history for i in rows):
-                histories = [self._history(items[i], grow[i].path(node))
-                             for i in rows for node in grow[i].expanding()]
-            processed = processed_logits(logits, [items[i].params for i in owners], histories)
-            children, q = _children(processed, [items[i] for i in owners],
-                                    [grow[i].base + level for i in owners],
-                                    max(grow[i].shape.topk for i in rows))
-            offset = 0
-            for i in rows:
-                n = len(grow[i].expanding())
-                grow[i].add_children(children[offset:offset + n],
-                                     None if q is None else q[offset:offset + n],
-                                     None if hidden is None else hidden[offset:offset + n],
-                                     frozenset(items[i].params.held_back_ids),
-                                     level + 1 < gammas[i])
-                offset += n
+            grow_level(grow, rows, items, gammas, level, logits, hidden, self._history)
         for it in items:
             blocks.rollback(it.seq_id, len(self.token_ids[it.seq_id]))
         return [grow[i].tree() for i in range(len(items))]
@@ -386,11 +366,11 @@ class Drafter:
         return sample_from_probs(probs, uniforms), probs
 
 
-def _is_tree(item: DraftItem) -> bool:
+def is_tree(item: DraftItem) -> bool:
     return item.tree is not None and not item.tree.is_chain
 
 
-class _Growth:
+class TreeGrowth:
     """One item's tree as it grows: nodes (token, parent, cumulative log-prob, the
     feature its children read), the frontier fed to the next level, and how many nodes
     the draft's KV holds after the committed tokens."""
@@ -487,6 +467,48 @@ class _Growth:
         parent = self.parents[node]
         before = next((m for m in range(node - 1, -1, -1) if self.parents[m] == parent), None)
         return (parent < 0 or parent in kept) and (before is None or before in kept)
+
+
+def with_trees(proposal: Proposal, rows: list[int],
+               trees: list[tuple[list[int], list[int], torch.Tensor | None]],
+               vocab_size: int, device: torch.device) -> Proposal:
+    """`proposal` with rows `rows` replaced by their trees (tokens, parents, q)."""
+    out = proposal.with_rows(rows, Proposal.of_rows(
+        [(tokens, q) for tokens, _, q in trees], vocab_size, device,
+        parents=[parents for _, parents, _ in trees]))
+    out.is_miss = proposal.is_miss
+    return out
+
+
+def growing(grow: dict[int, TreeGrowth], gammas: list[int], level: int) -> list[int]:
+    """The items whose trees grow a level `level` (their root, or a frontier to expand)."""
+    return [i for i, g in grow.items() if (g.frontier or level == 0) and level < gammas[i]]
+
+
+def grow_level(grow: dict[int, TreeGrowth], rows: list[int], items: list[DraftItem],
+               gammas: list[int], level: int, logits: torch.Tensor,
+               hidden: torch.Tensor | None, history: Callable) -> None:
+    """One level of the trees of items `rows`: logits [expanding nodes of every row,
+    vocab] (hidden: the features their children read, a head's) shaped by each request's
+    processors over the node's path (`history(item, path)`), each node's children chosen
+    (_children) and added to its tree."""
+    owners = [i for i in rows for _ in grow[i].expanding()]
+    histories = None
+    if any(items[i].params.reads_history for i in rows):
+        histories = [history(items[i], grow[i].path(node))
+                     for i in rows for node in grow[i].expanding()]
+    processed = processed_logits(logits, [items[i].params for i in owners], histories)
+    children, q = _children(processed, [items[i] for i in owners],
+                            [grow[i].base + level for i in owners],
+                            max(grow[i].shape.topk for i in rows))
+    offset = 0
+    for i in rows:
+        n = len(grow[i].expanding())
+        grow[i].add_children(children[offset:offset + n],
+                             None if q is None else q[offset:offset + n],
+                             None if hidden is None else hidden[offset:offset + n],
+                             frozenset(items[i].params.held_back_ids), level + 1 < gammas[i])
+        offset += n
 
 
 def _children(processed: torch.Tensor, items: list[DraftItem], positions: list[int],

@@ -19,7 +19,7 @@ from torch import nn
 from outrider.core.hf_config import ModelConfigError, head_kind, read_config
 from outrider.core.sampling import History
 from outrider.engine.checkpoint import tensor_names
-from outrider.engine.drafter import Drafter
+from outrider.engine.drafter import Drafter, TreeGrowth, grow_level, growing, is_tree, with_trees
 from outrider.engine.features import FeatureTap
 from outrider.engine.model import load_checkpoint
 from outrider.engine.parallel import ParallelLMHead, ReplicatedLinear, TPGroup
@@ -82,7 +82,7 @@ class MedusaProposer:
     version = 0
     target_topk = 0
     reads_target = FeatureTap(normed=True)
-    drafts_trees = False  # (Medusa's static trees are not built: its heads propose chains)
+    drafts_trees = True  # level j of a tree from head j (_draft_trees)
     method = "medusa"
 
     def version_of(self, seq_id) -> int:
@@ -104,6 +104,18 @@ class MedusaProposer:
         gammas = [min(it.gamma, self.num_heads) if it.is_active and not miss and
                   it.features is not None and not it.prefill_only else 0
                   for it, miss in zip(items, is_miss)]
+        in_trees = [i for i, (it, g) in enumerate(zip(items, gammas)) if g and is_tree(it)]
+        chains = [0 if i in in_trees else g for i, g in enumerate(gammas)]
+        proposal = Proposal(*self._draft_chains(items, chains, device), chains, is_miss)
+        if in_trees:
+            trees = self._draft_trees([items[i] for i in in_trees], [gammas[i] for i in in_trees])
+            proposal = with_trees(proposal, in_trees, trees, self.vocab_size, device)
+        return proposal
+
+    def _draft_chains(self, items: list[DraftItem], gammas: list[int], device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft tokens [items, max γ] of the rows whose γ > 0, token j from head j, and
+        their q [items, max γ, vocab] where any samples."""
         rows = [i for i, g in enumerate(gammas) if g]
         width = max(gammas, default=0)
         token_ids = torch.zeros(len(items), width, dtype=torch.long, device=device)
@@ -127,7 +139,27 @@ class MedusaProposer:
                 if probs is not None:
                     probs[index, j] = (q.to(device) if q is not None else
                                        nn.functional.one_hot(tokens, self.vocab_size).float())
-        return Proposal(token_ids, probs, gammas, is_miss)
+        return token_ids, probs
+
+    def _draft_trees(self, items: list[DraftItem], gammas: list[int]
+                     ) -> list[tuple[list[int], list[int], torch.Tensor | None]]:
+        """Each item's token tree (tokens, parents, q), grown and kept as a draft model's
+        (TreeGrowth): level j's children come from head j, whatever their parent, since
+        every head reads the one feature; the request's processors still see each node's
+        own path."""
+        grow = {i: TreeGrowth(it) for i, it in enumerate(items)}
+        # [items, hidden]: the target's feature at the position before the last committed
+        features = torch.stack([it.features[-1] for it in items]).to(self.target.dtype)
+        for level in range(max(gammas)):
+            rows = growing(grow, gammas, level)
+            if not rows:
+                break
+            logits = self.heads(level, features[rows])  # [rows, vocab]
+            expanding = torch.tensor([len(grow[i].expanding()) for i in rows],
+                                     device=logits.device)
+            grow_level(grow, rows, items, gammas, level,
+                       logits.repeat_interleave(expanding, dim=0), None, self._history)
+        return [grow[i].tree() for i in range(len(items))]
 
     def _take(self, item: DraftItem) -> bool:
         """The committed tokens after the prefix the caller believes held; False: a MISS."""

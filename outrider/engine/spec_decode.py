@@ -212,8 +212,8 @@ class SpeculativeDecoder:
         self._trees_now = self.tree is not None
         if self.tree is not None and not (drafter is not None and drafter.drafts_trees):
             raise RequestError(f"tree top-k {tree.topk}: the proposer drafts chains only (a "
-                               f"draft model or an EAGLE head in the target's process "
-                               f"drafts trees; draft replicas and Medusa heads do not)")
+                               f"draft model or a head in the target's process drafts "
+                               f"trees; draft replicas do not)")
         if self.tree is not None and any(target.model_config.sliding_windows):
             raise RequestError("token trees need a target without a sliding window (its "
                                "window counts positions in the tree's order)")

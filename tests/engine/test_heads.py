@@ -23,6 +23,7 @@ from outrider.engine.medusa import MedusaProposer
 from outrider.engine.mix import ProposerMix
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
+from outrider.engine.tree import TreeShape
 from tests.checkpoints import save_random_head, save_random_medusa
 
 AUX = (0, 1, 2)  # the session's 2-layer target: embeddings, layer 1's input, the output
@@ -181,18 +182,29 @@ def check_medusa(head_dir, llama_dir, target):
                                rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("proposer", ["model", "auto"])
+@pytest.mark.parametrize("proposer", ["model", "auto", "tree"])
 def test_greedy_speculation_with_a_head_is_the_target_alone(head_dir, llama_dir, proposer):
-    """A batch of prompts of several lengths, γ 3: the head (alone, or beside the lookups)
-    drafts every round it is asked and output is the target's greedy output."""
+    """A batch of prompts of several lengths, γ 3: the head (alone, beside the lookups, or
+    drafting token trees of top-k 3) drafts every round it is asked and output is the
+    target's greedy output."""
     prompts = [[5, 17, 99, 3, 250, 41, 7], [12, 88], [160, 2, 31, 5, 17, 99, 3, 250, 41, 7,
                                                       12, 88, 99, 3]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     target = ModelRunner(RunnerConfig(str(llama_dir), dtype="float32", kv_cache_mb=32))
     alone = SpeculativeDecoder(target).generate(prompts, params, gamma=0)
     head = head_proposer(RunnerConfig(str(head_dir), dtype="float32", kv_cache_mb=8), target)
-    mix = ProposerMix(head, target.vocab_size, ProposerKind(proposer))
-    decoder = SpeculativeDecoder(target, mix, overlap_max_seqs=8)
+    mix = ProposerMix(head, target.vocab_size,
+                      ProposerKind.MODEL if proposer == "tree" else ProposerKind(proposer))
+    tree = TreeShape(3, 8) if proposer == "tree" else None
+    decoder = SpeculativeDecoder(target, mix, overlap_max_seqs=8, tree=tree,
+                                 choose_trees=False)
+    trees = []
+    walk_trees = decoder._walk_trees
+
+    def noted(step, ready, *args):
+        trees.extend(r.tree is not None for r in ready)
+        return walk_trees(step, ready, *args)
+    decoder._walk_trees = noted
     for _ in range(2):  # the second time the target's cache holds every prompt
         out = decoder.generate(prompts, params, gamma=3)
         assert [s.token_ids for s in out] == [s.token_ids for s in alone]
@@ -207,6 +219,7 @@ def test_greedy_speculation_with_a_head_is_the_target_alone(head_dir, llama_dir,
         assert not any("draft_model" in s.stats.by_proposer for s in out)
         by_head = sum(s.stats.by_proposer.get(head.method, [0])[0] for s in out)
         assert by_head == sum(s.stats.num_draft_tokens for s in out) or proposer == "auto"
+    assert any(trees) == (proposer == "tree")  # rounds verified as trees, when asked
     # every sequence's KV went back, the target's and the head's, and no feature is kept
     assert target.blocks.num_used_blocks == 0
     assert not decoder.features._logs and not mix._held

@@ -381,14 +381,16 @@ def test_detects_a_target_that_forgets_the_rounds_drafts(samples, monkeypatch):
 # -- draft heads (outrider/engine/heads.py) --------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+@pytest.mark.parametrize("kind, tree", [("eagle3", None), ("medusa", None),
+                                        ("medusa", TreeShape(3, 8))], ids=str)
 def test_head_speculative_sampling_matches_target_distribution(samples, llama_dir, tmp_path,
-                                                               kind):
+                                                               kind, tree):
     """An EAGLE-3 head over a draft vocabulary of half the target's (q is 0 off it, d2t),
     drafting from the target's hidden states and then its own; Medusa's heads, each
-    drafting from the last committed position's state: exact in distribution. Their
-    weights are the target's where a head has them (lm_head rows, the final norm), so
-    that they propose tokens the target often keeps."""
+    drafting from the last committed position's state, in chains and in trees (3 children
+    a node drawn from head j's q without replacement, penalties over each node's own
+    path): exact in distribution. Their weights are the target's where a head has them
+    (lm_head rows, the final norm), so that they propose tokens the target often keeps."""
     config = "full-vocab-penalties"
     target = samples.decoders["far", False].target
     head_dir = (target_like_medusa(save_random_medusa(tmp_path / "head", llama_dir), llama_dir)
@@ -397,8 +399,19 @@ def test_head_speculative_sampling_matches_target_distribution(samples, llama_di
                                                   draft_vocab=160, aux_layers=(2,),
                                                   scale=0.02), llama_dir))
     decoder = SpeculativeDecoder(target, head_proposer(
-        RunnerConfig(str(head_dir), kv_cache_mb=64), target))
-    seqs, stats = sampled_run(decoder, HEAD_GAMMA, config, "head", kind)
+        RunnerConfig(str(head_dir), kv_cache_mb=64), target), tree=tree, choose_trees=False)
+    paths = []
+    if tree is not None:
+        walk_trees = decoder._walk_trees
+
+        def noted(step, ready, *args):
+            walk_trees(step, ready, *args)
+            paths.extend(r.path for r in ready if r.path)
+        decoder._walk_trees = noted
+    seqs, stats = sampled_run(decoder, HEAD_GAMMA, config, "head", kind,
+                              *([str(tree)] if tree else []))
+    if tree is not None:  # verification kept branches past the first child
+        assert any(n > d for path in paths for d, n in enumerate(path))
     # the head drafted every round, and verification kept some of it at every depth
     assert stats.drafted_per_position[HEAD_GAMMA - 1] >= NUM_SAMPLES
     # (a head made of the target's own rows is no draft model: its third drafts are kept
