@@ -182,9 +182,9 @@ class TargetMetrics:
 
     def __init__(self, model_name: str, engine: str = "0") -> None:
         self.labels = {"model_name": model_name, "engine": engine}
-        self.drafts, self.draft_tokens, self.accepted_tokens = {}, {}, {}
+        self._methods: dict[str, tuple] = {}  # method -> its counters (_counters)
         for method in METHODS:
-            self._bind_method(method)
+            self._counters(method)
         self.accepted_at = [SPEC_ACCEPTED_PER_POS.labels(**self.labels, position=str(p))
                             for p in range(MAX_POSITIONS)]
         self.drafted_at = [SPEC_DRAFTED_PER_POS.labels(**self.labels, position=str(p))
@@ -203,13 +203,13 @@ class TargetMetrics:
         self._step_seconds = [ENGINE_STEP_SECONDS.labels(**self.labels, part=part)
                               for part in ("wall", "cpu", "proposer_wait")]
 
-    def _bind_method(self, method: str):
-        """The speculation counters of `method`, bound (children looked up once); returns
-        its num_drafts child."""
-        self.drafts[method] = SPEC_DRAFTS.labels(**self.labels, method=method)
-        self.draft_tokens[method] = SPEC_DRAFT_TOKENS.labels(**self.labels, method=method)
-        self.accepted_tokens[method] = SPEC_ACCEPTED_TOKENS.labels(**self.labels, method=method)
-        return self.drafts[method]
+    def _counters(self, method: str) -> tuple:
+        """(rounds, draft tokens, accepted tokens) of `method`: children looked up once,
+        a head's when it first drafts."""
+        if method not in self._methods:
+            self._methods[method] = tuple(c.labels(**self.labels, method=method) for c in (
+                SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED_TOKENS))
+        return self._methods[method]
 
     def record_round(self, r: RoundStats, mode: str, num_tokens: int) -> None:
         """One sequence's round: γ proposals (the first num_free looked up, the rest
@@ -221,14 +221,12 @@ class TargetMetrics:
         self._heat[gamma > 0].observe(r.heat)
         if not gamma:
             return
-        first = r.free_kind or r.model_method or MODEL_METHOD
-        (self.drafts.get(first) or self._bind_method(first)).inc()
+        self._counters(r.free_kind or r.model_method or MODEL_METHOD)[0].inc()
         for method, (proposed, kept) in by_proposer(gamma, accepted, r.free_kind, r.num_free,
                                                     r.model_method).items():
-            if method not in self.draft_tokens:
-                self._bind_method(method)
-            self.draft_tokens[method].inc(proposed)
-            self.accepted_tokens[method].inc(kept)
+            _, proposed_total, kept_total = self._counters(method)
+            proposed_total.inc(proposed)
+            kept_total.inc(kept)
         for p in range(gamma):
             self.drafted_at[p].inc()
         for p in range(accepted):
