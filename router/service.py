@@ -407,7 +407,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         if progress.job.include_rounds:
             msg.rounds.extend(gp.Round(gamma=r.gamma, num_accepted=r.num_accepted, heat=r.heat,
                                        draft_version=r.draft_version, free_kind=r.free_kind,
-                                       num_free=r.num_free, model_method=r.model_method)
+                                       num_free=r.num_free, model_method=r.model_method,
+                                       tree_nodes=r.tree_nodes)
                               for r in rounds)
         return msg
 

@@ -215,12 +215,12 @@ class TargetEngine:
     def _report_round(self, handle: Handle, tokens: list[int], heat: float) -> None:
         """What a sequence's round committed, to its sink, its estimate and the metrics."""
         seq = handle.seq
-        gamma, accepted, free_kind, num_free = seq.last_round
+        r = seq.last_round
         version = self.decoder.draft_version(seq)
-        self._learn(handle, seq.last_round)
+        self._learn(handle, r)
         logprobs = seq.logprobs[len(seq.logprobs) - len(tokens):] if seq.logprobs else []
-        stats = RoundStats(gamma, accepted, heat, version, free_kind, num_free,
-                           self.decoder.model_method)
+        stats = RoundStats(r.gamma, r.num_accepted, heat, version, r.free_kind, r.num_free,
+                           self.decoder.model_method, r.tree_nodes)
         self._deliver(handle, Chunk(tokens, [stats], logprobs=logprobs,
                                     num_cached_tokens=seq.num_cached_tokens or 0))
         if self.metrics:
@@ -281,7 +281,7 @@ class TargetEngine:
         """The round into the request's and the replica's acceptance estimates. They size
         the draft model's γ for requests it drafts for: its tokens teach them, the lookups'
         (free, capped by their matches, docs/DESIGN.md §2.8) only for model-free requests."""
-        gamma, accepted, _, num_free = last
+        gamma, accepted, num_free = last.gamma, last.num_accepted, last.num_free
         if num_free and not handle.spec.draft_free:
             modelled = model_part(gamma, accepted, num_free)
             if modelled is None:

@@ -56,6 +56,7 @@ class Round(NamedTuple):
     num_accepted: int
     free_kind: str = ""
     num_free: int = 0
+    tree_nodes: int = 0  # a token tree's nodes verified (γ is its depth); 0: a chain
 
 
 class RoundStats(NamedTuple):
@@ -69,6 +70,7 @@ class RoundStats(NamedTuple):
     free_kind: str = ""  # the first num_free proposals were looked up, the rest drafted
     num_free: int = 0
     model_method: str = ""  # what drafted the rest (Proposer.method; "": draft_model)
+    tree_nodes: int = 0     # a token tree's nodes verified (γ: its depth); 0: a chain
 
 
 @dataclass(eq=False)  # a sequence is itself, not its fields: the scheduler's membership

@@ -750,7 +750,8 @@ class SpeculativeDecoder:
             if seq.is_finished:
                 break
         seq.last_round = _round_of(row, num_accepted, len(committed))
-        seq.stats.record(*seq.last_round, model_method=self.model_method)
+        r = seq.last_round
+        seq.stats.record(r.gamma, r.num_accepted, r.free_kind, r.num_free, self.model_method)
         if row.path:  # the accepted nodes' KV, packed after the committed tokens
             self.target.move_kv(self.target.blocks.block_table(seq.seq_id), [
                 (base + n, base + d) for d, n in enumerate(row.path[:num_accepted]) if n != d])
@@ -863,7 +864,8 @@ def _round_of(row: Row, num_accepted: int, num_committed: int) -> Round:
     if num_committed <= num_accepted:
         gamma = num_accepted = num_committed
     num_free = min(num_free, gamma)
-    return Round(gamma, num_accepted, kind if num_free else "", num_free)
+    return Round(gamma, num_accepted, kind if num_free else "", num_free,
+                 row.gamma if row.tree is not None else 0)
 
 
 def _committed_rows(ready: list[Row], which: Iterable[int]) -> list[int]:

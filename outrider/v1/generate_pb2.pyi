@@ -174,7 +174,7 @@ class ProposerStats(_message.Message):
     def __init__(self, method: _Optional[str] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class Round(_message.Message):
-    __slots__ = ("gamma", "num_accepted", "heat", "draft_version", "free_kind", "num_free", "model_method")
+    __slots__ = ("gamma", "num_accepted", "heat", "draft_version", "free_kind", "num_free", "model_method", "tree_nodes")
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     HEAT_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,7 @@ class Round(_message.Message):
     FREE_KIND_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_FIELD_NUMBER: _ClassVar[int]
     MODEL_METHOD_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     gamma: int
     num_accepted: int
     heat: float
@@ -189,7 +190,8 @@ class Round(_message.Message):
     free_kind: str
     num_free: int
     model_method: str
-    def __init__(self, gamma: _Optional[int] = ..., num_accepted: _Optional[int] = ..., heat: _Optional[float] = ..., draft_version: _Optional[int] = ..., free_kind: _Optional[str] = ..., num_free: _Optional[int] = ..., model_method: _Optional[str] = ...) -> None: ...
+    tree_nodes: int
+    def __init__(self, gamma: _Optional[int] = ..., num_accepted: _Optional[int] = ..., heat: _Optional[float] = ..., draft_version: _Optional[int] = ..., free_kind: _Optional[str] = ..., num_free: _Optional[int] = ..., model_method: _Optional[str] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "speculation", "rounds", "replica", "logprobs")

@@ -212,7 +212,7 @@ class TargetRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., resume_output_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., spec_mode: _Optional[_Union[SpecMode, str]] = ..., gamma: _Optional[int] = ..., acceptance_prior: _Optional[_Iterable[float]] = ..., traceparent: _Optional[str] = ..., logprobs: _Optional[int] = ..., proposer: _Optional[str] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("gamma", "num_accepted", "heat", "draft_version", "free_kind", "num_free", "model_method")
+    __slots__ = ("gamma", "num_accepted", "heat", "draft_version", "free_kind", "num_free", "model_method", "tree_nodes")
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     HEAT_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,7 @@ class RoundStats(_message.Message):
     FREE_KIND_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_FIELD_NUMBER: _ClassVar[int]
     MODEL_METHOD_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     gamma: int
     num_accepted: int
     heat: float
@@ -227,7 +228,8 @@ class RoundStats(_message.Message):
     free_kind: str
     num_free: int
     model_method: str
-    def __init__(self, gamma: _Optional[int] = ..., num_accepted: _Optional[int] = ..., heat: _Optional[float] = ..., draft_version: _Optional[int] = ..., free_kind: _Optional[str] = ..., num_free: _Optional[int] = ..., model_method: _Optional[str] = ...) -> None: ...
+    tree_nodes: int
+    def __init__(self, gamma: _Optional[int] = ..., num_accepted: _Optional[int] = ..., heat: _Optional[float] = ..., draft_version: _Optional[int] = ..., free_kind: _Optional[str] = ..., num_free: _Optional[int] = ..., model_method: _Optional[str] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
 
 class TargetChunk(_message.Message):
     __slots__ = ("token_ids", "rounds", "finish_reason", "logprobs", "num_cached_tokens")

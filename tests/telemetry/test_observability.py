@@ -128,6 +128,7 @@ def test_one_connected_trace_per_request_with_acceptance(system, receiver, clien
     assert sum(r["outrider.spec.accepted"].int_value for r in rounds) == s.accepted_tokens
     assert all(r["outrider.spec.heat"].double_value >= 0 for r in rounds)
     assert {r["outrider.spec.model_method"].string_value for r in rounds} == {"draft_model"}
+    assert all(r["outrider.spec.tree_nodes"].int_value == 0 for r in rounds)  # chains
     assert len(spans) == 3  # ... not a span: one span per process
 
 
