@@ -322,7 +322,8 @@ def test_a_round_drafts_ahead_its_models_share_not_its_forced_tokens(target, dra
     while not seq.is_finished:
         asked.clear()
         decoder.step([seq], [2])
-        gamma, _, kind, num_free = seq.last_round
+        r = seq.last_round
+        gamma, kind, num_free = r.gamma, r.free_kind, r.num_free
         if asked and kind == "grammar" and gamma > num_free:
             forced_rounds += 1
             assert asked == [[gamma - num_free + 1]], (seq.last_round, asked)
