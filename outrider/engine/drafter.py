@@ -142,8 +142,7 @@ class Drafter:
         device = device or self.runner.device
         is_miss = [miss or (it.prefill_only and not done)
                    for it, miss, done in zip(items, is_miss, is_prefilled)]
-        in_trees = [i for i, (it, g) in enumerate(zip(items, gammas)) if g and is_tree(it)]
-        chains = [0 if i in in_trees else g for i, g in enumerate(gammas)]
+        in_trees, chains = tree_rows(items, gammas)
         token_ids, probs = self._draft_tokens(items, chains, is_prefilled, device)
         proposal = Proposal(token_ids, probs, chains, is_miss)
         if in_trees:  # (their own forwards: a level feeds k nodes where a chain feeds 1)
@@ -368,6 +367,12 @@ class Drafter:
 
 def is_tree(item: DraftItem) -> bool:
     return item.tree is not None and not item.tree.is_chain
+
+
+def tree_rows(items: list[DraftItem], gammas: list[int]) -> tuple[list[int], list[int]]:
+    """(the items that draft trees, every item's chain γ: 0 for those)."""
+    in_trees = [i for i, (it, g) in enumerate(zip(items, gammas)) if g and is_tree(it)]
+    return in_trees, [0 if i in in_trees else g for i, g in enumerate(gammas)]
 
 
 class TreeGrowth:

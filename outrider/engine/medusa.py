@@ -19,7 +19,7 @@ from torch import nn
 from outrider.core.hf_config import ModelConfigError, head_kind, read_config
 from outrider.core.sampling import History
 from outrider.engine.checkpoint import tensor_names
-from outrider.engine.drafter import Drafter, TreeGrowth, grow_level, growing, is_tree, with_trees
+from outrider.engine.drafter import Drafter, TreeGrowth, grow_level, growing, tree_rows, with_trees
 from outrider.engine.features import FeatureTap
 from outrider.engine.model import load_checkpoint
 from outrider.engine.parallel import ParallelLMHead, ReplicatedLinear, TPGroup
@@ -104,8 +104,7 @@ class MedusaProposer:
         gammas = [min(it.gamma, self.num_heads) if it.is_active and not miss and
                   it.features is not None and not it.prefill_only else 0
                   for it, miss in zip(items, is_miss)]
-        in_trees = [i for i, (it, g) in enumerate(zip(items, gammas)) if g and is_tree(it)]
-        chains = [0 if i in in_trees else g for i, g in enumerate(gammas)]
+        in_trees, chains = tree_rows(items, gammas)
         proposal = Proposal(*self._draft_chains(items, chains, device), chains, is_miss)
         if in_trees:
             trees = self._draft_trees([items[i] for i in in_trees], [gammas[i] for i in in_trees])

@@ -222,8 +222,8 @@ class TargetMetrics:
         if not gamma:
             return
         self._counters(r.free_kind or r.model_method or MODEL_METHOD)[0].inc()
-        for method, (proposed, kept) in by_proposer(gamma, accepted, r.free_kind, r.num_free,
-                                                    r.model_method).items():
+        parts = by_proposer(gamma, accepted, r.free_kind, r.num_free, r.model_method)
+        for method, (proposed, kept) in parts.items():
             _, proposed_total, kept_total = self._counters(method)
             proposed_total.inc(proposed)
             kept_total.inc(kept)
@@ -231,7 +231,7 @@ class TargetMetrics:
             self.drafted_at[p].inc()
         for p in range(accepted):
             self.accepted_at[p].inc()
-        modelled = by_proposer(gamma, accepted, r.free_kind, r.num_free).get(MODEL_METHOD)
+        modelled = parts.get(r.model_method or MODEL_METHOD)
         if modelled:  # the draft weights' own acceptance (a head's too)
             drafted, kept = (self._by_version.get(draft_version)
                              or self._bind_version(draft_version))
