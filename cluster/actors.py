@@ -55,7 +55,8 @@ class _Replica:
 class DraftReplica(_Replica):
     def __init__(self, runner: RunnerConfig, host: str, port: int, token: str,
                  metrics_port: int | None = None, adapt: bool = False,
-                 adapt_redis: str | None = None, adapt_pair: str | None = None) -> None:
+                 adapt_redis: str | None = None, adapt_pair: str | None = None,
+                 target_model: str | None = None) -> None:
         from outrider.draft_worker.main import DraftWorkerConfig, start
 
         self.host = host
@@ -68,7 +69,8 @@ class DraftReplica(_Replica):
                                                prefix_caching=runner.prefix_caching,
                                                compile=runner.compile,
                                                adapt=adapt, adapt_redis=adapt_redis,
-                                               adapt_pair=adapt_pair), token)
+                                               adapt_pair=adapt_pair,
+                                               target_model=target_model), token)
         self.service = self.running.service
 
     def busy_seconds(self) -> float:

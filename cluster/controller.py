@@ -98,7 +98,8 @@ class Controller:
         draft.actor = ray.remote(DraftReplica).options(**options).remote(
             self._runner(pair.draft), self.spec.worker_host, draft.port, self.token,
             pair.draft_metrics_port, pair.adapt, self.spec.redis_url,
-            f"{self.spec.name}-{pair.name}")  # adapting drafts share versions in Redis
+            f"{self.spec.name}-{pair.name}",  # adapting drafts share versions in Redis
+            pair.target if pair.draft_is_head else None)  # a head's: the target's embedding
         draft.address = ray.get(draft.actor.address.remote(), timeout=START_TIMEOUT_S)
         draft.port = int(draft.address.rsplit(":", 1)[1])
         draft.node_id = ray.get(draft.actor.where.remote())["node_id"]
@@ -163,7 +164,8 @@ class Controller:
             tuple(draft_addresses), pair.gamma, self.spec.worker_host, 0,
             overlap_max_seqs=policy.overlap_max_seqs, hot_heat=policy.hot_heat,
             cool_heat=policy.cool_heat, metrics_port=pair.target_metrics_port,
-            auto_gamma_max=pair.auto_gamma_max, proposer=pair.proposer)
+            auto_gamma_max=pair.auto_gamma_max, proposer=pair.proposer,
+            draft_head=pair.draft if pair.draft_is_head else None)  # (its features to send)
 
     def _register(self, address: str) -> None:
         """Into the shared registry: routers find the replica there and keep it alive."""

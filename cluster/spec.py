@@ -14,6 +14,7 @@ from outrider.target_worker.main import TargetWorkerConfig
 from outrider.target_worker.scheduler import SchedulerConfig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from outrider.core.hf_config import head_kind
 from outrider.core.policy import MAX_GAMMA, PolicyConfig
 from outrider.core.sequence import ProposerKind
 
@@ -102,7 +103,16 @@ class ModelPair(_Strict):
             raise ValueError("drafts_per_target must be >= 1 when a draft model is given")
         if not self.draft and self.drafts_per_target:
             raise ValueError("drafts_per_target needs a draft model")
+        if self.draft and head_kind(self.draft) == "medusa":
+            raise ValueError("draft: Medusa heads draft in the target's process; a "
+                             "cluster's drafts run on draft replicas (EAGLE-3, EAGLE-1 heads "
+                             "and draft models do)")
         return self
+
+    @property
+    def draft_is_head(self) -> bool:
+        """An EAGLE head drafts on the draft replicas, from the target's features."""
+        return bool(self.draft and head_kind(self.draft))
 
 
 class Policy(_Strict):

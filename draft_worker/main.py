@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from outrider.draft_worker.adapt import Adapter
 from outrider.draft_worker.service import DraftService
 from outrider.draft_worker.versions import SharedVersions
 
 from outrider import cluster_tls
+from outrider.core.hf_config import ModelConfigError, head_kind
 from outrider.cpus import available_cpus, parse_cpus
 from outrider.dense_channel import DRAFT_RANK, DenseChannel
 from outrider.engine.distill import DistillConfig
 from outrider.engine.distributed import set_cpu_threads
 from outrider.engine.drafter import Drafter
+from outrider.engine.heads import HeadRunner, TargetSide
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.flags import add_cpus_arg, add_metrics_arg, add_model_server_args, resolve_device
 from outrider.grpc_server import Running, build_server, serve_until_signalled
@@ -49,6 +51,7 @@ class DraftWorkerConfig:
     distill: DistillConfig = DistillConfig()
     adapt_redis: str | None = None     # share versions: one replica of the pair trains
     adapt_pair: str | None = None      # the pair's name there (default: the draft's)
+    target_model: str | None = None    # a head's target (its embedding and lm_head)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DraftWorkerConfig:
@@ -63,12 +66,18 @@ class DraftWorkerConfig:
                    adapt=args.adapt,
                    distill=DistillConfig(round_tokens=args.adapt_round_tokens,
                                          max_duty=args.adapt_max_duty),
-                   adapt_redis=args.adapt_redis, adapt_pair=args.adapt_pair)
+                   adapt_redis=args.adapt_redis, adapt_pair=args.adapt_pair,
+                   target_model=args.target_model)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`outrider draft-worker`'s flags (DraftWorkerConfig.from_args reads them)."""
-    p.add_argument("--model", required=True, help="draft checkpoint dir")
+    p.add_argument("--model", required=True,
+                   help="draft checkpoint dir: a draft model, or an EAGLE-3 / EAGLE-1 head "
+                        "(the target sends its features with each Propose)")
+    p.add_argument("--target-model", metavar="DIR",
+                   help="with a head: the target's checkpoint dir, for its embedding (and "
+                        "lm_head where the head has none); nothing else of it is loaded")
     cfg = DraftWorkerConfig
     add_model_server_args(p, host=cfg.host, port=cfg.port, device="auto", dtype=cfg.dtype,
                           threads=cfg.threads,
@@ -104,6 +113,23 @@ def serve(cfg: DraftWorkerConfig, token: str | None) -> None:
     serve_until_signalled(start(cfg, token), "draft worker")
 
 
+def draft_runner(runner_cfg: RunnerConfig, cfg: DraftWorkerConfig) -> ModelRunner:
+    """The draft model's runner, or a head's beside its target's embedding and lm_head."""
+    kind = head_kind(cfg.model_dir)
+    if not kind:
+        return ModelRunner(runner_cfg)
+    if kind == "medusa":
+        raise ModelConfigError(f"{cfg.model_dir}: Medusa heads draft in the target's process "
+                               f"(target-worker --draft-head), not on draft replicas")
+    if not cfg.target_model:
+        raise ModelConfigError(f"{cfg.model_dir} is an {kind} head: --target-model DIR "
+                               f"(the target's checkpoint) gives it the target's embedding")
+    if cfg.adapt:
+        raise ModelConfigError("--adapt trains draft models, not heads")
+    return HeadRunner(runner_cfg, TargetSide.from_checkpoint(
+        replace(runner_cfg, model_dir=cfg.target_model, prepared_rows=0)))
+
+
 def start(cfg: DraftWorkerConfig, token: str | None) -> Running:
     setup_tracing("outrider-draft")
     credentials = cluster_tls.server_credentials()  # before loading: a bad setup fails fast
@@ -113,7 +139,7 @@ def start(cfg: DraftWorkerConfig, token: str | None) -> Running:
                               prefix_caching=cfg.prefix_caching, compile=cfg.compile,
                               prepared_rows=cfg.prepared_rows)
     set_cpu_threads(runner_cfg)
-    runner = ModelRunner(runner_cfg)
+    runner = draft_runner(runner_cfg, cfg)
     channel = DenseChannel(cfg.dist_address, DRAFT_RANK) if cfg.dist_address else None
     metrics = DraftMetrics(runner.model_name)
     metrics.watch_cache(lambda: runner.blocks.num_sequences, runner.blocks)

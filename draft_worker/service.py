@@ -19,7 +19,7 @@ from outrider.telemetry.metrics import DraftMetrics
 from outrider.telemetry.tracing import context_from_traceparent, tracer
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from outrider.wire import Q_FORMAT_NAMES, WireError, encode_proposal
+from outrider.wire import Q_FORMAT_NAMES, WireError, decode_features, encode_proposal
 
 MAX_GAMMA = 32
 SEND_TIMEOUT = timedelta(seconds=5)
@@ -154,7 +154,16 @@ class DraftService(worker_pb2_grpc.DraftServicer):
                              vocab_size=self.drafter.vocab_size,
                              max_model_len=self.drafter.max_model_len,
                              num_dense_sends=self.num_dense_sends,
-                             model_name=self.drafter.model_name)
+                             model_name=self.drafter.model_name,
+                             method=self.drafter.method,
+                             feature_width=self._feature_widths[-1] if self._feature_widths
+                             else 0)
+
+    @property
+    def _feature_widths(self) -> tuple[int, ...]:
+        """A head's (HeadRunner.feature_widths: the fused width last); () for a draft
+        model."""
+        return getattr(self.drafter.runner, "feature_widths", ())
 
     def _item(self, s: pb.ProposeSequence) -> DraftItem:
         where = f"sequences[{s.seq_id!r}]"
@@ -172,7 +181,23 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         params, seed = sampling_from_proto(s.sampling)
         return DraftItem(s.seq_id, s.committed_len, list(s.new_token_ids), s.gamma, params,
                          seed, Q_FORMAT_NAMES[s.q_format], s.traceparent, s.prefill_only,
-                         s.prompt_len, self._teacher(s, where, vocab))
+                         s.prompt_len, self._teacher(s, where, vocab),
+                         features=self._features(s, where))
+
+    def _features(self, s: pb.ProposeSequence, where: str) -> torch.Tensor | None:
+        """A head's input rows (one per new token); a head drafts nothing without them."""
+        widths = self._feature_widths
+        if not widths:
+            if s.HasField("features"):
+                raise WireError(f"{where}.features: this replica runs a draft model, which "
+                                f"reads no features")
+            return None
+        if not s.HasField("features"):
+            if s.gamma:
+                raise WireError(f"{where}.features: the head drafts from the target's "
+                                f"features, and none came")
+            return None
+        return decode_features(s.features, len(s.new_token_ids), widths, where)
 
     @staticmethod
     def _teacher(s: pb.ProposeSequence, where: str, vocab: int) -> list:

@@ -1,7 +1,8 @@
 """`outrider serve`: router, target worker and draft worker(s) as processes on this
 machine (no Ray), wired together, kept running (a process that dies is restarted),
 stopped together. A draft head (EAGLE-3, EAGLE-1) runs in the target worker's process:
-it reads the target's hidden states, so it starts no draft worker."""
+it reads the target's hidden states, so it starts no draft worker; with
+`head_on_replicas` it runs on draft workers, the features sent with each Propose."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class LocalSystemConfig:
     max_model_len: int | None = None  # the target's and router's (None: the model's)
     tree_topk: int = 1                # token trees (with a head: engine/tree.py)
     tree_tokens: int = 0
+    head_on_replicas: bool = False    # a head drafts on draft replicas, not in the target
     memory_utilization: float | None = None  # --gpu-memory-utilization: all replicas'
     #                                          share of the GPU, split (gpu_shares)
 
@@ -55,9 +57,14 @@ class LocalSystemConfig:
             raise ValueError("--draft-replicas must be >= 1 with a draft model")
         if self.target_replicas < 1:
             raise ValueError("--target-replicas must be >= 1")
-        if self.tree_topk > 1 and not (self.draft and head_kind(self.draft)):
+        kind = head_kind(self.draft) if self.draft else None
+        if self.head_on_replicas and kind not in ("eagle3", "eagle1"):
+            raise ValueError("--head-on-replicas needs an EAGLE-3 or EAGLE-1 head as --draft "
+                             "(Medusa heads draft in the target's process)")
+        if self.tree_topk > 1 and (self.head_on_replicas or not kind):
             raise ValueError("--tree-topk > 1 needs a draft head (--draft DIR of an EAGLE "
-                             "or Medusa head): draft replicas propose chains")
+                             "or Medusa head) in the target's process: draft replicas "
+                             "propose chains")
 
 
 @dataclass(frozen=True)
@@ -103,9 +110,11 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
         model = ("--device", cfg.device, "--dtype", cfg.dtype, *caching,
                  "--compile" if cfg.compile else "--no-compile")
         head = cfg.draft if cfg.draft and head_kind(cfg.draft) else None
-        num_drafts = cfg.draft_replicas if cfg.draft and not head else 0
+        num_drafts = cfg.draft_replicas if cfg.draft and (cfg.head_on_replicas or not head) \
+            else 0
         draft_share, target_share = gpu_shares(cfg, num_drafts)
         drafts = tuple(run(f"draft-{i}", "draft-worker", "--model", cfg.draft, *model,
+                           *(("--target-model", cfg.target) if head else ()),
                            *draft_share,
                            *(("--adapt",) if cfg.adapt else ()),
                            *(("--adapt-redis", cfg.redis_url) if cfg.adapt and cfg.redis_url

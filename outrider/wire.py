@@ -101,3 +101,40 @@ def _sparse_rows(msg: pb.Proposal, gamma: int, vocab: int) -> torch.Tensor:
     rows = torch.repeat_interleave(torch.arange(gamma), torch.tensor(lens, dtype=torch.long))
     q[rows, ids] = torch.tensor(list(msg.support_probs), dtype=torch.float32)
     return q
+
+
+FEATURE_DTYPES = {pb.FEATURE_DTYPE_FP32: torch.float32, pb.FEATURE_DTYPE_BF16: torch.bfloat16,
+                  pb.FEATURE_DTYPE_FP16: torch.float16}
+FEATURE_DTYPE_CODES = {dtype: code for code, dtype in FEATURE_DTYPES.items()}
+
+
+def encode_features(rows: torch.Tensor) -> pb.Features:
+    """A head's input rows [n, width] as they are (bf16 stays bf16); any other dtype
+    goes as fp32."""
+    rows = rows.detach()
+    if rows.dtype not in FEATURE_DTYPE_CODES:
+        rows = rows.float()
+    raw = rows.contiguous().cpu().view(torch.uint8).numpy().tobytes()  # little-endian hosts
+    return pb.Features(data=raw, width=rows.shape[-1], dtype=FEATURE_DTYPE_CODES[rows.dtype])
+
+
+def decode_features(msg: pb.Features, num_rows: int, widths: tuple[int, ...],
+                    where: str) -> torch.Tensor:
+    """[num_rows, width] from the wire, refused unless it is num_rows rows of one of
+    `widths` (what the head reads) in a known dtype."""
+    dtype = FEATURE_DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise WireError(f"{where}.features.dtype is not set")
+    if msg.width not in widths:
+        raise WireError(f"{where}.features.width is {msg.width}; the head reads "
+                        f"{' or '.join(map(str, widths))}")
+    expected = num_rows * msg.width * dtype.itemsize
+    if len(msg.data) != expected:
+        raise WireError(f"{where}.features.data has {len(msg.data)} bytes, expected "
+                        f"{expected} ({num_rows} rows of {msg.width} {dtype})")
+    if not num_rows:
+        return torch.zeros(0, msg.width, dtype=dtype)
+    rows = torch.frombuffer(bytearray(msg.data), dtype=dtype).view(num_rows, msg.width)
+    if not bool(torch.isfinite(rows).all()):
+        raise WireError(f"{where}.features holds values that are not finite")
+    return rows

@@ -169,6 +169,9 @@ class _GenerationRequest(_Strict):
     tag: str = ""
     request_id: str | None = None
     proposer: ProposerKind | None = None  # an extra field: what proposes (§2.8)
+    # extra fields: its token tree within the replica's (§8.9; 1: chains, 0: the replica's)
+    tree_topk: Annotated[int, Field(ge=0, le=UINT32_MAX)] = 0
+    tree_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] = 0
     # structured outputs (§3.8): OpenAI's response_format, or vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -252,6 +255,7 @@ class _GenerationRequest(_Strict):
             logit_bias=bias, logprobs=self.num_logprobs, speculation=self.speculation,
             gamma_max=self.gamma, tag=self.tag, request_id=_choice_id(request_id, i, self.n),
             proposer=self.proposer.value if self.proposer else "",
+            tree_topk=self.tree_topk, tree_tokens=self.tree_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, **self.constraint)
             for i in range(self.n)]
@@ -493,6 +497,8 @@ HTTP_FIELD = {"sampling.max_tokens": "max_tokens", "sampling.temperature": "temp
               "text": "prompt", "token_ids.ids": "prompt", "prompt": "prompt",
               "speculation.gamma_max": "gamma", "speculation.mode": "speculation",
               "request_id": "request_id", "tag": "tag", "proposer": "proposer",
+              "speculation.tree_topk": "tree_topk", "speculation.tree_tokens": "tree_tokens",
+              "tree_topk": "tree_topk",  # (the replica's refusal of a shape)
               **{f"sampling.structured_output.{kind}": param for kind, param in (
                   ("json_schema", "response_format"), ("json_object", "response_format"),
                   ("regex", "structured_outputs"), ("choice", "structured_outputs"),

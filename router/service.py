@@ -392,7 +392,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             max_tokens=p.max_tokens, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
             spec_mode=TARGET_MODES[job.mode], gamma=job.gamma_max,
             acceptance_prior=self._prior(progress.model_pair, job.stats_tag),
-            logprobs=p.logprobs, proposer=job.proposer)
+            logprobs=p.logprobs, proposer=job.proposer, tree_topk=job.tree[0],
+            tree_tokens=job.tree[1])
 
     def _delta(self, progress: Progress, text: str, rounds) -> gp.GenerateResponse:
         consumed = progress.text.num_tokens

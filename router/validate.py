@@ -16,6 +16,7 @@ from outrider.core.sampling import MAX_SEED, SamplingError, SamplingParams
 from outrider.core.sequence import ProposerKind
 from outrider.core.structured import StructuredOutput, StructuredOutputError
 from outrider.core.tokenizer import Tokenizer
+from outrider.engine.tree import MASK_BITS
 from outrider.v1 import generate_pb2 as gp
 
 MAX_STOP_STRINGS = 64
@@ -48,6 +49,7 @@ class Job:
     fingerprint: str        # same request id + different fingerprint = a different request
     resume_from: int = 0    # output tokens the client has (a stream resumed, §9.4)
     proposer: str = ""      # ProposerKind ("": the replica's --proposer)
+    tree: tuple[int, int] = (0, 0)  # its token tree's (top-k, tokens); 0: the replica's
     include_stop: bool = False  # the text keeps the stop string that ends it
     skip_special_tokens: bool = True  # the text leaves special tokens out
 
@@ -75,6 +77,12 @@ def validate(req: gp.GenerateRequest, tokenizer: Tokenizer, max_model_len: int,
     if spec.gamma_max > MAX_GAMMA:
         raise ValidationError(f"speculation.gamma_max must be <= {MAX_GAMMA}, "
                               f"got {spec.gamma_max}")
+    if spec.tree_tokens >= MASK_BITS:
+        raise ValidationError(f"speculation.tree_tokens must be below {MASK_BITS}, "
+                              f"got {spec.tree_tokens}")
+    if spec.tree_topk > MASK_BITS:
+        raise ValidationError(f"speculation.tree_topk must be <= {MASK_BITS}, "
+                              f"got {spec.tree_topk}")
     if req.request_id and not NAME_RE.fullmatch(req.request_id):
         raise ValidationError("request_id must be 1-128 characters of A-Z a-z 0-9 _ . : -")
     if not TAG_RE.fullmatch(req.tag):
@@ -89,6 +97,7 @@ def validate(req: gp.GenerateRequest, tokenizer: Tokenizer, max_model_len: int,
     return Job(req.request_id or uuid.uuid4().hex, tuple(prompt_ids), params, stop,
                MODES[spec.mode], spec.gamma_max, req.tag, req.include_rounds,
                _fingerprint(req), req.resume_from, req.proposer,
+               (spec.tree_topk, spec.tree_tokens),
                req.sampling.include_stop_str_in_output, not req.sampling.keep_special_tokens)
 
 

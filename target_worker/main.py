@@ -49,7 +49,8 @@ class TargetWorkerConfig:
     metrics_port: int | None = None  # Prometheus exposition; None: off, 0: a free port
     auto_gamma_max: int = PolicyConfig.gamma_max  # AUTO requests' γ cap when they set none
     proposer: ProposerKind = ProposerKind.AUTO  # requests' proposer when they name none
-    draft_head: str | None = None  # a head's checkpoint dir: it drafts in this process
+    draft_head: str | None = None  # a head's checkpoint dir: it drafts in this process,
+    #                                or on the draft replicas when they are given
     tree_topk: int = 1             # token trees (engine/tree.py; 1: chains)
     tree_tokens: int = 0
 
@@ -60,12 +61,10 @@ class TargetWorkerConfig:
                                  f"{getattr(self, name)}")
         if self.overlap_max_seqs < 0:
             raise ValueError("overlap_max_seqs must be >= 0")
-        if self.draft_head and self.draft_addresses:
-            raise ValueError("--draft-head and --draft-address: one proposes, not both")
         PolicyConfig(MAX_GAMMA, self.hot_heat, self.cool_heat)  # validates the heats
-        if self.tree.topk > 1 and not self.draft_head:
-            raise ValueError("--tree-topk > 1 needs --draft-head: draft replicas propose "
-                             "chains")
+        if self.tree.topk > 1 and (self.draft_addresses or not self.draft_head):
+            raise ValueError("--tree-topk > 1 needs --draft-head without --draft-address: "
+                             "draft replicas propose chains")
 
     @property
     def tree(self):
@@ -106,7 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-head",
                    help="a draft head's checkpoint dir (EAGLE-3, EAGLE-1 or Medusa, the "
                         "layouts vLLM and SGLang load): it drafts in this process, on the "
-                        "target's device, from the target's hidden states")
+                        "target's device, from the target's hidden states; with "
+                        "--draft-address, the replicas there run it (EAGLE-3, EAGLE-1) and "
+                        "the features go with each Propose")
     p.add_argument("--draft-dist-address",
                    help="host:port to host a dense q channel (torch.distributed) with "
                         "the first draft replica, when it runs on this machine")
@@ -161,6 +162,19 @@ def serve(cfg: TargetWorkerConfig, token: str | None) -> None:
     serve_until_signalled(start(cfg, token), "target worker")
 
 
+def remote_head(cfg: TargetWorkerConfig, runner):
+    """The target's side of a head its draft replicas run (None: they run a model)."""
+    if not cfg.draft_head:
+        return None
+    from outrider.core.hf_config import ModelConfigError, head_kind
+    from outrider.engine.heads import FeatureFuser
+
+    if head_kind(cfg.draft_head) == "medusa":
+        raise ModelConfigError(f"{cfg.draft_head}: Medusa heads draft in the target's "
+                               f"process (--draft-head without --draft-address)")
+    return FeatureFuser(cfg.draft_head, runner)
+
+
 def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None = None,
           spawn_ranks: bool = True) -> Running:
     """Start the replica; with spawn_ranks=False its TP ranks 1.. are started elsewhere
@@ -188,9 +202,10 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
         print("dense q channel did not come up; full-vocabulary q goes as fp16 over gRPC",
               file=sys.stderr, flush=True)
     drafter = (RemoteDrafter(list(cfg.draft_addresses), token,
-                             seq_prefix=f"{uuid.uuid4().hex[:8]}:", dense_channel=channel)
+                             seq_prefix=f"{uuid.uuid4().hex[:8]}:", dense_channel=channel,
+                             head=remote_head(cfg, group.runner))
                if cfg.draft_addresses else None)
-    if cfg.draft_head:
+    if cfg.draft_head and not cfg.draft_addresses:
         from outrider.engine.heads import head_proposer
 
         # a head's one layer holds as many positions as the target's cache in a share of it

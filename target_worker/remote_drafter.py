@@ -19,12 +19,22 @@ from outrider.cluster_tls import QUICK_RECONNECT, internal_channel
 from outrider.core.sampling import sampling_to_proto
 from outrider.core.stats import MODEL_METHOD
 from outrider.dense_channel import DenseChannel
+from outrider.engine.features import FeatureTap
+from outrider.engine.heads import FeatureFuser
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal
 from outrider.engine.rejection import dense_draft_probs
 from outrider.grpc_server import token_metadata
 from outrider.v1 import worker_pb2 as pb
 from outrider.v1 import worker_pb2_grpc
-from outrider.wire import Q_FORMAT_CODES, WireError, checked_ids, checked_q, decode_q, q_format_for
+from outrider.wire import (
+    Q_FORMAT_CODES,
+    WireError,
+    checked_ids,
+    checked_q,
+    decode_q,
+    encode_features,
+    q_format_for,
+)
 
 PREFILL_ALLOWANCE_S = 0.002  # per context token resent in a Propose
 MAX_BACKOFF_S = 5.0           # longest wait before trying a slow or failing replica again
@@ -38,7 +48,8 @@ class DraftReplicaError(RuntimeError):
 class RemoteDrafter:
     def __init__(self, addresses: list[str], token: str | None, seq_prefix: str,
                  timeout_s: float = 10.0, retry_after_s: float = 2.0,
-                 dense_channel: DenseChannel | None = None) -> None:
+                 dense_channel: DenseChannel | None = None,
+                 head: FeatureFuser | None = None) -> None:
         if not addresses:
             raise DraftReplicaError("no draft replica addresses given")
         self.addresses = addresses
@@ -63,6 +74,19 @@ class RemoteDrafter:
         stats = self._describe()
         self.vocab_size, self.max_model_len = stats.vocab_size, stats.max_model_len
         self.model_name = stats.model_name
+        # the head the replicas run (they say which): its features go with each Propose
+        self.head = head
+        self.method = stats.method or MODEL_METHOD
+        if (head.method if head else MODEL_METHOD) != self.method:
+            raise DraftReplicaError(
+                f"the draft replicas at {', '.join(addresses)} run a {self.method} "
+                f"({self.model_name}), but this target "
+                + (f"was given a {head.method} head" if head else "was given no head "
+                   "(--draft-head DIR: the head they run, whose features it sends)"))
+        if head and stats.feature_width != head.width:
+            raise DraftReplicaError(f"the draft replicas' head reads features "
+                                    f"{stats.feature_width} wide, this target's head "
+                                    f"{head.width}: not the same head")
 
     def _describe(self) -> pb.DraftStats:
         for stub in self._stubs:
@@ -121,12 +145,10 @@ class RemoteDrafter:
     def drafts_trees(self) -> bool:
         return False  # (Propose carries chains)
 
-    method = MODEL_METHOD  # draft replicas run draft models
-
     @property
-    def reads_target(self) -> None:
-        """Draft replicas run draft models: they read tokens alone."""
-        return None
+    def reads_target(self) -> FeatureTap | None:
+        """A head's taps (their features go with Propose); a draft model reads tokens."""
+        return self.head.head.tap if self.head else None
 
     def version_of(self, seq_id) -> int:
         """The version of the replica that drafts for `seq_id`."""
@@ -158,10 +180,12 @@ class RemoteDrafter:
             if it.is_active:
                 groups.setdefault(self._replica_for(it.seq_id), []).append(i)
         formats = [self._q_format(it, self._assigned.get(it.seq_id, -1)) for it in items]
+        features = self._features(items, [i for r, rows in groups.items() if r >= 0
+                                          for i in rows])
         self._dist_tag += 1
         start = time.monotonic()
         calls = {r: self._stubs[r].Propose.future(
-                     self._request(items, formats, rows, beside_target,
+                     self._request(items, formats, features, rows, beside_target,
                                    self._reported.get(self.addresses[r], (0, 0))[1] > 0),
                      metadata=self._metadata,
                      timeout=self._deadline(sum(len(items[i].new_token_ids) for i in rows)))
@@ -260,7 +284,18 @@ class RemoteDrafter:
         self._down_until[replica] = time.monotonic() + self._backoff[replica]
         self._backoff[replica] = min(MAX_BACKOFF_S, 2 * self._backoff[replica])
 
-    def _request(self, items: list[DraftItem], formats: list[str], rows: list[int],
+    def _features(self, items: list[DraftItem], sent: list[int]) -> dict[int, pb.Features]:
+        """Item index -> its features on the wire, fused by the head's fc in one product
+        for the whole call."""
+        sent = [i for i in sent if items[i].features is not None]
+        if not sent:
+            return {}
+        fused = self.head(torch.cat([items[i].features for i in sent]))  # [rows, width]
+        parts = fused.split([len(items[i].features) for i in sent])
+        return {i: encode_features(part) for i, part in zip(sent, parts)}
+
+    def _request(self, items: list[DraftItem], formats: list[str],
+                 features: dict[int, pb.Features], rows: list[int],
                  beside_target: bool, teach: bool) -> pb.ProposeRequest:
         """`teach`: the replica adapts, it gets the target's top-k rows."""
         seqs = []
@@ -273,7 +308,8 @@ class RemoteDrafter:
                 new_token_ids=it.new_token_ids, gamma=it.gamma,
                 sampling=sampling_to_proto(it.params, it.seed),
                 q_format=Q_FORMAT_CODES[formats[i]], traceparent=it.traceparent,
-                prefill_only=it.prefill_only, prompt_len=it.prompt_len, teacher=teacher))
+                prefill_only=it.prefill_only, prompt_len=it.prompt_len, teacher=teacher,
+                features=features.get(i)))
         return pb.ProposeRequest(sequences=seqs, dist_tag=self._dist_tag,
                                  beside_target=beside_target)
 

@@ -324,6 +324,7 @@ class TargetService(worker_pb2_grpc.TargetServicer):
         seq = self.engine.decoder.new_sequence(list(request.prompt_ids), params,
                                                list(request.resume_output_ids))
         seq.proposer = kind.value if kind else ""
+        seq.tree = self.engine.decoder.request_tree(request.tree_topk, request.tree_tokens)
         mode = SPEC_MODES[request.spec_mode]
         default = self.auto_gamma_max if mode == SpecMode.AUTO else self.default_gamma
         gamma = request.gamma or default  # FIXED: γ; AUTO: γ_max

@@ -41,7 +41,7 @@ from outrider.core.sampling import SamplingParams
 from outrider.core.stats import SpecStats
 from outrider.core.tokenizer import Tokenizer
 from outrider.engine.drafter import Drafter
-from outrider.engine.heads import HeadRunner
+from outrider.engine.heads import HeadRunner, TargetSide
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.flags import add_tree_args, tree_shape
@@ -167,7 +167,8 @@ def main() -> None:
         raise SystemExit(f"{args.draft}: Medusa heads are not measured here (EAGLE heads and "
                          f"draft models are)")
     target = ModelRunner(RunnerConfig(args.target))
-    draft = (HeadRunner(RunnerConfig(args.draft), target) if head_kind(args.draft)
+    draft = (HeadRunner(RunnerConfig(args.draft), TargetSide.of_runner(target))
+             if head_kind(args.draft)
              else ModelRunner(RunnerConfig(args.draft)))
     # trees on every round (TreeChoice would keep greedy steps on the faster kind)
     decoder = SpeculativeDecoder(target, Drafter(draft), tree=tree, choose_trees=False)

@@ -193,7 +193,7 @@ def command_line(argv: list[str] | None = None) -> str:
     program = Path(argv[0]).name
     if Path(argv[0]).parent.name == "scripts":  # the repository's scripts/
         return f"python scripts/{program} {shlex.join(argv[1:])}".strip()
-    if program.endswith(".py") and program != "cli.py":
+    if program.endswith(".py") and program not in ("cli.py", "__main__.py"):  # (-m outrider.cli)
         return f"python -m outrider.bench.{program[:-3]} {shlex.join(argv[1:])}".strip()
     return f"outrider {shlex.join(argv[1:])}".strip()
 

@@ -232,6 +232,8 @@ LABELS = {"outrider-auto": "`outrider serve`, AUTO",
           "outrider-suffix": "`outrider serve --proposer suffix`",
           "outrider-head": "`outrider serve --draft HEAD` (EAGLE-3), AUTO",
           "outrider-head-tree": "`outrider serve --draft HEAD --tree-topk K --tree-tokens N`, AUTO",
+          "outrider-head-replica":
+              "`outrider serve --draft HEAD --head-on-replicas` (EAGLE-3 on a draft replica), AUTO",
           "vllm-eagle3": "`vllm serve` + EAGLE-3 head (4 tokens)",
           "vllm-draft4": "`vllm serve` + draft (4 tokens)", "vllm-draft": "`vllm serve` + draft",
           "vllm-ngram": "`vllm serve`, n-gram", "vllm": "`vllm serve`",

@@ -25,6 +25,8 @@ Systems, each measured at every concurrency level:
   outrider-head     `outrider serve --draft HEAD`: a draft head (EAGLE-3) in the target's
                     process, the γ policy
   outrider-head-tree  the same with token trees (--tree-topk, --tree-tokens)
+  outrider-head-replica  the same head on a draft replica (--head-on-replicas), the
+                    target sending its features with each Propose
   vllm-draftN       `vllm serve` with the draft model, N speculative tokens
   vllm-eagle3       `vllm serve` with the same head (method eagle3), --gamma tokens
   vllm              `vllm serve`, no speculation
@@ -58,8 +60,10 @@ from outrider.launch import free_port
 
 SERVED_NAME = "demo-target"
 # outrider-* systems that need a server of their own (the others are request modes)
-SERVER_FLAGS = {"outrider-compiled": ("--compile",)}  # `outrider serve --compile`, AUTO
-HEADS = ("outrider-head", "outrider-head-tree")  # servers with the head in the target
+SERVER_FLAGS = {"outrider-compiled": ("--compile",),  # `outrider serve --compile`, AUTO
+                "outrider-head-replica": ("--head-on-replicas",)}
+HEADS = ("outrider-head", "outrider-head-tree", "outrider-head-replica")  # servers with
+#                                                                          the head
 DEFAULT_OUT = "results/versus.json"
 PACKAGES = ("fastapi", "starlette", "pydantic", "jinja2", "yaml", "redis", "uvicorn",
             "opentelemetry", "prometheus_client", "tqdm", "safetensors", "tokenizers")

@@ -54,6 +54,10 @@ def serve_flags(serve: argparse.ArgumentParser) -> None:
     add_model_args(serve, model_positional=True)
     serve.add_argument("--draft-replicas", type=int, default=LocalSystemConfig.draft_replicas,
                        help="draft replicas (processes) the target replicas share")
+    serve.add_argument("--head-on-replicas", action="store_true",
+                       help="with an EAGLE-3 or EAGLE-1 head as --draft: it drafts on "
+                            "--draft-replicas draft replicas, the target sending its "
+                            "features with each Propose (default: in the target's process)")
     serve.add_argument("--target-replicas", type=int, default=LocalSystemConfig.target_replicas,
                        help="target replicas behind the router (they share the drafts)")
     serve.add_argument("--adapt", action="store_true",
@@ -114,6 +118,7 @@ def _local_system_config(args):
                              memory_utilization=args.gpu_memory_utilization,
                              tree_topk=tree_shape(args).topk,
                              tree_tokens=args.tree_tokens,
+                             head_on_replicas=args.head_on_replicas,
                              # --gamma 0: no speculation, so nothing proposes
                              proposer=args.proposer if args.gamma else "model")
 

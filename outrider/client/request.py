@@ -20,6 +20,7 @@ def build_request(prompt: str | list[int], *, max_tokens: int | None = None,
                   frequency_penalty: float | None = None, presence_penalty: float | None = None,
                   logit_bias: dict[int, float] | None = None, min_tokens: int = 0,
                   logprobs: int | None = None, proposer: str = "",
+                  tree_topk: int = 0, tree_tokens: int = 0,
                   json_schema: dict | bool | str | None = None, json_object: bool = False,
                   regex: str | None = None, choice: list[str] | None = None,
                   grammar: str | None = None,
@@ -29,6 +30,8 @@ def build_request(prompt: str | list[int], *, max_tokens: int | None = None,
     temperature 1, no top-k/top-p/min-p, no penalties, a random seed, no logprobs).
     logprobs=k returns each token's log-probability and its k likeliest alternatives.
     proposer: "auto", "model", "ngram" or "suffix" ("": the replica's choice).
+    tree_topk, tree_tokens: this request's token tree within the replica's (tree_topk 1:
+    chains; 0: the replica's shape).
     At most one constraint on the output (docs/API.md "Structured outputs"): json_schema
     (a dict or JSON text), json_object, regex, choice (the output is one of the strings)
     or grammar (Lark or GBNF); whitespace_flexible lets JSON hold any whitespace.
@@ -62,8 +65,9 @@ def build_request(prompt: str | list[int], *, max_tokens: int | None = None,
         sampling.structured_output.CopyFrom(constraint)
     req = gp.GenerateRequest(sampling=sampling, request_id=request_id, tag=tag,
                              include_rounds=include_rounds, proposer=proposer,
-                             speculation=gp.SpeculationOptions(mode=MODES[speculation],
-                                                               gamma_max=gamma_max))
+                             speculation=gp.SpeculationOptions(
+                                 mode=MODES[speculation], gamma_max=gamma_max,
+                                 tree_topk=tree_topk, tree_tokens=tree_tokens))
     if isinstance(prompt, str):
         req.text = prompt
     else:

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from outrider.core.sampling import SamplingParams, TokenLogprob
 from outrider.core.stats import SpecStats
+
+if TYPE_CHECKING:
+    from outrider.engine.tree import TreeShape
 
 # (position, the target's k likeliest token ids there, their log-probabilities)
 TeacherRow = tuple[int, tuple[int, ...], tuple[float, ...]]
@@ -93,6 +96,7 @@ class Sequence:      # tests compared all fields pairwise (3 % of a 32-stream st
     # this round's proposer where the γ policy chose it ("": `proposer`): the model for
     # its probe, the suffix lookup for its lookup rounds (§4.4)
     round_proposer: str = ""
+    tree: TreeShape | None = None  # its own token tree within the replica's (None: that)
 
     @property
     def output_ids(self) -> list[int]:

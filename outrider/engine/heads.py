@@ -21,12 +21,14 @@ import torch
 from torch import nn
 
 from outrider.core.hf_config import HEAD_KINDS, ModelConfigError, head_kind, read_config
+from outrider.core.stats import HEAD_METHODS
 from outrider.engine.attention import AttentionMetadata
 from outrider.engine.checkpoint import tensor_names
 from outrider.engine.features import FeatureTap
 from outrider.engine.model import (
     MLP,
     Attention,
+    CausalLM,
     DecoderLayer,
     RMSNorm,
     fused_param,
@@ -40,7 +42,14 @@ from outrider.engine.parallel import (
     VocabParallelEmbedding,
 )
 from outrider.engine.rope import RotaryEmbedding
-from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
+from outrider.engine.runner import (
+    ForwardRequest,
+    ModelRunner,
+    RunnerConfig,
+    built_as,
+    context_limit,
+    resolve_dtype,
+)
 
 
 @dataclass(frozen=True)
@@ -216,36 +225,92 @@ def check_head_names(kind: str, names: set[str], model_dir: str | Path) -> None:
                                f"{', '.join(missing)}")
 
 
+@dataclass(frozen=True)
+class TargetSide:
+    """What a head takes from the target it drafts for: its config, its embedding and
+    lm_head (used where the head has none), its context, device and dtype — the
+    target's own in its process (`of_runner`), or loaded from the target's checkpoint
+    on a draft replica (`from_checkpoint`: the embedding and lm_head alone)."""
+
+    config: ModelConfig
+    embed_tokens: nn.Module
+    lm_head: nn.Module
+    context: int          # the longest sequence the target serves
+    device: str
+    dtype: torch.dtype
+    tp_size: int = 1      # the target's ranks (a head that shares its embedding needs 1)
+
+    @classmethod
+    def of_runner(cls, target: ModelRunner) -> TargetSide:
+        """The target beside the head, in its process; the context as far as its cache
+        holds it."""
+        context = min(target.max_model_len, target.blocks.num_blocks * target.blocks.block_size)
+        return cls(target.model_config, target.model.embed_tokens, target.model.lm_head,
+                   context, target.cfg.device, target.dtype, target.tp.size)
+
+    @classmethod
+    def from_checkpoint(cls, cfg: RunnerConfig) -> TargetSide:
+        """The target's embedding and lm_head from its checkpoint (cfg.model_dir), in
+        cfg's device and dtype: a head on a draft replica, away from the target."""
+        config = ModelConfig.from_dir(cfg.model_dir)
+        dtype, device = resolve_dtype(cfg, config), torch.device(cfg.device)
+        ends = built_as(dtype, device, lambda: TargetEnds(config))
+        ends.load_weights(Path(cfg.model_dir))
+        return cls(config, ends.embed_tokens, ends.lm_head, context_limit(cfg, config),
+                   cfg.device, dtype)
+
+
+class TargetEnds(nn.Module):
+    """A target's embedding and lm_head (tied when it ties them), nothing between."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        tp = TPGroup()
+        self.cfg = cfg
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def load_weights(self, model_dir: Path) -> None:
+        tied = self.cfg.tie_word_embeddings
+        load_checkpoint(self, model_dir, self._param_for,
+                        optional=lambda name: tied and name == "lm_head.weight")
+
+    def _param_for(self, name: str) -> tuple[str, int | None] | None:
+        found = CausalLM._param_for(self, name)  # the target's own names for them
+        return found if found and found[0] in ("embed_tokens.weight", "lm_head.weight") \
+            else None
+
+
 class HeadRunner(ModelRunner):
-    """A head's runner: its weights and KV (one layer) beside the target's, on the
-    target's device; the target's embedding and lm_head where the checkpoint has none.
+    """A head's runner: its weights and KV (one layer), on the target's device in the
+    target's dtype; the target's embedding and lm_head where the checkpoint has none.
     No prefix caching (a block of pairs needs the token after it) and no compiled
     forward (its inputs carry features)."""
 
-    def __init__(self, cfg: RunnerConfig, target: ModelRunner) -> None:
-        self.head = HeadConfig.from_dir(cfg.model_dir, target.model_config)
+    def __init__(self, cfg: RunnerConfig, target: TargetSide) -> None:
+        self.head = HeadConfig.from_dir(cfg.model_dir, target.config)
         self.own = head_tensor_names(cfg.model_dir)
         check_head_names(self.head.kind, self.own, cfg.model_dir)
         shares = "embed_tokens.weight" not in self.own or (
             self.head.kind == "eagle1" and "lm_head.weight" not in self.own)
-        if shares and target.tp.size > 1:
+        if shares and target.tp_size > 1:
             raise ModelConfigError(f"{cfg.model_dir}: a head that shares the target's "
                                    f"embedding or lm_head needs the target at tp=1")
         self.target = target
         # the target's dtype (its embedding and features meet the head's weights) and
-        # context (a head's config may say less than the target serves), as far as the
-        # target's cache holds it
-        context = min(target.max_model_len, target.blocks.num_blocks * target.blocks.block_size)
+        # context (a head's config may say less than the target serves)
         super().__init__(replace(cfg, prefix_caching=False, compile=False, tp=1,
-                                 device=target.cfg.device, max_model_len=context,
+                                 device=target.device, max_model_len=target.context,
                                  dtype=str(target.dtype).removeprefix("torch.")))
 
     def read_model_config(self) -> ModelConfig:
         return replace(self.head.layer, max_position_embeddings=max(
-            self.head.layer.max_position_embeddings, self.target.max_model_len))
+            self.head.layer.max_position_embeddings, self.target.context))
 
     def new_model(self) -> DraftHead:
-        return DraftHead(self.head, self.target.model.embed_tokens, self.target.model.lm_head,
+        return DraftHead(self.head, self.target.embed_tokens, self.target.lm_head,
                          self.own, self.max_model_len)
 
     @property
@@ -253,11 +318,48 @@ class HeadRunner(ModelRunner):
         """The target's hidden states this head drafts from."""
         return self.head.tap
 
+    @property
+    def feature_widths(self) -> tuple[int, ...]:
+        """The feature rows it takes: the target's taps, or (EAGLE-3) those fused by its
+        fc, one hidden vector (`FeatureFuser`, a head on a draft replica)."""
+        taps = self.head.tap.width(self.target.config.hidden_size)
+        return (taps, self.head.layer.hidden_size) if self.head.kind == "eagle3" else (taps,)
+
     def _forward(self, requests: list[ForwardRequest]) -> torch.Tensor:
         pairs = [_as_pairs(r) for r in requests]
         input_ids, positions, meta, logits_rows = self._batch(pairs)
         features = torch.cat([r.features for r in pairs])  # [num_pairs, width]
         return self.step(input_ids, positions, self.kv_caches, meta, logits_rows, features)
+
+
+class FeatureFuser:
+    """The target's side of a head on draft replicas: EAGLE-3's fc applied before the
+    features travel (one hidden vector a position instead of three, as the head would
+    compute first); EAGLE-1's features go as they are."""
+
+    def __init__(self, head_dir: str | Path, target: ModelRunner) -> None:
+        self.head = HeadConfig.from_dir(head_dir, target.model_config)
+        check_head_names(self.head.kind, head_tensor_names(head_dir), head_dir)
+        self.method = HEAD_METHODS[self.head.kind]
+        self.fc = None
+        if self.head.kind == "eagle3":
+            width = self.head.tap.width(target.model_config.hidden_size)
+            self.fc = built_as(target.dtype, target.device, lambda: ReplicatedLinear(
+                width, self.head.layer.hidden_size, False, TPGroup()))
+            load_checkpoint(self.fc, Path(head_dir), lambda name: (
+                ("weight", None) if name.removeprefix("model.") == "fc.weight" else None))
+
+    @property
+    def width(self) -> int:
+        """The width of the rows it sends."""
+        return self.head.layer.hidden_size
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        # [n, tap width] -> [n, width]
+        if self.fc is None:
+            return rows
+        with torch.inference_mode():
+            return self.fc(rows.to(self.fc.weight.dtype))
 
 
 def _as_pairs(r: ForwardRequest) -> ForwardRequest:
@@ -327,4 +429,4 @@ def head_proposer(cfg: RunnerConfig, target: ModelRunner):
 
     if head_kind(cfg.model_dir) == "medusa":
         return MedusaProposer(cfg.model_dir, target)
-    return Drafter(HeadRunner(cfg, target))
+    return Drafter(HeadRunner(cfg, TargetSide.of_runner(target)))

@@ -106,8 +106,8 @@ class ModelRunner:
             # change every step: 5-9 ms of CPU a call on an H100 in bfloat16 (10x the
             # step); the flash and memory-efficient kernels take any shape as it comes
             torch.backends.cuda.enable_cudnn_sdp(False)
-        self.dtype = _resolve_dtype(cfg, self.model_config)
-        self.max_model_len = _context_limit(cfg, self.model_config)
+        self.dtype = resolve_dtype(cfg, self.model_config)
+        self.max_model_len = context_limit(cfg, self.model_config)
         self.model = self.served(self.build_model())
         if self.device.type == "cpu" and cfg.prepared_rows:
             prepare_cpu_linears(self.model, cfg.prepared_rows)
@@ -345,7 +345,7 @@ def built_as(dtype: torch.dtype, device: torch.device, make) -> torch.nn.Module:
 DEFAULT_MAX_MODEL_LEN = 8192  # a model's context beyond this needs --max-model-len
 
 
-def _context_limit(cfg: RunnerConfig, mc: ModelConfig) -> int:
+def context_limit(cfg: RunnerConfig, mc: ModelConfig) -> int:
     """The longest sequence this runner serves: --max-model-len, never past the model's."""
     if cfg.max_model_len is None:
         return min(DEFAULT_MAX_MODEL_LEN, mc.max_position_embeddings)
@@ -355,7 +355,7 @@ def _context_limit(cfg: RunnerConfig, mc: ModelConfig) -> int:
     return cfg.max_model_len
 
 
-def _resolve_dtype(cfg: RunnerConfig, mc: ModelConfig) -> torch.dtype:
+def resolve_dtype(cfg: RunnerConfig, mc: ModelConfig) -> torch.dtype:
     if cfg.dtype != "auto":
         return parse_dtype(cfg.dtype)
     dtype = _auto_dtype(cfg.device, mc.dtype)

@@ -364,7 +364,8 @@ class SpeculativeDecoder:
         """What this step's greedy rounds kept, and what their first children alone kept
         (a tree's chain), into TreeChoice; then its choice for the next step."""
         greedy = [r for r in step.ready if r.gamma and r.seq.params.is_greedy
-                  and not r.seq.params.structured_output]
+                  and not r.seq.params.structured_output
+                  and not (r.seq.tree and r.seq.tree.is_chain)]  # (chains by request)
         if not greedy:
             return
         choice = self.tree_choice
@@ -534,12 +535,23 @@ class SpeculativeDecoder:
                 self.features.taken(s.seq_id, len(s.token_ids))
         return out
 
-    def _tree_for(self, params: SamplingParams) -> TreeShape | None:
-        """The tree a request drafts this step: none under a grammar (it masks rows along
-        a chain), none for a greedy one in a step of chains (TreeChoice)."""
-        if params.structured_output is not None or (params.is_greedy and not self._trees_now):
+    def request_tree(self, topk: int, tokens: int) -> TreeShape | None:
+        """A request's own tree shape (0, 0: the replica's, None), within the replica's."""
+        if not topk and not tokens:
             return None
-        return self.tree
+        served = self.tree or TreeShape()
+        return served.within(topk or served.topk, tokens)
+
+    def _tree_for(self, seq: Sequence) -> TreeShape | None:
+        """The tree a request drafts this step (its own shape, or the replica's): none
+        under a grammar (it masks rows along a chain), none for a greedy one in a step of
+        chains (TreeChoice)."""
+        params = seq.params
+        tree = seq.tree or self.tree
+        if tree is None or tree.is_chain or params.structured_output is not None or (
+                params.is_greedy and not self._trees_now):
+            return None
+        return tree
 
     def _draft_item(self, seq: Sequence, gamma: int, drafts: list[int] = ()) -> DraftItem:
         """Draft after the committed tokens (+ `drafts`, assumed accepted). The draft must
@@ -560,7 +572,7 @@ class SpeculativeDecoder:
                          prompt_len=seq.prompt_len, teacher=teacher,
                          proposer=seq.round_proposer or seq.proposer,
                          forced=forced, features=features,
-                         tree=self._tree_for(seq.params))
+                         tree=self._tree_for(seq))
 
     def _forced(self, seq: Sequence, gamma: int, drafts: list[int]) -> list[int]:
         """What a constrained sequence's grammar forces after its tokens + `drafts`: free

@@ -44,6 +44,20 @@ class TreeShape:
     def is_chain(self) -> bool:
         return self.topk == 1
 
+    def within(self, topk: int, tokens: int) -> TreeShape:
+        """A request's tree inside this one (top-k 1: a chain; tokens 0: this one's),
+        refused where it would verify more: the scheduler reserves this shape's width."""
+        shape = TreeShape(topk, tokens or self.tokens)
+        if shape.is_chain:
+            return shape
+        if self.is_chain or shape.topk > self.topk or (self.tokens and not
+                                                        0 < shape.tokens <= self.tokens):
+            served = ("chains (its --tree-topk is 1)" if self.is_chain else
+                      f"trees of top-k {self.topk} and {self.tokens or 'all'} tokens")
+            raise ValueError(f"tree_topk {shape.topk}, tree_tokens {shape.tokens}: the "
+                             f"replica verifies {served} at most")
+        return shape
+
     def drafted(self, depth: int) -> int:
         """Nodes drafted for a tree `depth` deep: k at the first level, k² after."""
         if depth <= 0:

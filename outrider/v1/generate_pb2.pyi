@@ -92,12 +92,16 @@ class Choices(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SpeculationOptions(_message.Message):
-    __slots__ = ("mode", "gamma_max")
+    __slots__ = ("mode", "gamma_max", "tree_topk", "tree_tokens")
     MODE_FIELD_NUMBER: _ClassVar[int]
     GAMMA_MAX_FIELD_NUMBER: _ClassVar[int]
+    TREE_TOPK_FIELD_NUMBER: _ClassVar[int]
+    TREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     mode: SpeculationMode
     gamma_max: int
-    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., gamma_max: _Optional[int] = ...) -> None: ...
+    tree_topk: int
+    tree_tokens: int
+    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., gamma_max: _Optional[int] = ..., tree_topk: _Optional[int] = ..., tree_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "token_ids", "sampling", "speculation", "request_id", "tag", "include_rounds", "resume_from", "proposer")

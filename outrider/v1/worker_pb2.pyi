@@ -17,6 +17,13 @@ class QFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     Q_FORMAT_DENSE_FP16: _ClassVar[QFormat]
     Q_FORMAT_DENSE_DIST: _ClassVar[QFormat]
 
+class FeatureDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FEATURE_DTYPE_UNSPECIFIED: _ClassVar[FeatureDtype]
+    FEATURE_DTYPE_FP32: _ClassVar[FeatureDtype]
+    FEATURE_DTYPE_BF16: _ClassVar[FeatureDtype]
+    FEATURE_DTYPE_FP16: _ClassVar[FeatureDtype]
+
 class SpecMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SPEC_MODE_AUTO: _ClassVar[SpecMode]
@@ -28,6 +35,10 @@ Q_FORMAT_POINT_MASS: QFormat
 Q_FORMAT_SPARSE: QFormat
 Q_FORMAT_DENSE_FP16: QFormat
 Q_FORMAT_DENSE_DIST: QFormat
+FEATURE_DTYPE_UNSPECIFIED: FeatureDtype
+FEATURE_DTYPE_FP32: FeatureDtype
+FEATURE_DTYPE_BF16: FeatureDtype
+FEATURE_DTYPE_FP16: FeatureDtype
 SPEC_MODE_AUTO: SpecMode
 SPEC_MODE_OFF: SpecMode
 SPEC_MODE_FIXED: SpecMode
@@ -68,7 +79,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., held_back_ids: _Optional[_Iterable[int]] = ..., structured_output: _Optional[_Union[_generate_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class ProposeSequence(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "new_token_ids", "gamma", "sampling", "q_format", "traceparent", "prefill_only", "prompt_len", "teacher")
+    __slots__ = ("seq_id", "committed_len", "new_token_ids", "gamma", "sampling", "q_format", "traceparent", "prefill_only", "prompt_len", "teacher", "features")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +90,7 @@ class ProposeSequence(_message.Message):
     PREFILL_ONLY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     TEACHER_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     committed_len: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -89,7 +101,18 @@ class ProposeSequence(_message.Message):
     prefill_only: bool
     prompt_len: int
     teacher: _containers.RepeatedCompositeFieldContainer[TeacherRow]
-    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., q_format: _Optional[_Union[QFormat, str]] = ..., traceparent: _Optional[str] = ..., prefill_only: _Optional[bool] = ..., prompt_len: _Optional[int] = ..., teacher: _Optional[_Iterable[_Union[TeacherRow, _Mapping]]] = ...) -> None: ...
+    features: Features
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., q_format: _Optional[_Union[QFormat, str]] = ..., traceparent: _Optional[str] = ..., prefill_only: _Optional[bool] = ..., prompt_len: _Optional[int] = ..., teacher: _Optional[_Iterable[_Union[TeacherRow, _Mapping]]] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
+
+class Features(_message.Message):
+    __slots__ = ("data", "width", "dtype")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    width: int
+    dtype: FeatureDtype
+    def __init__(self, data: _Optional[bytes] = ..., width: _Optional[int] = ..., dtype: _Optional[_Union[FeatureDtype, str]] = ...) -> None: ...
 
 class TeacherRow(_message.Message):
     __slots__ = ("position", "token_ids", "logprobs")
@@ -160,7 +183,7 @@ class DraftStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftStats(_message.Message):
-    __slots__ = ("num_sequences", "num_used_blocks", "num_total_blocks", "num_evicted", "num_misses", "vocab_size", "max_model_len", "num_dense_sends", "model_name")
+    __slots__ = ("num_sequences", "num_used_blocks", "num_total_blocks", "num_evicted", "num_misses", "vocab_size", "max_model_len", "num_dense_sends", "model_name", "method", "feature_width")
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +193,8 @@ class DraftStats(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     NUM_DENSE_SENDS_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     num_sequences: int
     num_used_blocks: int
     num_total_blocks: int
@@ -179,10 +204,12 @@ class DraftStats(_message.Message):
     max_model_len: int
     num_dense_sends: int
     model_name: str
-    def __init__(self, num_sequences: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_evicted: _Optional[int] = ..., num_misses: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_dense_sends: _Optional[int] = ..., model_name: _Optional[str] = ...) -> None: ...
+    method: str
+    feature_width: int
+    def __init__(self, num_sequences: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_evicted: _Optional[int] = ..., num_misses: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_dense_sends: _Optional[int] = ..., model_name: _Optional[str] = ..., method: _Optional[str] = ..., feature_width: _Optional[int] = ...) -> None: ...
 
 class TargetRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "resume_output_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "spec_mode", "gamma", "acceptance_prior", "traceparent", "logprobs", "proposer")
+    __slots__ = ("request_id", "prompt_ids", "resume_output_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "spec_mode", "gamma", "acceptance_prior", "traceparent", "logprobs", "proposer", "tree_topk", "tree_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +223,8 @@ class TargetRequest(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    TREE_TOPK_FIELD_NUMBER: _ClassVar[int]
+    TREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     resume_output_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -209,7 +238,9 @@ class TargetRequest(_message.Message):
     traceparent: str
     logprobs: int
     proposer: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., resume_output_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., spec_mode: _Optional[_Union[SpecMode, str]] = ..., gamma: _Optional[int] = ..., acceptance_prior: _Optional[_Iterable[float]] = ..., traceparent: _Optional[str] = ..., logprobs: _Optional[int] = ..., proposer: _Optional[str] = ...) -> None: ...
+    tree_topk: int
+    tree_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., resume_output_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., spec_mode: _Optional[_Union[SpecMode, str]] = ..., gamma: _Optional[int] = ..., acceptance_prior: _Optional[_Iterable[float]] = ..., traceparent: _Optional[str] = ..., logprobs: _Optional[int] = ..., proposer: _Optional[str] = ..., tree_topk: _Optional[int] = ..., tree_tokens: _Optional[int] = ...) -> None: ...
 
 class RoundStats(_message.Message):
     __slots__ = ("gamma", "num_accepted", "heat", "draft_version", "free_kind", "num_free", "model_method", "tree_nodes")

@@ -23,3 +23,18 @@ def test_a_pair_names_its_proposer_and_auto_is_the_default():
 
 def test_the_shipped_cpu_spec_loads():
     assert load_spec("deploy/cluster/cpu.yaml").pair.proposer is ProposerKind.AUTO
+
+
+def test_an_eagle_head_drafts_on_the_replicas_and_medusa_is_refused(tmp_path, llama_dir):
+    from tests.checkpoints import save_random_medusa
+
+    from outrider.paths import models_dir
+
+    head = parse_spec(spec_with(draft=str(models_dir() / "demo-eagle3"),
+                                drafts_per_target=1)).pair
+    assert head.draft_is_head  # the replicas get the target's dir, the target the head's
+    model = parse_spec(spec_with(draft=str(models_dir() / "demo-draft"), drafts_per_target=1))
+    assert not model.pair.draft_is_head
+    medusa = save_random_medusa(tmp_path / "medusa", llama_dir)
+    with pytest.raises(SpecError, match="Medusa heads draft in the target's process"):
+        parse_spec(spec_with(draft=str(medusa), drafts_per_target=1))

@@ -18,7 +18,7 @@ from outrider.core.sampling import SamplingParams
 from outrider.core.sequence import ProposerKind
 from outrider.engine.drafter import Drafter
 from outrider.engine.features import FeatureLog
-from outrider.engine.heads import HeadRunner, head_proposer
+from outrider.engine.heads import HeadRunner, TargetSide, head_proposer
 from outrider.engine.medusa import MedusaProposer
 from outrider.engine.mix import ProposerMix
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
@@ -142,7 +142,8 @@ def test_a_head_computes_what_its_layout_means(head_dir, llama_dir, target):
     if head_kind(head_dir) == "medusa":
         check_medusa(head_dir, llama_dir, target)
         return
-    head = HeadRunner(RunnerConfig(str(head_dir), dtype="float32", kv_cache_mb=8), target)
+    head = HeadRunner(RunnerConfig(str(head_dir), dtype="float32", kv_cache_mb=8),
+                      TargetSide.of_runner(target))
     target.keep_features(head.reads)
     ids = torch.tensor([5, 17, 99, 3, 250, 41, 7, 12, 88, 160, 2, 31])
     try:
@@ -235,7 +236,7 @@ def test_bad_heads_are_refused_naming_the_problem(tmp_path, llama_dir, target):
         bad = save_random_head(tmp_path / name, llama_dir, aux_layers=AUX)
         (bad / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(ModelConfigError) as err:
-            HeadRunner(RunnerConfig(str(bad), kv_cache_mb=8), target)
+            HeadRunner(RunnerConfig(str(bad), kv_cache_mb=8), TargetSide.of_runner(target))
         return str(err.value)
 
     assert "not layers of a 2-layer target" in refused(
@@ -249,7 +250,7 @@ def test_bad_heads_are_refused_naming_the_problem(tmp_path, llama_dir, target):
         (model_as_head / f.name).write_bytes(f.read_bytes())
     (model_as_head / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelConfigError, match="lacks fc.weight"):
-        HeadRunner(RunnerConfig(str(model_as_head), kv_cache_mb=8), target)
+        HeadRunner(RunnerConfig(str(model_as_head), kv_cache_mb=8), TargetSide.of_runner(target))
 
 
 def test_the_feature_log_keeps_rows_until_a_head_holds_them():

@@ -194,6 +194,37 @@ def test_greedy_and_sampled_trees_share_a_batch(demo):
     assert target.blocks.num_used_blocks == 0
 
 
+def test_a_request_chooses_its_tree_within_the_replicas(demo):
+    """Requests' own shapes in one batch of a decoder verifying trees of top-k 3 and 12
+    nodes: a chain (top-k 1), a smaller tree (2, 5) and the decoder's. Greedy output is
+    the target's alone; the chain's rounds verify no tree, the smaller tree's at most 5
+    nodes; a shape past the decoder's is refused naming what it verifies."""
+    target, prompts, models = demo
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    alone = SpeculativeDecoder(target).generate(prompts, params, gamma=0)
+    decoder = SpeculativeDecoder(target, proposer("draft", target, models),
+                                 tree=TreeShape(3, 12), choose_trees=False)
+    seqs = [decoder.new_sequence(p, params) for p in prompts]
+    for seq, shape in zip(seqs, [(1, 0), (2, 5), (0, 0)]):
+        seq.tree = decoder.request_tree(*shape)
+    nodes: list[list[int]] = [[] for _ in seqs]
+    while not all(s.is_finished for s in seqs):
+        running = [s for s in seqs if not s.is_finished]
+        decoder.step(running, [4] * len(running))
+        for s in running:
+            nodes[seqs.index(s)].append(s.last_round.tree_nodes)
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in alone]
+    assert not any(nodes[0]) and 0 < max(nodes[1]) <= 5 and max(nodes[2]) > 5, nodes
+    assert decoder.request_tree(0, 0) is None  # the decoder's own
+    for shape, what in [((4, 0), "tree_topk 4, tree_tokens 12"),
+                        ((2, 13), "tree_topk 2, tree_tokens 13")]:
+        with pytest.raises(ValueError, match=f"{what}.*verifies trees of top-k 3 and 12"):
+            decoder.request_tree(*shape)
+    with pytest.raises(ValueError, match="verifies chains"):
+        SpeculativeDecoder(target, proposer("draft", target, models)).request_tree(2, 0)
+    assert target.blocks.num_used_blocks == 0
+
+
 def test_greedy_steps_draft_the_kind_with_more_goodput():
     """TreeChoice: each kind measured first; then a tree that keeps no more than its own
     chain loses (12 more positions to verify) and is tried after 8 steps, then 16; one

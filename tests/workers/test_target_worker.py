@@ -398,10 +398,32 @@ def test_closing_a_serve_stream_cancels_its_requests(cluster, target_metrics):
     assert 0 < generated_tokens(target_metrics) - before < req.max_tokens
 
 
+def generate_at_once(address: str, reqs: list[pb.TargetRequest]) -> list[list]:
+    """Every request's chunks, the requests streamed at once."""
+    with grpc.insecure_channel(address) as chan:
+        stub = worker_pb2_grpc.TargetStub(chan)
+        with ThreadPoolExecutor(len(reqs)) as pool:
+            return list(pool.map(lambda r: list(stub.Generate(
+                r, metadata=token_metadata(TOKEN), timeout=120)), reqs))
+
+
+def outputs_of(chunks: list[list]) -> list[list[int]]:
+    return [[t for c in cs for t in c.token_ids] for cs in chunks]
+
+
+def greedy_alone(target_dir, reqs: list[pb.TargetRequest]) -> list[list[int]]:
+    """The target's greedy output alone, fp32 (the requests' max_tokens)."""
+    decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(str(target_dir), dtype="float32")))
+    return [s.output_ids for s in decoder.generate(
+        [list(r.prompt_ids) for r in reqs],
+        [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in reqs], 0)]
+
+
 def test_a_replica_verifies_a_heads_trees_under_kv_pressure():
     """The replica with the shipped EAGLE-3 head drafting trees (top-k 3, 12 nodes) in its
-    process, AUTO and FIXED requests at once in a KV cache too small for them (its
-    scheduler counts a tree's nodes, and preempted sequences recompute their features):
+    process, AUTO and FIXED requests at once (two with shapes of their own) in a KV cache
+    too small for them (its scheduler counts a tree's nodes, and preempted sequences
+    recompute their features):
     every output is the target's greedy output alone, and the rounds kept drafts."""
     from outrider.target_worker.main import TargetWorkerConfig, start
     from outrider.target_worker.scheduler import SchedulerConfig
@@ -417,6 +439,8 @@ def test_a_replica_verifies_a_heads_trees_under_kv_pressure():
             for i, t in enumerate(texts)]
     for req in reqs[::2]:
         req.spec_mode = pb.SPEC_MODE_AUTO
+    reqs[1].tree_topk = 1  # requests' own shapes: a chain, and a smaller tree
+    reqs[3].tree_topk, reqs[3].tree_tokens = 2, 5
     cfg = TargetWorkerConfig(RunnerConfig(str(target_dir), dtype="float32", kv_cache_mb=0.6,
                                           threads=1),
                              SchedulerConfig(max_batch_tokens=96), draft_head=str(head_dir),
@@ -429,11 +453,7 @@ def test_a_replica_verifies_a_heads_trees_under_kv_pressure():
         {"model_name": "demo-target", "engine": "0", "method": "eagle3"}) or 0
     nodes_before, head_before = tree_nodes(), head_tokens()
     try:
-        with grpc.insecure_channel(running.address) as chan:
-            stub = worker_pb2_grpc.TargetStub(chan)
-            with ThreadPoolExecutor(len(reqs)) as pool:
-                chunks = list(pool.map(lambda r: list(stub.Generate(
-                    r, metadata=token_metadata(TOKEN), timeout=120)), reqs))
+        chunks = generate_at_once(running.address, reqs)
         num_preemptions = running.service.engine.scheduler.num_preemptions
     finally:
         running.stop(0)
@@ -443,12 +463,57 @@ def test_a_replica_verifies_a_heads_trees_under_kv_pressure():
     assert {r.model_method for r in rounds if r.gamma > r.num_free} == {"eagle3"}
     # a tree round reports its nodes beside its depth (γ), and kept nodes past its chain
     assert any(r.tree_nodes > r.gamma > 0 for r in rounds)
+    own = [[r.tree_nodes for c in chunks[i] for r in c.rounds] for i in (1, 3)]
+    assert not any(own[0]) and max(own[1]) <= 5, own
     assert head_tokens() > head_before
-    alone = SpeculativeDecoder(ModelRunner(RunnerConfig(str(target_dir), dtype="float32"))
-                               ).generate([list(r.prompt_ids) for r in reqs],
-                                          SamplingParams(max_tokens=40, ignore_eos=True), 0)
     assert num_preemptions > 0
-    outputs = [[t for c in cs for t in c.token_ids] for cs in chunks]
-    assert outputs == [s.output_ids for s in alone]
+    assert outputs_of(chunks) == greedy_alone(target_dir, reqs)
     accepted = sum(r.num_accepted for cs in chunks for c in cs for r in c.rounds)
     assert accepted > 40, accepted
+
+
+def test_a_head_on_a_draft_replica_drafts_from_the_features_sent_with_propose():
+    """The shipped EAGLE-3 head on a draft replica (the target's embedding loaded there),
+    the target sending each Propose the features fused by the head's fc: greedy output is
+    the target's alone, FIXED and AUTO at once; the rounds count under eagle3 and kept
+    drafts. A target given no head, or features of the wrong width, are refused by name."""
+    from outrider.target_worker.main import TargetWorkerConfig, start
+    from outrider.target_worker.remote_drafter import DraftReplicaError
+
+    from outrider.core.tokenizer import Tokenizer
+    from outrider.paths import models_dir
+
+    target_dir, head_dir = models_dir() / "demo-target", models_dir() / "demo-eagle3"
+    tokenizer = Tokenizer(target_dir)
+    texts = ["def fibonacci(n):\n", "import os\n\ndef walk(path):\n", "class Node:\n",
+             "for i in range(10):\n"]
+    reqs = [request_for(i, tokenizer.encode(t), gamma=4, max_tokens=40, sampled=False)
+            for i, t in enumerate(texts)]
+    reqs[1].spec_mode = pb.SPEC_MODE_AUTO
+    runner = RunnerConfig(str(target_dir), dtype="float32", kv_cache_mb=4, threads=1)
+    with outrider_process("draft-worker", "--model", str(head_dir), "--target-model",
+                          str(target_dir), "--dtype", "float32", "--threads", "1",
+                          token=TOKEN) as (_, d_addr), grpc.insecure_channel(d_addr) as d_chan:
+        with pytest.raises(DraftReplicaError, match="run a eagle3 .* was given no head"):
+            start(TargetWorkerConfig(runner, draft_addresses=(d_addr,)), TOKEN)
+        draft = worker_pb2_grpc.DraftStub(d_chan)
+        wrong = pb.ProposeSequence(seq_id="w", new_token_ids=[5, 6], gamma=2,
+                                   q_format=pb.Q_FORMAT_IDS, features=pb.Features(
+                                       data=bytes(2 * 7 * 4), width=7,
+                                       dtype=pb.FEATURE_DTYPE_FP32))
+        with pytest.raises(grpc.RpcError) as err:
+            draft.Propose(pb.ProposeRequest(sequences=[wrong]), metadata=token_metadata(TOKEN))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "features.width is 7" in err.value.details()
+        running = start(TargetWorkerConfig(runner, draft_addresses=(d_addr,),
+                                           draft_head=str(head_dir)), TOKEN)
+        try:
+            chunks = generate_at_once(running.address, reqs)
+        finally:
+            running.stop(0)
+    rounds = [r for cs in chunks for c in cs for r in c.rounds]
+    assert {r.model_method for r in rounds if r.gamma > r.num_free} == {"eagle3"}
+    assert outputs_of(chunks) == greedy_alone(target_dir, reqs)
+    head_rounds = [r for r in rounds if r.model_method == "eagle3" and r.gamma]
+    accepted = sum(r.num_accepted for r in head_rounds)
+    assert accepted > len(head_rounds), (accepted, len(head_rounds))  # > 1 a round
