@@ -26,9 +26,8 @@ def test_the_shipped_cpu_spec_loads():
 
 
 def test_an_eagle_head_drafts_on_the_replicas_and_medusa_is_refused(tmp_path, llama_dir):
-    from tests.checkpoints import save_random_medusa
-
     from outrider.paths import models_dir
+    from tests.checkpoints import save_random_medusa
 
     head = parse_spec(spec_with(draft=str(models_dir() / "demo-eagle3"),
                                 drafts_per_target=1)).pair
