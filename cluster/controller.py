@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import ray
 from outrider.cluster.actors import DraftReplica, RouterReplica, TargetDriver, TargetRank
 from outrider.cluster.spec import ClusterSpec
+from outrider.target_worker.main import runner_config
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import (
     NodeAffinitySchedulingStrategy,
@@ -117,12 +118,13 @@ class Controller:
                     "num_gpus": pair.target_resources.gpus, "max_concurrency": 4,
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(
                         target.pg, placement_group_bundle_index=k)}
-        runner = self._runner(pair.target, tp=pair.tp)
+        cfg = self._target_config(self._runner(pair.target, tp=pair.tp),
+                                  [d.address for d in target.drafts])
+        runner = runner_config(cfg)  # (every rank's: they agree on the KV blocks)
         target.driver = ray.remote(TargetDriver).options(**in_bundle(0)).remote()
         init_method = ray.get(target.driver.init_method.remote())
         target.ranks = [ray.remote(TargetRank).options(**in_bundle(k)).remote(
             runner, k, init_method) for k in range(1, pair.tp)]
-        cfg = self._target_config(runner, [d.address for d in target.drafts])
         target.address = ray.get(target.driver.start.remote(cfg, self.token, init_method),
                                  timeout=START_TIMEOUT_S)
         self._register(target.address)

@@ -156,7 +156,7 @@ class TargetEngine:
             self._by_seq[handle.seq.seq_id] = handle
             blocks = self.decoder.target.blocks
             self._cached_at_arrival[handle.seq.seq_id] = (  # none reused under a head
-                blocks.cached_len(handle.seq.token_ids) if self.decoder.reads is None else 0)
+                blocks.cached_len(handle.seq.token_ids) if self.decoder.reuses_prefixes else 0)
             if self.metrics:
                 self.metrics.prompt_tokens.inc(handle.seq.prompt_len)
             self.scheduler.add(handle.seq)
@@ -318,7 +318,7 @@ class TargetEngine:
             model_pair=self.model_pair, max_batch_tokens=self.scheduler.cfg.max_batch_tokens,
             block_size=blocks.block_size,
             # a head turns prefix reuse off (docs/DESIGN.md §8.8)
-            prefix_caching=blocks.prefix_caching and self.decoder.reads is None,
+            prefix_caching=blocks.prefix_caching and self.decoder.reuses_prefixes,
             queued_tokens=self._queued_tokens())
 
 

@@ -162,17 +162,27 @@ def serve(cfg: TargetWorkerConfig, token: str | None) -> None:
     serve_until_signalled(start(cfg, token), "target worker")
 
 
+def runner_config(cfg: TargetWorkerConfig) -> RunnerConfig:
+    """The target's runner; with a head, its cached prefixes keep the head's features."""
+    if not cfg.draft_head:
+        return cfg.runner
+    from outrider.engine.heads import head_feature_width
+
+    return replace(cfg.runner,
+                   feature_width=head_feature_width(cfg.draft_head, cfg.runner.model_dir))
+
+
 def remote_head(cfg: TargetWorkerConfig, runner):
     """The target's side of a head its draft replicas run (None: they run a model)."""
     if not cfg.draft_head:
         return None
     from outrider.core.hf_config import ModelConfigError, head_kind
-    from outrider.engine.heads import FeatureFuser
+    from outrider.engine.heads import RemoteHead
 
     if head_kind(cfg.draft_head) == "medusa":
         raise ModelConfigError(f"{cfg.draft_head}: Medusa heads draft in the target's "
                                f"process (--draft-head without --draft-address)")
-    return FeatureFuser(cfg.draft_head, runner)
+    return RemoteHead(cfg.draft_head, runner)
 
 
 def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None = None,
@@ -196,7 +206,7 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
 
     setup_tracing("outrider-target")
     credentials = cluster_tls.server_credentials()  # before loading: a bad setup fails fast
-    group = TPRunnerGroup(cfg.runner, tp_init_method, spawn_ranks)
+    group = TPRunnerGroup(runner_config(cfg), tp_init_method, spawn_ranks)
     channel = DenseChannel(cfg.dist_address, TARGET_RANK) if cfg.dist_address else None
     if channel and not channel.wait_ready(timeout_s=60):
         print("dense q channel did not come up; full-vocabulary q goes as fp16 over gRPC",

@@ -20,7 +20,7 @@ from outrider.core.sampling import sampling_to_proto
 from outrider.core.stats import MODEL_METHOD
 from outrider.dense_channel import DenseChannel
 from outrider.engine.features import FeatureTap
-from outrider.engine.heads import FeatureFuser
+from outrider.engine.heads import RemoteHead
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal
 from outrider.engine.rejection import dense_draft_probs
 from outrider.grpc_server import token_metadata
@@ -49,7 +49,7 @@ class RemoteDrafter:
     def __init__(self, addresses: list[str], token: str | None, seq_prefix: str,
                  timeout_s: float = 10.0, retry_after_s: float = 2.0,
                  dense_channel: DenseChannel | None = None,
-                 head: FeatureFuser | None = None) -> None:
+                 head: RemoteHead | None = None) -> None:
         if not addresses:
             raise DraftReplicaError("no draft replica addresses given")
         self.addresses = addresses
@@ -148,7 +148,7 @@ class RemoteDrafter:
     @property
     def reads_target(self) -> FeatureTap | None:
         """A head's taps (their features go with Propose); a draft model reads tokens."""
-        return self.head.head.tap if self.head else None
+        return self.head.tap if self.head else None
 
     def version_of(self, seq_id) -> int:
         """The version of the replica that drafts for `seq_id`."""
@@ -284,15 +284,11 @@ class RemoteDrafter:
         self._down_until[replica] = time.monotonic() + self._backoff[replica]
         self._backoff[replica] = min(MAX_BACKOFF_S, 2 * self._backoff[replica])
 
-    def _features(self, items: list[DraftItem], sent: list[int]) -> dict[int, pb.Features]:
-        """Item index -> its features on the wire, fused by the head's fc in one product
-        for the whole call."""
-        sent = [i for i in sent if items[i].features is not None]
-        if not sent:
-            return {}
-        fused = self.head(torch.cat([items[i].features for i in sent]))  # [rows, width]
-        parts = fused.split([len(items[i].features) for i in sent])
-        return {i: encode_features(part) for i, part in zip(sent, parts)}
+    @staticmethod
+    def _features(items: list[DraftItem], sent: list[int]) -> dict[int, pb.Features]:
+        """Item index -> its features on the wire (as the target kept them: fused)."""
+        return {i: encode_features(items[i].features) for i in sent
+                if items[i].features is not None}
 
     def _request(self, items: list[DraftItem], formats: list[str],
                  features: dict[int, pb.Features], rows: list[int],

@@ -10,7 +10,8 @@ sequence's first token has none (a zero row).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,13 +21,23 @@ class FeatureTap:
     """What the target keeps of every position it processes for a head: the residual
     stream entering each of `layers` (the number of layers: the last one's output),
     concatenated in layer order (EAGLE-3); or, `normed`, the final normed hidden state
-    (EAGLE-1)."""
+    (EAGLE-1). `fuse`: the head's fc, applied as the target keeps them — what the head
+    computes first anyway, so the log, the prefix cache and the wire hold one hidden
+    vector a position where the taps are three."""
 
     layers: tuple[int, ...] = ()
     normed: bool = False
+    fuse: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)
+    fused_width: int = 0  # fuse's output width
 
     def width(self, hidden_size: int) -> int:
+        if self.fuse is not None:
+            return self.fused_width
         return hidden_size if self.normed else hidden_size * len(self.layers)
+
+    def keep(self, taps: torch.Tensor) -> torch.Tensor:
+        """[n, taps] -> [n, width]: what the target keeps of a forward's positions."""
+        return taps if self.fuse is None else self.fuse(taps)
 
 
 class FeatureLog:

@@ -315,13 +315,17 @@ class HeadRunner(ModelRunner):
 
     @property
     def reads(self) -> FeatureTap:
-        """The target's hidden states this head drafts from."""
-        return self.head.tap
+        """The target's hidden states this head drafts from (EAGLE-3's fused by its fc
+        as the target keeps them)."""
+        tap = self.head.tap
+        if self.head.kind != "eagle3":
+            return tap
+        return replace(tap, fuse=self.model.fc, fused_width=self.head.layer.hidden_size)
 
     @property
     def feature_widths(self) -> tuple[int, ...]:
         """The feature rows it takes: the target's taps, or (EAGLE-3) those fused by its
-        fc, one hidden vector (`FeatureFuser`, a head on a draft replica)."""
+        fc, one hidden vector (`FeatureTap.fuse`)."""
         taps = self.head.tap.width(self.target.config.hidden_size)
         return (taps, self.head.layer.hidden_size) if self.head.kind == "eagle3" else (taps,)
 
@@ -332,34 +336,24 @@ class HeadRunner(ModelRunner):
         return self.step(input_ids, positions, self.kv_caches, meta, logits_rows, features)
 
 
-class FeatureFuser:
-    """The target's side of a head on draft replicas: EAGLE-3's fc applied before the
-    features travel (one hidden vector a position instead of three, as the head would
-    compute first); EAGLE-1's features go as they are."""
+class RemoteHead:
+    """The target's side of a head that drafts on draft replicas: what it reads of the
+    target (`tap`: EAGLE-3's taps fused by the head's own fc as the target keeps them, so
+    one hidden vector a position travels instead of three), its method and that width."""
 
     def __init__(self, head_dir: str | Path, target: ModelRunner) -> None:
         self.head = HeadConfig.from_dir(head_dir, target.model_config)
         check_head_names(self.head.kind, head_tensor_names(head_dir), head_dir)
         self.method = HEAD_METHODS[self.head.kind]
-        self.fc = None
+        self.width = self.head.layer.hidden_size
+        self.tap = self.head.tap
         if self.head.kind == "eagle3":
-            width = self.head.tap.width(target.model_config.hidden_size)
-            self.fc = built_as(target.dtype, target.device, lambda: ReplicatedLinear(
-                width, self.head.layer.hidden_size, False, TPGroup()))
-            load_checkpoint(self.fc, Path(head_dir), lambda name: (
+            taps = self.head.tap.width(target.model_config.hidden_size)
+            fc = built_as(target.dtype, target.device, lambda: ReplicatedLinear(
+                taps, self.width, False, TPGroup()))
+            load_checkpoint(fc, Path(head_dir), lambda name: (
                 ("weight", None) if name.removeprefix("model.") == "fc.weight" else None))
-
-    @property
-    def width(self) -> int:
-        """The width of the rows it sends."""
-        return self.head.layer.hidden_size
-
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        # [n, tap width] -> [n, width]
-        if self.fc is None:
-            return rows
-        with torch.inference_mode():
-            return self.fc(rows.to(self.fc.weight.dtype))
+            self.tap = replace(self.tap, fuse=fc, fused_width=self.width)
 
 
 def _as_pairs(r: ForwardRequest) -> ForwardRequest:
@@ -419,6 +413,14 @@ def save_head(path: str | Path, config: dict, tensors: dict[str, torch.Tensor]) 
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
     return path
+
+
+def head_feature_width(head_dir: str | Path, target_dir: str | Path) -> int:
+    """What the target keeps a position for the head in head_dir (FeatureTap.width, an
+    EAGLE-3's fused): its hidden size, or Medusa's the target's."""
+    if head_kind(head_dir) == "medusa":
+        return ModelConfig.from_dir(target_dir).hidden_size
+    return int(read_config(head_dir)["hidden_size"])
 
 
 def head_proposer(cfg: RunnerConfig, target: ModelRunner):

@@ -210,7 +210,8 @@ class CausalLM(nn.Module):
             normed = self.norm(x)  # [num_tokens, hidden]
             self.features = normed
             return self.logits(normed.index_select(0, logits_rows))
-        self.features = torch.cat(taps + [x] * (self.cfg.num_layers in self.tap.layers), -1)
+        self.features = self.tap.keep(
+            torch.cat(taps + [x] * (self.cfg.num_layers in self.tap.layers), -1))
         return self.logits(self.norm(x.index_select(0, logits_rows)))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,9 @@ class RunnerConfig:
     #                             it measured no faster on CPU (BENCHMARKS.md)
     prepared_rows: int = 0      # CPU: the linears prepared at start for every forward
     #                             of up to this many tokens (serving replicas; 0: none)
+    feature_width: int = 0      # a draft head's features a position (FeatureTap.width),
+    #                             kept beside each block's KV so its prefix cache serves
+    #                             the head too; carved from the KV budget (0: none)
 
     def __post_init__(self) -> None:
         given = [v for v in (self.kv_cache_mb, self.max_model_len) if v is not None]
@@ -127,9 +130,31 @@ class ModelRunner:
 
     def keep_features(self, tap: FeatureTap) -> None:
         """Keep `tap`'s hidden states of every position each forward processes
-        (`features`); the forward runs eagerly from now on."""
+        (`features`); the forward runs eagerly from now on. A feature cache of another
+        width (RunnerConfig.feature_width) is not used: prefixes are not shared then."""
         self.model.tap = tap
+        if self.feature_cache is not None and \
+                self.feature_cache.shape[1] != tap.width(self.model_config.hidden_size):
+            log.warning("feature cache %d wide, the head reads %d: prefixes not shared",
+                        self.feature_cache.shape[1], tap.width(self.model_config.hidden_size))
+            self.feature_cache = None
         self._set_step()
+
+    def store_features(self, seq_id, start: int, rows: torch.Tensor) -> None:
+        """The features of `seq_id`'s positions start, start + 1, ... beside their KV
+        ([n, width]), where a sequence sharing the block finds them (feature_width)."""
+        if self.feature_cache is not None and len(rows):
+            self.feature_cache[self._slots(seq_id, start, len(rows))] = rows
+
+    def cached_features(self, seq_id, num_positions: int) -> torch.Tensor:
+        """[num_positions, width]: the features of its first positions (a cached prefix)."""
+        return self.feature_cache[self._slots(seq_id, 0, num_positions)]
+
+    def _slots(self, seq_id, start: int, n: int) -> torch.Tensor:
+        size = self.cfg.block_size
+        table = torch.tensor(self.blocks.block_table(seq_id), dtype=torch.long)
+        positions = torch.arange(start, start + n)
+        return (table[positions // size] * size + positions % size).to(self.device)
 
     @property
     def features(self) -> torch.Tensor | None:
@@ -207,7 +232,10 @@ class ModelRunner:
     def _allocate_kv(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
         mc = self.model_config
         kv_heads = mc.num_kv_heads // self.tp.size
-        slot_bytes = 2 * mc.num_layers * kv_heads * mc.head_dim * self.dtype.itemsize
+        keeps_features = self.cfg.prefix_caching and self.cfg.feature_width
+        feature_bytes = self.cfg.feature_width * self.dtype.itemsize if keeps_features else 0
+        slot_bytes = 2 * mc.num_layers * kv_heads * mc.head_dim * self.dtype.itemsize \
+            + feature_bytes  # (every rank counts them: they agree on the blocks)
         budget = self._kv_budget(slot_bytes)
         self.kv_cache_mb = budget / 2**20  # per rank, as given or as sized from memory
         num_blocks = budget // (slot_bytes * self.cfg.block_size)
@@ -223,6 +251,10 @@ class ModelRunner:
         # into a view copies its whole base (measured: 0.7 s a forward at 256 MB)
         def layer_cache(shape: tuple[int, ...]) -> torch.Tensor:
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # [slots, feature_width]: the features of each cached position (the driver's)
+        self.feature_cache = (layer_cache((num_blocks * self.cfg.block_size,
+                                           self.cfg.feature_width))
+                              if keeps_features and self.tp.is_driver else None)
         return [tuple(map(layer_cache, shapes)) for _ in range(mc.num_layers)], num_blocks
 
     def _kv_budget(self, slot_bytes: int) -> int:

@@ -295,17 +295,26 @@ class SpeculativeDecoder:
         while not seq.is_finished:
             yield seq, self.step([seq], [gamma])[0]
 
+    @property
+    def reuses_prefixes(self) -> bool:
+        """Whether sequences start on cached prefixes: under a head only where the cache
+        keeps their features beside their KV (the head reads those of every position,
+        docs/DESIGN.md §8.8)."""
+        return self.reads is None or self.target.feature_cache is not None
+
     def admit(self, seq: Sequence) -> None:
         """Start a sequence without target KV (new or preempted) on the longest prefix
         of its tokens the cache holds; one still waiting to run extends its match with
-        blocks sealed since. Not under a head: it reads the target's hidden states of
-        every position, and a cached prefix has none (docs/DESIGN.md §8.8)."""
+        blocks sealed since. A head gets the prefix's features from the cache."""
         blocks, seq_id = self.target.blocks, seq.seq_id
-        if self.reads is not None:
+        if not self.reuses_prefixes:
             return
         if not blocks.has(seq_id) or (seq.num_cached_tokens is None
                                       and blocks.seq_len(seq_id) == blocks.sealed_len(seq_id)):
             seq.target_len = blocks.match_prefix(seq_id, seq.token_ids)
+            if self.reads is not None and seq.target_len:
+                self.features.add(seq_id, 0, self.target.cached_features(seq_id,
+                                                                         seq.target_len))
 
     def release(self, seq: Sequence) -> None:
         self.target.blocks.free(seq.seq_id)
@@ -511,7 +520,9 @@ class SpeculativeDecoder:
             if row.path is not None:  # a tree's: its fed tokens', then the path's nodes'
                 rows = rows[:row.feed] + [offset + row.feed + n
                                           for n in row.path[:num_committed - row.feed]]
-            self.features.add(row.seq.seq_id, position, step.features[rows])
+            kept = step.features[rows]
+            self.features.add(row.seq.seq_id, position, kept)
+            self.target.store_features(row.seq.seq_id, position, kept)
 
     # -- propose ---------------------------------------------------------------------------
     def _draft(self, seqs: list[Sequence], gammas: list[int]) -> Proposal:

@@ -296,3 +296,53 @@ def test_a_head_takes_the_targets_dtype_and_context(tmp_path, llama_dir):
     params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     out = SpeculativeDecoder(target, head).generate([[5, 17, 99, 3]], params, gamma=3)[0]
     assert out.stats.drafted_per_position[0] >= out.stats.num_rounds - 2  # past 64 too
+
+
+def test_a_head_drafts_on_a_cached_prefix_from_the_features_kept_beside_it():
+    """With the head's features kept beside the target's KV (RunnerConfig.feature_width:
+    the demo EAGLE-3 head's fused width), a request sharing a long prompt with an earlier
+    one starts on the cached prefix with the features the target computes there, and its
+    output is the target's alone, the head drafting; without them nothing is shared."""
+    from outrider.core.tokenizer import Tokenizer
+    from outrider.engine.heads import head_feature_width
+    from outrider.paths import models_dir
+
+    target_dir, head_dir = models_dir() / "demo-target", models_dir() / "demo-eagle3"
+    tokenizer = Tokenizer(target_dir)
+    shared = tokenizer.encode("import os\nimport sys\n\n\nclass Walker:\n    def __init__(self, "
+                              "root):\n        self.root = root\n        self.seen = set()\n\n"
+                              "    def walk(self):\n        for name in os.listdir(self.root):")
+    prompts = [shared + tokenizer.encode(t) for t in ("\n            yield name\n",
+                                                      "\n            if name in self.seen:")]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def decoder(feature_width: int) -> SpeculativeDecoder:
+        target = ModelRunner(RunnerConfig(str(target_dir), dtype="float32", kv_cache_mb=8,
+                                          feature_width=feature_width))
+        return SpeculativeDecoder(target, head_proposer(
+            RunnerConfig(str(head_dir), kv_cache_mb=4), target))
+
+    width = head_feature_width(head_dir, target_dir)
+    assert width == 320  # EAGLE-3's three taps, fused by its fc
+    caching, fresh = decoder(width), decoder(0)
+    assert caching.reuses_prefixes and not fresh.reuses_prefixes
+    first = caching.generate(prompts[:1], params, gamma=4)[0]
+    # the cached prefix comes with the features the target computes for it
+    seq = caching.new_sequence(prompts[1], params)
+    caching.admit(seq)
+    n = seq.target_len
+    assert n >= 48
+    cached = caching.features.rows_for(seq.seq_id, 1, n)  # positions 0 .. n-1
+    caching.release(seq)
+    target = fresh.target
+    target.blocks.append("x", n)
+    target.forward([ForwardRequest(prompts[1][:n], 0, target.blocks.block_table("x"), 1)])
+    target.blocks.free("x")
+    assert torch.allclose(cached, target.features, atol=1e-5)
+    second = caching.generate(prompts[1:], params, gamma=4)[0]
+    assert second.num_cached_tokens == n
+    assert fresh.generate(prompts[1:], params, gamma=4)[0].num_cached_tokens == 0
+    alone = SpeculativeDecoder(ModelRunner(RunnerConfig(str(target_dir), dtype="float32"))
+                               ).generate(prompts, params, gamma=0)
+    assert [first.output_ids, second.output_ids] == [s.output_ids for s in alone]
+    assert second.stats.num_accepted_tokens > 0
