@@ -35,7 +35,9 @@ import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -152,7 +154,7 @@ def measure(args, system: str, work: Workload, log) -> dict:
     if system in OUTRIDER_SYSTEMS:
         extra = ("--target-replicas", str(args.target_replicas), *OUTRIDER_SYSTEMS[system],
                  *args.outrider_args.split())
-        server = outrider_server(args, extra)
+        server = _url_only(outrider_server(args, extra))
     else:
         with_draft = system != "vllm"
         server = vllm_server(args, with_draft, ("--enable-prefix-caching",
@@ -162,6 +164,13 @@ def measure(args, system: str, work: Workload, log) -> dict:
     log(f"{system}: TTFT p50 {result['ttft_ms_p50']:.0f} ms, {result['tokens_per_s']:.1f} "
         f"tok/s, hit rate {result['hit_rate']}")
     return result
+
+
+@contextmanager
+def _url_only(server) -> Iterator[str]:
+    """`outrider serve`'s base URL (versus.outrider_server also yields its metrics')."""
+    with server as (url, _):
+        yield url
 
 
 def same_outputs(results: dict[str, dict], reference: str) -> dict[str, float]:
