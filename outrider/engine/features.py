@@ -63,17 +63,23 @@ class FeatureLog:
         """The features that go with tokens first_token .. first_token + num_tokens - 1
         ([num_tokens, width]; a zero row for token 0); None when the log lacks some (the
         head cannot draft for this sequence now)."""
-        if seq_id not in self._logs:
+        if not self.covers(seq_id, first_token, num_tokens):
             return None
         first, chunks = self._logs[seq_id]
         start, end = first_token - 1, first_token - 1 + num_tokens  # positions
         lead = max(0, -start)  # token 0 has no position before it
-        if start + lead < first or end > first + sum(len(c) for c in chunks):
-            return None
         rows = torch.cat(_rows(chunks, first, start + lead, end))
         if lead:
             rows = torch.cat([rows.new_zeros(lead, rows.shape[1]), rows])
         return rows
+
+    def covers(self, seq_id, first_token: int, num_tokens: int) -> bool:
+        """Whether it holds the features of those tokens (rows_for, without the copy)."""
+        if seq_id not in self._logs:
+            return False
+        first, chunks = self._logs[seq_id]
+        start = max(0, first_token - 1)
+        return first <= start and first_token - 1 + num_tokens <= first + sum(map(len, chunks))
 
     def taken(self, seq_id, num_tokens: int) -> None:
         """The head holds the sequence's first `num_tokens` tokens: it will not need the

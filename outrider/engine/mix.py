@@ -336,27 +336,31 @@ class ProposerMix:
     def _make_model_items(self, plans: list[_Plan]) -> None:
         for p in plans:
             if p.model_gamma:
-                held = p.held
-                new = held.tokens[held.model_len:] + p.free
-                features = None if self.continues else self.features.rows_for(
-                    p.item.seq_id, held.model_len, len(held.tokens) - held.model_len)
-                if features is None and not self.continues:
+                p.model_item = self._model_item(p, p.free, gamma=p.model_gamma,
+                                                teacher=p.held.teacher)
+                if p.model_item is None:
                     p.model_gamma = 0  # the head lost features it needs: no draft for it
                     continue
-                p.model_item = replace(p.item, committed_len=held.model_len,
-                                       new_token_ids=new, gamma=p.model_gamma,
-                                       traceparent="" if held.has_model else held.traceparent,
-                                       teacher=held.teacher, features=features)
-                held.teacher = []
+                p.held.teacher = []
 
     def _warm_item(self, plan: _Plan) -> DraftItem | None:
         """A prefill for the model: AUTO and MODEL requests draft from it next round."""
         if self.model is None or plan.kind.is_model_free:
             return None
+        return self._model_item(plan, [])
+
+    def _model_item(self, plan: _Plan, free: list[int], **changes) -> DraftItem | None:
+        """The item the model gets: the tokens it lacks (+ `free`), a head's with their
+        features (None: some are gone)."""
         held = plan.held
+        features = None if self.continues else self.features.rows_for(
+            plan.item.seq_id, held.model_len, len(held.tokens) - held.model_len)
+        if features is None and not self.continues:
+            return None
         return replace(plan.item, committed_len=held.model_len,
-                       new_token_ids=held.tokens[held.model_len:],
-                       traceparent="" if held.has_model else held.traceparent)
+                       new_token_ids=held.tokens[held.model_len:] + free,
+                       traceparent="" if held.has_model else held.traceparent,
+                       features=features, **changes)
 
     def _assemble(self, plans: list[_Plan], is_miss: list[bool], asked: list[_Plan],
                   pending: PendingProposal | None, device: torch.device) -> Proposal:
@@ -401,6 +405,7 @@ class ProposerMix:
         if p.item.prefill_only:
             if not drafted.is_miss[k]:
                 held.model_len = context_len
+                self.features.taken(p.item.seq_id, context_len)
             return [], None
         if not g:
             return [], None

@@ -69,6 +69,10 @@ from outrider.engine.tree import (
     walk,
 )
 
+# a head's features of committed tokens it was not sent wait in memory: past this many
+# a sequence's are taken in while the target verifies (`_head_backlog`)
+HEAD_FEED_TOKENS = 64
+
 
 class RequestError(ValueError):
     """A prompt the engine cannot run; the message says why."""
@@ -132,6 +136,7 @@ class Row:
     committed: list[int] = field(default_factory=list)
     parents: list[int] | None = None  # its proposals' tree (engine/tree.py); None: a chain
     path: list[int] | None = None     # the tree's accepted nodes, root first
+    feeds_head: int = 0    # a head takes in its first this-many tokens meanwhile
 
     @property
     def tree(self) -> list[int] | None:
@@ -487,9 +492,14 @@ class SpeculativeDecoder:
         step.draft_s += time.perf_counter() - start
         step.draft_cpu_s += time.thread_time() - cpu_start
         for r, miss in zip(step.rows, drafted.is_miss):
-            if r.warms_draft and not miss:  # the context the target held before this
-                r.seq.draft_len = r.seq.target_len - len(step.drafts[r.index])  # step's
-                # proposals (a grammar's opening), which the draft never took in
+            if miss:
+                continue
+            if r.feeds_head:  # the head holds them: their features may go
+                r.seq.draft_len = r.feeds_head
+                self.features.taken(r.seq.seq_id, r.feeds_head)
+            elif r.warms_draft:  # the context the target held before this step's
+                r.seq.draft_len = r.seq.target_len - len(step.drafts[r.index])  # proposals
+                # (a grammar's opening), which the draft never took in
         if any(r.ahead_gamma for r in step.rows):
             self._add_bonus_candidates(step, drafted)
 
@@ -599,19 +609,35 @@ class SpeculativeDecoder:
                                              drafts)
         return forced[:room]
 
-    @staticmethod
-    def _prefill_item(seq: Sequence) -> DraftItem:
-        """Take in the context the draft lacks, drafting nothing."""
-        return DraftItem(seq.seq_id, seq.draft_len, seq.token_ids[seq.draft_len:], 0,
-                         seq.params, seq.seed, prefill_only=True, prompt_len=seq.prompt_len,
+    def _prefill_item(self, seq: Sequence) -> DraftItem:
+        """Take in the context the draft lacks, drafting nothing (a head: with the
+        features the log holds for it, `_head_backlog`)."""
+        new = seq.token_ids[seq.draft_len:]
+        features = (self.features.rows_for(seq.seq_id, seq.draft_len, len(new))
+                    if self.reads is not None else None)
+        return DraftItem(seq.seq_id, seq.draft_len, new, 0, seq.params, seq.seed,
+                         prefill_only=True, prompt_len=seq.prompt_len,
                          traceparent=seq.traceparent if seq.draft_len == 0 else "",
-                         proposer=seq.proposer)
+                         proposer=seq.proposer, features=features)
+
+    def _head_backlog(self, row: Row) -> int:
+        """A head's: the committed tokens it takes in while the target verifies (their
+        features then leave the log), when a row that drafts nothing — speculation off
+        in a hot batch, say — has let HEAD_FEED_TOKENS of them pile up; 0: none."""
+        seq = row.seq
+        if self.reads is None or row.gamma or not row.is_ready:
+            return 0
+        num_new = len(seq.token_ids) - seq.draft_len
+        if num_new < HEAD_FEED_TOKENS or not self.features.covers(seq.seq_id, seq.draft_len,
+                                                                  num_new):
+            return 0
+        return len(seq.token_ids)
 
     def _start_background(self, step: Step) -> None:
         """What the draft does while the target verifies: drafting the next round ahead
         (overlap), assuming this round's drafts all pass — 1 bonus-position candidate +
         γ_i draft tokens per sequence —, and taking in the context of sequences whose
-        prefill completes now."""
+        prefill completes now (a head: the tokens its features piled up for)."""
         # by default only greedy sequences draft ahead: a verified bonus candidate gives
         # the same token as a fresh argmax, but not the same *sample* (the same
         # distribution), and a seed's output must not depend on the batch's size
@@ -624,7 +650,9 @@ class SpeculativeDecoder:
         if sum(r.gamma > 0 and not r.is_first for r in rows) > self.overlap_max_seqs:
             for r in rows:
                 r.ahead_gamma = 0
-        warms = [r.warms_draft and self.reads is None for r in rows]
+        for r in rows:
+            r.feeds_head = self._head_backlog(r)
+        warms = [r.warms_draft and self.reads is None or r.feeds_head > 0 for r in rows]
         if not any(r.ahead_gamma or w for r, w in zip(rows, warms)):
             return
         items = [self._prefill_item(r.seq) if w else

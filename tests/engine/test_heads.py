@@ -346,3 +346,36 @@ def test_a_head_drafts_on_a_cached_prefix_from_the_features_kept_beside_it():
                                ).generate(prompts, params, gamma=0)
     assert [first.output_ids, second.output_ids] == [s.output_ids for s in alone]
     assert second.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["head", "head-in-mix"])
+def test_a_head_takes_in_the_features_that_pile_up_while_it_drafts_nothing(mixed):
+    """A long stretch of steps without speculation (a hot batch): the head takes in the
+    committed tokens while the target verifies once HEAD_FEED_TOKENS of their features
+    are waiting, so the log stays short; speculating again, it drafts from there (its
+    drafts kept) and the output is the target's alone."""
+    from outrider.engine.spec_decode import HEAD_FEED_TOKENS
+    from outrider.paths import models_dir
+
+    target_dir, head_dir = models_dir() / "demo-target", models_dir() / "demo-eagle3"
+    target = ModelRunner(RunnerConfig(str(target_dir), dtype="float32", kv_cache_mb=8))
+    head = head_proposer(RunnerConfig(str(head_dir), kv_cache_mb=4), target)
+    decoder = SpeculativeDecoder(target, ProposerMix(head, target.vocab_size,
+                                                     ProposerKind.MODEL) if mixed else head)
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    prompt = [5, 17, 99, 3, 250, 41, 7, 12]
+    seq = decoder.new_sequence(prompt, params)
+    logged = []
+    while seq.num_output < 150:  # off: one token a step
+        decoder.step([seq], [0])
+        first, chunks = decoder.features._logs[seq.seq_id]
+        logged.append(sum(map(len, chunks)))
+    assert max(logged) <= HEAD_FEED_TOKENS + 1 and seq.draft_len > 100, (max(logged), seq.draft_len)
+    rounds = []
+    while not seq.is_finished:
+        decoder.step([seq], [4])
+        rounds.append(seq.last_round)
+    alone = SpeculativeDecoder(ModelRunner(RunnerConfig(str(target_dir), dtype="float32"))
+                               ).generate([prompt], params, gamma=0)[0]
+    assert seq.output_ids == alone.output_ids
+    assert sum(r.num_accepted for r in rounds) > len(rounds), rounds  # > 1 a round
