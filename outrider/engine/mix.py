@@ -369,12 +369,18 @@ class ProposerMix:
             drafted = self._retry_misses(asked, drafted, device)
         by_plan = {id(p): k for k, p in enumerate(asked)}
         rows, sources, trees = [], [], []
-        for p, miss in zip(plans, is_miss):
+        is_miss = list(is_miss)
+        for i, p in enumerate(plans):
             k = by_plan.get(id(p))
             model_ids, model_q = [], None
             if k is not None:
                 p.held.has_model = True
                 model_ids, model_q = self._model_part(p, drafted, k)
+                # a head that lost the sequence needs the whole context's features: the
+                # loop has them (the target's cache of them), the mix does not
+                is_miss[i] |= (drafted.is_miss[k] and not self.continues
+                               and not p.item.prefill_only)
+            miss = is_miss[i]
             ids = p.free + model_ids
             # the model's tree hangs after the looked-up chain (engine/tree.py)
             tree = drafted.parents_of(k)[:len(model_ids)] if model_ids else []

@@ -146,9 +146,10 @@ class ModelRunner:
         if self.feature_cache is not None and len(rows):
             self.feature_cache[self._slots(seq_id, start, len(rows))] = rows
 
-    def cached_features(self, seq_id, num_positions: int) -> torch.Tensor:
-        """[num_positions, width]: the features of its first positions (a cached prefix)."""
-        return self.feature_cache[self._slots(seq_id, 0, num_positions)]
+    def cached_features(self, seq_id, start: int, num_positions: int) -> torch.Tensor:
+        """[num_positions, width]: the features of its positions start, start + 1, ...
+        (a cached prefix's, or any committed ones': store_features keeps them all)."""
+        return self.feature_cache[self._slots(seq_id, start, num_positions)]
 
     def _slots(self, seq_id, start: int, n: int) -> torch.Tensor:
         size = self.cfg.block_size

@@ -318,7 +318,7 @@ class SpeculativeDecoder:
                                       and blocks.seq_len(seq_id) == blocks.sealed_len(seq_id)):
             seq.target_len = blocks.match_prefix(seq_id, seq.token_ids)
             if self.reads is not None and seq.target_len:
-                self.features.add(seq_id, 0, self.target.cached_features(seq_id,
+                self.features.add(seq_id, 0, self.target.cached_features(seq_id, 0,
                                                                          seq.target_len))
 
     def release(self, seq: Sequence) -> None:
@@ -582,7 +582,7 @@ class SpeculativeDecoder:
         new = seq.token_ids[start:] + list(drafts[max(0, start - num_committed):])
         teacher, forced, features = [], [], None
         if gamma and self.reads is not None:
-            features = self.features.rows_for(seq.seq_id, start, len(new))
+            features = self._head_features(seq, start, len(new))
             if features is None:  # lost (a proposer that missed): no head drafts for it
                 gamma = 0
         if gamma:  # the target's top-k rows go with the sequence's next Propose
@@ -594,6 +594,19 @@ class SpeculativeDecoder:
                          proposer=seq.round_proposer or seq.proposer,
                          forced=forced, features=features,
                          tree=self._tree_for(seq))
+
+    def _head_features(self, seq: Sequence, first_token: int,
+                       num_tokens: int) -> torch.Tensor | None:
+        """The features that go with those tokens (FeatureLog.rows_for): the log's, else
+        — a head that lost the sequence, sent it whole — the target's cache of every
+        committed position's (RunnerConfig.feature_width); None: neither holds them."""
+        rows = self.features.rows_for(seq.seq_id, first_token, num_tokens)
+        start, end = max(0, first_token - 1), first_token - 1 + num_tokens  # positions
+        if rows is not None or self.target.feature_cache is None or end > seq.target_len:
+            return rows
+        rows = self.target.cached_features(seq.seq_id, start, end - start)
+        return torch.cat([rows.new_zeros(1, rows.shape[1]), rows]) if first_token == 0 \
+            else rows
 
     def _forced(self, seq: Sequence, gamma: int, drafts: list[int]) -> list[int]:
         """What a constrained sequence's grammar forces after its tokens + `drafts`: free

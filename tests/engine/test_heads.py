@@ -379,3 +379,35 @@ def test_a_head_takes_in_the_features_that_pile_up_while_it_drafts_nothing(mixed
                                ).generate([prompt], params, gamma=0)[0]
     assert seq.output_ids == alone.output_ids
     assert sum(r.num_accepted for r in rounds) > len(rounds), rounds  # > 1 a round
+
+
+@pytest.mark.parametrize("feature_width", [320, 0], ids=["features-cached", "none"])
+def test_a_head_that_lost_a_sequence_drafts_again_from_the_cached_features(feature_width):
+    """The head (beside the lookups, as a replica runs it) loses a sequence mid-way — a
+    draft replica restarted, say: it answers MISS, the loop sends the whole context, and
+    the target's cache of every committed position's features (feature_width) gives the
+    head what it reads, so it drafts again; without that cache it cannot. The output is
+    the target's alone either way."""
+    from outrider.paths import models_dir
+
+    target_dir, head_dir = models_dir() / "demo-target", models_dir() / "demo-eagle3"
+    target = ModelRunner(RunnerConfig(str(target_dir), dtype="float32", kv_cache_mb=8,
+                                      feature_width=feature_width))
+    head = head_proposer(RunnerConfig(str(head_dir), kv_cache_mb=4), target)
+    decoder = SpeculativeDecoder(target, ProposerMix(head, target.vocab_size,
+                                                     ProposerKind.MODEL))
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    prompt = [5, 17, 99, 3, 250, 41, 7, 12]
+    seq = decoder.new_sequence(prompt, params)
+    while seq.num_output < 20:
+        decoder.step([seq], [4])
+    assert head.release(seq.seq_id)  # lost
+    after = []
+    while not seq.is_finished:
+        decoder.step([seq], [4])
+        after.append(seq.last_round)
+    alone = SpeculativeDecoder(ModelRunner(RunnerConfig(str(target_dir), dtype="float32"))
+                               ).generate([prompt], params, gamma=0)[0]
+    assert seq.output_ids == alone.output_ids
+    kept = sum(r.num_accepted for r in after)
+    assert (kept > len(after)) if feature_width else (kept == 0), after
