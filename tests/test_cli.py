@@ -218,3 +218,23 @@ def test_a_speculative_config_stands_for_draft_gamma_and_proposer(capsys):
         with pytest.raises(SystemExit) as stop:
             serve(config)
         assert stop.value.code == 2 and says in capsys.readouterr().err, config
+
+
+def test_serve_puts_an_eagle_head_on_draft_replicas_when_asked():
+    """`outrider serve --draft HEAD --head-on-replicas`: the head drafts on the draft
+    replicas (they load the target's embedding); a draft model, or trees, refused by name."""
+    from outrider import paths
+    from outrider.cli import build_parser
+    from outrider.cli.roles import _local_system_config
+
+    def config(*argv: str):
+        return _local_system_config(build_parser("serve").parse_args(["serve", *argv]))
+
+    head = str(paths.demo_head_dir())
+    cfg = config("--draft", head, "--head-on-replicas", "--draft-replicas", "2")
+    assert (cfg.draft, cfg.head_on_replicas, cfg.draft_replicas) == (head, True, 2)
+    with pytest.raises(ValueError, match="needs an EAGLE-3 or EAGLE-1 head"):
+        config("--draft", str(paths.demo_draft_dir()), "--head-on-replicas")
+    with pytest.raises(ValueError, match="in the target's process"):
+        config("--draft", head, "--head-on-replicas", "--tree-topk", "3", "--tree-tokens",
+               "8")

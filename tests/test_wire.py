@@ -53,3 +53,19 @@ def test_a_draft_replica_learns_what_ends_the_output():
     ignoring = SamplingParams(stop_token_ids=(7,), eos_token_ids=(0,), ignore_eos=True)
     drafts_with, _ = sampling_from_proto(sampling_to_proto(ignoring, seed=1))
     assert drafts_with.held_back_ids == (7,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_heads_features_cross_the_wire_as_they_are_or_are_refused_by_name(dtype):
+    from outrider.wire import decode_features, encode_features
+
+    rows = torch.randn(3, 8).to(dtype)
+    msg = encode_features(rows)
+    assert torch.equal(decode_features(msg, 3, (8, 24), "sequences['s']"), rows)
+    for num_rows, widths, says in ((4, (8,), "has 48 bytes" if dtype != torch.float32
+                                    else "has 96 bytes"), (3, (24,), "width is 8")):
+        with pytest.raises(WireError, match=says):
+            decode_features(msg, num_rows, widths, "sequences['s']")
+    msg.data = torch.full((3, 8), float("nan"), dtype=dtype).view(torch.uint8).numpy().tobytes()
+    with pytest.raises(WireError, match="not finite"):
+        decode_features(msg, 3, (8,), "sequences['s']")
