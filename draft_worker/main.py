@@ -27,6 +27,9 @@ from outrider.v1 import worker_pb2_grpc
 from outrider.v1.worker_pb2 import DESCRIPTOR
 
 SERVICE_NAME = DESCRIPTOR.services_by_name["Draft"].full_name
+# a head's Propose carries a feature row a new token: a new 8K-token context of an 8B
+# target is 64 MiB in bf16
+PROPOSE_MAX_MB = 1024
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,6 @@ def start(cfg: DraftWorkerConfig, token: str | None) -> Running:
     server, bound = build_server(
         lambda s: worker_pb2_grpc.add_DraftServicer_to_server(service, s),
         [SERVICE_NAME], f"{cfg.host}:{cfg.port}", token,
-        credentials=credentials)
+        credentials=credentials, max_message_mb=PROPOSE_MAX_MB)
     server.start()
     return Running(server, f"{cfg.host}:{bound}", service=service)

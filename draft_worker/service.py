@@ -156,14 +156,12 @@ class DraftService(worker_pb2_grpc.DraftServicer):
                              num_dense_sends=self.num_dense_sends,
                              model_name=self.drafter.model_name,
                              method=self.drafter.method,
-                             feature_width=self._feature_widths[-1] if self._feature_widths
-                             else 0)
+                             feature_width=self._feature_width)
 
     @property
-    def _feature_widths(self) -> tuple[int, ...]:
-        """A head's (HeadRunner.feature_widths: the fused width last); () for a draft
-        model."""
-        return getattr(self.drafter.runner, "feature_widths", ())
+    def _feature_width(self) -> int:
+        """A head's (HeadRunner.feature_width); 0 for a draft model."""
+        return getattr(self.drafter.runner, "feature_width", 0)
 
     def _item(self, s: pb.ProposeSequence) -> DraftItem:
         where = f"sequences[{s.seq_id!r}]"
@@ -186,8 +184,8 @@ class DraftService(worker_pb2_grpc.DraftServicer):
 
     def _features(self, s: pb.ProposeSequence, where: str) -> torch.Tensor | None:
         """A head's input rows (one per new token); a head drafts nothing without them."""
-        widths = self._feature_widths
-        if not widths:
+        width = self._feature_width
+        if not width:
             if s.HasField("features"):
                 raise WireError(f"{where}.features: this replica runs a draft model, which "
                                 f"reads no features")
@@ -197,7 +195,7 @@ class DraftService(worker_pb2_grpc.DraftServicer):
                 raise WireError(f"{where}.features: the head drafts from the target's "
                                 f"features, and none came")
             return None
-        return decode_features(s.features, len(s.new_token_ids), widths, where)
+        return decode_features(s.features, len(s.new_token_ids), width, where)
 
     @staticmethod
     def _teacher(s: pb.ProposeSequence, where: str, vocab: int) -> list:

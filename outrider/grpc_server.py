@@ -111,15 +111,15 @@ def build_server(add_servicers, service_names: list[str], address: str,
                  token: str | None, max_workers: int = 16,
                  credentials: grpc.ServerCredentials | None = None,
                  health_servicer: health.HealthServicer | None = None,
-                 ) -> tuple[grpc.Server, int]:
+                 max_message_mb: int = 64) -> tuple[grpc.Server, int]:
     """Start-ready server with health + reflection, on TLS when `credentials` are given;
     returns (server, bound port). Every service starts SERVING in `health_servicer`
     (given when the caller changes statuses later)."""
     interceptors = [*([ClusterTokenInterceptor(token)] if token else []), StrictParsing()]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=interceptors,
-                         options=[("grpc.max_receive_message_length", 64 * 2**20),
-                                  ("grpc.max_send_message_length", 64 * 2**20)])
+                         options=[("grpc.max_receive_message_length", max_message_mb * 2**20),
+                                  ("grpc.max_send_message_length", max_message_mb * 2**20)])
     add_servicers(server)
     health_servicer = health_servicer or health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -118,16 +118,15 @@ def encode_features(rows: torch.Tensor) -> pb.Features:
     return pb.Features(data=raw, width=rows.shape[-1], dtype=FEATURE_DTYPE_CODES[rows.dtype])
 
 
-def decode_features(msg: pb.Features, num_rows: int, widths: tuple[int, ...],
+def decode_features(msg: pb.Features, num_rows: int, width: int,
                     where: str) -> torch.Tensor:
-    """[num_rows, width] from the wire, refused unless it is num_rows rows of one of
-    `widths` (what the head reads) in a known dtype."""
+    """[num_rows, width] from the wire, refused unless it is num_rows rows of `width`
+    (what the head reads) in a known dtype."""
     dtype = FEATURE_DTYPES.get(msg.dtype)
     if dtype is None:
         raise WireError(f"{where}.features.dtype is not set")
-    if msg.width not in widths:
-        raise WireError(f"{where}.features.width is {msg.width}; the head reads "
-                        f"{' or '.join(map(str, widths))}")
+    if msg.width != width:
+        raise WireError(f"{where}.features.width is {msg.width}; the head reads {width}")
     expected = num_rows * msg.width * dtype.itemsize
     if len(msg.data) != expected:
         raise WireError(f"{where}.features.data has {len(msg.data)} bytes, expected "

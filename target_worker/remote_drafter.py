@@ -194,7 +194,10 @@ class RemoteDrafter:
 
     def _gather(self, items, formats, groups, calls, start: float,
                 device: torch.device) -> Proposal:
-        gammas, is_miss = [0] * len(items), [False] * len(items)
+        gammas = [0] * len(items)
+        # a prefill-only item is a miss unless a replica took it in (Proposal.is_miss): one
+        # whose call failed, or that went nowhere, must not count as held
+        is_miss = [it.prefill_only and it.is_active for it in items]
         token_rows: list[list[int]] = [[] for _ in items]
         q_rows: dict[int, torch.Tensor] = {}
         for replica, call in calls.items():
@@ -206,6 +209,7 @@ class RemoteDrafter:
             self._healthy(replica, time.monotonic() - start)
             self._reported[self.addresses[replica]] = (reply.draft_version, reply.target_topk)
             for i, proposal in zip(groups[replica], reply.proposals):
+                is_miss[i] = proposal.miss
                 self._read(items[i], proposal, formats[i], i, gammas, is_miss, token_rows, q_rows)
             self._receive_dense(groups[replica], reply, formats, gammas, token_rows, q_rows)
         return _pack(items, gammas, is_miss, token_rows, q_rows, self.vocab_size, device)

@@ -61,11 +61,11 @@ def test_a_heads_features_cross_the_wire_as_they_are_or_are_refused_by_name(dtyp
 
     rows = torch.randn(3, 8).to(dtype)
     msg = encode_features(rows)
-    assert torch.equal(decode_features(msg, 3, (8, 24), "sequences['s']"), rows)
-    for num_rows, widths, says in ((4, (8,), "has 48 bytes" if dtype != torch.float32
-                                    else "has 96 bytes"), (3, (24,), "width is 8")):
+    assert torch.equal(decode_features(msg, 3, 8, "sequences['s']"), rows)
+    for num_rows, width, says in ((4, 8, "has 48 bytes" if dtype != torch.float32
+                                   else "has 96 bytes"), (3, 24, "width is 8")):
         with pytest.raises(WireError, match=says):
-            decode_features(msg, num_rows, widths, "sequences['s']")
+            decode_features(msg, num_rows, width, "sequences['s']")
     msg.data = torch.full((3, 8), float("nan"), dtype=dtype).view(torch.uint8).numpy().tobytes()
     with pytest.raises(WireError, match="not finite"):
-        decode_features(msg, 3, (8,), "sequences['s']")
+        decode_features(msg, 3, 8, "sequences['s']")

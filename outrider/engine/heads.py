@@ -174,7 +174,7 @@ class DraftHead(nn.Module):
         embeds = torch.nn.functional.embedding(
             input_ids, (embed or self._target[0]).weight)  # [num_tokens, hidden]
         cos_sin = self.rope.lookup(positions, embeds.dtype)
-        features = features.to(embeds.dtype)
+        features = features.to(embeds.device, embeds.dtype)  # (a replica's come on the CPU)
         if self.kind == "eagle3":
             if features.shape[-1] != embeds.shape[-1]:  # the target's taps, not our own
                 features = self.fc(features)
@@ -323,11 +323,10 @@ class HeadRunner(ModelRunner):
         return replace(tap, fuse=self.model.fc, fused_width=self.head.layer.hidden_size)
 
     @property
-    def feature_widths(self) -> tuple[int, ...]:
-        """The feature rows it takes: the target's taps, or (EAGLE-3) those fused by its
-        fc, one hidden vector (`FeatureTap.fuse`)."""
-        taps = self.head.tap.width(self.target.config.hidden_size)
-        return (taps, self.head.layer.hidden_size) if self.head.kind == "eagle3" else (taps,)
+    def feature_width(self) -> int:
+        """The feature rows it takes from a target: one hidden vector a position (EAGLE-3's
+        taps fused by its fc as the target keeps them, `FeatureTap.fuse`)."""
+        return self.head.layer.hidden_size
 
     def _forward(self, requests: list[ForwardRequest]) -> torch.Tensor:
         pairs = [_as_pairs(r) for r in requests]

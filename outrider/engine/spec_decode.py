@@ -497,9 +497,10 @@ class SpeculativeDecoder:
             if r.feeds_head:  # the head holds them: their features may go
                 r.seq.draft_len = r.feeds_head
                 self.features.taken(r.seq.seq_id, r.feeds_head)
-            elif r.warms_draft:  # the context the target held before this step's
-                r.seq.draft_len = r.seq.target_len - len(step.drafts[r.index])  # proposals
-                # (a grammar's opening), which the draft never took in
+            elif r.warms_draft and self.reads is None:  # the context the target held
+                # before this step's proposals (a grammar's opening), which the draft
+                # never took in
+                r.seq.draft_len = r.seq.target_len - len(step.drafts[r.index])
         if any(r.ahead_gamma for r in step.rows):
             self._add_bonus_candidates(step, drafted)
 
@@ -509,10 +510,10 @@ class SpeculativeDecoder:
         ready = step.ready
         result, processed = self._accept(step, ready)
         for r, k, tokens in zip(ready, result.num_accepted.tolist(), result.token_ids.tolist()):
-            r.committed = self._commit_row(r, k, tokens)
-            if step.features is not None and not r.seq.is_finished:
-                # a head's: the fed tokens' features and the accepted drafts'
+            if step.features is not None:  # a head's: the fed tokens' features and the
+                # accepted drafts' (before a finished row's release seals its blocks)
                 self._keep_features(step, r, r.feed + min(k, r.gamma))
+            r.committed = self._commit_row(r, k, tokens)
         self._note_logprobs(ready, processed)
         self._note_teacher(ready, step.logits)
         begun = time.perf_counter()

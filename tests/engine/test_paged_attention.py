@@ -180,3 +180,23 @@ def test_a_machine_without_a_compiler_falls_back_with_one_log_line(tmp_path):
     said = [line for line in done.stderr.splitlines() if "CPU kernels" in line]
     assert len(said) == 1 and "pure-torch path" in said[0], done.stderr
     assert done.stdout.strip()  # the completion
+
+
+def test_a_build_killed_midway_leaves_no_lock_that_stops_the_next_load():
+    """torch's lock file, left in the kernel cache by a build that was killed (a replica
+    stopped mid-start), is found stale and removed by the next loader, which holds the
+    cache's own lock (freed by the kernel when a holder dies) instead of waiting forever."""
+    import fcntl
+
+    from outrider.engine.kernels import _build_key, build_dir, cpu_kernels_loaded
+
+    assert cpu_kernels_loaded()  # built (or reused) in the shared cache
+    directory = build_dir() / f"outrider_cpu_{_build_key()}"
+    with open(directory / ".outrider-build", "a") as handle:  # (no loader mid-way)
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (directory / "lock").touch()
+    done = subprocess.run([sys.executable, "-c", "from outrider.engine.kernels import "
+                           "cpu_kernels_loaded; assert cpu_kernels_loaded()"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert not (directory / "lock").exists()

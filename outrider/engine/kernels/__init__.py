@@ -9,6 +9,8 @@ without a compiler.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -38,6 +40,9 @@ def _build_key() -> str:
     digest = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
+    # the sources' folder too: the build's ninja file names them, and two checkouts
+    # sharing one cache would otherwise rebuild each other's kernels in turn
+    digest.update(str(SOURCES[0].parent.resolve()).encode())
     digest.update(" ".join([torch.__version__, platform.machine(), *FLAGS,
                             _cpu_flags()]).encode())
     return digest.hexdigest()[:16]
@@ -89,16 +94,32 @@ def _load() -> bool:
     quiet.setLevel(logging.ERROR)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],
-                           extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                           build_directory=str(directory), is_python_module=False,
-                           verbose=False)
+        with _building(directory):
+            cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],
+                               extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                               build_directory=str(directory), is_python_module=False,
+                               verbose=False)
     except Exception as exc:  # no ninja, a failed build, an unwritable cache
         first_line = (str(exc).strip().splitlines() or [""])[0]
         return _unavailable(f"{type(exc).__name__}: {first_line[:200]}")
     finally:
         quiet.setLevel(level)
     return True
+
+
+@contextlib.contextmanager
+def _building(directory: Path):
+    """One process at a time builds or loads in `directory`, under a lock the kernel
+    frees when its holder dies. torch's own lock file is left behind by a build that was
+    killed (a replica stopped mid-start), and makes every later load wait for it forever:
+    whoever holds ours finds any such file stale and removes it."""
+    with open(directory / ".outrider-build", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)  # torch's FileBaton
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _unavailable(why: str) -> bool:
