@@ -348,6 +348,18 @@ def test_a_head_drafts_on_a_cached_prefix_from_the_features_kept_beside_it():
     assert second.stats.num_accepted_tokens > 0
 
 
+def finish_as_the_target_alone(decoder: SpeculativeDecoder, seq, target_dir) -> list:
+    """Run `seq` to its end at γ 4; its rounds. Its output must be the target's alone."""
+    rounds = []
+    while not seq.is_finished:
+        decoder.step([seq], [4])
+        rounds.append(seq.last_round)
+    alone = SpeculativeDecoder(ModelRunner(RunnerConfig(str(target_dir), dtype="float32"))
+                               ).generate([seq.token_ids[:seq.prompt_len]], seq.params, 0)[0]
+    assert seq.output_ids == alone.output_ids
+    return rounds
+
+
 @pytest.mark.parametrize("mixed", [False, True], ids=["head", "head-in-mix"])
 def test_a_head_takes_in_the_features_that_pile_up_while_it_drafts_nothing(mixed):
     """A long stretch of steps without speculation (a hot batch): the head takes in the
@@ -371,13 +383,7 @@ def test_a_head_takes_in_the_features_that_pile_up_while_it_drafts_nothing(mixed
         first, chunks = decoder.features._logs[seq.seq_id]
         logged.append(sum(map(len, chunks)))
     assert max(logged) <= HEAD_FEED_TOKENS + 1 and seq.draft_len > 100, (max(logged), seq.draft_len)
-    rounds = []
-    while not seq.is_finished:
-        decoder.step([seq], [4])
-        rounds.append(seq.last_round)
-    alone = SpeculativeDecoder(ModelRunner(RunnerConfig(str(target_dir), dtype="float32"))
-                               ).generate([prompt], params, gamma=0)[0]
-    assert seq.output_ids == alone.output_ids
+    rounds = finish_as_the_target_alone(decoder, seq, target_dir)
     assert sum(r.num_accepted for r in rounds) > len(rounds), rounds  # > 1 a round
 
 
@@ -402,12 +408,6 @@ def test_a_head_that_lost_a_sequence_drafts_again_from_the_cached_features(featu
     while seq.num_output < 20:
         decoder.step([seq], [4])
     assert head.release(seq.seq_id)  # lost
-    after = []
-    while not seq.is_finished:
-        decoder.step([seq], [4])
-        after.append(seq.last_round)
-    alone = SpeculativeDecoder(ModelRunner(RunnerConfig(str(target_dir), dtype="float32"))
-                               ).generate([prompt], params, gamma=0)[0]
-    assert seq.output_ids == alone.output_ids
+    after = finish_as_the_target_alone(decoder, seq, target_dir)
     kept = sum(r.num_accepted for r in after)
     assert (kept > len(after)) if feature_width else (kept == 0), after
