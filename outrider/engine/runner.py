@@ -140,22 +140,23 @@ class ModelRunner:
             self.feature_cache = None
         self._set_step()
 
-    def store_features(self, seq_id, start: int, rows: torch.Tensor) -> None:
-        """The features of `seq_id`'s positions start, start + 1, ... beside their KV
-        ([n, width]), where a sequence sharing the block finds them (feature_width)."""
-        if self.feature_cache is not None and len(rows):
-            self.feature_cache[self._slots(seq_id, start, len(rows))] = rows
+    def feature_slots(self, seq_id, start: int, num_positions: int) -> list[int]:
+        """The feature cache's rows of `seq_id`'s positions start, start + 1, ... (its
+        KV slots)."""
+        size, table = self.cfg.block_size, self.blocks.block_table(seq_id)
+        return [table[p // size] * size + p % size for p in range(start, start + num_positions)]
+
+    def store_features(self, slots: list[int], rows: torch.Tensor) -> None:
+        """Features of positions ([len(slots), width]) beside their KV, where a sequence
+        sharing the block finds them (feature_width); one write a step."""
+        if self.feature_cache is not None and slots:
+            self.feature_cache[torch.tensor(slots, device=self.device)] = rows
 
     def cached_features(self, seq_id, start: int, num_positions: int) -> torch.Tensor:
         """[num_positions, width]: the features of its positions start, start + 1, ...
-        (a cached prefix's, or any committed ones': store_features keeps them all)."""
-        return self.feature_cache[self._slots(seq_id, start, num_positions)]
-
-    def _slots(self, seq_id, start: int, n: int) -> torch.Tensor:
-        size = self.cfg.block_size
-        table = torch.tensor(self.blocks.block_table(seq_id), dtype=torch.long)
-        positions = torch.arange(start, start + n)
-        return (table[positions // size] * size + positions % size).to(self.device)
+        (a cached prefix's, or any committed ones': the loop stores them all)."""
+        slots = self.feature_slots(seq_id, start, num_positions)
+        return self.feature_cache[torch.tensor(slots, device=self.device)]
 
     @property
     def features(self) -> torch.Tensor | None:

@@ -177,6 +177,8 @@ class Step:
     features: torch.Tensor | None = None     # [fed + proposed tokens, width]: a head's
     feature_at: list[tuple[int, int]] = field(default_factory=list)  # per row: its first
     #                                          row of `features`, and that row's position
+    # the committed positions' feature cache slots, and their rows of `features`
+    cached_features: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
     draft_s: float = 0.0
     draft_cpu_s: float = 0.0
     verify_s: float = 0.0
@@ -369,6 +371,9 @@ class SpeculativeDecoder:
         self._verify(step)
         if step.ready:
             self._commit(step)
+        if step.cached_features[0]:  # one write a step
+            self.target.store_features(step.cached_features[0],
+                                       step.features[step.cached_features[1]])
         self.last_timing = step.timing  # after the commit: it times the grammar masks
         if self.tree is not None and self.tree_choice is not None and self.verify_seconds:
             self._choose_trees(step)  # the next step's kind, before its γ and KV are planned
@@ -531,9 +536,11 @@ class SpeculativeDecoder:
             if row.path is not None:  # a tree's: its fed tokens', then the path's nodes'
                 rows = rows[:row.feed] + [offset + row.feed + n
                                           for n in row.path[:num_committed - row.feed]]
-            kept = step.features[rows]
-            self.features.add(row.seq.seq_id, position, kept)
-            self.target.store_features(row.seq.seq_id, position, kept)
+            self.features.add(row.seq.seq_id, position, step.features[rows])
+            if self.target.feature_cache is not None:  # (slots now: a finished row's
+                slots, stored = step.cached_features  # blocks go with its release)
+                slots += self.target.feature_slots(row.seq.seq_id, position, len(rows))
+                stored += rows
 
     # -- propose ---------------------------------------------------------------------------
     def _draft(self, seqs: list[Sequence], gammas: list[int]) -> Proposal:
