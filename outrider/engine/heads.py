@@ -85,6 +85,18 @@ class HeadConfig:
                    int(raw.get("draft_vocab_size") or target.vocab_size),
                    bool(raw.get("norm_before_residual", False)))
 
+    @property
+    def feature_width(self) -> int:
+        """What the target keeps a position for it: one hidden vector (EAGLE-3's taps
+        fused by its fc, `fused_tap`; EAGLE-1's the target's normed hidden state)."""
+        return self.layer.hidden_size
+
+    def fused_tap(self, fc) -> FeatureTap:
+        """Its tap with EAGLE-3's fc applied as the target keeps the taps."""
+        if self.kind != "eagle3":
+            return self.tap
+        return replace(self.tap, fuse=fc, fused_width=self.feature_width)
+
 
 def _tap(kind: str, raw: dict, eagle: dict, target: ModelConfig, source: str) -> FeatureTap:
     """EAGLE-3 reads the residual stream entering three target layers: those its config
@@ -317,16 +329,12 @@ class HeadRunner(ModelRunner):
     def reads(self) -> FeatureTap:
         """The target's hidden states this head drafts from (EAGLE-3's fused by its fc
         as the target keeps them)."""
-        tap = self.head.tap
-        if self.head.kind != "eagle3":
-            return tap
-        return replace(tap, fuse=self.model.fc, fused_width=self.head.layer.hidden_size)
+        return self.head.fused_tap(self.model.fc)
 
     @property
     def feature_width(self) -> int:
-        """The feature rows it takes from a target: one hidden vector a position (EAGLE-3's
-        taps fused by its fc as the target keeps them, `FeatureTap.fuse`)."""
-        return self.head.layer.hidden_size
+        """The feature rows it takes from a target (HeadConfig.feature_width)."""
+        return self.head.feature_width
 
     def _forward(self, requests: list[ForwardRequest]) -> torch.Tensor:
         pairs = [_as_pairs(r) for r in requests]
@@ -344,7 +352,7 @@ class RemoteHead:
         self.head = HeadConfig.from_dir(head_dir, target.model_config)
         check_head_names(self.head.kind, head_tensor_names(head_dir), head_dir)
         self.method = HEAD_METHODS[self.head.kind]
-        self.width = self.head.layer.hidden_size
+        self.width = self.head.feature_width
         self.tap = self.head.tap
         if self.head.kind == "eagle3":
             taps = self.head.tap.width(target.model_config.hidden_size)
@@ -352,7 +360,7 @@ class RemoteHead:
                 taps, self.width, False, TPGroup()))
             load_checkpoint(fc, Path(head_dir), lambda name: (
                 ("weight", None) if name.removeprefix("model.") == "fc.weight" else None))
-            self.tap = replace(self.tap, fuse=fc, fused_width=self.width)
+            self.tap = self.head.fused_tap(fc)
 
 
 def _as_pairs(r: ForwardRequest) -> ForwardRequest:
@@ -417,9 +425,10 @@ def save_head(path: str | Path, config: dict, tensors: dict[str, torch.Tensor]) 
 def head_feature_width(head_dir: str | Path, target_dir: str | Path) -> int:
     """What the target keeps a position for the head in head_dir (FeatureTap.width, an
     EAGLE-3's fused): its hidden size, or Medusa's the target's."""
+    target = ModelConfig.from_dir(target_dir)
     if head_kind(head_dir) == "medusa":
-        return ModelConfig.from_dir(target_dir).hidden_size
-    return int(read_config(head_dir)["hidden_size"])
+        return target.hidden_size
+    return HeadConfig.from_dir(head_dir, target).feature_width
 
 
 def head_proposer(cfg: RunnerConfig, target: ModelRunner):

@@ -319,9 +319,15 @@ class SpeculativeDecoder:
         if not blocks.has(seq_id) or (seq.num_cached_tokens is None
                                       and blocks.seq_len(seq_id) == blocks.sealed_len(seq_id)):
             seq.target_len = blocks.match_prefix(seq_id, seq.token_ids)
-            if self.reads is not None and seq.target_len:
-                self.features.add(seq_id, 0, self.target.cached_features(seq_id, 0,
-                                                                         seq.target_len))
+            if self.reads is not None:
+                self._refill_features(seq)
+
+    def _refill_features(self, seq: Sequence) -> None:
+        """Its feature log from the target's cache of every computed position's (a cached
+        prefix, or a head that lost the sequence)."""
+        if seq.target_len:
+            self.features.add(seq.seq_id, 0, self.target.cached_features(
+                seq.seq_id, 0, seq.target_len))
 
     def release(self, seq: Sequence) -> None:
         self.target.blocks.free(seq.seq_id)
@@ -609,12 +615,10 @@ class SpeculativeDecoder:
         — a head that lost the sequence, sent it whole — the target's cache of every
         committed position's (RunnerConfig.feature_width); None: neither holds them."""
         rows = self.features.rows_for(seq.seq_id, first_token, num_tokens)
-        start, end = max(0, first_token - 1), first_token - 1 + num_tokens  # positions
-        if rows is not None or self.target.feature_cache is None or end > seq.target_len:
+        if rows is not None or self.target.feature_cache is None:
             return rows
-        rows = self.target.cached_features(seq.seq_id, start, end - start)
-        return torch.cat([rows.new_zeros(1, rows.shape[1]), rows]) if first_token == 0 \
-            else rows
+        self._refill_features(seq)
+        return self.features.rows_for(seq.seq_id, first_token, num_tokens)
 
     def _forced(self, seq: Sequence, gamma: int, drafts: list[int]) -> list[int]:
         """What a constrained sequence's grammar forces after its tokens + `drafts`: free
