@@ -26,7 +26,7 @@ from outrider.router.replicas import ReplicaSet
 from outrider.router.target_link import StreamUnread
 from outrider.router.telemetry import RequestTelemetry, RouterTelemetry
 from outrider.router.text_stream import TextStream
-from outrider.router.validate import STRUCTURED_TAG, Job, ValidationError, validate
+from outrider.router.validate import Job, ValidationError, client_tag, validate
 
 from outrider.core.grammar import Grammars
 from outrider.core.policy import MAX_QUEUED_PER_REPLICA, Acceptance, SpecMode
@@ -153,7 +153,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         acceptance = [gp.AcceptanceStats(model_pair=pair, tag=tag, tested_per_position=c.tested,
                                          accepted_per_position=c.accepted)
                       for (pair, tag), c in stats.items()
-                      if not request.tag or tag in (request.tag, request.tag + STRUCTURED_TAG)]
+                      if not request.tag or client_tag(tag) == request.tag]
         return gp.RouterStatus(replicas=replicas, acceptance=acceptance,
                                is_store_reachable=reachable)
 

@@ -28,6 +28,12 @@ DEFAULT_MAX_TOKENS = 16
 NAME_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 TAG_RE = re.compile(r"[A-Za-z0-9_.-]{0,64}")
 STRUCTURED_TAG = "+structured"  # constrained requests' statistics (no client tag has a +)
+SAMPLED_TAG = "@"  # sampled requests' statistics, by acceptance class (nor an @)
+
+
+def client_tag(stats_tag: str) -> str:
+    """The tag a client gave, of a tag statistics are kept under."""
+    return re.split(r"[+@]", stats_tag, maxsplit=1)[0]
 MODES = {gp.SPECULATION_MODE_AUTO: SpecMode.AUTO, gp.SPECULATION_MODE_OFF: SpecMode.OFF,
          gp.SPECULATION_MODE_FIXED: SpecMode.FIXED}
 
@@ -60,8 +66,11 @@ class Job:
     @property
     def stats_tag(self) -> str:
         """The tag its acceptance is counted and looked up under: constrained outputs
-        apart (a grammar changes what the draft gets right), as `<tag>+structured`."""
-        return self.tag + STRUCTURED_TAG if self.params.structured_output else self.tag
+        apart (a grammar changes what the draft gets right), as `<tag>+structured`, and
+        sampled ones by their acceptance class, as `<tag>@t0.7`."""
+        tag = self.tag + STRUCTURED_TAG if self.params.structured_output else self.tag
+        sampled = self.params.acceptance_class
+        return f"{tag}{SAMPLED_TAG}{sampled}" if sampled else tag
 
 
 def validate(req: gp.GenerateRequest, tokenizer: Tokenizer, max_model_len: int,

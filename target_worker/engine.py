@@ -80,11 +80,9 @@ class TargetEngine:
         self.scheduler = Scheduler(sched_cfg, decoder.target.blocks, decoder.admit, self._preempt)
         self.policy = policy
         self.cost = OnlineCost(policy.cost)  # the policy's model, kept true by every step
-        # what the replica has seen, for requests that bring no acceptance estimate:
-        # constrained outputs apart (a grammar changes what the draft gets right)
-        self._acceptance = {constrained: Acceptance([0.7] * policy.cfg.gamma_max,
-                                                    policy.cfg.ewma_weight)
-                            for constrained in (False, True)}
+        # what the replica has seen, for requests that bring no acceptance estimate, by
+        # (constrained, acceptance class): acceptance_for
+        self._acceptance: dict[tuple[bool, str], Acceptance] = {}
         self._inbox: queue.Queue[Handle] = queue.Queue()
         self._handles: dict[str, Handle] = {}
         self._by_seq: dict[int, Handle] = {}
@@ -274,8 +272,15 @@ class TargetEngine:
                 self.metrics.mask_seconds.observe(timing.mask_s)
 
     def acceptance_for(self, params: SamplingParams) -> Acceptance:
-        """The replica's estimate for requests like this: constrained or not."""
-        return self._acceptance[params.structured_output is not None]
+        """The replica's estimate for requests like this: constrained or not (a grammar
+        changes what the draft gets right), and of the same acceptance class (greedy, or
+        sampled at the same temperature: SamplingParams.acceptance_class). A class starts
+        at 0.7; the hurdle and the probes of docs/DESIGN.md §4.4 bound what that costs."""
+        key = (params.structured_output is not None, params.acceptance_class)
+        if key not in self._acceptance:  # (setdefault: a handler thread may race the engine's)
+            self._acceptance.setdefault(key, Acceptance([0.7] * self.policy.cfg.gamma_max,
+                                                        self.policy.cfg.ewma_weight))
+        return self._acceptance[key]
 
     def _learn(self, handle: Handle, last: Round) -> None:
         """The round into the request's and the replica's acceptance estimates. They size

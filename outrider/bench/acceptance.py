@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from outrider import paths
+from outrider.bench.common import SETTINGS as SERVING_SETTINGS
 from outrider.bench.common import provenance
 from outrider.core.hf_config import head_kind
 from outrider.core.sampling import SamplingParams
@@ -46,8 +47,8 @@ from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.flags import add_tree_args, tree_shape
 
-SETTINGS = {"greedy": dict(temperature=0.0),
-            "t0.7-p0.95": dict(temperature=0.7, top_p=0.95)}
+# α at the temperatures users run: greedy, T 0.7 / top-p 0.9 and T 1.0 (models/TRAINING.md)
+SETTINGS = {name: SERVING_SETTINGS[name] for name in ("greedy", "t0.7-p0.9", "t1.0")}
 
 
 def heldout_prompts(tokenizer: Tokenizer, num_prompts: int, prompt_tokens: int) -> list[list[int]]:

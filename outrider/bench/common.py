@@ -27,7 +27,9 @@ WORKLOADS = ("code", "text")
 # the settings of outrider.bench.acceptance (not imported here: it pulls in torch, and
 # `outrider bench --help` should not wait for torch)
 SETTINGS = {"greedy": dict(temperature=0.0),
-            "t0.7-p0.95": dict(temperature=0.7, top_p=0.95)}
+            "t0.7-p0.9": dict(temperature=0.7, top_p=0.9),
+            "t0.7-p0.95": dict(temperature=0.7, top_p=0.95),
+            "t1.0": dict(temperature=1.0)}
 
 
 # -- what to run ---------------------------------------------------------------------------

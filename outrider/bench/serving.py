@@ -2,7 +2,7 @@
 fixed γ and auto (the router's γ policy), side by side, from 1 to 32 concurrent streams.
 
     python -m outrider.bench.serving [--address HOST:PORT] [--concurrency 1,2,4,8,16,32]
-        [--workloads code,text] [--samplings greedy,t0.7-p0.95]
+        [--workloads code,text] [--samplings greedy,t0.7-p0.9]
         [--modes off,fixed2,fixed4,fixed6,auto] [--prompts 4] [--max-tokens 96] [--peer]
 
 Without --address it starts a router, a target replica and a draft replica on the demo
@@ -381,7 +381,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draft checkpoint (c, the local deployment)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help="code (held-out stdlib modules) and/or text (prose)")
-    parser.add_argument("--samplings", default=",".join(SETTINGS),
+    parser.add_argument("--samplings", default="greedy,t0.7-p0.9",
                         help=f"any of {', '.join(SETTINGS)} (sampled requests are seeded)")
     parser.add_argument("--modes", default=DEFAULT_MODES,
                         help="off, fixedN (γ = N), auto[N] (γ_max N; plain: replica default)")

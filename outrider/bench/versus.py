@@ -544,6 +544,11 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
                              "temperature=0.8,top_p=0.9,repetition_penalty=1.1,logprobs=2 "
                              "(vllm bench serve's names; default: greedy). The in-process "
                              "engine rows are greedy whatever this says")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="the client's temperature (production traffic is sampled: "
+                             "BENCHMARKS §1 is at 0.7); added to --sampling")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="the client's top_p; added to --sampling")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"),
                         help="(--vllm) of every system's models; auto: each system's own "
                              "default (both take a bf16 checkpoint's dtype on a CPU with "
@@ -552,9 +557,20 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
                         help="transformers (assisted generation) at batch 1 on the same prompts")
 
 
+def with_sampling_flags(sampling: str, temperature: float | None,
+                        top_p: float | None) -> str:
+    """--sampling's NAME=VALUE pairs with --temperature and --top-p put in (theirs win)."""
+    pairs = dict(item.split("=", 1) for item in sampling.split(",") if item)
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if value is not None:
+            pairs[name] = f"{value:g}"
+    return ",".join(f"{name}={value}" for name, value in pairs.items())
+
+
 def run(args) -> int:
     from outrider.core.tokenizer import Tokenizer
 
+    args.sampling = with_sampling_flags(args.sampling, args.temperature, args.top_p)
     started = common.provenance()  # the commit and date the run began with
     levels = serving.parse_concurrency(args.concurrency)
     g = args.gamma

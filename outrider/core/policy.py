@@ -28,6 +28,9 @@ MAX_QUEUED_PER_REPLICA = 256
 # many such steps in a row (the batch not hot), one step probes
 PROBE_AFTER = 16
 PROBE_REQUESTS = 4  # ... with γ = 1 for each AUTO request, in batches of at most this many
+# each probe that finds speculation still not paying doubles the wait for the next, to
+# this many steps; a step in which the optimum speculates brings it back to PROBE_AFTER
+PROBE_AFTER_MAX = 128
 
 
 class SpecMode(Enum):
@@ -118,10 +121,16 @@ class PolicyConfig:
     hot_heat: float = 0.9    # speculation off at or above this heat ...
     cool_heat: float = 0.7   # ... and back on at or below this one
     ewma_weight: float = 0.1  # weight of the newest round in the acceptance estimate
+    # speculation is kept only where its expected goodput beats γ = 0 for everyone by
+    # this share: estimates err (a request's α lags its text, a step's time its load),
+    # and below this a gain is smaller than their error, while a loss is paid in full
+    min_gain: float = 0.03
 
     def __post_init__(self) -> None:
         if self.gamma_max < 0:
             raise ValueError("gamma_max must be >= 0")
+        if not 0 <= self.min_gain < 1:
+            raise ValueError("min_gain must be in [0, 1)")
         if not 0 <= self.cool_heat < self.hot_heat:
             raise ValueError("need 0 <= cool_heat < hot_heat (hysteresis)")
         if not 0 < self.ewma_weight <= 1:
@@ -179,6 +188,7 @@ class GammaPolicy:
     is_speculating: bool = True
     history: list[tuple[float, int]] = field(default_factory=list)  # (heat, mean γ)
     steps_off: int = 0  # steps in a row that speculated for no AUTO request, not hot
+    probe_after: int = PROBE_AFTER  # ... after which one probes (doubling while in vain)
     probed: list[int] = field(default_factory=list)  # the last choice's probed requests
     looked_up: list[int] = field(default_factory=list)  # ... and those given lookup rounds
     # positions the target verifies for a round of γ (a token tree's nodes; None: γ)
@@ -218,18 +228,25 @@ class GammaPolicy:
         pays) for each of them (`probed`: their proposer must be the model, since a
         lookup's round teaches the model's estimates nothing); what it finds teaches the
         requests', the replica's and the cost model's estimates. At most one Propose in
-        PROBE_AFTER steps is spent, and none while the batch is hot. Only small batches
+        PROBE_AFTER steps is spent, fewer while probes keep finding that speculation does
+        not pay (the wait doubles each time, to PROBE_AFTER_MAX: a useless draft's probes
+        cost a 1-stream server ~6 % of its rounds at a fixed 16), and none while the
+        batch is hot. Only small batches
         probe (at most PROBE_REQUESTS AUTO requests): there a wrong "off" costs the most,
         and the draft stays at most PROBE_AFTER tokens behind each request; in a large
         one a probe makes the draft take in whole contexts it never held (a 32-stream
         soak's draft grew 12 % instead of 3 %), where batching already pays."""
-        if any(gammas[i] for i in auto) or len(auto) > PROBE_REQUESTS:
+        if any(gammas[i] for i in auto):
+            self.steps_off, self.probe_after = 0, PROBE_AFTER
+            return
+        if len(auto) > PROBE_REQUESTS:
             self.steps_off = 0
             return
         self.steps_off += 1
-        if self.steps_off < PROBE_AFTER:
+        if self.steps_off < self.probe_after:
             return
-        self.steps_off = 0
+        # the next probe waits twice as long unless this one turns speculation back on
+        self.steps_off, self.probe_after = 0, min(2 * self.probe_after, PROBE_AFTER_MAX)
         self.probed = [i for i in auto if requests[i].gamma_cap > 0]
         for i in self.probed:
             gammas[i] = 1
@@ -301,7 +318,7 @@ class GammaPolicy:
         values = np.where(take, tokens / cost.step_seconds(base_batch + k, largest,
                                                            base_drafts + k_drafted), -np.inf)
         top, at = np.unravel_index(int(values.argmax()), values.shape)
-        if values[top, at] > best * (1 + 1e-9):
+        if values[top, at] > best * (1 + self.cfg.min_gain + 1e-9):
             plan = owners[:at + 1][take[top, :at + 1]]
             for i, g in zip(*np.unique(plan, return_counts=True)):
                 gammas[int(i)] = int(g)

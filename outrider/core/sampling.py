@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the SDK imports this module and installs without numpy
 
 MAX_SEED = 2**63 - 1
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy: logits / T would overflow
+MAX_CLASS_TEMPERATURE = 2.0  # hotter requests share one acceptance class
 MAX_LOGPROBS = 20    # alternatives per token (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0    # |frequency_penalty|, |presence_penalty| (OpenAI's range)
@@ -90,6 +91,16 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def acceptance_class(self) -> str:
+        """Which requests share an acceptance estimate (docs/DESIGN.md §4.1): how often a
+        draft token passes depends on the temperature it is sampled at (the demo draft
+        keeps 0.94 of its tokens greedy, 0.24 at T 0.7), so greedy requests and sampled
+        ones, by temperature to a tenth, learn apart; "" for greedy, "t0.7" else."""
+        if self.is_greedy:
+            return ""
+        return f"t{min(self.temperature, MAX_CLASS_TEMPERATURE):.1f}"
 
     @property
     def reads_history(self) -> bool:

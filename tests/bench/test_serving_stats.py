@@ -151,7 +151,16 @@ def test_batches_cover_every_prompt_with_full_batches():
 def test_sampling_settings_match_the_acceptance_benchmark():
     from outrider.bench import acceptance, serving
 
-    assert serving.SETTINGS == acceptance.SETTINGS
+    assert acceptance.SETTINGS.items() <= serving.SETTINGS.items()
+    assert {"greedy", "t0.7-p0.9", "t1.0"} <= acceptance.SETTINGS.keys()
+
+
+def test_the_versus_clients_temperature_and_top_p_join_its_sampling_flags():
+    from outrider.bench.versus import with_sampling_flags
+
+    assert with_sampling_flags("temperature=0", 0.7, 0.9) == "temperature=0.7,top_p=0.9"
+    assert (with_sampling_flags("temperature=0.8,logprobs=2", None, 0.5)
+            == "temperature=0.8,logprobs=2,top_p=0.5")
 
 
 def test_text_prompts_are_prose_paragraphs():

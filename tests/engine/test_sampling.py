@@ -157,6 +157,44 @@ def test_top_k_keeps_every_token_tied_with_the_kth():
     assert (probs[1] > 0).tolist() == [True, True, True, False, False, False]
 
 
+def test_top_p_keeps_every_token_tied_at_the_nucleus_edge():
+    """The nucleus is a threshold on the sorted values: tokens tied with its last one all
+    stay, whatever order a sort would put them in."""
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, -3.0]])
+    probs = logits_to_probs(logits, [SamplingParams(temperature=1.0, top_p=0.6)])[0]
+    assert (probs > 0).tolist() == [True, True, True, True, False]
+
+
+def _reference_truncation(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """What is kept, as the definition reads (min_p, then top-k, then the smallest
+    likeliest prefix reaching top_p), with a full sort with indices: [vocab] bool."""
+    probs = logits.softmax(-1)
+    keep = probs >= params.min_p * probs.max()
+    order = torch.where(keep, logits, -math.inf).sort(descending=True).indices
+    kept = order[:params.top_k or len(order)]
+    kept = kept[keep[kept]]
+    mass = logits[kept].softmax(-1).cumsum(-1)
+    inside = torch.cat([torch.tensor([True]), mass[:-1] < params.top_p]) | (params.top_p >= 1)
+    mask = torch.zeros_like(keep)
+    mask[kept[inside]] = True
+    return mask
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), top_k=st.integers(0, 40), top_p=st.floats(0.05, 1.0),
+       min_p=st.sampled_from([0.0, 0.01, 0.2]), temperature=st.floats(0.3, 1.5))
+def test_truncation_matches_its_definition_on_random_rows(seed, top_k, top_p, min_p,
+                                                          temperature):
+    """Random logits (no ties), three rows with different settings in one batch."""
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(seed)) * 3
+    rows = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
+            SamplingParams(temperature=1.0, top_p=0.9), PLAIN]
+    probs = logits_to_probs(logits, rows)
+    for row, params in enumerate(rows):
+        expected = _reference_truncation(logits[row] / params.temperature, params)
+        assert ((probs[row] > 0) == expected).all(), (row, params)
+
+
 def test_top_k_is_applied_before_top_p():
     # without top-k, 0.82 needs 3 tokens (mass before the 3rd is 0.8); after top-k=3 the
     # renormalised mass before the 3rd is 0.8 / 0.95 = 0.842 >= 0.82, so only 2 remain
