@@ -298,6 +298,12 @@ def main():
     ap.add_argument("--target-batch", type=int, default=16)
     ap.add_argument("--target-lr", type=float, default=2e-3)
     ap.add_argument("--gen-minutes", type=float, default=4.0, help="budget for target-greedy data")
+    ap.add_argument("--gen-temperature", type=float, default=0.0,
+                    help="the target's continuations sampled at this temperature (0: greedy)")
+    ap.add_argument("--gen-top-p", type=float, default=1.0, help="... and top-p")
+    ap.add_argument("--kl-temperatures", default="1",
+                    help="comma list: the draft matches the target's distribution at each "
+                         "temperature (KL(target||draft) of both divided by it), averaged")
     ap.add_argument("--gen-prompt", type=int, default=96)
     ap.add_argument("--gen-new", type=int, default=160)
     ap.add_argument("--gen-batch", type=int, default=64)
@@ -309,6 +315,9 @@ def main():
     ap.add_argument("--ckpt-minutes", type=float, default=5.0)
     ap.add_argument(
         "--reuse-target", action="store_true", help="load <out>/demo-target instead of training"
+    )
+    ap.add_argument(
+        "--reuse-draft", action="store_true", help="fine-tune <out>/demo-draft instead of a new one"
     )
     args = ap.parse_args()
 
@@ -406,7 +415,13 @@ def main():
 
     # 5. draft
     torch.manual_seed(args.seed + 1)
-    draft = build(draft_config(len(tok), eos))
+    if args.reuse_draft:
+        from transformers import AutoModelForCausalLM
+
+        draft = AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32,
+                                                     attn_implementation="sdpa")
+    else:
+        draft = build(draft_config(len(tok), eos))
     stats["draft"] = train_draft(draft, target, tok, train_stream, held_stream, greedy, args, ddir)
     stats["draft"]["params"] = n_params(draft)
     stats["total_seconds"] = time.time() - t_all
@@ -492,8 +507,20 @@ def train_target(model, tok, train_stream, held_stream, args, save_dir):
 
 
 @torch.no_grad()
+def next_tokens(logits: torch.Tensor, temperature: float, top_p: float,
+                generator: torch.Generator) -> torch.Tensor:
+    """logits [B, V] -> the target's next tokens [B]: argmax at temperature 0, else
+    sampled at the temperature from the top-p nucleus."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs, order = torch.softmax(logits / temperature, -1).sort(-1, descending=True)
+    probs = probs * ((probs.cumsum(-1) - probs) < top_p)
+    return order.gather(-1, torch.multinomial(probs, 1, generator=generator)).squeeze(-1)
+
+
 def gen_greedy(target, train_stream, args, stats):
-    """Greedy continuations by the target of prompts drawn (seeded) from the training stream."""
+    """Continuations by the target of prompts drawn (seeded) from the training stream:
+    greedy, or sampled at --gen-temperature / --gen-top-p."""
     g = torch.Generator().manual_seed(args.seed + 7)
     P, N, B = args.gen_prompt, args.gen_new, args.gen_batch
     t0 = time.time()
@@ -503,11 +530,12 @@ def gen_greedy(target, train_stream, args, stats):
         starts = torch.randint(0, len(train_stream) - P - 1, (B,), generator=g)
         ids = torch.stack([train_stream[s : s + P] for s in starts.tolist()])
         out = target(input_ids=ids, use_cache=True)
-        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
+        pick = lambda logits: next_tokens(logits, args.gen_temperature, args.gen_top_p, g)  # noqa: E731
+        past, nxt = out.past_key_values, pick(out.logits[:, -1])
         gen = [nxt]
         for _ in range(N - 1):
             out = target(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
-            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
+            past, nxt = out.past_key_values, pick(out.logits[:, -1])
             gen.append(nxt)
         seqs.append(torch.cat([ids, torch.stack(gen, 1)], 1))
         pbar.update(B)
@@ -519,6 +547,8 @@ def gen_greedy(target, train_stream, args, stats):
         prompt_tokens=P,
         new_tokens=N,
         generated_tokens=len(greedy) * N,
+        temperature=args.gen_temperature,
+        top_p=args.gen_top_p,
     )
     print(
         f"[greedy] {len(greedy)} sequences x ({P}+{N}) tokens in {fmt_s(time.time() - t0)}",
@@ -527,7 +557,17 @@ def gen_greedy(target, train_stream, args, stats):
     return greedy
 
 
+def tempered_kl(t_logits: torch.Tensor, d_logits: torch.Tensor, temperature: float):
+    """KL(target || draft) of the two distributions at `temperature`, per token: where a
+    sampled draft token is accepted with min(1, p/q), what counts is q matching p as
+    both are sampled, at the request's temperature."""
+    t_logp = F.log_softmax(t_logits / temperature, -1)
+    d_logp = F.log_softmax(d_logits / temperature, -1)
+    return (t_logp.exp() * (t_logp - d_logp)).sum(-1).mean()
+
+
 def train_draft(draft, target, tok, train_stream, held_stream, greedy, args, save_dir):
+    kl_temperatures = [float(t) for t in args.kl_temperatures.split(",")]
     sampler = WindowSampler(train_stream, args.seq, args.seed + 2)
     gg = torch.Generator().manual_seed(args.seed + 3)
     gorder, gpos = torch.randperm(len(greedy), generator=gg), 0
@@ -563,11 +603,10 @@ def train_draft(draft, target, tok, train_stream, held_stream, greedy, args, sav
             gpos += args.draft_batch
         with torch.no_grad():
             t_logits = target(input_ids=x).logits
-            t_logp = F.log_softmax(t_logits, -1)
             t_arg = t_logits.argmax(-1)
         d_logits = draft(input_ids=x).logits
         d_logp = F.log_softmax(d_logits, -1)
-        kl = (t_logp.exp() * (t_logp - d_logp)).sum(-1).mean()
+        kl = sum(tempered_kl(t_logits, d_logits, t) for t in kl_temperatures) / len(kl_temperatures)
         hard = F.nll_loss(d_logp.reshape(-1, d_logp.size(-1)), t_arg.reshape(-1))
         loss = kl + args.hard_weight * hard
         opt.zero_grad(set_to_none=True)
@@ -613,6 +652,8 @@ def train_draft(draft, target, tok, train_stream, held_stream, greedy, args, sav
         final_train_top1_ema=ema_acc,
         heldout_top1_agreement=agree,
         hard_weight=args.hard_weight,
+        kl_temperatures=kl_temperatures,
+        fine_tuned=args.reuse_draft,
     )
 
 

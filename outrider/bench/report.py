@@ -225,6 +225,7 @@ PAGES = ("BENCHMARKS.md", "README.md")
 BLOCK = re.compile(r"(?P<open><!-- generated: (?P<name>[\w-]+) from (?P<files>[^>]*?) -->\n)"
                    r"(?P<body>.*?)(?P<close><!-- /generated -->)", re.S)
 LABELS = {"outrider-auto": "`outrider serve`, AUTO",
+          "outrider-off": "`outrider serve`, speculation off",
           "outrider-compiled": "`outrider serve --compile`, AUTO",
           "outrider-fixed4": "`outrider serve`, FIXED γ 4",
           "outrider-model": "`outrider serve --proposer model`",
@@ -281,14 +282,24 @@ def with_provenance(runs: list[Run], *parts: str) -> str:
                         *(provenance_line(run) for run in runs)])
 
 
+def sampling_label(config: dict) -> str:
+    """'greedy', or 'T 0.7, top-p 0.9' (a versus run's client sampling flags)."""
+    pairs = dict(item.split("=", 1) for item in config.get("sampling", "").split(",") if item)
+    if float(pairs.get("temperature", 0)) == 0:
+        return "greedy"
+    return f"T {pairs['temperature']}" + (f", top-p {pairs['top_p']}" if "top_p" in pairs else "")
+
+
 def render_headline(runs: list[Run]) -> str:
-    """README's table: served AUTO against vLLM with and without the draft, per dtype."""
+    """README's table: served AUTO (and off) against vLLM with and without the draft,
+    per dtype and sampling."""
     from outrider.bench import versus
 
-    rows = {f"{LABELS[s]}, {DTYPE_LABELS.get(dtype, dtype)}": cells
-            for run in runs for dtype in [run.data["config"]["dtype"]]
+    rows = {f"{LABELS[s]}, {DTYPE_LABELS.get(config['dtype'], config['dtype'])}, "
+            f"{sampling_label(config)}": cells
+            for run in runs for config in [run.data["config"]]
             for s, cells in by_level(run.data["results"]).items()
-            if s in ("outrider-auto", "vllm-draft4", "vllm")}
+            if s in ("outrider-auto", "outrider-off", "vllm-draft4", "vllm")}
     return with_provenance(runs, versus.table(rows))
 
 

@@ -70,6 +70,14 @@ def test_valid_params_accepted(kwargs):
     assert dataclasses.asdict(params).items() >= kwargs.items()
 
 
+def test_acceptance_class_is_greedy_or_the_temperature_to_a_tenth():
+    assert SamplingParams().acceptance_class == ""
+    assert SamplingParams(temperature=0.74).acceptance_class == "t0.7"
+    assert SamplingParams(temperature=0.75, top_p=0.9).acceptance_class == "t0.8"
+    assert SamplingParams(temperature=1.0).acceptance_class == "t1.0"
+    assert SamplingParams(temperature=3.5).acceptance_class == "t2.0"
+
+
 def test_params_are_frozen_and_greedy_flag():
     assert GREEDY.is_greedy and not PLAIN.is_greedy
     with pytest.raises(dataclasses.FrozenInstanceError):

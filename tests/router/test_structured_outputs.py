@@ -165,9 +165,11 @@ def test_metrics_count_constrained_requests_and_mask_time(system, sdk):
     assert total(scrape(target), "outrider_grammar_mask_seconds_count") > masks_before
 
 
-def test_constrained_requests_keep_their_own_acceptance_statistics(sdk):
-    """A grammar changes what the draft gets right: constrained requests are counted (and
-    start from) `<tag>+structured`, unconstrained ones their tag; status(tag) shows both."""
+def test_constrained_and_sampled_requests_keep_their_own_acceptance_statistics(sdk):
+    """A grammar changes what the draft gets right, and so does the temperature: constrained
+    requests are counted (and start from) `<tag>+structured`, sampled ones
+    `<tag>@t<temperature to a tenth>`, greedy unconstrained ones their tag; status(tag)
+    shows them all."""
     sdk.generate("Pick: ", max_tokens=8, temperature=0.0, choice=CHOICES, tag="stats-split",
                  speculation="fixed", gamma_max=4)
     tags = {a.tag for a in sdk.status(tag="stats-split").acceptance}
@@ -176,6 +178,10 @@ def test_constrained_requests_keep_their_own_acceptance_statistics(sdk):
                  speculation="fixed", gamma_max=4)
     tags = {a.tag for a in sdk.status(tag="stats-split").acceptance}
     assert tags == {"stats-split", "stats-split+structured"}
+    sdk.generate("def f(x):\n", max_tokens=8, temperature=0.74, seed=3, tag="stats-split",
+                 speculation="fixed", gamma_max=4)
+    tags = {a.tag for a in sdk.status(tag="stats-split").acceptance}
+    assert tags == {"stats-split", "stats-split+structured", "stats-split@t0.7"}
 
 
 BAD = [

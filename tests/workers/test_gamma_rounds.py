@@ -79,3 +79,17 @@ def test_the_probe_drafts_with_the_model_and_the_rounds_between_look_up(llama_di
     assert {s.round.free_kind for s in lookups} == {"suffix"}
     assert seq.output_ids == served.output_ids[:len(seq.output_ids)]
     decoder.release(seq)
+
+
+def test_the_replica_learns_acceptance_per_class(llama_dir):
+    """Greedy requests, sampled ones at each temperature (to a tenth) and constrained ones
+    start from estimates of their own (docs/DESIGN.md §4.1): what a greedy round taught
+    does not reach a sampled request's start."""
+    decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir), kv_cache_mb=8)))
+    engine = TargetEngine(decoder, SchedulerConfig(), GammaPolicy(PolicyConfig(), SLOW_DRAFT))
+    greedy, warm = SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9)
+    engine.acceptance_for(greedy).update(4, 4)
+    assert engine.acceptance_for(greedy).alphas[0] > 0.7
+    assert engine.acceptance_for(warm).alphas == [0.7] * PolicyConfig().gamma_max
+    assert engine.acceptance_for(SamplingParams(temperature=0.66)) is engine.acceptance_for(warm)
+    assert engine.acceptance_for(SamplingParams(temperature=1.0)) is not engine.acceptance_for(warm)
