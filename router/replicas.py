@@ -246,7 +246,8 @@ def mean_cost(loads: list[pb.Load]) -> CostModel | None:
     mean = lambda name: sum(getattr(c, name) for c in costs) / len(costs)  # noqa: E731
     return CostModel(mean("verify_base_s"), mean("verify_per_token_s"),
                      mean("draft_per_position_s"), mean("draft_rtt_s"),
-                     round(mean("knee_tokens")), mean("draft_per_token_s"))
+                     round(mean("knee_tokens")), mean("draft_per_token_s"),
+                     mean("plain_offset_s"))
 
 
 def expected_seconds(load: pb.Load, acceptance: Acceptance, num_uncached: int,

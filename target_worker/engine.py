@@ -266,7 +266,8 @@ class TargetEngine:
         the forward alone, AUTO chose γ 4 at 32-64 streams where γ 2 served 7-14 % more."""
         if timing is not None:
             self.cost.observe(timing.batch_tokens, max(timing.verify_s, step_s - timing.draft_s),
-                              timing.max_gamma, timing.draft_tokens, timing.draft_s)
+                              timing.max_gamma, timing.draft_tokens, timing.draft_s,
+                              timing.is_plain)
             self.policy.cost = self.cost.model
             if timing.mask_s and self.metrics:
                 self.metrics.mask_seconds.observe(timing.mask_s)

@@ -31,6 +31,9 @@ PROBE_REQUESTS = 4  # ... with γ = 1 for each AUTO request, in batches of at mo
 # each probe that finds speculation still not paying doubles the wait for the next, to
 # this many steps; a step in which the optimum speculates brings it back to PROBE_AFTER
 PROBE_AFTER_MAX = 128
+# ... and the other way: after this many steps in a row in which AUTO requests speculated,
+# one step runs them at γ 0, so the cost model measures what a plain step costs now
+PLAIN_AFTER = 32
 
 
 class SpecMode(Enum):
@@ -49,6 +52,8 @@ class CostModel:
     draft_rtt_s: float = 0.0     # the Propose round trip, paid once per speculative step
     knee_tokens: int = 0         # positions that ride free (memory-bound forward)
     draft_per_token_s: float = 0.0  # each drafted token (a drafting position's batch grows)
+    # a step that verifies nothing (decode only) against the line (negative: cheaper)
+    plain_offset_s: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.verify_base_s, self.verify_per_token_s, self.draft_per_position_s,
@@ -58,6 +63,13 @@ class CostModel:
     def step_seconds(self, batch_tokens, max_gamma, draft_tokens=0):
         """Works on numbers and on numpy arrays alike."""
         return self.verify_seconds(batch_tokens) + self.draft_seconds(max_gamma, draft_tokens)
+
+    def plain_seconds(self, batch_tokens):
+        """A step with no verification row (every sequence decoding one token): the line,
+        which verification steps mostly fit, moved by what plain steps measured (at
+        least a tenth of it, whatever the noise)."""
+        line = self.verify_seconds(batch_tokens)
+        return np.maximum(line + self.plain_offset_s, 0.1 * line)
 
     def verify_seconds(self, batch_tokens):
         return self.verify_base_s + self.verify_per_token_s * np.maximum(
@@ -81,26 +93,39 @@ class OnlineCost:
     least squares: contention from neighbours and real batch shapes — contexts, prefill
     chunks — that the start-up runs did not have); when recent steps all had one size,
     only the line's base moves. The draft part keeps its start-up shape, scaled by an
-    EWMA of measured over predicted Propose time."""
+    EWMA of measured over predicted Propose time. Plain steps (nothing verified, one
+    token a sequence) keep their own offset from the line (EWMA weight 0.5 of their
+    residuals): a speculating replica's steps are all of one size, the line's base then
+    takes their whole time, and a plain step, which on CPU multiplies one row by each
+    weight where verification multiplies several (a GEMV against a GEMM, +35 % a linear
+    on the Xeon guests), looked as dear as a verification step: speculation at T 0.7
+    served 0.82-0.9x speculation off while the model said it paid."""
 
-    def __init__(self, measured: CostModel, weight: float = 0.05) -> None:
-        self.measured, self.weight = measured, weight
+    def __init__(self, measured: CostModel, weight: float = 0.05,
+                 plain_weight: float = 0.5) -> None:
+        self.measured, self.weight, self.plain_weight = measured, weight, plain_weight
         self.draft_scale = 1.0
+        self.plain_offset = measured.plain_offset_s
         self._sums = np.zeros(5)  # weighted count, Σx, Σy, Σx², Σxy (x: tokens, y: seconds)
         self.model = measured
 
     def observe(self, batch_tokens: int, verify_s: float, max_gamma: int = 0,
-                draft_tokens: int = 0, draft_s: float = 0.0) -> None:
+                draft_tokens: int = 0, draft_s: float = 0.0, is_plain: bool = False) -> None:
+        """`is_plain`: the step verified nothing and every sequence decoded one token."""
         if verify_s > 0:
             # bounded: one stalled step (a page fault, a GC pause) must not flip the policy
             y = min(verify_s, 10 * float(self.model.verify_seconds(batch_tokens)))
             x = float(batch_tokens)
+            if is_plain:  # against the line as it stood: the policy's plain arm
+                residual = y - float(self.model.verify_seconds(batch_tokens))
+                self.plain_offset += self.plain_weight * (residual - self.plain_offset)
             self._sums = (1 - self.weight) * self._sums + np.array([1.0, x, y, x * x, x * y])
         predicted = float(self.measured.draft_seconds(max_gamma, draft_tokens))
         if predicted > 0 and max_gamma:
             ratio = min(max(draft_s / predicted, 0.1), 10.0)
             self.draft_scale += self.weight * (ratio - self.draft_scale)
-        self.model = replace(self.measured.draft_scaled(self.draft_scale), **self._verify_line())
+        self.model = replace(self.measured.draft_scaled(self.draft_scale), **self._verify_line(),
+                             plain_offset_s=self.plain_offset)
 
     def _verify_line(self) -> dict:
         count, sx, sy, sxx, sxy = self._sums
@@ -188,6 +213,8 @@ class GammaPolicy:
     is_speculating: bool = True
     history: list[tuple[float, int]] = field(default_factory=list)  # (heat, mean γ)
     steps_off: int = 0  # steps in a row that speculated for no AUTO request, not hot
+    steps_on: int = 0   # steps in a row that speculated for AUTO requests
+    runs_plain: bool = False  # the last choice is one such plain step
     probe_after: int = PROBE_AFTER  # ... after which one probes (doubling while in vain)
     probed: list[int] = field(default_factory=list)  # the last choice's probed requests
     looked_up: list[int] = field(default_factory=list)  # ... and those given lookup rounds
@@ -206,12 +233,13 @@ class GammaPolicy:
         """γ for every running request this round."""
         speculating = self.observe_heat(heat)
         gammas = [self._override(r) for r in requests]
-        self.probed, self.looked_up = [], []
+        self.probed, self.looked_up, self.runs_plain = [], [], False
         auto = [i for i, r in enumerate(requests) if r.mode is SpecMode.AUTO]
         if speculating and auto:
             self._maximise_goodput(requests, gammas, auto)
             self._probe_when_off(requests, gammas, auto)
             self._look_up_when_off(requests, gammas, auto)
+            self._plain_now_and_then(gammas, auto)
         elif not speculating:
             self.steps_off = 0
         if requests:
@@ -272,6 +300,23 @@ class GammaPolicy:
         for i in self.looked_up:
             gammas[i] = trial[i]
 
+    def _plain_now_and_then(self, gammas: list[int], auto: list[int]) -> None:
+        """After PLAIN_AFTER steps in a row in which AUTO requests speculated, one step
+        runs them plain, if nothing else is verified in it: the only measure of what
+        speculation's alternative costs now (OnlineCost's plain offset). It costs one
+        step's speculation gain in PLAIN_AFTER."""
+        if not any(gammas[i] for i in auto):
+            self.steps_on = 0
+            return
+        self.steps_on += 1
+        is_auto = set(auto)
+        if self.steps_on < PLAIN_AFTER or any(g for i, g in enumerate(gammas) if i not in is_auto):
+            return
+        self.steps_on, self.runs_plain = 0, True
+        for i in auto:
+            gammas[i] = 0
+        self.probed, self.looked_up = [], []
+
     def _override(self, r: RequestState) -> int:
         if r.mode is SpecMode.FIXED:
             return max(0, min(r.fixed_gamma, r.gamma_cap))
@@ -297,7 +342,9 @@ class GammaPolicy:
         base_drafts = sum(drafted)
         fixed_max = max(drafted, default=0)
         base_tokens = fixed_tokens + len(auto)
-        best = base_tokens / float(cost.step_seconds(base_batch, fixed_max, base_drafts))
+        is_plain = not any(gammas)  # γ 0 for everyone: a plain step, priced as measured
+        best = base_tokens / float(cost.plain_seconds(base_batch) if is_plain else
+                                   cost.step_seconds(base_batch, fixed_max, base_drafts))
         gains, owners, positions = _all_gains(requests, auto, self.cfg.gamma_max)
         if not len(gains):
             return
@@ -341,7 +388,8 @@ class GammaPolicy:
         gammas = [0] * len(batch)
         if heat < self.cfg.hot_heat:
             self._maximise_goodput(batch, gammas, list(range(len(batch))))
-        step = self.cost.step_seconds(sum(1 + g for g in gammas), max(gammas), sum(gammas))
+        step = (self.cost.step_seconds(sum(1 + g for g in gammas), max(gammas), sum(gammas))
+                if any(gammas) else self.cost.plain_seconds(len(gammas)))
         # the requests are alike, so any of them is the new one: their mean, not the last
         # one's share of the positions the optimum gave out
         tokens = sum(acceptance.expected_tokens(g) for g in gammas) / len(gammas)

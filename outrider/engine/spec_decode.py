@@ -91,6 +91,7 @@ class StepTiming:
     draft_cpu_s: float = 0.0  # of draft_s, this thread's own CPU time (lookups, tensors)
     tree_rounds: int = 0  # rounds verified as token trees, and their nodes
     tree_nodes: int = 0
+    is_plain: bool = False  # nothing verified, every sequence decoding one token
 
     @property
     def draft_wait_s(self) -> float:
@@ -195,7 +196,8 @@ class Step:
         trees = [r.gamma for r in self.rows if r.path is not None]
         return StepTiming(sum(r.feed for r in self.rows) + sum(gammas), self.verify_s,
                           max(drafted, default=0), sum(drafted), self.draft_s, self.mask_s,
-                          self.draft_cpu_s, len(trees), sum(trees))
+                          self.draft_cpu_s, len(trees), sum(trees),
+                          not any(gammas) and all(r.feed == 1 for r in self.rows))
 
 
 class SpeculativeDecoder:

@@ -319,20 +319,22 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CostModel(_message.Message):
-    __slots__ = ("verify_base_s", "verify_per_token_s", "knee_tokens", "draft_per_position_s", "draft_rtt_s", "draft_per_token_s")
+    __slots__ = ("verify_base_s", "verify_per_token_s", "knee_tokens", "draft_per_position_s", "draft_rtt_s", "draft_per_token_s", "plain_offset_s")
     VERIFY_BASE_S_FIELD_NUMBER: _ClassVar[int]
     VERIFY_PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     KNEE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PER_POSITION_S_FIELD_NUMBER: _ClassVar[int]
     DRAFT_RTT_S_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_OFFSET_S_FIELD_NUMBER: _ClassVar[int]
     verify_base_s: float
     verify_per_token_s: float
     knee_tokens: int
     draft_per_position_s: float
     draft_rtt_s: float
     draft_per_token_s: float
-    def __init__(self, verify_base_s: _Optional[float] = ..., verify_per_token_s: _Optional[float] = ..., knee_tokens: _Optional[int] = ..., draft_per_position_s: _Optional[float] = ..., draft_rtt_s: _Optional[float] = ..., draft_per_token_s: _Optional[float] = ...) -> None: ...
+    plain_offset_s: float
+    def __init__(self, verify_base_s: _Optional[float] = ..., verify_per_token_s: _Optional[float] = ..., knee_tokens: _Optional[int] = ..., draft_per_position_s: _Optional[float] = ..., draft_rtt_s: _Optional[float] = ..., draft_per_token_s: _Optional[float] = ..., plain_offset_s: _Optional[float] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("num_running", "num_waiting", "heat", "kv_used_blocks", "kv_total_blocks", "tokens_per_s", "model_pair", "cost", "max_batch_tokens", "gamma_max", "block_size", "prefix_caching", "queued_tokens", "metrics_port")

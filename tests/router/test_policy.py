@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 
 from outrider.core.policy import (
+    PLAIN_AFTER,
     PROBE_AFTER,
     PROBE_AFTER_MAX,
     PROBE_REQUESTS,
@@ -48,7 +50,10 @@ def test_gamma_turns_off_when_hot_and_back_on_when_cool_without_flapping():
     reqs = [request(0.8) for _ in range(4)]
     rng = random.Random(0)
     heats = [0.2 + 0.9 * t / 50 for t in range(50)] + [1.1 - 0.9 * t / 50 for t in range(50)]
-    chosen = [max(p.choose(min(1.2, h + rng.uniform(-0.04, 0.04)), reqs)) for h in heats]
+    chosen = []
+    for h in heats:
+        gammas = p.choose(min(1.2, h + rng.uniform(-0.04, 0.04)), reqs)
+        chosen += [] if p.runs_plain else [max(gammas)]  # (a measuring step: not a switch)
     switches = sum((a == 0) != (b == 0) for a, b in zip(chosen, chosen[1:]))
     assert chosen[0] > 0 and chosen[50] == 0 and chosen[-1] > 0
     assert switches == 2  # once off, once on: the noise around a threshold does not flap
@@ -166,6 +171,42 @@ def test_online_cost_follows_the_replicas_own_steps():
     cheap = policy().choose(0.1, [request(0.8)])[0]
     costly = GammaPolicy(PolicyConfig(), slow_draft.model).choose(0.1, [request(0.8)])[0]
     assert costly < cheap  # a draft measured slower gets fewer tokens to draft
+
+
+def test_plain_steps_keep_their_own_offset_from_the_line():
+    """Verification steps fit the line; plain steps (one row a weight: cheaper than the
+    line through verification steps says, a GEMV against a GEMM on CPU) set the offset a
+    plain step is priced with, and a draft that pays against the line but not against
+    a measured plain step is not used."""
+    from outrider.core.policy import OnlineCost
+
+    start = CostModel(verify_base_s=0.010, verify_per_token_s=0.0005,
+                      draft_per_position_s=0.001, draft_rtt_s=0.001)
+    online = OnlineCost(start)
+    for step in range(200):  # verifying 3-7 positions: 10 ms + 0.5 ms each; plain: 7.5 ms
+        plain = step % 8 == 0
+        tokens = 1 if plain else 3 + step % 5
+        online.observe(tokens, 0.0075 if plain else 0.010 + 0.0005 * tokens, is_plain=plain)
+    assert float(online.model.plain_seconds(1)) == pytest.approx(0.0075, abs=5e-4)
+    assert float(online.model.verify_seconds(5)) == pytest.approx(0.0125, abs=1e-3)
+    # α 0.45: γ 1 brings 1.45 tokens in 13 ms against 1 in 7.5 ms plain, a loss; against
+    # the line's 10.5 ms plain step it looked like a 17 % gain
+    measured = replace(start, plain_offset_s=-0.003)
+    assert policy(measured).choose(0.1, [request(0.45)]) == [0]
+    assert policy(start).choose(0.1, [request(0.45)]) != [0]
+
+
+def test_a_speculating_replica_runs_a_plain_step_now_and_then():
+    """After PLAIN_AFTER steps in which AUTO requests speculated, one step runs them at
+    γ 0 (which measures what a plain step costs), never FIXED requests' drafts; none is
+    needed while a FIXED request drafts anyway."""
+    p = policy()
+    reqs = [request(0.9), request(0.9), request(0.9, mode=SpecMode.OFF)]
+    steps = [p.choose(0.1, reqs) for _ in range(3 * PLAIN_AFTER)]
+    plain = [k for k, gammas in enumerate(steps) if not any(gammas)]
+    assert plain == [PLAIN_AFTER - 1, 2 * PLAIN_AFTER - 1, 3 * PLAIN_AFTER - 1]
+    fixed = [request(0.9), request(0.0, mode=SpecMode.FIXED, fixed_gamma=2)]
+    assert all(p.choose(0.1, fixed)[0] > 0 for _ in range(3 * PLAIN_AFTER))
 
 
 def test_a_request_at_gamma_zero_drifts_back_to_what_the_replica_sees():
