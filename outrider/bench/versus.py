@@ -300,8 +300,15 @@ def server_groups(systems: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
-def run_round(args, groups: list[list[str]], prompts_files: dict[int, Path], prompt_ids,
+def in_order(groups: list[list[str]], round_index: int) -> list[list[str]]:
+    """A round's order: every other round reversed, the systems sharing a server too."""
+    return groups if round_index % 2 == 0 else [group[::-1] for group in groups[::-1]]
+
+
+def run_round(args, groups: list[list[str]], prompts_files: dict, prompt_ids,
               levels: list[int], out_dir: Path, log) -> dict[str, dict[int, dict]]:
+    """prompts_files: the warm-up's (key 0) and each (level, slot)'s: the k-th system
+    on a server sends slot k's."""
     results: dict[str, dict[int, dict]] = {}
     for group in groups:
         log(f"{', '.join(group)}: starting")
@@ -314,8 +321,10 @@ def run_round(args, groups: list[list[str]], prompts_files: dict[int, Path], pro
         server = (outrider_server(args, (*SERVER_FLAGS.get(group[0], ()), *tree), head)
                   if group[0].startswith("outrider") else vllm_server(args, group[0]))
         with server as (url, engines):
-            for name in group:
-                results[name] = measure_server(args, name, url, prompts_files, levels,
+            for slot, name in enumerate(group):
+                files = {0: prompts_files[0],
+                         **{c: prompts_files[(c, slot)] for c in levels}}
+                results[name] = measure_server(args, name, url, files, levels,
                                                out_dir, log, engines)
     return results
 
@@ -578,22 +587,27 @@ def run(args) -> int:
                                  f"outrider-auto,outrider-fixed{g},engine-g{g},engine-g0,"
                                  f"vllm-draft{g},vllm")
     tokenizer = Tokenizer(args.target)
-    # every level its own prompts (and the warm-up, level 0, its own): a level must not
-    # find the previous one's prompts in a prefix cache
-    counts = {0: 4, **{c: num_requests(c, args.requests_per_stream) for c in levels}}
+    groups = server_groups(systems)
+    # every level its own prompts (and the warm-up, level 0, its own), and every system
+    # of a shared server its own at each level (SLOTS): none may find prompts that came
+    # before it in a prefix cache (measured second on one server, speculation off found
+    # every prompt AUTO had sent cached, and served 1.6x AUTO at 64 streams for it)
+    slots = max(len(group) for group in groups)
+    counts = {0: 4, **{(c, k): num_requests(c, args.requests_per_stream)
+                       for c in levels for k in range(slots)}}
     prompts = package_prompts(tokenizer, sum(counts.values()), args.prompt_tokens)
     by_level, start = {}, 0
-    for c, n in counts.items():
-        by_level[c], start = prompts[start:start + n], start + n
-    prompt_ids = {c: [tokenizer.encode(p) for p in ps] for c, ps in by_level.items()}
+    for key, n in counts.items():
+        by_level[key], start = prompts[start:start + n], start + n
+    encoded = lambda key: [tokenizer.encode(p) for p in by_level[key]]  # noqa: E731
+    prompt_ids = {0: encoded(0), **{c: encoded((c, 0)) for c in levels}}  # the engines
     log = lambda text: print(f"[versus] {text}", file=sys.stderr, flush=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = Path(tmp)
-        prompts_files = {c: write_prompts(ps, out_dir, f"prompts-{c}")
-                         for c, ps in by_level.items()}
-        groups = server_groups(systems)
-        rounds = [run_round(args, groups if r % 2 == 0 else groups[::-1], prompts_files,
-                            prompt_ids, levels, out_dir, log) for r in range(args.rounds)]
+        prompts_files = {key: write_prompts(ps, out_dir, "prompts-" + "-".join(
+            map(str, key if key else (0,)))) for key, ps in by_level.items()}
+        rounds = [run_round(args, in_order(groups, r), prompts_files, prompt_ids, levels,
+                            out_dir, log) for r in range(args.rounds)]
     results = merge_rounds(rounds)
     report = {"provenance": started,
               "machine": serving.machine(), "command": serving.command_line(),

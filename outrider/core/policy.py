@@ -149,7 +149,7 @@ class PolicyConfig:
     # speculation is kept only where its expected goodput beats γ = 0 for everyone by
     # this share: estimates err (a request's α lags its text, a step's time its load),
     # and below this a gain is smaller than their error, while a loss is paid in full
-    min_gain: float = 0.03
+    min_gain: float = 0.10
 
     def __post_init__(self) -> None:
         if self.gamma_max < 0:

@@ -25,6 +25,12 @@ def test_outrider_modes_share_one_server_and_vllm_configurations_do_not():
                       ["vllm"]]
 
 
+def test_every_other_round_reverses_the_servers_and_the_modes_sharing_one():
+    groups = versus.server_groups(["outrider-auto", "outrider-off", "vllm"])
+    assert versus.in_order(groups, 0) == [["outrider-auto", "outrider-off"], ["vllm"]]
+    assert versus.in_order(groups, 1) == [["vllm"], ["outrider-off", "outrider-auto"]]
+
+
 def cells(*values):
     return {c: {"tokens_per_s": v, "ttft_ms_p50": 10.0 * c} for c, v in zip((1, 8, 32), values)}
 
