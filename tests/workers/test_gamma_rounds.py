@@ -93,3 +93,23 @@ def test_the_replica_learns_acceptance_per_class(llama_dir):
     assert engine.acceptance_for(warm).alphas == [0.7] * PolicyConfig().gamma_max
     assert engine.acceptance_for(SamplingParams(temperature=0.66)) is engine.acceptance_for(warm)
     assert engine.acceptance_for(SamplingParams(temperature=1.0)) is not engine.acceptance_for(warm)
+
+
+def test_newcomers_do_not_warm_the_draft_while_auto_speculates_for_no_one():
+    """An AUTO newcomer's γ at its prefill step has the draft take in its prompt, which the
+    step waits for: not where every AUTO request already decoding is at γ 0; where one
+    speculates, or none decodes yet (one stream), or for a FIXED newcomer, it stays."""
+    from types import SimpleNamespace
+
+    from outrider.target_worker.engine import _no_warming_while_off
+
+    def case(outputs, modes, gammas):
+        seqs = [SimpleNamespace(num_output=n) for n in outputs]
+        states = [RequestState(Acceptance([0.9]), mode) for mode in modes]
+        _no_warming_while_off(seqs, states, gammas)
+        return gammas
+
+    auto, fixed = SpecMode.AUTO, SpecMode.FIXED
+    assert case([5, 9, 0, 0], [auto, auto, auto, fixed], [0, 0, 3, 2]) == [0, 0, 0, 2]
+    assert case([5, 9, 0], [auto, auto, auto], [0, 1, 3]) == [0, 1, 3]
+    assert case([0], [auto], [4]) == [4]
