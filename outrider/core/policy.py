@@ -93,13 +93,14 @@ class OnlineCost:
     least squares: contention from neighbours and real batch shapes — contexts, prefill
     chunks — that the start-up runs did not have); when recent steps all had one size,
     only the line's base moves. The draft part keeps its start-up shape, scaled by an
-    EWMA of measured over predicted Propose time. Plain steps (nothing verified, one
-    token a sequence) keep their own offset from the line (EWMA weight 0.5 of their
-    residuals): a speculating replica's steps are all of one size, the line's base then
-    takes their whole time, and a plain step, which on CPU multiplies one row by each
-    weight where verification multiplies several (a GEMV against a GEMM, +35 % a linear
-    on the Xeon guests), looked as dear as a verification step: speculation at T 0.7
-    served 0.82-0.9x speculation off while the model said it paid."""
+    EWMA of measured over predicted Propose time. The line is fitted on the steps that
+    verify; plain steps (nothing verified, one token a sequence) keep their own offset
+    from it (EWMA weight 0.5 of their residuals). Fitted on both, it told neither: a
+    replica speculating every step priced a plain step as a verification step (on CPU
+    a plain step multiplies one row by each weight where verification multiplies
+    several, a GEMV against a GEMM, +35 % a linear on the Xeon guests), and one
+    speculating now and then in a large batch priced its verification steps as the
+    plain steps around them, without the draft replica's contention for the cores."""
 
     def __init__(self, measured: CostModel, weight: float = 0.05,
                  plain_weight: float = 0.5) -> None:
@@ -116,10 +117,11 @@ class OnlineCost:
             # bounded: one stalled step (a page fault, a GC pause) must not flip the policy
             y = min(verify_s, 10 * float(self.model.verify_seconds(batch_tokens)))
             x = float(batch_tokens)
-            if is_plain:  # against the line as it stood: the policy's plain arm
+            if is_plain:  # its offset from the line: the policy's plain arm
                 residual = y - float(self.model.verify_seconds(batch_tokens))
                 self.plain_offset += self.plain_weight * (residual - self.plain_offset)
-            self._sums = (1 - self.weight) * self._sums + np.array([1.0, x, y, x * x, x * y])
+            else:  # the line is the verification steps' alone
+                self._sums = (1 - self.weight) * self._sums + np.array([1.0, x, y, x * x, x * y])
         predicted = float(self.measured.draft_seconds(max_gamma, draft_tokens))
         if predicted > 0 and max_gamma:
             ratio = min(max(draft_s / predicted, 0.1), 10.0)
