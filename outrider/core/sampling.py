@@ -95,8 +95,8 @@ class SamplingParams:
     @property
     def acceptance_class(self) -> str:
         """Which requests share an acceptance estimate (docs/DESIGN.md §4.1): how often a
-        draft token passes depends on the temperature it is sampled at (the demo draft
-        keeps 0.94 of its tokens greedy, 0.24 at T 0.7), so greedy requests and sampled
+        draft token passes depends on the temperature it is sampled at (the first demo
+        draft kept 0.94 of its tokens greedy, 0.24 at T 0.7), so greedy requests and sampled
         ones, by temperature to a tenth, learn apart; "" for greedy, "t0.7" else."""
         if self.is_greedy:
             return ""
