@@ -260,6 +260,12 @@ def by_level(results: dict) -> dict[str, dict[int, dict]]:
     return {s: {int(c): x for c, x in cells.items()} for s, cells in results.items()}
 
 
+def portable(command: str) -> str:
+    """A recorded command as it runs from a clone: the peers' folder that one machine
+    named by its absolute path (`/work/shared/peers/...`) is `../shared/peers/...`."""
+    return re.sub(r"/\S*?/shared/peers/", "../shared/peers/", command)
+
+
 def provenance_line(run: Run) -> str:
     """'Measured at `abc1234` on 2026-11-26 (file): machine. `command`'."""
     p = run.data.get("provenance") or {}
@@ -271,7 +277,8 @@ def provenance_line(run: Run) -> str:
              m.get("cpu_pressure") and "CPU pressure " + m["cpu_pressure"].split(" total=")[0]]
     recorded = p.get("recorded", "")
     later = f"; {'provenance ' * recorded.startswith('added')}{recorded}" if recorded else ""
-    command = f"`{p['command']}`" if p.get("command") else "Run by hand: no command recorded."
+    command = (f"`{portable(p['command'])}`" if p.get("command")
+               else "Run by hand: no command recorded.")
     return (f"Measured at {commit} on {str(p.get('date', '?'))[:10]} "
             f"([{run.path}]({run.path}){later}): {', '.join(f for f in facts if f)}. "
             f"{command}")
@@ -543,7 +550,7 @@ def render_index(runs: list[Run]) -> str:
         shown = ", ".join(f"[{Path(x).stem}]({x})" for x in plots)
         lines.append(f"| [{run.path}]({run.path}){f' (plots: {shown})' if shown else ''} | "
                      f"{p.get('commit', '?')} | "
-                     f"{str(p.get('date', '?'))[:10]} | `{p.get('command') or 'by hand'}` |")
+                     f"{str(p.get('date', '?'))[:10]} | `{portable(p.get('command') or 'by hand')}` |")
     return "\n".join(lines)
 
 
