@@ -291,7 +291,9 @@ def with_provenance(runs: list[Run], *parts: str) -> str:
 
 def sampling_label(config: dict) -> str:
     """'greedy', or 'T 0.7, top-p 0.9' (a versus run's client sampling flags)."""
-    pairs = dict(item.split("=", 1) for item in config.get("sampling", "").split(",") if item)
+    from outrider.bench.versus import sampling_pairs
+
+    pairs = sampling_pairs(config.get("sampling", ""))
     if float(pairs.get("temperature", 0)) == 0:
         return "greedy"
     return f"T {pairs['temperature']}" + (f", top-p {pairs['top_p']}" if "top_p" in pairs else "")
@@ -550,7 +552,8 @@ def render_index(runs: list[Run]) -> str:
         shown = ", ".join(f"[{Path(x).stem}]({x})" for x in plots)
         lines.append(f"| [{run.path}]({run.path}){f' (plots: {shown})' if shown else ''} | "
                      f"{p.get('commit', '?')} | "
-                     f"{str(p.get('date', '?'))[:10]} | `{portable(p.get('command') or 'by hand')}` |")
+                     f"{str(p.get('date', '?'))[:10]} | "
+                     f"`{portable(p.get('command') or 'by hand')}` |")
     return "\n".join(lines)
 
 

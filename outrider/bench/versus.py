@@ -124,15 +124,21 @@ def vllm_command(vllm: str) -> list[str]:
     return [str(venv_cli)] if venv_cli.is_file() else shlex.split(vllm)
 
 
-def sampling_flags(spec: str) -> list[str]:
-    """`temperature=0.8,top_p=0.9` -> vllm bench serve's flags (--temperature 0.8 ...)."""
-    flags = []
+def sampling_pairs(spec: str) -> dict[str, str]:
+    """`temperature=0.8,top_p=0.9` -> {"temperature": "0.8", "top_p": "0.9"}."""
+    pairs = {}
     for pair in filter(None, spec.split(",")):
         name, sep, value = pair.partition("=")
         if not sep:
             raise ValueError(f"--sampling wants NAME=VALUE pairs, got {pair!r}")
-        flags += [f"--{name.strip().replace('_', '-')}", value.strip()]
-    return flags
+        pairs[name.strip()] = value.strip()
+    return pairs
+
+
+def sampling_flags(spec: str) -> list[str]:
+    """`temperature=0.8,top_p=0.9` -> vllm bench serve's flags (--temperature 0.8 ...)."""
+    return [item for name, value in sampling_pairs(spec).items()
+            for item in (f"--{name.replace('_', '-')}", value)]
 
 
 def bench_serve(vllm: list[str], base_url: str, tokenizer_dir: str, prompts_file: Path,
@@ -569,7 +575,7 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
 def with_sampling_flags(sampling: str, temperature: float | None,
                         top_p: float | None) -> str:
     """--sampling's NAME=VALUE pairs with --temperature and --top-p put in (theirs win)."""
-    pairs = dict(item.split("=", 1) for item in sampling.split(",") if item)
+    pairs = sampling_pairs(sampling)
     for name, value in (("temperature", temperature), ("top_p", top_p)):
         if value is not None:
             pairs[name] = f"{value:g}"
