@@ -90,8 +90,9 @@ def serve_until_signalled(running: Running, name: str, grace_s: float = 5.0) -> 
     """Say where it listens (launchers read this line) and run until SIGTERM/SIGINT."""
     print(f"{name} listening on {running.address}", flush=True)
     stopping = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.set())
+    if threading.current_thread() is threading.main_thread():  # Python's rule for handlers
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stopping.set())
     stopping.wait()
     running.stop(grace_s)
 
