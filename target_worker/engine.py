@@ -108,6 +108,7 @@ class TargetEngine:
         self._touched: set = set()  # sinks delivered to since the last flush
         self.heat = 0.0
         self.tokens_per_s = 0.0
+        self._stepped: int | None = None  # tokens the loop's last step committed
         self.broken = ""  # why the replica can no longer run steps (a TP rank is gone)
 
     @property
@@ -142,10 +143,13 @@ class TargetEngine:
         if self.metrics:
             self.metrics.watch_engine_thread()
         while not stop.is_set() and not self.broken:
+            start, self._stepped = time.perf_counter(), None
             self._admit_new()
             self._drop_cancelled()
             has_stepped = self.scheduler.has_work and self._timed_step()
             self._flush()
+            if self._stepped is not None:  # the whole turn, deliveries included
+                self.policy.observe_step(self._stepped, time.perf_counter() - start)
             if not has_stepped:
                 self._wake.wait(timeout=0.1)
                 self._wake.clear()
@@ -217,6 +221,7 @@ class TargetEngine:
             return True
         elapsed = time.perf_counter() - start
         num_tokens = sum(len(c) for c in committed)
+        self._stepped = num_tokens
         self.tokens_per_s = 0.9 * self.tokens_per_s + 0.1 * (num_tokens / max(elapsed, 1e-9))
         for seq, tokens in zip(plan.seqs, committed):
             handle = self._by_seq[seq.seq_id]

@@ -235,6 +235,7 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
     decoder.verify_seconds = lambda n: float(engine.policy.cost.verify_seconds(n))
     metrics.watch_load(engine.load)
     metrics.watch_prefix_cache(group.runner.blocks)
+    metrics.watch_referee(engine.policy.referee)
     metrics_port = (0 if cfg.metrics_port is None else
                     serve_metrics(cfg.host, cfg.metrics_port, "target worker", tries=16))
     speculates = drafter is not None or cfg.proposer is not ProposerKind.MODEL

@@ -10,11 +10,14 @@ tokens per second over all running requests — from
     time per drafting position and per drafted token, draft round trip) and kept true
     online by the replica's own step timings.
 Speculation is switched off when the batch is hot and back on when it cools, with
-hysteresis; per-request overrides (OFF, FIXED γ) always win.
+hysteresis; per-request overrides (OFF, FIXED γ) always win. A referee holds the model to
+what it promises: per load, epochs of its choice are measured against epochs of γ 0, and
+where γ 0 serves more it runs plain, retrying the model now and then.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -31,10 +34,13 @@ PROBE_REQUESTS = 4  # ... with γ = 1 for each AUTO request, in batches of at mo
 # each probe that finds speculation still not paying doubles the wait for the next, to
 # this many steps; a step in which the optimum speculates brings it back to PROBE_AFTER
 PROBE_AFTER_MAX = 128
-# ... and the other way: after this many steps in a row in which AUTO requests speculated,
-# one step runs them at γ 0, so the cost model measures what a plain step costs now
-PLAIN_AFTER = 32
-
+# the referee (docs/DESIGN.md §4.4): steps an arm (the model's choice, or γ 0 for every
+# AUTO request) runs before its goodput is read; while the model's choice wins one epoch
+# in PLAIN_EVERY runs plain; while plain wins the model's choice is tried again once plain
+# ran 4, 8, 16 ... RETRY_AFTER_MAX times as long as the model's last epoch took
+EPOCH_STEPS = 16
+PLAIN_EVERY = 8
+RETRY_AFTER_MAX = 32
 
 class SpecMode(Enum):
     AUTO = "auto"
@@ -210,6 +216,93 @@ class RequestState:
     looks_up: bool = False    # the model drafts for it, and a lookup may stand in (AUTO)
 
 
+def load_bucket(num_seqs: int) -> int:
+    """Batches the referee compares alike: 1, 2, 3-5, 6-11, 12-22, 23-45, 46-90, 91-181,
+    more (a closed loop of N streams runs N and N - 1 sequences: one bucket)."""
+    return min(round(math.log2(max(num_seqs, 1))), 8)
+
+
+def load_range(bucket: int) -> str:
+    """A load bucket as the sequence counts it holds: '3-5', '182+'."""
+    low, high = math.floor(2 ** (bucket - 0.5)) + 1, math.floor(2 ** (bucket + 0.5))
+    return f"{low}+" if bucket == 8 else str(low) if low == high else f"{low}-{high}"
+
+
+@dataclass
+class LoadRecord:
+    """What the referee knows of one load bucket, and the epoch it is running there."""
+
+    speculates: bool = True  # this epoch's arm: the model's choice (else γ 0 for AUTO)
+    since: int = PLAIN_EVERY - 2  # epochs of the model's arm in a row (new: plain after 1)
+    retry_after: int = 4     # while plain wins: its seconds, × the model's last epoch's,
+    plain_s: float = 0.0     # before the model's arm is tried again; run so far
+    model_epoch_s: float = 0.0  # the last epoch of the model's arm that speculated
+    rates: dict[bool, float] = field(default_factory=dict)  # arm -> EWMA tokens/s
+    steps: int = 0           # this epoch's steps, tokens and seconds
+    tokens: float = 0.0
+    seconds: float = 0.0
+    did_speculate: bool = False  # some step of this epoch speculated for AUTO
+
+    def wins(self) -> bool | None:
+        """Whether the model's arm measured at least plain's (None: not both yet)."""
+        spec, plain = self.rates.get(True), self.rates.get(False)
+        return None if spec is None or plain is None else spec >= plain
+
+
+@dataclass
+class Referee:
+    """AUTO's speculation against speculation off, measured end to end (docs/DESIGN.md
+    §4.4). The model decides from estimates, and estimates err in ways no refit sees: a
+    step that verifies one drafted row runs every row on more threads and waits for the
+    draft replica, and the router's streaming and the draft replica share the cores.
+    Served at T 0.7 on 2 cores, a model whose every input was measured let AUTO draft
+    for 2 % of rounds at 64 streams, nearly every step, at 0.80x speculation off.
+
+    So each load bucket's steps run in epochs of EPOCH_STEPS under one arm: the model's
+    choice or γ 0 for every AUTO request. Each epoch's goodput (tokens committed ÷ the
+    engine's busy seconds) updates an EWMA per arm; an epoch of the model's arm in
+    which nothing speculated counts as plain. Where plain measured better the model's
+    arm is tried again once plain ran 4, 8 ... RETRY_AFTER_MAX times as long as the model's
+    last epoch took (a speculating step can take three plain ones); where the model
+    wins, one epoch in PLAIN_EVERY runs plain, which also keeps OnlineCost's plain
+    offset measured; a load not measured yet trusts the model for one epoch. A model
+    that is right loses an eighth of its gain; one that is wrong, at most a 33rd
+    of its loss once measured."""
+
+    weight: float = 0.3
+    loads: dict[int, LoadRecord] = field(default_factory=dict)  # by load_bucket
+
+    def at(self, num_seqs: int) -> LoadRecord:
+        return self.loads.setdefault(load_bucket(num_seqs), LoadRecord())
+
+    def observe(self, num_seqs: int, tokens: int, seconds: float, speculated: bool) -> None:
+        """One step of the engine: the sequences it was chosen for, the tokens they
+        committed, its time."""
+        load = self.at(num_seqs)
+        load.steps, load.tokens, load.seconds = (load.steps + 1, load.tokens + tokens,
+                                                 load.seconds + seconds)
+        load.did_speculate |= speculated
+        if load.steps >= EPOCH_STEPS:
+            self._close_epoch(load)
+
+    def _close_epoch(self, load: LoadRecord) -> None:
+        arm = load.speculates and load.did_speculate
+        if load.seconds > 0:
+            rate, old = load.tokens / load.seconds, load.rates.get(arm)
+            load.rates[arm] = rate if old is None else old + self.weight * (rate - old)
+        if arm:
+            load.model_epoch_s = load.seconds
+        load.since = load.since + 1 if load.speculates else 0
+        load.plain_s = 0.0 if load.speculates else load.plain_s + load.seconds
+        load.steps, load.tokens, load.seconds, load.did_speculate = 0, 0.0, 0.0, False
+        if load.wins() is not False:  # the model trusted until plain measures better
+            load.retry_after, load.speculates = 4, load.since < PLAIN_EVERY - 1
+        else:  # retried once plain ran 4, 8 ... 32 times its last epoch: a share of time
+            load.speculates = load.plain_s >= load.retry_after * load.model_epoch_s
+            if load.speculates:
+                load.retry_after = min(2 * load.retry_after, RETRY_AFTER_MAX)
+
+
 @dataclass
 class GammaPolicy:
     cfg: PolicyConfig
@@ -217,8 +310,9 @@ class GammaPolicy:
     is_speculating: bool = True
     history: list[tuple[float, int]] = field(default_factory=list)  # (heat, mean γ)
     steps_off: int = 0  # steps in a row that speculated for no AUTO request, not hot
-    steps_on: int = 0   # steps in a row that speculated for AUTO requests
-    runs_plain: bool = False  # the last choice is one such plain step
+    referee: Referee = field(default_factory=Referee)  # the model's choice against plain
+    speculated: bool = False  # the last choice speculated for an AUTO request ...
+    num_seqs: int = 0         # ... of this many requests
     probe_after: int = PROBE_AFTER  # ... after which one probes (doubling while in vain)
     probed: list[int] = field(default_factory=list)  # the last choice's probed requests
     looked_up: list[int] = field(default_factory=list)  # ... and those given lookup rounds
@@ -237,19 +331,24 @@ class GammaPolicy:
         """γ for every running request this round."""
         speculating = self.observe_heat(heat)
         gammas = [self._override(r) for r in requests]
-        self.probed, self.looked_up, self.runs_plain = [], [], False
+        self.probed, self.looked_up = [], []
         auto = [i for i, r in enumerate(requests) if r.mode is SpecMode.AUTO]
-        if speculating and auto:
+        self.num_seqs = len(requests)
+        if speculating and auto and self.referee.at(self.num_seqs).speculates:
             self._maximise_goodput(requests, gammas, auto)
             self._probe_when_off(requests, gammas, auto)
             self._look_up_when_off(requests, gammas, auto)
-            self._plain_now_and_then(gammas, auto)
         elif not speculating:
             self.steps_off = 0
+        self.speculated = any(gammas[i] for i in auto)
         if requests:
             self.history.append((heat, sum(gammas) / len(gammas)))
             del self.history[:-1000]
         return gammas
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """The step the last choice planned, as it ran: into the referee."""
+        self.referee.observe(self.num_seqs, tokens, seconds, self.speculated)
 
     def _probe_when_off(self, requests, gammas: list[int], auto: list[int]) -> None:
         """A replica whose estimates say no AUTO request should draft never drafts
@@ -304,23 +403,6 @@ class GammaPolicy:
         for i in self.looked_up:
             gammas[i] = trial[i]
 
-    def _plain_now_and_then(self, gammas: list[int], auto: list[int]) -> None:
-        """After PLAIN_AFTER steps in a row in which AUTO requests speculated, one step
-        runs them plain, if nothing else is verified in it: the only measure of what
-        speculation's alternative costs now (OnlineCost's plain offset). It costs one
-        step's speculation gain in PLAIN_AFTER."""
-        if not any(gammas[i] for i in auto):
-            self.steps_on = 0
-            return
-        self.steps_on += 1
-        is_auto = set(auto)
-        if self.steps_on < PLAIN_AFTER or any(g for i, g in enumerate(gammas) if i not in is_auto):
-            return
-        self.steps_on, self.runs_plain = 0, True
-        for i in auto:
-            gammas[i] = 0
-        self.probed, self.looked_up = [], []
-
     def _override(self, r: RequestState) -> int:
         if r.mode is SpecMode.FIXED:
             return max(0, min(r.fixed_gamma, r.gamma_cap))
@@ -364,7 +446,7 @@ class GammaPolicy:
             return
         order = np.argsort(-gains, kind="stable")  # best gains first; positions in order
         gains, owners, positions = gains[order], owners[order], positions[order]
-        costly = ~np.array([requests[i].draft_free for i in owners], dtype=bool)
+        costly = ~np.array([r.draft_free for r in requests], dtype=bool)[owners]
         # row G: the k best gains among positions < G (largest γ G); [G, k] at once
         tops = np.arange(1, self.cfg.gamma_max + 1)[:, None]
         take = positions[None, :] < tops                       # [G, num_gains]
@@ -402,15 +484,16 @@ class GammaPolicy:
 
 def _all_gains(requests, auto: list[int], gamma_max: int):
     """Every AUTO request's marginal gains up to min(γ_max, its cap): (expected extra
-    tokens, request index, draft position) as parallel arrays."""
-    gains, owners, positions = [], [], []
-    for i in auto:
-        survive = 1.0
-        acceptance = requests[i].acceptance
-        for j in range(min(gamma_max, requests[i].gamma_cap)):
-            survive *= acceptance.alpha(j)
-            gains.append(survive)
-            owners.append(i)
-            positions.append(j)
-    return (np.array(gains, dtype=float), np.array(owners, dtype=np.int64),
-            np.array(positions, dtype=np.int64))
+    tokens, request index, draft position) as parallel arrays, a request's in order."""
+    alphas = np.array([_padded(requests[i].acceptance.alphas, gamma_max) for i in auto])
+    caps = np.array([min(gamma_max, requests[i].gamma_cap) for i in auto])
+    kept = (np.arange(gamma_max)[None, :] < caps[:, None]).ravel()  # [n * γ_max]
+    survive = np.cumprod(alphas.reshape(len(auto), gamma_max), axis=1)  # [n, γ_max]
+    owners = np.repeat(np.array(auto, dtype=np.int64), gamma_max)
+    positions = np.tile(np.arange(gamma_max, dtype=np.int64), len(auto))
+    return survive.ravel()[kept], owners[kept], positions[kept]
+
+
+def _padded(alphas: list[float], width: int) -> list[float]:
+    """Acceptance.alpha(j) for j < width: the last estimate repeated, 0 where none."""
+    return (alphas + alphas[-1:] * width)[:width] if alphas else [0.0] * width

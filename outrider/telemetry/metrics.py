@@ -19,10 +19,11 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from outrider.core.load import ReplicaLoad
+from outrider.core.policy import Referee, load_range
 from outrider.core.sequence import RoundStats
 from outrider.core.stats import MODEL_METHOD, by_proposer
 
@@ -177,6 +178,34 @@ def watch_prefix_cache(prefix: str, labels: dict[str, str], blocks) -> PrefixCac
     return collector
 
 
+class RefereeGauges:
+    """The γ policy's referee (docs/DESIGN.md §4.4), read at scrape time: the goodput it
+    measured per load and arm, and the arm it runs at each load now."""
+
+    def __init__(self, labels: dict[str, str], referee: Referee) -> None:
+        self.labels, self.referee = labels, referee
+
+    def collect(self):
+        names, values = [*self.labels, "load"], list(self.labels.values())
+        rates = GaugeMetricFamily("outrider_referee_goodput_tokens_per_second",
+                                  "Tokens per second of the engine's epochs under AUTO's "
+                                  "arm (model: the γ model's choice; plain: γ 0), EWMA",
+                                  labels=[*names, "arm"])
+        arms = GaugeMetricFamily("outrider_referee_speculates", "1 while AUTO requests at "
+                                 "this load run as the γ model chooses, 0 while plain",
+                                 labels=names)
+        for bucket, record in sorted(list(self.referee.loads.items())):
+            load = [*values, load_range(bucket)]
+            for arm, rate in list(record.rates.items()):
+                rates.add_metric([*load, "model" if arm else "plain"], rate)
+            arms.add_metric(load, float(record.speculates))
+        yield rates
+        yield arms
+
+    def describe(self):
+        return []  # registered unchecked, as PrefixCacheCounters
+
+
 class TargetMetrics:
     """Per round of every sequence: the speculation counters; per scrape: load gauges."""
 
@@ -275,6 +304,9 @@ class TargetMetrics:
     def watch_prefix_cache(self, blocks) -> None:
         """vLLM's `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits` (tokens)."""
         watch_prefix_cache("vllm:", self.labels, blocks)
+
+    def watch_referee(self, referee: Referee) -> None:
+        REGISTRY.register(RefereeGauges(self.labels, referee))
 
 
 class RouterMetrics:

@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from outrider import paths
 from outrider.client import Client, InvalidRequestError
+from outrider.core.policy import EPOCH_STEPS
 from outrider.launch import free_port
 from outrider.local_system import LocalSystemConfig, local_system
 from tests.scraping import scrape, total
@@ -176,6 +177,19 @@ def test_metrics_move_by_exactly_the_requests_statistics(system):
     assert moved(before_t, after_t, "outrider_engine_steps_total") >= s.rounds
     assert 0 < cpu <= wall and 0 < waited < wall, (wall, cpu, waited)
     assert total(after_t, "outrider_engine_context_switches", kind="voluntary") > 0
+
+
+def test_the_referee_shows_what_it_measured_per_load(system):
+    """An AUTO stream alone runs at least one epoch at load 1: the page shows the
+    goodput the referee measured for the arm it ran, and the arm it runs now."""
+    with Client(system.router, timeout_s=120) as client:
+        client.generate(PROMPT, max_tokens=3 * EPOCH_STEPS, temperature=0.7, top_p=0.9,
+                        ignore_eos=True, speculation="auto", gamma_max=1)
+    after = scrape(system.metrics["target"])
+    measured = [v for (n, ls), v in after.items()
+                if n == "outrider_referee_goodput_tokens_per_second" and dict(ls)["load"] == "1"]
+    assert measured and all(v > 0 for v in measured), measured
+    assert total(after, "outrider_referee_speculates", load="1") in (0.0, 1.0)
 
 
 @pytest.fixture(scope="module")
