@@ -243,6 +243,9 @@ class SpeculativeDecoder:
         kv_capacity = target.blocks.num_blocks * target.blocks.block_size
         self.max_model_len = min(target.max_model_len, kv_capacity)
         self._ahead: dict[int, DraftAhead] = {}  # seq id -> drafted during its last round
+        # contexts the draft takes in beside a step, joined when it is next asked for
+        # anything: (the call, [(row index, sequence, positions it then holds)])
+        self._warming: list[tuple[PendingProposal, list[tuple[int, Sequence, int]]]] = []
         self._next_id = 0
         self.grammars = Grammars.for_model(target.cfg.model_dir, target.vocab_size,
                                            sorted(self.eos_token_ids))
@@ -332,6 +335,7 @@ class SpeculativeDecoder:
                 seq.seq_id, 0, seq.target_len))
 
     def release(self, seq: Sequence) -> None:
+        self._join_warming()  # (a Release must not overtake the context it frees)
         self.target.blocks.free(seq.seq_id)
         self._ahead.pop(seq.seq_id, None)
         self.features.drop(seq.seq_id)
@@ -424,6 +428,7 @@ class SpeculativeDecoder:
         """γ_i proposals per row, from the previous round's drafting ahead where there is
         one; then the draft's work during verification starts."""
         start, cpu_start = time.perf_counter(), time.thread_time()
+        self._join_warming()
         asked = [0 if r.is_first else r.wanted for r in step.rows]
         aheads = [self._ahead.pop(r.seq.seq_id, None) for r in step.rows]
         aheads = [a if g else None for a, g in zip(aheads, asked)]
@@ -452,6 +457,18 @@ class SpeculativeDecoder:
         step.draft_s = time.perf_counter() - start
         step.draft_cpu_s = time.thread_time() - cpu_start
         self._start_background(step)
+
+    def _join_warming(self) -> None:
+        """The contexts the draft took in beside earlier steps (their prefills): what it
+        now holds. Joined before the draft is asked for anything else, so it takes them
+        in order; the step that prefilled did not wait (served at one stream, waiting
+        added the draft replica's prefill to every first token: TTFT 35 against 28 ms)."""
+        for pending, warmed in self._warming:
+            taken = pending.result()
+            for index, seq, held in warmed:
+                if not taken.is_miss[index]:
+                    seq.draft_len = held
+        self._warming.clear()
 
     def _with_openings(self, rows: list[Row], proposal: Proposal) -> Proposal:
         """A constrained request's first round proposes what its grammar forces from the
@@ -499,6 +516,12 @@ class SpeculativeDecoder:
                 self.target.blocks.seal(r.seq.seq_id, r.seq.token_ids, r.seq.target_len)
                 self._keep_features(step, r, r.feed)
         if step.background is None:
+            return
+        if self.reads is None and not any(r.ahead_gamma for r in step.rows):
+            # contexts taken in, nothing drafted ahead: the first tokens need not wait
+            self._warming.append((step.background, [
+                (r.index, r.seq, r.seq.target_len - len(step.drafts[r.index]))
+                for r in step.rows if r.warms_draft]))
             return
         start, cpu_start = time.perf_counter(), time.thread_time()
         drafted = step.background.result()

@@ -125,21 +125,23 @@ def test_chunked_prefill_changes_nothing(llama_dir, draft_dir, target_only):
 
 def test_first_token_comes_from_the_prefill_while_the_draft_takes_the_context(
         llama_dir, draft_dir, target_only):
-    """Time to first token: the prefill step emits its token without speculating, the
-    draft prefills the context meanwhile, and the next round sends it one token. A
-    resumed sequence speculates at once (as the run it continues did there)."""
+    """Time to first token: the prefill step emits its token without speculating or
+    waiting for the draft, which prefills the context meanwhile; the next round joins
+    that and sends it one token. A resumed sequence speculates at once (as the run it
+    continues did there)."""
     drafter = Drafter(ModelRunner(RunnerConfig(str(draft_dir))))
     decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(str(llama_dir))), drafter)
     prompt = ragged_prompts()[3]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     seq = decoder.new_sequence(prompt, params)
     assert decoder.step([seq], [4]) == [target_only[3][:1]] and seq.last_round[:2] == (0, 0)
-    assert drafter.runner.blocks.seq_len(seq.seq_id) == seq.draft_len == len(prompt)
+    assert seq.draft_len == 0  # not joined yet
     sent = []
     drafter.draft = lambda items, device=None, draft=drafter.draft: (
         sent.extend(items) or draft(items, device))
     decoder.step([seq], [4])
     assert seq.last_round[0] == 4 and [len(it.new_token_ids) for it in sent] == [1]
+    assert drafter.runner.blocks.seq_len(seq.seq_id) >= len(prompt) + 1
 
     resumed = decoder.new_sequence(prompt, params, resume_ids=target_only[3][:5])
     decoder.step([resumed], [4])
