@@ -174,6 +174,9 @@ class Step:
     draft_probs: torch.Tensor | None = None  # [batch, γ_max (+1), vocab]; None: point masses
     has_trees: bool = False  # rows' proposals are trees (Row.parents): verified by walking
     background: PendingProposal | None = None  # what the draft does during verification
+    # ... or, where it only takes contexts in, what it does after the step: (its items,
+    # [(row index, sequence, positions the draft then holds)])
+    warm: tuple[list[DraftItem], list[tuple[int, Sequence, int]]] | None = None
     logits: torch.Tensor | None = None       # [sum over ready rows of (γ_i + 1), vocab]
     features: torch.Tensor | None = None     # [fed + proposed tokens, width]: a head's
     feature_at: list[tuple[int, int]] = field(default_factory=list)  # per row: its first
@@ -383,6 +386,7 @@ class SpeculativeDecoder:
         self._verify(step)
         if step.ready:
             self._commit(step)
+        self._send_warm(step)
         if step.cached_features[0]:  # one write a step
             self.target.store_features(step.cached_features[0],
                                        step.features[step.cached_features[1]])
@@ -459,10 +463,10 @@ class SpeculativeDecoder:
         self._start_background(step)
 
     def _join_warming(self) -> None:
-        """The contexts the draft took in beside earlier steps (their prefills): what it
+        """The contexts the draft took in after earlier steps (their prefills): what it
         now holds. Joined before the draft is asked for anything else, so it takes them
-        in order; the step that prefilled did not wait (served at one stream, waiting
-        added the draft replica's prefill to every first token: TTFT 35 against 28 ms)."""
+        in order; the step that prefilled neither waited for nor ran beside them (served
+        at one stream, waiting added the draft replica's prefill to every first token)."""
         for pending, warmed in self._warming:
             taken = pending.result()
             for index, seq, held in warmed:
@@ -516,12 +520,6 @@ class SpeculativeDecoder:
                 self.target.blocks.seal(r.seq.seq_id, r.seq.token_ids, r.seq.target_len)
                 self._keep_features(step, r, r.feed)
         if step.background is None:
-            return
-        if self.reads is None and not any(r.ahead_gamma for r in step.rows):
-            # contexts taken in, nothing drafted ahead: the first tokens need not wait
-            self._warming.append((step.background, [
-                (r.index, r.seq, r.seq.target_len - len(step.drafts[r.index]))
-                for r in step.rows if r.warms_draft]))
             return
         start, cpu_start = time.perf_counter(), time.thread_time()
         drafted = step.background.result()
@@ -709,7 +707,21 @@ class SpeculativeDecoder:
                  self._draft_item(r.seq, r.ahead_gamma + 1 if r.ahead_gamma else 0,
                                   step.drafts[r.index] if r.ahead_gamma else [])
                  for r, w in zip(rows, warms)]
+        if self.reads is None and not any(r.ahead_gamma for r in rows):
+            # contexts to take in, nothing to draft ahead: sent once the step committed,
+            # so the draft's prefill does not share the cores with the target's forward
+            step.warm = (items, [(r.index, r.seq, len(r.seq.token_ids))
+                                 for r, w in zip(rows, warms) if w])
+            return
         step.background = self.drafter.submit(items, self.target.device, beside_target=True)
+
+    def _send_warm(self, step: Step) -> None:
+        """The contexts the draft takes in after this step (_start_background), joined
+        before it is next asked for anything (_join_warming)."""
+        if step.warm is not None:
+            items, warmed = step.warm
+            self._warming.append((self.drafter.submit(items, self.target.device,
+                                                      beside_target=True), warmed))
 
     # -- verify ----------------------------------------------------------------------------
     def _forward(self, rows: list[Row], drafts: list[list[int]]) -> torch.Tensor:
