@@ -718,10 +718,15 @@ class SpeculativeDecoder:
     def _send_warm(self, step: Step) -> None:
         """The contexts the draft takes in after this step (_start_background), joined
         before it is next asked for anything (_join_warming)."""
-        if step.warm is not None:
-            items, warmed = step.warm
-            self._warming.append((self.drafter.submit(items, self.target.device,
-                                                      beside_target=True), warmed))
+        if step.warm is None:
+            return
+        items, warmed = step.warm
+        live = [(i, seq, held) for i, seq, held in warmed if not seq.is_finished]
+        if live:  # (one that finished in this step is released already: not taken in)
+            pending = self.drafter.submit([items[i] for i, _, _ in live], self.target.device,
+                                          beside_target=True)
+            self._warming.append((pending, [(k, seq, held)
+                                            for k, (_, seq, held) in enumerate(live)]))
 
     # -- verify ----------------------------------------------------------------------------
     def _forward(self, rows: list[Row], drafts: list[list[int]]) -> torch.Tensor:
