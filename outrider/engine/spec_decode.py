@@ -174,9 +174,9 @@ class Step:
     draft_probs: torch.Tensor | None = None  # [batch, γ_max (+1), vocab]; None: point masses
     has_trees: bool = False  # rows' proposals are trees (Row.parents): verified by walking
     background: PendingProposal | None = None  # what the draft does during verification
-    # ... or, where it only takes contexts in, what it does after the step: (its items,
-    # [(row index, sequence, positions the draft then holds)])
-    warm: tuple[list[DraftItem], list[tuple[int, Sequence, int]]] | None = None
+    # ... or, where it only takes contexts in, what it does after the step: per context,
+    # (its item, its sequence, the positions the draft then holds)
+    warm: list[tuple[DraftItem, Sequence, int]] = field(default_factory=list)
     logits: torch.Tensor | None = None       # [sum over ready rows of (γ_i + 1), vocab]
     features: torch.Tensor | None = None     # [fed + proposed tokens, width]: a head's
     feature_at: list[tuple[int, int]] = field(default_factory=list)  # per row: its first
@@ -246,9 +246,9 @@ class SpeculativeDecoder:
         kv_capacity = target.blocks.num_blocks * target.blocks.block_size
         self.max_model_len = min(target.max_model_len, kv_capacity)
         self._ahead: dict[int, DraftAhead] = {}  # seq id -> drafted during its last round
-        # contexts the draft takes in beside a step, joined when it is next asked for
-        # anything: (the call, [(row index, sequence, positions it then holds)])
-        self._warming: list[tuple[PendingProposal, list[tuple[int, Sequence, int]]]] = []
+        # contexts the draft takes in after a step, joined when it is next asked for
+        # anything: (the call, [(sequence, positions it then holds)] in the call's order)
+        self._warming: list[tuple[PendingProposal, list[tuple[Sequence, int]]]] = []
         self._next_id = 0
         self.grammars = Grammars.for_model(target.cfg.model_dir, target.vocab_size,
                                            sorted(self.eos_token_ids))
@@ -469,8 +469,8 @@ class SpeculativeDecoder:
         at one stream, waiting added the draft replica's prefill to every first token)."""
         for pending, warmed in self._warming:
             taken = pending.result()
-            for index, seq, held in warmed:
-                if not taken.is_miss[index]:
+            for (seq, held), miss in zip(warmed, taken.is_miss):
+                if not miss:
                     seq.draft_len = held
         self._warming.clear()
 
@@ -703,30 +703,27 @@ class SpeculativeDecoder:
         warms = [r.warms_draft and self.reads is None or r.feeds_head > 0 for r in rows]
         if not any(r.ahead_gamma or w for r, w in zip(rows, warms)):
             return
+        if self.reads is None and not any(r.ahead_gamma for r in rows):
+            # contexts to take in, nothing to draft ahead: sent once the step committed,
+            # so the draft's prefill does not share the cores with the target's forward
+            step.warm = [(self._prefill_item(r.seq), r.seq, len(r.seq.token_ids))
+                         for r, w in zip(rows, warms) if w]
+            return
         items = [self._prefill_item(r.seq) if w else
                  self._draft_item(r.seq, r.ahead_gamma + 1 if r.ahead_gamma else 0,
                                   step.drafts[r.index] if r.ahead_gamma else [])
                  for r, w in zip(rows, warms)]
-        if self.reads is None and not any(r.ahead_gamma for r in rows):
-            # contexts to take in, nothing to draft ahead: sent once the step committed,
-            # so the draft's prefill does not share the cores with the target's forward
-            step.warm = (items, [(r.index, r.seq, len(r.seq.token_ids))
-                                 for r, w in zip(rows, warms) if w])
-            return
         step.background = self.drafter.submit(items, self.target.device, beside_target=True)
 
     def _send_warm(self, step: Step) -> None:
         """The contexts the draft takes in after this step (_start_background), joined
         before it is next asked for anything (_join_warming)."""
-        if step.warm is None:
-            return
-        items, warmed = step.warm
-        live = [(i, seq, held) for i, seq, held in warmed if not seq.is_finished]
-        if live:  # (one that finished in this step is released already: not taken in)
-            pending = self.drafter.submit([items[i] for i, _, _ in live], self.target.device,
+        # (one that finished in this step is released already: not taken in)
+        live = [(item, seq, held) for item, seq, held in step.warm if not seq.is_finished]
+        if live:
+            pending = self.drafter.submit([item for item, _, _ in live], self.target.device,
                                           beside_target=True)
-            self._warming.append((pending, [(k, seq, held)
-                                            for k, (_, seq, held) in enumerate(live)]))
+            self._warming.append((pending, [(seq, held) for _, seq, held in live]))
 
     # -- verify ----------------------------------------------------------------------------
     def _forward(self, rows: list[Row], drafts: list[list[int]]) -> torch.Tensor:
