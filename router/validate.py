@@ -11,12 +11,11 @@ from dataclasses import dataclass
 from outrider.router.text_stream import TextStream
 
 from outrider.core.grammar import Grammars
-from outrider.core.policy import MAX_GAMMA, SpecMode
+from outrider.core.policy import MASK_BITS, MAX_GAMMA, SpecMode
 from outrider.core.sampling import MAX_SEED, SamplingError, SamplingParams
 from outrider.core.sequence import ProposerKind
 from outrider.core.structured import StructuredOutput, StructuredOutputError
 from outrider.core.tokenizer import Tokenizer
-from outrider.engine.tree import MASK_BITS
 from outrider.v1 import generate_pb2 as gp
 
 MAX_STOP_STRINGS = 64

@@ -75,3 +75,18 @@ print("torch loaded:", "torch" in sys.modules)
     done = run_blocked(code, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "refused:" in done.stdout and "torch loaded: False" in done.stdout
+
+
+def test_the_router_imports_nothing_of_the_engine():
+    """What router and engine both need (limits, sampling rules) lives in outrider/core:
+    the router reads no engine module, not even one that happens to be torch-free."""
+    import ast
+    from pathlib import Path
+
+    found = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "router").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.name}: {n}" for n in names if n.startswith("outrider.engine")]
+    assert not found

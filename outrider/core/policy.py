@@ -25,6 +25,7 @@ from enum import Enum
 import numpy as np
 
 MAX_GAMMA = 16  # the most draft tokens a request may ask for per round
+MASK_BITS = 64  # positions a token tree's attention mask spans: a tree verifies fewer nodes
 # requests a router queues on one replica; the replica keeps a handler thread for each
 MAX_QUEUED_PER_REPLICA = 256
 # estimates that put every AUTO request at γ = 0 are only corrected by drafting: after this

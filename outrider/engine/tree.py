@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-MASK_BITS = 64  # positions a tree mask spans
+from outrider.core.policy import MASK_BITS
 
 
 @dataclass(frozen=True)
