@@ -26,8 +26,6 @@ import dataclasses
 import json
 import platform
 import re
-import statistics
-import sysconfig
 import time
 import urllib.request
 from pathlib import Path
@@ -35,27 +33,22 @@ from pathlib import Path
 import torch
 
 from outrider import paths
+from outrider.bench import servers
 from outrider.bench.common import SETTINGS as SERVING_SETTINGS
-from outrider.bench.common import provenance
+from outrider.bench.common import decode_forward_seconds, provenance
+from outrider.bench.prompts import heldout_prompts
 from outrider.core.hf_config import head_kind
 from outrider.core.sampling import SamplingParams
 from outrider.core.stats import SpecStats
 from outrider.core.tokenizer import Tokenizer
 from outrider.engine.drafter import Drafter
 from outrider.engine.heads import HeadRunner, TargetSide
-from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
+from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.flags import add_tree_args, tree_shape
 
 # α at the temperatures users run: greedy, T 0.7 / top-p 0.9 and T 1.0 (models/TRAINING.md)
 SETTINGS = {name: SERVING_SETTINGS[name] for name in ("greedy", "t0.7-p0.9", "t1.0")}
-
-
-def heldout_prompts(tokenizer: Tokenizer, num_prompts: int, prompt_tokens: int) -> list[list[int]]:
-    """The first `prompt_tokens` tokens of each held-out standard-library module."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    modules = paths.heldout_modules_file().read_text().split()[:num_prompts]
-    return [tokenizer.encode((stdlib / m).read_text())[:prompt_tokens] for m in modules]
 
 
 def run_setting(decoder: SpeculativeDecoder, prompts, params: SamplingParams,
@@ -78,33 +71,9 @@ def run_setting(decoder: SpeculativeDecoder, prompts, params: SamplingParams,
     }
 
 
-def decode_forward_seconds(runner: ModelRunner, context_len: int, repeats: int = 50,
-                           feature_width: int = 0) -> float:
-    """Median time of one single-token decode forward at batch 1 after `context_len` tokens
-    (a head's: with features of `feature_width`, zeros)."""
-    blocks, seq_id = runner.blocks, "cost-probe"
-    blocks.append(seq_id, context_len)
-    features = (lambda n: torch.zeros(n, feature_width)) if feature_width else (
-        lambda n: None)
-    runner.forward([ForwardRequest([1] * context_len, 0, blocks.block_table(seq_id), 1,
-                                   features(context_len))])
-    times = []
-    for _ in range(repeats):
-        blocks.append(seq_id, 1)
-        start = time.perf_counter()
-        runner.forward([ForwardRequest([1], context_len, blocks.block_table(seq_id), 1,
-                                       features(1))])
-        times.append(time.perf_counter() - start)
-        blocks.rollback(seq_id, context_len)
-    blocks.free(seq_id)
-    return statistics.median(times)
-
-
 def vllm_acceptance(args, prompts: list[list[int]]) -> dict:
     """Greedy α overall and per draft position in `vllm serve` on `prompts` (token ids),
     from its spec-decode counters."""
-    from outrider.bench import versus
-
     kind = head_kind(args.draft)
     if kind not in (None, "eagle3"):
         raise SystemExit(f"--vllm compares draft models and EAGLE-3 heads; {args.draft} "
@@ -112,10 +81,10 @@ def vllm_acceptance(args, prompts: list[list[int]]) -> dict:
     system = "vllm-eagle3" if kind else "vllm-draft"
     peer = argparse.Namespace(vllm=args.vllm, target=args.target, dtype="auto",
                               head=args.draft, draft=args.draft, gamma=args.gamma)
-    with versus.vllm_server(peer, system) as (url, _):
+    with servers.vllm_server(peer, system) as (url, _):
         before = _spec_counters(url)
         for ids in prompts:
-            body = {"model": versus.SERVED_NAME, "prompt": ids, "max_tokens": args.max_tokens,
+            body = {"model": servers.SERVED_NAME, "prompt": ids, "max_tokens": args.max_tokens,
                     "temperature": 0, "ignore_eos": True}
             request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
                                              {"Content-Type": "application/json"})

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from outrider import paths
 from outrider.bench import common
-from outrider.bench.versus import package_sources
+from outrider.bench.prompts import package_sources
 from outrider.flags import PROPOSERS
 from outrider.launch import redis_server
 
@@ -182,19 +182,6 @@ def summary(results: list[Served], points: list[dict], baseline: list[Served],
         "accepted_per_round": (sum(r.accepted for r in results)
                                / max(1, sum(r.rounds for r in results))),
         "by_proposer": _by_proposer(results)}
-
-
-def fifths(requests: list[dict]) -> list[dict]:
-    """The stream (the JSON's `requests`) in five equal shares: the output tokens served
-    by each share's end, its acceptance (accepted / drafted), mean batch-1 tok/s and the
-    draft versions that served it."""
-    n = len(requests)
-    parts = [requests[i * n // 5:(i + 1) * n // 5] for i in range(5)]
-    return [{"served_tokens": part[-1]["served_tokens"],
-             "acceptance": sum(r["accepted"] for r in part)
-             / max(1, sum(r["drafted"] for r in part)),
-             "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in part),
-             "versions": (part[0]["version"], part[-1]["version"])} for part in parts if part]
 
 
 def _by_proposer(results: list[Served]) -> dict[str, list[int]]:

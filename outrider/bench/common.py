@@ -1,13 +1,15 @@
-"""What outrider.bench.serving and outrider.bench.hf_peer share: the workloads and their
-prompts, requests through the router's public API, the deployment they measure and the
-record of the machine they ran on; and what every harness's JSON says of itself
-(provenance: the commit, date, command and machine of the run)."""
+"""What the benchmarks share when they run: requests through the router's public API and
+the deployment they measure (outrider.bench.serving and hf_peer), the flags' lists, the
+targets a run states and judges, the draft/target cost ratio c measured in process, the
+record of the machine; and what every harness's JSON says of itself (provenance: the
+commit, date, command and machine of the run). Nothing here imports a benchmark."""
 
 from __future__ import annotations
 
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -19,13 +21,11 @@ from importlib import metadata
 from pathlib import Path
 
 from outrider import paths
-from outrider.core.tokenizer import Tokenizer
+from outrider.bench.prompts import workload_prompts  # noqa: F401 (scripts/served_ab.py)
 from outrider.v1 import generate_pb2 as gp
 
 TOKEN = "bench-token"  # cluster token of a deployment the harness starts itself
-WORKLOADS = ("code", "text")
-# the settings of outrider.bench.acceptance (not imported here: it pulls in torch, and
-# `outrider bench --help` should not wait for torch)
+# the samplings a request may name (outrider.bench.acceptance measures α at three of them)
 SETTINGS = {"greedy": dict(temperature=0.0),
             "t0.7-p0.9": dict(temperature=0.7, top_p=0.9),
             "t0.7-p0.95": dict(temperature=0.7, top_p=0.95),
@@ -59,28 +59,11 @@ def parse_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def text_prompts(tokenizer: Tokenizer, num_prompts: int) -> list[list[int]]:
-    """Prose prompts from outrider/bench/data/bench_text_prompts.txt (paragraphs; '#'
-    lines are comments)."""
-    lines = [line for line in text_prompts_file().read_text().splitlines()
-             if not line.startswith("#")]
-    paragraphs = [" ".join(p.split()) for p in "\n".join(lines).split("\n\n") if p.strip()]
-    return [tokenizer.encode(p) for p in paragraphs[:num_prompts]]
-
-
-def text_prompts_file() -> Path:
-    return paths.BENCH_DATA / "bench_text_prompts.txt"
-
-
-def workload_prompts(tokenizer: Tokenizer, workload: str, num_prompts: int,
-                     prompt_tokens: int) -> list[list[int]]:
-    if workload == "code":
-        from outrider.bench.acceptance import heldout_prompts
-
-        return heldout_prompts(tokenizer, num_prompts, prompt_tokens)
-    if workload == "text":
-        return text_prompts(tokenizer, num_prompts)
-    raise ValueError(f"unknown workload {workload!r}: use {', '.join(WORKLOADS)}")
+def parse_concurrency(text: str) -> list[int]:
+    levels = [int(part) for part in parse_list(text)]
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency needs positive integers, got {text!r}")
+    return levels
 
 
 def build_request(prompt: list[int], sampling: str, mode: Mode, max_tokens: int, seed: int,
@@ -142,6 +125,51 @@ def stream_request(stub, request: gp.GenerateRequest, metadata=(),
             record.num_rounds = spec.rounds
     record.end = time.perf_counter()
     return record
+
+
+# -- targets -------------------------------------------------------------------------------
+def target(name: str, value: float | None, threshold: float, higher_is_better: bool = True,
+           **where) -> dict:
+    """A stated target and whether the measured value meets it (None: not measured)."""
+    met = None if value is None else (value >= threshold if higher_is_better
+                                      else value <= threshold)
+    return {"target": name, "value": value, "threshold": threshold,
+            "higher_is_better": higher_is_better, "met": met, **where}
+
+
+def print_targets(targets: list[dict]) -> None:
+    """One line per target: met or MISS, its value against its threshold."""
+    for t in targets:
+        print(f"{'met ' if t['met'] else 'MISS'} {t['target']} (c={t.get('concurrency')}): "
+              f"{t['value']:.3g} vs {t['threshold']:.3g}" if t["value"] is not None else
+              f"---- {t['target']}: not measured")
+
+
+# -- c: the cost of a forward in process ---------------------------------------------------
+def decode_forward_seconds(runner, context_len: int, repeats: int = 50,
+                           feature_width: int = 0) -> float:
+    """Median time of one single-token decode forward at batch 1 after `context_len` tokens
+    (a head's: with features of `feature_width`, zeros) of a ModelRunner or HeadRunner."""
+    import torch
+
+    from outrider.engine.runner import ForwardRequest
+
+    blocks, seq_id = runner.blocks, "cost-probe"
+    blocks.append(seq_id, context_len)
+    features = (lambda n: torch.zeros(n, feature_width)) if feature_width else (
+        lambda n: None)
+    runner.forward([ForwardRequest([1] * context_len, 0, blocks.block_table(seq_id), 1,
+                                   features(context_len))])
+    times = []
+    for _ in range(repeats):
+        blocks.append(seq_id, 1)
+        start = time.perf_counter()
+        runner.forward([ForwardRequest([1], context_len, blocks.block_table(seq_id), 1,
+                                       features(1))])
+        times.append(time.perf_counter() - start)
+        blocks.rollback(seq_id, context_len)
+    blocks.free(seq_id)
+    return statistics.median(times)
 
 
 # -- the deployment, the machine -----------------------------------------------------------

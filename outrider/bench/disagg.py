@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from outrider import paths
-from outrider.bench.acceptance import heldout_prompts
 from outrider.bench.common import provenance
+from outrider.bench.prompts import heldout_prompts
 from outrider.cluster_tls import internal_channel
 from outrider.core.sampling import SamplingParams, sampling_to_proto
 from outrider.core.tokenizer import Tokenizer

@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from outrider import paths
 from outrider.bench import common
+from outrider.bench.prompts import workload_prompts
 from outrider.core.tokenizer import Tokenizer
 from outrider.v1 import generate_pb2_grpc
 
@@ -167,12 +168,12 @@ def compare(target_dir: str, draft_dir: str, prompts: dict[str, list[list[int]]]
     local = build_runners(target_dir, draft_dir, gamma)
     report = {"threads": torch.get_num_threads(), "gamma": gamma, "max_tokens": max_tokens,
               "batch": 1, "sampling": "greedy", "reference": "transformers", "workloads": {}}
-    for workload, workload_prompts in prompts.items():
+    for workload, its_prompts in prompts.items():
         runners = local | (deployment_runners(stub, gamma, workload, metadata)
                            if stub is not None else {})
         for run in runners.values():  # warm-up
-            run(workload_prompts[0], 8)
-        results = side_by_side(runners, workload_prompts, max_tokens, progress)
+            run(its_prompts[0], 8)
+        results = side_by_side(runners, its_prompts, max_tokens, progress)
         report["workloads"][workload] = {"runners": results, "ratios": ratios(results, gamma)}
     return report
 
@@ -203,7 +204,7 @@ def run(args) -> int:
     started = common.provenance()  # the commit and date the run began with
     torch.set_num_threads(args.threads)
     tokenizer = Tokenizer(args.target)
-    prompts = {w: common.workload_prompts(tokenizer, w, args.prompts, args.prompt_tokens)
+    prompts = {w: workload_prompts(tokenizer, w, args.prompts, args.prompt_tokens)
                for w in common.parse_list(args.workloads)}
     args.replica_gamma = args.gamma
     metadata = common.call_metadata(args.api_key)

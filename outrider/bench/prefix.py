@@ -43,12 +43,9 @@ from pathlib import Path
 
 from outrider import paths
 from outrider.bench import common
-from outrider.bench.versus import (
-    SERVED_NAME,
-    outrider_server,
-    package_prompts,
-    vllm_server,
-)
+from outrider.bench.prompts import package_prompts
+from outrider.bench.servers import SERVED_NAME, outrider_server, vllm_server
+from outrider.bench.tables import prefix_table
 
 DEFAULT_OUT = "results/prefix_cache.json"
 OUTRIDER_SYSTEMS = {"outrider-cache-aware": ("--routing", "cache-aware"),
@@ -168,7 +165,7 @@ def measure(args, system: str, work: Workload, log) -> dict:
 
 @contextmanager
 def _url_only(server) -> Iterator[str]:
-    """`outrider serve`'s base URL (versus.outrider_server also yields its metrics')."""
+    """`outrider serve`'s base URL (servers.outrider_server also yields its metrics')."""
     with server as (url, _):
         yield url
 
@@ -198,16 +195,6 @@ def targets(results: dict[str, dict]) -> list[dict]:
     return [{"target": name, "value": value, "threshold": threshold,
              "met": value is not None and value >= threshold}
             for name, value, threshold in checks]
-
-
-def table(results: dict[str, dict]) -> str:
-    rows = ["| system | TTFT p50 ms | TTFT p99 ms | TTFT p50 ms, turns 2+ | output tok/s | "
-            "hit rate |", "|---|---|---|---|---|---|"]
-    for system, r in results.items():
-        hit = "n/a" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}"
-        rows.append(f"| {system} | {r['ttft_ms_p50']:.0f} | {r['ttft_ms_p99']:.0f} | "
-                    f"{r['ttft_ms_p50_later_turns']:.0f} | {r['tokens_per_s']:.1f} | {hit} |")
-    return "\n".join(rows)
 
 
 def plot(results: dict[str, dict], path: Path) -> str:
@@ -279,7 +266,7 @@ def run(args) -> int:
         report["plot"] = plot(results, Path(args.plots_dir) / "prefix_cache.png")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(table(results))
+    print(prefix_table(results))
     for t in report["targets"]:
         value = "not measured" if t["value"] is None else f"{t['value']:.3g}"
         print(f"{'met ' if t['met'] else 'MISS'} {t['target']}: {value} (>= {t['threshold']})")

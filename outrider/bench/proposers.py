@@ -32,7 +32,10 @@ import time
 from pathlib import Path
 
 from outrider import paths
-from outrider.bench import common, serving, versus
+from outrider.bench import common, servers
+from outrider.bench.prompts import package_prompts, package_sources, write_prompts
+from outrider.bench.servers import speed_ratio
+from outrider.bench.tables import proposers_table
 
 DEFAULT_OUT = "results/proposers.json"
 OUTRIDER_KINDS = ("auto", "model", "ngram", "suffix")
@@ -45,7 +48,7 @@ def edited_in_place(num_prompts: int, max_chars: int = 2400) -> list[str]:
     """A function of 8-40 lines from a package's source, then the same function begun
     again under a new name (its `def` line and first body line)."""
     prompts = []
-    for path in versus.package_sources():
+    for path in package_sources():
         source = path.read_text(encoding="utf-8", errors="replace")
         try:
             tree = ast.parse(source)
@@ -70,7 +73,7 @@ def edited_in_place(num_prompts: int, max_chars: int = 2400) -> list[str]:
 def quoted_documents(num_prompts: int, max_chars: int = 1600) -> list[str]:
     """A module docstring, then a request to quote it and its first words."""
     prompts = []
-    for path in versus.package_sources():
+    for path in package_sources():
         try:
             doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8",
                                                              errors="replace")))
@@ -138,31 +141,31 @@ def run_round(args, order: list[str], files: dict[str, Path], out_dir: Path, log
 
 def _server(args, system: str):
     if system.startswith("outrider-"):
-        return versus.outrider_server(args, ("--proposer", system.removeprefix("outrider-")))
+        return servers.outrider_server(args, ("--proposer", system.removeprefix("outrider-")))
     return _vllm(args, system)
 
 
 def _vllm(args, server: str):
     if server == "vllm-ngram":
         config = {**VLLM_NGRAM, "num_speculative_tokens": args.gamma}
-        return versus.vllm_server(args, with_draft=False,
-                                  extra=("--speculative-config", json.dumps(config)))
-    return versus.vllm_server(args, with_draft=True)
+        return servers.vllm_server(args, with_draft=False,
+                                   extra=("--speculative-config", json.dumps(config)))
+    return servers.vllm_server(args, with_draft=True)
 
 
 def measure(args, url: str, files: dict[str, Path], out_dir: Path, system: str,
             log) -> dict[str, dict]:
-    vllm = versus.vllm_command(args.vllm)
+    vllm = servers.vllm_command(args.vllm)
     # a warm-up long enough for the replica's online cost model to settle
-    versus.bench_serve(vllm, url, args.target, files["warmup"], 4, 16, 64, out_dir,
-                       f"warmup-{system}")
-    cells = {"copy-c1": versus.cell(versus.bench_serve(
+    servers.bench_serve(vllm, url, args.target, files["warmup"], 4, 16, 64, out_dir,
+                        f"warmup-{system}")
+    cells = {"copy-c1": servers.cell(servers.bench_serve(
         vllm, url, args.target, files["copy"], 1, args.copy_prompts, args.copy_tokens,
         out_dir, f"{system}-copy"))}
     for c in PLAIN_LEVELS:
-        cells[f"plain-c{c}"] = versus.cell(versus.bench_serve(
+        cells[f"plain-c{c}"] = servers.cell(servers.bench_serve(
             vllm, url, args.target, files[f"plain-{c}"], c,
-            versus.num_requests(c, args.requests_per_stream), args.max_tokens, out_dir,
+            servers.num_requests(c, args.requests_per_stream), args.max_tokens, out_dir,
             f"{system}-plain"))
     log(f"{system}: " + ", ".join(f"{k} {v['tokens_per_s']:.0f} tok/s"
                                   for k, v in cells.items()))
@@ -176,31 +179,17 @@ def targets(results: dict[str, dict[str, dict]]) -> list[dict]:
     out = []
     if peers:
         best = max(peers, key=lambda x: x["tokens_per_s"])
-        out.append(serving.target("copy-heavy: auto over vLLM's better of n-gram and draft "
-                                  "model", versus._ratio(auto["copy-c1"], best), 1.25,
-                                  concurrency=1))
-    out.append(serving.target("copy-heavy: auto over --proposer model",
-                              versus._ratio(auto["copy-c1"], model["copy-c1"]), 1.15,
-                              concurrency=1))
+        out.append(common.target("copy-heavy: auto over vLLM's better of n-gram and draft "
+                                 "model", speed_ratio(auto["copy-c1"], best), 1.25,
+                                 concurrency=1))
+    out.append(common.target("copy-heavy: auto over --proposer model",
+                             speed_ratio(auto["copy-c1"], model["copy-c1"]), 1.15,
+                             concurrency=1))
     for c in PLAIN_LEVELS:
-        out.append(serving.target("plain code: auto over --proposer model",
-                                  versus._ratio(auto[f"plain-c{c}"], model[f"plain-c{c}"]),
-                                  0.97, concurrency=c))
+        out.append(common.target("plain code: auto over --proposer model",
+                                 speed_ratio(auto[f"plain-c{c}"], model[f"plain-c{c}"]),
+                                 0.97, concurrency=c))
     return out
-
-
-def table(results: dict[str, dict[str, dict]]) -> str:
-    cells = list(next(iter(results.values())))
-    lines = ["| system | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
-    for system, row in results.items():
-        lines.append(f"| {system} | " + " | ".join(_cell_text(row[k]) for k in cells) + " |")
-    return "\n".join(lines)
-
-
-def _cell_text(cell: dict) -> str:
-    """'mean (round 1/round 2)' tokens/s."""
-    rounds = "/".join(f"{v:.0f}" for v in cell["tokens_per_s_rounds"])
-    return f"{cell['tokens_per_s']:.0f} ({rounds})"
 
 
 def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> None:
@@ -212,7 +201,7 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
         parser.add_argument("--max-tokens", type=int, default=96)
         parser.add_argument("--prompt-tokens", type=int, default=128)
         parser.add_argument("--out", default=DEFAULT_OUT)
-        versus.add_arguments(parser, standalone=False)
+        servers.add_arguments(parser)
     parser.add_argument("--copy-prompts", type=int, default=16,
                         help="(--proposers) copy-heavy prompts, half code edited in place, "
                              "half quoted documents")
@@ -229,24 +218,24 @@ def run(args) -> int:
     started = common.provenance()  # the commit and date the run began with
     tokenizer = Tokenizer(args.target)
     copy = copy_prompts(args.copy_prompts)
-    counts = {c: versus.num_requests(c, args.requests_per_stream) for c in PLAIN_LEVELS}
-    plain = versus.package_prompts(tokenizer, 16 + sum(counts.values()), args.prompt_tokens)
+    counts = {c: servers.num_requests(c, args.requests_per_stream) for c in PLAIN_LEVELS}
+    plain = package_prompts(tokenizer, 16 + sum(counts.values()), args.prompt_tokens)
     log = lambda text: print(f"[proposers] {text}", file=sys.stderr, flush=True)  # noqa: E731
-    order = serving.parse_list(args.proposer_systems)
+    order = common.parse_list(args.proposer_systems)
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = Path(tmp)
-        files = {"warmup": versus.write_prompts(plain[:16], out_dir, "warmup"),
-                 "copy": versus.write_prompts(copy, out_dir, "copy")}
+        files = {"warmup": write_prompts(plain[:16], out_dir, "warmup"),
+                 "copy": write_prompts(copy, out_dir, "copy")}
         start = 16
         for c, n in counts.items():
-            files[f"plain-{c}"] = versus.write_prompts(plain[start:start + n], out_dir,
-                                                       f"plain-{c}")
+            files[f"plain-{c}"] = write_prompts(plain[start:start + n], out_dir,
+                                                f"plain-{c}")
             start += n
         rounds = [run_round(args, order[::-1] if r % 2 else order, files, out_dir, log,
                             reverse=bool(r % 2)) for r in range(args.rounds)]
-    results = versus.merge_rounds(rounds)
+    results = servers.merge_rounds(rounds)
     report = {"provenance": started,
-              "machine": serving.machine(), "command": serving.command_line(),
+              "machine": common.machine(), "command": common.command_line(),
               "config": {"gamma": args.gamma, "copy_tokens": args.copy_tokens,
                          "copy_prompts": args.copy_prompts, "max_tokens": args.max_tokens,
                          "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
@@ -257,9 +246,9 @@ def run(args) -> int:
               "results": results, "targets": targets(results)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(table(results))
+    print(proposers_table(results))
     print(json.dumps(report["lookup_cost"]))
-    serving.print_targets(report["targets"])
+    common.print_targets(report["targets"])
     return 0
 
 

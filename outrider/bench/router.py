@@ -25,8 +25,8 @@ import grpc
 import numpy as np
 
 from outrider import paths
-from outrider.bench.acceptance import heldout_prompts
 from outrider.bench.common import provenance
+from outrider.bench.prompts import heldout_prompts
 from outrider.client import Client
 from outrider.core.sampling import SamplingParams, sampling_to_proto
 from outrider.core.tokenizer import Tokenizer

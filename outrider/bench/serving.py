@@ -42,21 +42,24 @@ from tqdm import tqdm
 from outrider import paths
 from outrider.bench.common import (
     SETTINGS,
-    WORKLOADS,
     Mode,
     RequestRecord,
     build_request,
     call_metadata,
     command_line,
     cpu_pressure,
+    decode_forward_seconds,
     deployment,
     machine,
+    parse_concurrency,
     parse_list,
     provenance,
     stream_request,
     tag_for,
-    workload_prompts,
+    target,
 )
+from outrider.bench.plots import write_plots
+from outrider.bench.prompts import WORKLOADS, workload_prompts
 from outrider.core.tokenizer import Tokenizer
 from outrider.v1 import generate_pb2 as gp
 from outrider.v1 import generate_pb2_grpc
@@ -68,13 +71,6 @@ DEFAULT_OUT = "results/serving.json"
 
 
 # -- what to run ---------------------------------------------------------------------------
-def parse_concurrency(text: str) -> list[int]:
-    levels = [int(part) for part in parse_list(text)]
-    if not levels or min(levels) < 1:
-        raise ValueError(f"--concurrency needs positive integers, got {text!r}")
-    return levels
-
-
 def batches(num_prompts: int, concurrency: int, repeats: int = 1) -> list[list[int]]:
     """Request indices cut into batches of `concurrency` streams: enough batches that
     every prompt runs at least `repeats` times (prompt = index mod num_prompts)."""
@@ -199,23 +195,6 @@ def find_row(rows: list[dict], **match) -> dict | None:
     return next((r for r in rows if all(r[k] == v for k, v in match.items())), None)
 
 
-def target(name: str, value: float | None, threshold: float, higher_is_better: bool = True,
-           **where) -> dict:
-    """A stated target and whether the measured value meets it (None: not measured)."""
-    met = None if value is None else (value >= threshold if higher_is_better
-                                      else value <= threshold)
-    return {"target": name, "value": value, "threshold": threshold,
-            "higher_is_better": higher_is_better, "met": met, **where}
-
-
-def print_targets(targets: list[dict]) -> None:
-    """One line per target: met or MISS, its value against its threshold."""
-    for t in targets:
-        print(f"{'met ' if t['met'] else 'MISS'} {t['target']} (c={t.get('concurrency')}): "
-              f"{t['value']:.3g} vs {t['threshold']:.3g}" if t["value"] is not None else
-              f"---- {t['target']}: not measured")
-
-
 def batch1_targets(rows: list[dict]) -> list[dict]:
     """Batch 1, greedy code: auto ≥ 2.0x off, achieved/bound ≥ 0.85, ITL ≤ 0.55x off."""
     auto = find_row(rows, workload="code", sampling="greedy", mode="auto", concurrency=1)
@@ -265,7 +244,6 @@ def peer_targets(peer: dict | None) -> list[dict]:
 def measure_forward_c(target_dir: str, draft_dir: str, context_len: int) -> dict:
     """c = draft / target time of one batch-1 decode forward after `context_len` tokens,
     in this process (as outrider.bench.acceptance measures it)."""
-    from outrider.bench.acceptance import decode_forward_seconds
     from outrider.engine.runner import ModelRunner, RunnerConfig
 
     times = {name: decode_forward_seconds(ModelRunner(RunnerConfig(model, kv_cache_mb=64)),
@@ -460,8 +438,6 @@ def write_report(report: dict, args) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if not args.no_plots:
-        from outrider.bench.report import write_plots
-
         report["plots"] = write_plots(report, Path(args.plots_dir or out.parent))
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}", file=sys.stderr)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from outrider import paths
 from outrider.bench.common import command_line, machine, provenance
+from outrider.bench.tables import step_mode, step_name, step_table
 
 if TYPE_CHECKING:  # torch only when measuring: the table and the flags go without it
     import torch
@@ -161,63 +162,17 @@ def measure(target: str, dtype: str, compiled: bool, attention: str, limits: dic
     return [dict(r, warm_up_s=warm_up_s) for r in rows]
 
 
-def _mode(row: dict) -> str:
-    """eager or compiled, and the attention path where the run measured more than one."""
-    mode = "compiled" if row["compiled"] else "eager"
-    return f"{mode}, {row['attention']}" if "attention" in row else mode
-
-
-def _name(row: dict) -> str:
-    return (f"{row['kind']} ×{row['batch']}" if row["kind"] != "prefill"
-            else f"prefill {row['query_len']}")
-
-
-def table(rows: list[dict]) -> str:
-    lines = ["| step | dtype | mode | ms | matmul | attention | other ops | Python | "
-             "limit (ms) | of limit |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        b = r["breakdown_ms"]
-        lines.append(f"| {_name(r)} | {r['dtype']} | "
-                     f"{_mode(r)} | "
-                     f"{r['ms']:.2f} | {b['matmul']:.2f} | {b['attention']:.2f} | "
-                     f"{b['other_ops']:.2f} | {b['python']:.2f} | "
-                     f"{r['ms_at_machine_limit']:.2f} | {r['fraction_of_limit']:.0%} |")
-    return "\n".join(lines)
-
-
-def against_reference(rows: list[dict]) -> str:
-    """Per step and dtype: ms (attention ms) on the reference path eager (the engine before
-    the CPU kernels), the kernels eager and compiled; the best of them against the eager
-    float32 reference step, and the kernel's attention against the reference's."""
-    at = {(_name(r), r["dtype"], r["compiled"], r.get("attention", "reference")): r
-          for r in rows}
-    modes = [(False, "reference"), (False, "kernel"), (True, "kernel")]
-    lines = ["| step | dtype | reference, eager | kernels, eager | kernels, compiled | "
-             "best vs reference fp32 eager | attention vs reference |",
-             "|---|---|---|---|---|---|---|"]
-    for name, dtype in dict.fromkeys((_name(r), r["dtype"]) for r in rows):
-        cells = [at.get((name, dtype, *mode)) for mode in modes]
-        shown = [f"{c['ms']:.2f} ({c['breakdown_ms']['attention']:.2f})" if c else "–"
-                 for c in cells]
-        today = at.get((name, "float32", False, "reference"))
-        best = min((c["ms"] for c in cells[1:] if c), default=None)
-        speedup = f"{today['ms'] / best:.2f}×" if today and best else "–"
-        ref, kernel = (c["breakdown_ms"]["attention"] if c else None for c in cells[:2])
-        attention = f"{kernel / ref:.2f}×" if ref and kernel else "–"
-        lines.append(f"| {name} | {dtype} | {' | '.join(shown)} | {speedup} | {attention} |")
-    return "\n".join(lines)
-
-
 def plot(rows: list[dict], folder: Path) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(dict.fromkeys(_name(r) for r in rows))
-    variants = list(dict.fromkeys((r["dtype"], _mode(r)) for r in rows))
-    ms = {(_name(r), r["dtype"], _mode(r)): r["ms"] for r in rows}
-    bf16_limit = {_name(r): r["ms_at_machine_limit"] for r in rows if r["dtype"] == "bfloat16"}
+    names = list(dict.fromkeys(step_name(r) for r in rows))
+    variants = list(dict.fromkeys((r["dtype"], step_mode(r)) for r in rows))
+    ms = {(step_name(r), r["dtype"], step_mode(r)): r["ms"] for r in rows}
+    bf16_limit = {step_name(r): r["ms_at_machine_limit"] for r in rows
+                  if r["dtype"] == "bfloat16"}
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(variants)
     centres = [x + 0.4 - width / 2 for x in range(len(names))]
@@ -275,7 +230,7 @@ def run(args) -> int:
             for attention in args.attention.split(","):
                 report["cases"] += measure(args.target, dtype, mode == "compiled", attention,
                                            limits, args.step_repeats)
-    print(table(report["cases"]))
+    print(step_table(report["cases"]))
     if args.plots_dir:
         report["plots"] = [plot(report["cases"], Path(args.plots_dir))]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -71,7 +71,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from outrider import paths
-from outrider.bench import common, serving, versus
+from outrider.bench import common, servers
+from outrider.bench.prompts import package_prompts
+from outrider.bench.tables import STRUCTURED_MODES, ratio, structured_table
 
 DEFAULT_OUT = "results/structured.json"
 WARMUP_PROMPTS = {"chat": "Warm up: return anything as JSON.", "completions": "# warm up\n"}
@@ -159,7 +161,7 @@ THROUGHPUT_KINDS = ("json_schema", "regex", "grammar")
 # of the small model's repetitions, which lookups copy whole, tokens/s would compare other
 # work); none; and a grammar that allows any text, so its outputs are the unconstrained ones
 # and the ratio is the machinery's own cost
-MODES = ("constrained", "matched", "unconstrained", "permissive")
+MODES = STRUCTURED_MODES  # constrained, matched, unconstrained, permissive
 # each mode is judged against its pair's other (targets), so a pair is measured interleaved:
 # a slice of one, then the same slice of the other, and so on, and a drift of this shared
 # machine's speed (its cells' per-round time swung 50 % within a round) falls on both
@@ -336,7 +338,7 @@ def call(client, endpoint: str, body: dict) -> dict:
     import openai
 
     try:
-        done = create(client, endpoint)(model=versus.SERVED_NAME, **body)
+        done = create(client, endpoint)(model=servers.SERVED_NAME, **body)
     except openai.APIError as e:
         return {"error": f"{type(e).__name__}: {e}"[:400]}
     choice = done.choices[0]
@@ -355,7 +357,7 @@ def stream(client, endpoint: str, body: dict) -> dict:
 
     start, first, chunks, tokens = time.perf_counter(), None, 0, None
     try:
-        for chunk in create(client, endpoint)(model=versus.SERVED_NAME, stream=True,
+        for chunk in create(client, endpoint)(model=servers.SERVED_NAME, stream=True,
                                               stream_options={"include_usage": True}, **body):
             if chunk.usage:
                 tokens = chunk.usage.completion_tokens
@@ -407,7 +409,7 @@ def measure_tool_calls(client, max_tokens: int) -> dict:
                 seed = {"seed": SEED + i} if sampling != "greedy" else {}
                 try:
                     done = client.chat.completions.create(
-                        model=versus.SERVED_NAME, messages=[{"role": "user", "content": prompt}],
+                        model=servers.SERVED_NAME, messages=[{"role": "user", "content": prompt}],
                         max_tokens=max_tokens, tools=list(TOOLS), tool_choice=choice,
                         **SAMPLINGS[sampling], **seed)
                 except openai.APIError as e:
@@ -643,8 +645,8 @@ def run_round(args, order: list[str], documents: dict[str, dict[int, list[str]]]
 
 def server(args, system: str):
     if system == "outrider":
-        return versus.outrider_server(args)
-    return versus.vllm_server(args, with_draft=True, extra=VLLM_TOOL_FLAGS)
+        return servers.outrider_server(args)
+    return servers.vllm_server(args, with_draft=True, extra=VLLM_TOOL_FLAGS)
 
 
 def measure(args, url: str, system: str, documents: dict[str, dict[int, list[str]]], log,
@@ -742,10 +744,6 @@ def mean_or_none(values: list) -> float | None:
     return None if any(v is None for v in values) else statistics.fmean(values)
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def targets(results: dict[str, dict]) -> list[dict]:
     """Issue 31's, for Outrider: no invalid finished output; acceptance constrained ≥
     unconstrained on the prompts whose outputs do not loop; at 1 and 8 streams
@@ -755,23 +753,23 @@ def targets(results: dict[str, dict]) -> list[dict]:
     if outrider is None:
         return []
     invalid = sum(v["invalid"] for v in outrider["validity"].values())
-    out = [serving.target("Outrider: invalid outputs among finished (stop) ones", invalid, 0,
-                          higher_is_better=False),
-           serving.target("Outrider: invalid tool calls among finished ones",
-                          sum(v["invalid"] for v in outrider["tool_calls"].values()), 0,
-                          higher_is_better=False)]
+    out = [common.target("Outrider: invalid outputs among finished (stop) ones", invalid, 0,
+                         higher_is_better=False),
+           common.target("Outrider: invalid tool calls among finished ones",
+                         sum(v["invalid"] for v in outrider["tool_calls"].values()), 0,
+                         higher_is_better=False)]
     for sampling, modes in outrider["acceptance"].items():
         con, unc = (modes[m]["without_loops"] for m in ("constrained", "unconstrained"))
-        out.append(serving.target(f"Outrider {sampling}: acceptance constrained over "
-                                  "unconstrained, prompts whose outputs do not loop",
-                                  ratio(con["rate"], unc["rate"]), 1.0))
+        out.append(common.target(f"Outrider {sampling}: acceptance constrained over "
+                                 "unconstrained, prompts whose outputs do not loop",
+                                 ratio(con["rate"], unc["rate"]), 1.0))
     for level in LEVELS:
         cells = outrider["throughput"][f"c{level}"]
-        out += [serving.target(
+        out += [common.target(
                     "Outrider: constrained throughput (tok/s) over unconstrained of the same "
                     "lengths", ratio(cells["constrained"]["tokens_per_s"],
                                      cells["matched"]["tokens_per_s"]), 0.9, concurrency=level),
-                serving.target(
+                common.target(
                     "Outrider: permissive per-token rate (1/TPOT p50) over unconstrained",
                     ratio(cells["permissive"]["per_token_rate"],
                           cells["unconstrained"]["per_token_rate"]), 0.9, concurrency=level)]
@@ -801,82 +799,6 @@ def comparison(results: dict[str, dict]) -> dict:
     return out
 
 
-def model_rate(cell: dict) -> float | None:
-    return cell.get("by_proposer", {}).get("draft_model", {}).get("rate")
-
-
-def fmt(value, digits: int = 0) -> str:
-    return "–" if value is None else f"{value:.{digits}f}"
-
-
-def table(results: dict[str, dict], constraint_samplings: tuple[str, ...] | None = None) -> str:
-    """Validity, tool calls, acceptance (per constraint for `constraint_samplings`, all
-    by default) and throughput, one Markdown table each."""
-    lines = ["| system | sampling | outputs | valid | invalid (stop) | cut by length | errors |",
-             "|---|---|---|---|---|---|---|"]
-    for system, r in results.items():
-        for sampling, v in r["validity"].items():
-            lines.append(f"| {system} | {sampling} | {v['total']} | {v['valid']} | "
-                         f"{v['invalid']} | {v['length']} | {v['error']} |")
-    lines += ["", "| system | tool choice | calls | valid | invalid | cut by length | errors |",
-              "|---|---|---|---|---|---|---|"]
-    for system, r in results.items():
-        for choice, v in r["tool_calls"].items():
-            lines.append(f"| {system} | {choice} | {v['total']} | {v['valid']} | "
-                         f"{v['invalid']} | {v['length']} | {v['error']} |")
-    lines += ["", "| system | sampling | acceptance constrained | unconstrained | "
-              "draft model's: constrained | unconstrained | prompts whose outputs do not loop: "
-              "constrained / unconstrained (drafted) |", "|---|---|---|---|---|---|---|"]
-    for system, r in results.items():
-        for sampling, a in r["acceptance"].items():
-            con, unc = a["constrained"], a["unconstrained"]
-            no_loops = [c.get("without_loops", {}) for c in (con, unc)]
-            text = " / ".join(f"{fmt(c.get('rate'), 3)} ({fmt(c.get('draft_tokens'))})"
-                              for c in no_loops)
-            lines.append(f"| {system} | {sampling} | {fmt(con['rate'], 3)} | "
-                         f"{fmt(unc['rate'], 3)} | {fmt(model_rate(con), 3)} | "
-                         f"{fmt(model_rate(unc), 3)} | {text} |")
-    lines += constraint_table(results, constraint_samplings)
-    modes = " / ".join(MODES)
-    lines += ["", f"| system | streams | tok/s: {modes} | per stream (1/TPOT): {modes} | "
-              "tokens per output: constrained / matched | constrained over matched: tok/s / "
-              "per stream | permissive over unconstrained, per stream |",
-              "|---|---|---|---|---|---|---|"]
-    for system, r in results.items():
-        for level, cells in r["throughput"].items():
-            lines.append(
-                f"| {system} | {level.removeprefix('c')} | "
-                + " / ".join(fmt(cells[m]["tokens_per_s"]) for m in MODES) + " | "
-                + " / ".join(fmt(cells[m]["per_token_rate"]) for m in MODES) + " | "
-                + " / ".join(fmt(cells[m]["mean_tokens"], 1) for m in MODES[:2]) + " | "
-                + " / ".join(fmt(ratio(cells["constrained"][k], cells["matched"][k]), 2)
-                             for k in ("tokens_per_s", "per_token_rate")) + " | "
-                + fmt(ratio(cells["permissive"]["per_token_rate"],
-                            cells["unconstrained"]["per_token_rate"]), 2) + " |")
-    return "\n".join(lines)
-
-
-def constraint_table(results: dict[str, dict],
-                     samplings: tuple[str, ...] | None = None) -> list[str]:
-    """Acceptance per constraint, constrained and not, where the server reported it per
-    request (Outrider): which constraints' prompts the grammar helps and which it does not."""
-    rows = []
-    for system, r in results.items():
-        for sampling, a in r["acceptance"].items():
-            if samplings is not None and sampling not in samplings:
-                continue
-            con = a["constrained"].get("by_constraint", {})
-            unc = a["unconstrained"].get("by_constraint", {})
-            for name in [c.name for c in CONSTRAINTS if c.name in con]:
-                rate, base = con[name]["rate"], unc.get(name, {}).get("rate")
-                rows.append(f"| {system} | {sampling} | {name} | {con[name]['draft_tokens']} | "
-                            f"{fmt(rate, 3)} | {fmt(base, 3)} | {fmt(ratio(rate, base), 2)} |")
-    if not rows:
-        return []
-    return ["", "| system | sampling | constraint | drafted (constrained) | acceptance "
-            "constrained | unconstrained | ratio |", "|---|---|---|---|---|---|---|", *rows]
-
-
 # -- command line ------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> None:
     if standalone:
@@ -885,7 +807,7 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
         parser.add_argument("--draft", default=str(paths.demo_draft_dir()))
         parser.add_argument("--max-tokens", type=int, default=96)
         parser.add_argument("--out", default=DEFAULT_OUT)
-        versus.add_arguments(parser, standalone=False)
+        servers.add_arguments(parser)
     parser.add_argument("--structured-systems", default=",".join(SYSTEMS),
                         help="(--structured) servers to run: outrider, vllm-draft (needs "
                              "--vllm)")
@@ -897,7 +819,7 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
 
 
 def chosen_systems(args) -> list[str]:
-    systems = serving.parse_list(args.structured_systems)
+    systems = common.parse_list(args.structured_systems)
     unknown = set(systems) - set(SYSTEMS)
     if unknown or not systems:
         raise SystemExit(f"--structured-systems: choose from {', '.join(SYSTEMS)}, "
@@ -934,7 +856,7 @@ def cell_documents(target: str, tokens: int) -> list[dict[int, list[str]]]:
     from outrider.core.tokenizer import Tokenizer
 
     needed = sum(THROUGHPUT_REQUESTS.values()) * len(MODES)
-    texts = list(dict.fromkeys(versus.package_prompts(Tokenizer(target), 4 * needed, tokens)))
+    texts = list(dict.fromkeys(package_prompts(Tokenizer(target), 4 * needed, tokens)))
     if len(texts) < needed:
         raise RuntimeError(f"found {len(texts)} distinct documents for {needed} requests")
     sets = []
@@ -961,16 +883,16 @@ def run(args) -> int:
                         log, reverse=bool(r % 2)) for r in range(args.rounds)]
     results = merge_rounds(rounds)
     report = {"provenance": started,
-              "machine": serving.machine(), "command": serving.command_line(),
+              "machine": common.machine(), "command": common.command_line(),
               "config": {**config_of(args, systems), "distinct_documents": len(
                   {d for docs in sets for ds in docs.values() for d in ds})},
               "rounds": rounds, "results": results, "comparison": comparison(results),
               "targets": targets(results)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(table(results))
+    print(structured_table(results, [c.name for c in CONSTRAINTS]))
     print(json.dumps(report["comparison"]))
-    serving.print_targets(report["targets"])
+    common.print_targets(report["targets"])
     return 0
 
 

@@ -38,229 +38,35 @@ With --hf, transformers' assisted generation runs on the same prompts at batch 1
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
-import re
-import shlex
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from outrider import paths
-from outrider.bench import common, serving
-from outrider.launch import free_port
+from outrider.bench import common, servers
+from outrider.bench.prompts import PACKAGES, package_prompts, write_prompts
+from outrider.bench.servers import (
+    bench_serve,
+    cell,
+    merge_rounds,
+    num_requests,
+    outrider_server,
+    speed_ratio,
+    vllm_command,
+    vllm_server,
+)
+from outrider.bench.tables import engine_table, sampling_pairs, versus_table
 
-SERVED_NAME = "demo-target"
 # outrider-* systems that need a server of their own (the others are request modes)
 SERVER_FLAGS = {"outrider-compiled": ("--compile",),  # `outrider serve --compile`, AUTO
                 "outrider-head-replica": ("--head-on-replicas",)}
 HEADS = ("outrider-head", "outrider-head-tree", "outrider-head-replica")  # servers with
 #                                                                          the head
 DEFAULT_OUT = "results/versus.json"
-PACKAGES = ("fastapi", "starlette", "pydantic", "jinja2", "yaml", "redis", "uvicorn",
-            "opentelemetry", "prometheus_client", "tqdm", "safetensors", "tokenizers")
-
-
-# -- prompts -------------------------------------------------------------------------------
-def package_sources(packages=PACKAGES, min_chars: int = 1500) -> list[Path]:
-    """Source files of installed third-party packages, in a stable order."""
-    import importlib.util
-
-    files = []
-    for name in packages:
-        spec = importlib.util.find_spec(name)
-        if spec is None or not spec.submodule_search_locations:
-            continue
-        for folder in spec.submodule_search_locations:
-            files += [f for f in sorted(Path(folder).rglob("*.py"))
-                      if f.stat().st_size >= min_chars]
-    return files
-
-
-def package_prompts(tokenizer, num_prompts: int, prompt_tokens: int) -> list[str]:
-    """The first `prompt_tokens` tokens of each of `num_prompts` files (round robin over
-    the packages, so every package is represented), as text; when there are fewer files,
-    they are used again from the first (and then hit prefix caches)."""
-    by_package: dict[str, list[Path]] = {}
-    for f in package_sources():
-        by_package.setdefault(_package_of(f), []).append(f)
-    ordered = [f for group in itertools.zip_longest(*by_package.values()) for f in group if f]
-    if not ordered:
-        raise RuntimeError("found no package source files for prompts")
-    prompts = []
-    for f in ordered[:num_prompts]:
-        ids = tokenizer.encode(f.read_text(encoding="utf-8", errors="replace")[:8 * prompt_tokens])
-        prompts.append(tokenizer.decode(ids[:prompt_tokens]))
-    return [prompts[i % len(prompts)] for i in range(num_prompts)]
-
-
-def _package_of(path: Path) -> str:
-    for name in PACKAGES:
-        if name in path.parts:
-            return name
-    return path.parts[-2]
-
-
-def write_prompts(prompts: list[str], folder: Path, name: str = "prompts") -> Path:
-    path = folder / f"{name}.jsonl"
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    return path
-
-
-DEFAULT_SAMPLING = "temperature=0"
-
-# -- the load client -----------------------------------------------------------------------
-def vllm_command(vllm: str) -> list[str]:
-    """A venv's bin/vllm, or the command given."""
-    venv_cli = Path(vllm) / "bin" / "vllm"
-    return [str(venv_cli)] if venv_cli.is_file() else shlex.split(vllm)
-
-
-def sampling_pairs(spec: str) -> dict[str, str]:
-    """`temperature=0.8,top_p=0.9` -> {"temperature": "0.8", "top_p": "0.9"}."""
-    pairs = {}
-    for pair in filter(None, spec.split(",")):
-        name, sep, value = pair.partition("=")
-        if not sep:
-            raise ValueError(f"--sampling wants NAME=VALUE pairs, got {pair!r}")
-        pairs[name.strip()] = value.strip()
-    return pairs
-
-
-def sampling_flags(spec: str) -> list[str]:
-    """`temperature=0.8,top_p=0.9` -> vllm bench serve's flags (--temperature 0.8 ...)."""
-    return [item for name, value in sampling_pairs(spec).items()
-            for item in (f"--{name.replace('_', '-')}", value)]
-
-
-def bench_serve(vllm: list[str], base_url: str, tokenizer_dir: str, prompts_file: Path,
-                concurrency: int, num_prompts: int, max_tokens: int, out_dir: Path,
-                label: str, extra_body: dict | None = None,
-                sampling: str = DEFAULT_SAMPLING) -> dict:
-    """One `vllm bench serve` run; its saved result (output_throughput, median_ttft_ms,
-    ...)."""
-    name = f"{label}-c{concurrency}.json"
-    command = [*vllm, "bench", "serve", "--backend", "openai", "--base-url", base_url,
-               "--endpoint", "/v1/completions", "--model", SERVED_NAME,
-               "--tokenizer", tokenizer_dir, "--dataset-name", "custom",
-               "--dataset-path", str(prompts_file), "--skip-chat-template",
-               "--custom-output-len", str(max_tokens), "--num-prompts", str(num_prompts),
-               "--max-concurrency", str(concurrency), "--ignore-eos", *sampling_flags(sampling),
-               "--disable-tqdm", "--save-result", "--result-dir", str(out_dir),
-               "--result-filename", name]
-    if extra_body:
-        command += ["--extra-body", json.dumps(extra_body)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-    result = out_dir / name
-    if done.returncode != 0 or not result.is_file():
-        raise RuntimeError(f"vllm bench serve failed ({label}, c={concurrency}):\n"
-                           f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    data = json.loads(result.read_text())
-    if data.get("failed"):
-        raise RuntimeError(f"vllm bench serve: {data['failed']} failed requests ({label}, "
-                           f"c={concurrency}): {data.get('errors', [])[:3]}")
-    return data
-
-
-def cell(data: dict) -> dict:
-    return {"tokens_per_s": data["output_throughput"], "ttft_ms_p50": data["median_ttft_ms"],
-            "ttft_ms_p99": data["p99_ttft_ms"], "itl_ms_p50": data["median_itl_ms"],
-            "tpot_ms_p50": data["median_tpot_ms"], "requests": data["completed"]}
-
-
-# -- servers -------------------------------------------------------------------------------
-@contextmanager
-def outrider_server(args, extra: tuple[str, ...] = (),
-                    draft: str | None = None) -> Iterator[tuple[str, list[str]]]:
-    """`outrider serve` on the demo pair (as a user starts it; `draft`: another draft or
-    head), with `extra` flags; yields its HTTP base URL and its target replicas' metrics
-    URLs (as serve prints them)."""
-    port = free_port()
-    command = [sys.executable, "-m", "outrider.cli", "serve", "--target", args.target,
-               "--draft", draft or args.draft, "--gamma", str(args.gamma), "--grpc-port", "0",
-               "--host", "127.0.0.1", "--http-port", str(port),
-               "--served-model-name", SERVED_NAME,
-               "--dtype", args.dtype, *extra]
-    with _server(command, f"http://127.0.0.1:{port}", os.environ) as log:
-        yield f"http://127.0.0.1:{port}", _printed_metrics(log, "target")
-
-
-def _printed_metrics(log, role: str, timeout_s: float = 10) -> list[str]:
-    """The metrics URLs `outrider serve` printed for `role`'s processes (it prints them
-    just after it answers)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        log.seek(0)
-        found = re.findall(rf"outrider serve: {role}\S* metrics at (http://\S+)/metrics",
-                           log.read())
-        if found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.1)
-
-
-@contextmanager
-def vllm_server(args, system: str, extra: tuple[str, ...] = ()) -> Iterator[str]:
-    port = free_port()
-    command = [*vllm_command(args.vllm), "serve", args.target, "--served-model-name",
-               SERVED_NAME, "--dtype", args.dtype, "--max-model-len", "1024", "--port",
-               str(port), *extra]
-    if system != "vllm":  # vllm-draftN, vllm-eagle3
-        head = system == "vllm-eagle3"
-        command += ["--speculative-config", json.dumps(
-            {"model": args.head if head else args.draft,
-             "method": "eagle3" if head else "draft_model",
-             "num_speculative_tokens": args.gamma})]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    with _server(command, f"http://127.0.0.1:{port}", env):
-        yield f"http://127.0.0.1:{port}", []
-
-
-@contextmanager
-def _server(command: list[str], url: str, env, timeout_s: float = 600) -> Iterator:
-    """The server started and answering at `url`; yields its output (a file) so far."""
-    with tempfile.TemporaryFile(mode="w+") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        try:
-            _wait_ready(proc, url, timeout_s, log)
-            yield log
-        finally:
-            _stop(proc)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL after a minute; a server that has
-    exited already (it failed to start) leaves its own error to be seen."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-    except ProcessLookupError:
-        return
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def _wait_ready(proc: subprocess.Popen, url: str, timeout_s: float, log) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"{proc.args[0]} exited while starting:\n{log.read()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
-                return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"{url} did not answer within {timeout_s} s")
 
 
 # -- the in-process engine -----------------------------------------------------------------
@@ -290,10 +96,6 @@ def load_engine(args):
 
 
 # -- one round -----------------------------------------------------------------------------
-def num_requests(concurrency: int, per_stream: int) -> int:
-    return max(16, concurrency * per_stream)
-
-
 def server_groups(systems: list[str]) -> list[list[str]]:
     """Systems measured together: the outrider-* modes that share `outrider serve`'s
     flags (SERVER_FLAGS) on one server; each vLLM configuration and each engine setting
@@ -404,23 +206,6 @@ def engine_cell(before: dict[str, float], after: dict[str, float], seconds: floa
             "engine_switches_per_step": d.get("voluntary", 0.0) / steps}
 
 
-def engine_table(results: dict[str, dict[int, dict]]) -> str:
-    """Per Outrider system and level, the engine thread's time (engine_cell), as %."""
-    lines = ["| system | streams | steps/s | step ms | in steps | of which on CPU | waiting "
-             "for the proposer | waiting otherwise | voluntary switches a step |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for system, cells in results.items():
-        for c, x in sorted(cells.items()):
-            if "engine_cpu" in x:
-                lines.append(
-                    f"| {system} | {c} | {x['engine_steps_per_s']:.0f} | "
-                    f"{x['engine_step_ms']:.1f} | {x['engine_in_steps']:.0%} | "
-                    f"{x['engine_cpu']:.0%} | "
-                    f"{x['engine_proposer_wait']:.0%} | {x['engine_other_wait']:.0%} | "
-                    f"{x['engine_switches_per_step']:.1f} |")
-    return "\n".join(lines) if len(lines) > 2 else ""
-
-
 def _outrider_body(system: str) -> dict | None:
     mode = system.removeprefix("outrider-")
     if mode.startswith("fixed"):
@@ -428,52 +213,36 @@ def _outrider_body(system: str) -> dict | None:
     return {"speculation": "off"} if mode == "off" else None
 
 
-def merge_rounds(rounds: list[dict[str, dict[int, dict]]]) -> dict[str, dict[int, dict]]:
-    """Each cell's mean over rounds, with every round's value kept."""
-    merged: dict[str, dict[int, dict]] = {}
-    for system in rounds[0]:
-        merged[system] = {}
-        for c in rounds[0][system]:
-            cells = [r[system][c] for r in rounds]
-            merged[system][c] = {k: statistics.fmean(x[k] for x in cells) for k in cells[0]}
-            merged[system][c]["tokens_per_s_rounds"] = [x["tokens_per_s"] for x in cells]
-    return merged
-
-
 # -- targets and report --------------------------------------------------------------------
 def targets(results: dict[str, dict[int, dict]], gamma: int) -> list[dict]:
-    out = []
+    out, target = [], common.target
     fixed, engine = results.get(f"outrider-fixed{gamma}", {}), results.get(f"engine-g{gamma}", {})
     auto = results.get("outrider-auto", {})
     draft, plain = results.get(f"vllm-draft{gamma}", {}), results.get("vllm", {})
     for c in (1, 8, 32):
         if c in fixed and c in engine:
-            out.append(serving.target(f"served FIXED γ={gamma} over the in-process engine "
-                                      f"γ={gamma}", _ratio(fixed[c], engine[c]), 0.85,
-                                      concurrency=c))
+            out.append(target(f"served FIXED γ={gamma} over the in-process engine "
+                              f"γ={gamma}", speed_ratio(fixed[c], engine[c]), 0.85,
+                              concurrency=c))
         if c in auto and c in engine:
-            out.append(serving.target(f"served AUTO over the in-process engine γ={gamma}",
-                                      _ratio(auto[c], engine[c]), 0.85, concurrency=c))
+            out.append(target(f"served AUTO over the in-process engine γ={gamma}",
+                              speed_ratio(auto[c], engine[c]), 0.85, concurrency=c))
     if 1 in auto and 1 in draft:
-        out.append(serving.target("AUTO over vLLM with the draft model", _ratio(auto[1], draft[1]),
-                                  1.3, concurrency=1))
+        out.append(target("AUTO over vLLM with the draft model",
+                          speed_ratio(auto[1], draft[1]), 1.3, concurrency=1))
     for c in sorted(auto):
         peers = [p[c] for p in (draft, plain) if c in p]
         if not peers:
             continue
         best = max(peers, key=lambda x: x["tokens_per_s"])
         if c in (8, 32):
-            out.append(serving.target("AUTO over vLLM's better configuration",
-                                      _ratio(auto[c], best), 1.0, concurrency=c))
+            out.append(target("AUTO over vLLM's better configuration",
+                              speed_ratio(auto[c], best), 1.0, concurrency=c))
         best_ttft = min(p["ttft_ms_p50"] for p in peers)
-        out.append(serving.target("AUTO TTFT p50 (ms) no worse than vLLM's",
-                                  auto[c]["ttft_ms_p50"], best_ttft, higher_is_better=False,
-                                  concurrency=c))
+        out.append(target("AUTO TTFT p50 (ms) no worse than vLLM's",
+                          auto[c]["ttft_ms_p50"], best_ttft, higher_is_better=False,
+                          concurrency=c))
     return out
-
-
-def _ratio(a: dict, b: dict) -> float | None:
-    return a["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else None
 
 
 def plot(results: dict[str, dict[int, dict]], folder: Path, stem: str = "versus") -> list[str]:
@@ -507,26 +276,6 @@ def plot(results: dict[str, dict[int, dict]], folder: Path, stem: str = "versus"
     return written
 
 
-def table(results: dict[str, dict[int, dict]], rounds: bool = False) -> str:
-    """Output tok/s (TTFT p50) per system and level; with `rounds`, each round's tok/s
-    beside the mean: '708 (20 ms) [831 / 586]'."""
-    levels = sorted({c for cells in results.values() for c in cells})
-    lines = ["| system | " + " | ".join(f"{c} stream{'s' * (c != 1)}" for c in levels) + " |",
-             "|---|" + "---|" * len(levels)]
-    for system, cells in results.items():
-        row = ["–" if cells.get(c) is None else _cell_text(cells[c], rounds) for c in levels]
-        lines.append(f"| {system} | " + " | ".join(row) + " |")
-    return "\n".join(lines)
-
-
-def _cell_text(x: dict, rounds: bool) -> str:
-    text = f"{x['tokens_per_s']:.0f}" + (f" ({x['ttft_ms_p50']:.0f} ms)" if "ttft_ms_p50" in x
-                                        else "")
-    if rounds and len(x.get("tokens_per_s_rounds", ())) > 1:
-        text += " [" + " / ".join(f"{v:.0f}" for v in x["tokens_per_s_rounds"]) + "]"
-    return text
-
-
 # -- command line --------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> None:
     if standalone:
@@ -541,36 +290,7 @@ def add_arguments(parser: argparse.ArgumentParser, standalone: bool = True) -> N
                             help="torch threads of the in-process engine (0: all cores)")
         parser.add_argument("--out", default=DEFAULT_OUT)
         parser.add_argument("--plots-dir", default=None)
-    parser.add_argument("--gamma", type=int, default=4,
-                        help="γ of FIXED, the engine and vLLM's draft (and the server's default)")
-    parser.add_argument("--head", default=str(paths.demo_head_dir()),
-                        help="the draft head (EAGLE-3) of outrider-head and vllm-eagle3")
-    parser.add_argument("--tree-topk", type=int, default=3, help="outrider-head-tree's")
-    parser.add_argument("--tree-tokens", type=int, default=16, help="outrider-head-tree's")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="runs of every level, the systems' order reversed each time")
-    parser.add_argument("--requests-per-stream", type=int, default=4,
-                        help="requests per concurrency level: this many per stream (>= 16)")
-    parser.add_argument("--systems", default=None,
-                        help="comma list (default: outrider-auto,outrider-fixedG,engine-gG,"
-                             "engine-g0,vllm-draftG,vllm); --hf adds transformers at batch 1")
-    parser.add_argument("--sampling", default=DEFAULT_SAMPLING,
-                        help="the client's sampling flags as NAME=VALUE pairs, e.g. "
-                             "temperature=0.8,top_p=0.9,repetition_penalty=1.1,logprobs=2 "
-                             "(vllm bench serve's names; default: greedy). The in-process "
-                             "engine rows are greedy whatever this says")
-    parser.add_argument("--temperature", type=float, default=None,
-                        help="the client's temperature (production traffic is sampled: "
-                             "BENCHMARKS §1 is at 0.7); added to --sampling")
-    parser.add_argument("--top-p", type=float, default=None,
-                        help="the client's top_p; added to --sampling")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"),
-                        help="(--vllm) of every system's models; auto: each system's own "
-                             "default (both take a bf16 checkpoint's dtype on a CPU with "
-                             "bf16 instructions)")
-    parser.add_argument("--hf", action="store_true",
-                        help="transformers (assisted generation) at batch 1 on the same prompts")
-
+    servers.add_arguments(parser)
 
 def with_sampling_flags(sampling: str, temperature: float | None,
                         top_p: float | None) -> str:
@@ -587,9 +307,9 @@ def run(args) -> int:
 
     args.sampling = with_sampling_flags(args.sampling, args.temperature, args.top_p)
     started = common.provenance()  # the commit and date the run began with
-    levels = serving.parse_concurrency(args.concurrency)
+    levels = common.parse_concurrency(args.concurrency)
     g = args.gamma
-    systems = serving.parse_list(args.systems or
+    systems = common.parse_list(args.systems or
                                  f"outrider-auto,outrider-fixed{g},engine-g{g},engine-g0,"
                                  f"vllm-draft{g},vllm")
     tokenizer = Tokenizer(args.target)
@@ -616,7 +336,7 @@ def run(args) -> int:
                             out_dir, log) for r in range(args.rounds)]
     results = merge_rounds(rounds)
     report = {"provenance": started,
-              "machine": serving.machine(), "command": serving.command_line(),
+              "machine": common.machine(), "command": common.command_line(),
               "config": {"levels": levels, "gamma": g, "max_tokens": args.max_tokens,
                          "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
                          "requests_per_stream": args.requests_per_stream,
@@ -633,10 +353,10 @@ def run(args) -> int:
         report["plots"] = plot(results, Path(args.plots_dir), Path(args.out).stem)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(table(results))
+    print(versus_table(results))
     if engines := engine_table(results):
         print(engines)
-    serving.print_targets(report["targets"])
+    common.print_targets(report["targets"])
     return 0
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from outrider import paths
-from outrider.bench.common import workload_prompts
 from outrider.bench.hf_peer import compare, ratios, side_by_side
+from outrider.bench.prompts import workload_prompts
 from outrider.core.tokenizer import Tokenizer
 
 

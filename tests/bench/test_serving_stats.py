@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from outrider import paths
-from outrider.bench import report as report_md
-from outrider.bench.common import Mode, RequestRecord, text_prompts
+from outrider.bench.common import Mode, RequestRecord
+from outrider.bench.prompts import text_prompts
 from outrider.bench.serving import (
     add_comparisons,
     batch1_targets,
@@ -23,6 +23,7 @@ from outrider.bench.serving import (
     speedup_bound,
     summarize,
 )
+from outrider.bench.tables import serving_markdown
 from outrider.core.tokenizer import Tokenizer
 from outrider.v1 import generate_pb2 as gp
 
@@ -176,7 +177,7 @@ def test_markdown_report_shows_the_rows_and_targets():
     for r in rows:
         r.update(ttft_ms_p50=50.0, itl_ms_p99=9.0, mean_accepted_len=4.1)
     add_comparisons(rows, c=0.1)
-    doc = report_md.markdown({"rows": rows, "config": {"modes": ["off", "auto"]},
+    doc = serving_markdown({"rows": rows, "config": {"modes": ["off", "auto"]},
                               "targets": batch1_targets(rows)})
     assert "| 1 | auto | 230.0 | 2.30 |" in doc
     assert "γ4 100%" in doc and "**not met**" in doc

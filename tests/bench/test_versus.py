@@ -7,15 +7,16 @@ import pytest
 
 from outrider import paths
 from outrider.bench import versus
+from outrider.bench.prompts import package_prompts, package_sources
 from outrider.core.tokenizer import Tokenizer
 
 
 def test_prompts_come_from_installed_packages_not_the_repo():
     tokenizer = Tokenizer(str(paths.demo_target_dir()))
-    prompts = versus.package_prompts(tokenizer, 24, 64)
+    prompts = package_prompts(tokenizer, 24, 64)
     assert len(prompts) == 24 and len(set(prompts)) == 24
     assert all(0 < len(tokenizer.encode(p)) <= 66 for p in prompts)  # re-encoding may merge
-    assert all("site-packages" in f.parts for f in versus.package_sources())
+    assert all("site-packages" in f.parts for f in package_sources())
 
 
 def test_outrider_modes_share_one_server_and_vllm_configurations_do_not():
