@@ -50,7 +50,7 @@ from outrider.engine.heads import head_proposer
 from outrider.engine.mix import ProposerMix
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
-from outrider.engine.tree import TreeShape
+from outrider.engine.tree import TreeShape, first_path
 from tests.checkpoints import perturbed_copy, save_random_head, save_random_medusa
 from tests.toolchain import needs_compiler
 
@@ -480,7 +480,16 @@ def test_tree_speculative_sampling_matches_target_distribution(samples, close_dr
     target = samples.decoders["far", False].target
     draft = Drafter(ModelRunner(RunnerConfig(str(close_draft_dir), kv_cache_mb=64)))
     decoder = SpeculativeDecoder(target, draft, tree=TreeShape(3, 10))
+    off_chain = []  # kept paths that leave the first children: a branch a chain lacks
+    walk_trees = decoder._walk_trees
+
+    def noted(step, ready, *args):
+        walk_trees(step, ready, *args)
+        off_chain.extend(r.path for r in ready if r.path and r.parents
+                         and r.path != first_path(r.parents)[:len(r.path)])
+    decoder._walk_trees = noted
     seqs, stats = sampled_run(decoder, TREE_GAMMA, config, "tree")
+    assert len(off_chain) >= NUM_SAMPLES // 20, len(off_chain)
     assert min(stats.accepted_per_position[:TREE_GAMMA]) >= NUM_SAMPLES // 20, stats
     pvalues = comparisons([tuple(s.output_ids) for s in seqs], samples.target_only(config))
     assert not failures(pvalues), failures(pvalues)

@@ -122,15 +122,22 @@ def test_many_stalled_readers_stop_costing_tokens_within_seconds(system):
 def test_a_reader_that_reads_one_event_a_second_is_never_cancelled(system):
     """Events of ~2 KB (20 logprobs a token) against a 4 KiB receive buffer: the buffers
     between the engine and the client are full within a second, and stay full; the reader
-    takes about one event a second for three times the bound."""
+    takes about one event a second for three times the bound, then reads the rest: the
+    stream ends at its length, not with an error (which would come after what was
+    buffered)."""
     before, received = unread(system), b""
-    with open_stream(system, 4096, max_tokens=2000, logprobs=20) as sock:
+    # ~0.8 MB of events, far more than the buffers between hold: they stay full throughout
+    with open_stream(system, 4096, max_tokens=1000, logprobs=20) as sock:
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             received += sock.recv(2048)
             time.sleep(1.0)
+        slow_tokens = sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in events(received))
+        received += read_to_end(sock)
     seen = events(received)
     assert not any("error" in e for e in seen), seen[-1:]
     # a round's tokens travel in one event: count tokens, not events
-    assert sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in seen) >= 10, seen[-1:]
+    assert slow_tokens >= 10, seen[-1:]
+    assert seen[-1]["choices"][0]["finish_reason"] == "length", seen[-1:]
+    assert sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in seen) == 1000
     assert unread(system) == before

@@ -231,10 +231,10 @@ def test_draft_killed_and_restarted_mid_generation(tmp_path, tokenizer_dir):
     llama_dir = save_random_checkpoint(tmp_path / "t", tokenizer_from=tokenizer_dir,
                                        max_position_embeddings=4096)
     draft_dir = perturbed_copy(llama_dir, tmp_path / "d", noise=0.1)
-    port = free_port()
+    port, metrics = free_port(), f"127.0.0.1:{free_port()}"
     draft_args = ("draft-worker", "--model", str(draft_dir), "--port", str(port))
     req = request_for(11, prompts(1, seed=2)[0], gamma=4, max_tokens=2500, sampled=False)
-    tokens, rounds_after_restart = [], []
+    tokens, rounds_after_gap, is_gap_seen = [], [], False
     with outrider_process(*draft_args, token=TOKEN) as (draft_proc, d_addr), \
          outrider_process("target-worker", "--model", str(llama_dir), "--draft-address", d_addr,
                           token=TOKEN) as (_, t_addr), grpc.insecure_channel(t_addr) as chan:
@@ -248,19 +248,26 @@ def test_draft_killed_and_restarted_mid_generation(tmp_path, tokenizer_dir):
                    for i, p in enumerate(prompts(4, seed=3))]
         draft_proc.kill()
         draft_proc.wait()
-        tokens.extend(next(stream).token_ids)  # served without model drafts meanwhile
-        with outrider_process(*draft_args, token=TOKEN):
-            time.sleep(3)  # the target's next tries at the draft now reach the new process
+        with outrider_process(*draft_args, "--metrics-port", metrics.rsplit(":", 1)[1],
+                              token=TOKEN):
+            # the rounds before the kill may still be in flight: a round that drafted
+            # nothing (the draft gone) comes after them, and every model draft after it
+            # is the new process's
             for chunk in stream:
                 tokens.extend(chunk.token_ids)
-                rounds_after_restart.extend(chunk.rounds)
-                if drafts_accepted(rounds_after_restart):  # the draft is back: enough seen
+                if is_gap_seen:
+                    rounds_after_gap.extend(chunk.rounds)
+                is_gap_seen = is_gap_seen or any(r.gamma == 0 for r in chunk.rounds)
+                if drafts_accepted(rounds_after_gap):  # the draft is back: enough seen
                     break
             stream.cancel()
             for call in company:
                 call.cancel()
-    # the new draft process serves (a loaded machine may still set it aside at times)
-    assert drafts_accepted(rounds_after_restart)
+            proposals = total(scrape(metrics), "outrider_draft_proposals_total")
+    # the new draft process serves the same sequence (the company never speculates): it
+    # drafted for it, and its drafts were accepted
+    assert proposals > 0, proposals
+    assert is_gap_seen and drafts_accepted(rounds_after_gap), rounds_after_gap[-3:]
     # ... and what was served, through the kill and the return, is the single-process output
     req.max_tokens = len(tokens)
     assert tokens == run_local(llama_dir, draft_dir, req)
@@ -446,6 +453,9 @@ def test_a_replica_verifies_a_heads_trees_under_kv_pressure():
                              SchedulerConfig(max_batch_tokens=96), draft_head=str(head_dir),
                              tree_topk=3, tree_tokens=12)
     running = start(cfg, TOKEN)
+    # greedy rounds draft trees every step (no TreeChoice, which may pick chains for a
+    # while by timing), so that the requests' own shapes are verified as trees
+    running.service.engine.decoder.tree_choice = None
     tree_nodes = lambda: REGISTRY.get_sample_value(  # noqa: E731
         "outrider_spec_tree_nodes_total", {"model_name": "demo-target", "engine": "0"}) or 0
     head_tokens = lambda: REGISTRY.get_sample_value(  # noqa: E731
@@ -463,8 +473,11 @@ def test_a_replica_verifies_a_heads_trees_under_kv_pressure():
     assert {r.model_method for r in rounds if r.gamma > r.num_free} == {"eagle3"}
     # a tree round reports its nodes beside its depth (γ), and kept nodes past its chain
     assert any(r.tree_nodes > r.gamma > 0 for r in rounds)
-    own = [[r.tree_nodes for c in chunks[i] for r in c.rounds] for i in (1, 3)]
-    assert not any(own[0]) and max(own[1]) <= 5, own
+    # the requests' own shapes: a chain; a tree (nodes past its depth) of at most 5 nodes
+    own = [[(r.gamma, r.tree_nodes) for c in chunks[i] for r in c.rounds] for i in (1, 3)]
+    assert not any(nodes for _, nodes in own[0]), own[0]
+    assert any(nodes > depth > 0 for depth, nodes in own[1]), own[1]
+    assert max(nodes for _, nodes in own[1]) <= 5, own[1]
     assert head_tokens() > head_before
     assert num_preemptions > 0
     assert outputs_of(chunks) == greedy_alone(target_dir, reqs)
