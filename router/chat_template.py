@@ -59,9 +59,8 @@ class ChatTemplate:
 def _template_text(given: str) -> str:
     """--chat-template's value: a file's text, or the template itself (vLLM's rule: a
     value naming no file is taken as the template when it holds Jinja)."""
-    path = Path(given)
-    if path.is_file():
-        return path.read_text()
+    if _is_file(Path(given)):
+        return Path(given).read_text()
     if "{" not in given:
         raise ValueError(f"--chat-template {given!r}: no such file, and no Jinja template")
     return given
@@ -69,3 +68,10 @@ def _template_text(given: str) -> str:
 
 def _raise(message: str):
     raise TemplateError(message)
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a name no file system takes: a long template given inline
+        return False

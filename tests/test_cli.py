@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -83,21 +85,41 @@ def test_errors_are_one_line_unless_debug(tmp_path):
     assert debug.returncode == 1 and "Traceback" in debug.stderr
 
 
-def test_every_flag_has_help_that_shows_its_default():
+def test_every_flag_has_help_that_shows_its_default(capsys):
+    """Read from each subcommand's real `--help`: every option's entry says its default,
+    `(default: None)` where it has none, as vLLM's help does (or that it is required)."""
     import argparse
 
-    from outrider.cli import DefaultsShown, build_parser
+    from outrider.cli import build_parser
 
-    commands = build_parser()._subparsers._group_actions[0].choices
-    for name, parser in commands.items():
-        formatter = DefaultsShown(f"outrider {name}")
-        for action in parser._actions:
-            if isinstance(action, argparse._HelpAction):
+    for name in build_parser()._subparsers._group_actions[0].choices:
+        parser = build_parser(name)  # as `outrider NAME --help` builds it
+        with pytest.raises(SystemExit):
+            parser.parse_args([name, "--help"])
+        entries = help_entries(capsys.readouterr().out)
+        command = parser._subparsers._group_actions[0].choices[name]
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction) or not action.option_strings:
                 continue
-            assert action.help, f"outrider {name} {action.option_strings or action.dest}"
-            shown = formatter._get_help_string(action)
-            if action.option_strings and action.default not in (None, [], ""):
-                assert "default" in shown, f"outrider {name} {action.option_strings}: {shown}"
+            flag = action.option_strings[0]
+            entry = entries.get(flag, "")
+            assert action.help and entry, f"outrider {name} {flag}: no help"
+            said = "(required)" if action.required else "default"
+            assert said in entry, f"outrider {name} {flag}: {entry}"
+
+
+def help_entries(text: str) -> dict[str, str]:
+    """{an option's first flag: its entry in the help, lines joined}."""
+    entries, flag = {}, None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            flag = line.split()[0].rstrip(",")
+            entries[flag] = line.strip()
+        elif flag and line.startswith("   "):
+            entries[flag] += " " + line.strip()
+        else:
+            flag = None
+    return entries
 
 
 def test_an_enumerated_flag_refuses_a_value_naming_the_choices():
@@ -117,7 +139,9 @@ def test_a_vllm_serve_command_line_works_unchanged(tmp_path, llama_dir, draft_di
     metrics where vLLM's are."""
     import openai
 
+    from outrider.client import Client
     from outrider.core.tokenizer import Tokenizer
+    from outrider.engine.runner import RunnerConfig
 
     port = free_port()
     log = tmp_path / "serve.log"
@@ -144,6 +168,17 @@ def test_a_vllm_serve_command_line_works_unchanged(tmp_path, llama_dir, draft_di
         done = client.completions.create(model="m", prompt=PROMPT, max_tokens=8,
                                           temperature=0)
         assert done.usage.completion_tokens == 8 and done.model == "m"
+        # --tensor-parallel-size 2: the target worker runs rank 1 beside its own rank 0
+        (target,) = [pid for pid, cmd in descendants(proc.pid).items()
+                     if " target-worker " in cmd]
+        ranks = [cmd for cmd in descendants(target).values() if "spawn_main" in cmd]
+        assert len(ranks) == 1, ranks
+        # the KV cache sized from memory (no --kv-cache-mb): on a CPU at most what a full
+        # batch of full-length sequences uses, here --max-num-seqs 8 of --max-model-len 384
+        router = re.search(r"router listening on (\S+?)[;\s]", log.read_text()).group(1)
+        with Client(router, api_key="k-1", timeout_s=60) as sdk:
+            (replica,) = sdk.status().replicas
+        assert replica.kv_total_blocks == 8 * 384 // RunnerConfig.block_size
         unset = [client.completions.create(model="m", prompt=PROMPT, max_tokens=8, seed=seed)
                  for seed in (1, 2)]  # no temperature: the model's 0.0
         assert [u.choices[0].text for u in unset] == [done.choices[0].text] * 2
@@ -166,6 +201,28 @@ def test_a_vllm_serve_command_line_works_unchanged(tmp_path, llama_dir, draft_di
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """{pid: command line} of every process below `pid` (from /proc)."""
+    table = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # (gone meanwhile)
+            continue
+        table[int(entry.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), cmd)  # its ppid
+    found, parents = {}, [pid]
+    while parents:
+        parent = parents.pop()
+        for child, (ppid, cmd) in table.items():
+            if ppid == parent:
+                found[child] = cmd
+                parents.append(child)
+    return found
 
 
 def tools_offered_with_no_tool_choice_are_read_from_the_text(client):
@@ -220,12 +277,17 @@ def test_a_speculative_config_stands_for_draft_gamma_and_proposer(capsys):
         assert stop.value.code == 2 and says in capsys.readouterr().err, config
 
 
+@pytest.mark.slow
 def test_serve_puts_an_eagle_head_on_draft_replicas_when_asked():
     """`outrider serve --draft HEAD --head-on-replicas`: the head drafts on the draft
-    replicas (they load the target's embedding); a draft model, or trees, refused by name."""
+    replicas (they load the target's embedding): its rounds are counted as eagle3 and a
+    draft replica answers the Proposes; a draft model, or trees, refused by name."""
     from outrider import paths
     from outrider.cli import build_parser
     from outrider.cli.roles import _local_system_config
+    from outrider.client import Client
+    from outrider.local_system import local_system
+    from tests.scraping import total
 
     def config(*argv: str):
         return _local_system_config(build_parser("serve").parse_args(["serve", *argv]))
@@ -238,3 +300,22 @@ def test_serve_puts_an_eagle_head_on_draft_replicas_when_asked():
     with pytest.raises(ValueError, match="in the target's process"):
         config("--draft", head, "--head-on-replicas", "--tree-topk", "3", "--tree-tokens",
                "8")
+    # started as `serve` starts it (one draft replica: what the flag does, at less cost;
+    # the head alone proposes, so every drafted token is its)
+    cfg = config("--draft", head, "--head-on-replicas", "--grpc-port", "0", "--no-http",
+                 "--kv-cache-mb", "16", "--proposer", "model")
+    with local_system(cfg) as system:
+        drafted = lambda: total(scrape(system.metrics["draft-0"]),  # noqa: E731
+                                "outrider_draft_proposals_total")
+        before = drafted()
+        with Client(system.router, timeout_s=120) as client:
+            done = client.generate(PROMPT, max_tokens=16, temperature=0.0,
+                                   speculation="fixed", gamma_max=4)
+        spec = done.speculation
+        assert spec.by_proposer == {"eagle3": (spec.draft_tokens, spec.accepted_tokens)}
+        drafting_rounds = spec.drafted_per_position[0]
+        assert drafting_rounds > 0, spec
+        assert drafted() >= before + drafting_rounds  # each drafted on the replica
+        rounds = total(scrape(system.metrics["target"]), "vllm:spec_decode_num_drafts_total",
+                       method="eagle3")
+        assert rounds >= drafting_rounds

@@ -18,14 +18,18 @@ EXAMPLES = """examples:
 """
 
 class DefaultsShown(argparse.RawDescriptionHelpFormatter):
-    """Every flag's help ends with its default, unless the help already says it."""
+    """Every flag's help ends with its default, unless the help already says it: one with
+    none says `(default: None)`, as vLLM's help does, and a required one says so."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if ("default" in text or not action.option_strings or default is None
-                or default is argparse.SUPPRESS or default in ([], "")):
+        if "default" in text or not action.option_strings or default is argparse.SUPPRESS:
             return text
+        if action.required:
+            return f"{text} (required)"
+        if default is None or default in ([], ""):
+            return f"{text} (default: None)"
         shown = {True: "on", False: "off"}.get(default, default) \
             if isinstance(default, bool) else default
         return f"{text} (default: {str(shown).replace('%', '%%')})"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from outrider.engine.attention import SHORT_QUERY
-from outrider.engine.kernels import use_cpu_kernels
+from outrider.engine.kernels import cpu_kernels_loaded, use_cpu_kernels
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 from tests.checkpoints import VOCAB, save_random_checkpoint
 from tests.toolchain import HAS_COMPILER
@@ -36,6 +36,8 @@ def attention_path(request):
     if request.param == "kernel" and not HAS_COMPILER:
         pytest.skip("no C++ compiler: the kernel cannot be built on this machine")
     use_cpu_kernels(request.param == "kernel")
+    # a compiler but a failed build: the kernel rows would hold the reference to itself
+    assert cpu_kernels_loaded() == (request.param == "kernel")
     yield request.param
     use_cpu_kernels(True)
 

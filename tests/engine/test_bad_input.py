@@ -254,12 +254,22 @@ def test_a_folder_with_only_a_sentencepiece_model_is_converted_once(model_copy, 
         "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
         "unk_token": "<unk>"}))
     monkeypatch.setattr(tokenizer_module, "CONVERTED_CACHE", tmp_path / "cache")
+    conversions = []
+    convert = tokenizer_module._convert_sentencepiece
+    monkeypatch.setattr(tokenizer_module, "_convert_sentencepiece",
+                        lambda *a: (conversions.append(a), convert(*a)))
     ours = tokenizer_module.Tokenizer(model_copy)
     theirs = AutoTokenizer.from_pretrained(str(model_copy))
     for text in ("def f(x): return 1", "two  spaces\nand é ünïcode 🙂"):
         assert ours.encode(text) == theirs(text).input_ids
     assert ours.path.parent.parent == tmp_path / "cache"
+    written = ours.path.stat()
+    # once: later loads (a second tokenizer, the grammar engine's) read what was kept
+    again = tokenizer_module.Tokenizer(model_copy)
     assert Grammars.for_model(model_copy, 512, [2]) is not None
+    assert len(conversions) == 1 and again.path == ours.path
+    assert (again.path.stat().st_ino, again.path.stat().st_mtime_ns) == (
+        written.st_ino, written.st_mtime_ns)
     real_import = builtins.__import__
     monkeypatch.setattr(tokenizer_module, "CONVERTED_CACHE", tmp_path / "empty")
     monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (

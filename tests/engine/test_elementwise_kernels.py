@@ -19,10 +19,16 @@ pytestmark = needs_compiler  # every test compares the kernels with the torch pa
 ULP = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}  # relative: the last place, and a bit
 
 
+@pytest.fixture(autouse=True)
+def kernels_built():
+    """A compiler is here (needs_compiler): a failed build must fail these tests, not
+    leave them comparing the torch path with itself."""
+    assert cpu_kernels_loaded(), "the CPU kernels did not build (see the log line)"
+
+
 @pytest.fixture
 def torch_path():
     """Run a block on the torch path, then back to the kernels."""
-    assert cpu_kernels_loaded()
     use_cpu_kernels(False)
     yield
     use_cpu_kernels(True)

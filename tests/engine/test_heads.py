@@ -72,6 +72,7 @@ def reference_logits(head_dir, llama_dir, ids: torch.Tensor) -> torch.Tensor:
     w = {k.removeprefix("midlayer.").removeprefix("layers.0."): v.float()
          for k, v in load_file(str(head_dir / "model.safetensors")).items()}
     target = LlamaForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    n = target.config.num_hidden_layers
     prenorm = []  # transformers' last hidden state is normed; layer id L is the input of
     #               the final norm (vLLM's)
     hook = target.model.norm.register_forward_hook(lambda m, i, o: prenorm.append(i[0][0]))
@@ -82,10 +83,13 @@ def reference_logits(head_dir, llama_dir, ids: torch.Tensor) -> torch.Tensor:
     states = [h[0] for h in out.hidden_states[:-1]] + prenorm[:1]  # entering layer i
     embed = w.get("embed_tokens.weight", target.model.embed_tokens.weight)
     emb = embed[ids[1:]]
-    eps, heads, kv, d = (cfg["rms_norm_eps"], cfg["num_attention_heads"],
-                         cfg["num_key_value_heads"], cfg["head_dim"])
+    eps, heads, kv = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    theta = cfg.get("rope_theta", 10000.0)  # (Llama's default: published heads omit it)
     if cfg["architectures"] == ["LlamaForCausalLMEagle3"]:
-        taps = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        # the taps the config names, else vLLM's default: entering layers 2, L/2, L - 3
+        taps = ((cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+                or [2, n // 2, n - 3])
         feature = torch.cat([states[i][:-1] for i in taps], -1) @ w["fc.weight"].T
         x = torch.cat([rms(emb, w["input_layernorm.weight"], eps),
                        rms(feature, w["hidden_norm.weight"], eps)], -1)
@@ -94,8 +98,8 @@ def reference_logits(head_dir, llama_dir, ids: torch.Tensor) -> torch.Tensor:
         x = torch.cat([emb, last[:-1]], -1) @ w["fc.weight"].T + w["fc.bias"]
         residual = x
     T = len(emb)
-    q = rotate((x @ w["self_attn.q_proj.weight"].T).view(T, heads, d), cfg["rope_theta"])
-    k = rotate((x @ w["self_attn.k_proj.weight"].T).view(T, kv, d), cfg["rope_theta"])
+    q = rotate((x @ w["self_attn.q_proj.weight"].T).view(T, heads, d), theta)
+    k = rotate((x @ w["self_attn.k_proj.weight"].T).view(T, kv, d), theta)
     v = (x @ w["self_attn.v_proj.weight"].T).view(T, kv, d)
     k, v = (t.repeat_interleave(heads // kv, 1).transpose(0, 1) for t in (k, v))
     attn = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True)
@@ -142,6 +146,79 @@ def test_a_head_computes_what_its_layout_means(head_dir, llama_dir, target):
     if head_kind(head_dir) == "medusa":
         check_medusa(head_dir, llama_dir, target)
         return
+    check_head(head_dir, llama_dir, target)
+
+
+# config.json of a published EAGLE-3 head as its authors wrote it (SpecForge's
+# configs/llama3-8B-eagle3.json, the layout of yuhuili/EAGLE3-LLaMA3.1-Instruct-8B), its
+# sizes scaled down to a test target's: no head_dim (hidden / heads: here 16, the
+# target's 8), no rope_theta (Llama's 10000; the target's is Llama 3.1's 500000), no
+# eagle_config (vLLM's default taps), float16, and a draft vocabulary of its own
+PUBLISHED_EAGLE3 = {
+    "architectures": ["LlamaForCausalLMEagle3"], "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+    "intermediate_size": 96, "max_position_embeddings": 2048, "model_type": "llama",
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
+    "pad_token_id": 0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
+    "torch_dtype": "float16", "transformers_version": "4.28.1", "use_cache": True,
+    "vocab_size": 320, "draft_vocab_size": 100}
+
+
+def save_published_eagle3(path, seed: int = 0):
+    """A head in PUBLISHED_EAGLE3's layout with random weights under the tensor names the
+    published checkpoints hold (d2t: target id - draft id; t2d: which target ids the
+    draft vocabulary has), written here, not by the project's own writer."""
+    from safetensors.torch import save_file
+
+    cfg, g = PUBLISHED_EAGLE3, torch.Generator().manual_seed(seed)
+    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    q_out = hidden  # heads * head_dim, head_dim = hidden / heads
+    kv_out = cfg["num_key_value_heads"] * hidden // cfg["num_attention_heads"]
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(torch.float16)
+
+    def norm(width):
+        return (1 + 0.3 * torch.randn(width, generator=g)).to(torch.float16)
+
+    target_ids = torch.randperm(vocab, generator=g)[:cfg["draft_vocab_size"]].sort().values
+    tensors = {
+        "midlayer.hidden_norm.weight": norm(hidden),
+        "midlayer.input_layernorm.weight": norm(hidden),
+        "midlayer.self_attn.q_proj.weight": rand(q_out, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": rand(kv_out, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": rand(kv_out, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": rand(hidden, q_out),
+        "midlayer.post_attention_layernorm.weight": norm(hidden),
+        "midlayer.mlp.gate_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.up_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.down_proj.weight": rand(hidden, inter),
+        "fc.weight": rand(hidden, 3 * hidden),
+        "norm.weight": norm(hidden),
+        "lm_head.weight": rand(cfg["draft_vocab_size"], hidden) * 4,
+        "d2t": target_ids - torch.arange(cfg["draft_vocab_size"]),
+        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, target_ids, True)}
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(PUBLISHED_EAGLE3, indent=2))
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def test_a_published_eagle3_layout_computes_what_it_means(tmp_path):
+    """PUBLISHED_EAGLE3 under an 8-layer target (vLLM's default taps: layers 2, 4, 5)
+    gives the dense reference's logits."""
+    from tests.checkpoints import save_random_checkpoint
+
+    target_dir = save_random_checkpoint(tmp_path / "target", num_hidden_layers=8,
+                                        rope_parameters={"rope_type": "default",
+                                                         "rope_theta": 500000.0})
+    head_dir = save_published_eagle3(tmp_path / "head")
+    target = ModelRunner(RunnerConfig(str(target_dir), dtype="float32", kv_cache_mb=8))
+    check_head(head_dir, target_dir, target)
+
+
+def check_head(head_dir, target_dir, target: ModelRunner) -> None:
+    """An EAGLE head's logits against reference_logits'."""
     head = HeadRunner(RunnerConfig(str(head_dir), dtype="float32", kv_cache_mb=8),
                       TargetSide.of_runner(target))
     target.keep_features(head.reads)
@@ -153,7 +230,7 @@ def test_a_head_computes_what_its_layout_means(head_dir, llama_dir, target):
     finally:
         target.blocks.free("t")
         target.keep_features(None)
-    expected = reference_logits(head_dir, llama_dir, ids)  # [T - 1, vocab]
+    expected = reference_logits(head_dir, target_dir, ids)  # [T - 1, vocab]
     n = len(ids) - 1  # all but the last token go in at once, then the last one alone
     head.blocks.append("h", len(ids))
     rows = torch.cat([features.new_zeros(1, features.shape[1]), features[:-1]])
@@ -206,7 +283,7 @@ def test_greedy_speculation_with_a_head_is_the_target_alone(head_dir, llama_dir,
         trees.extend(r.tree is not None for r in ready)
         return walk_trees(step, ready, *args)
     decoder._walk_trees = noted
-    for _ in range(2):  # the second time the target's cache holds every prompt
+    for second_time in (False, True):  # then the target's cache holds every prompt
         out = decoder.generate(prompts, params, gamma=3)
         assert [s.token_ids for s in out] == [s.token_ids for s in alone]
         # most rounds of each sequence speculated: with the head alone (model), or with
@@ -215,11 +292,18 @@ def test_greedy_speculation_with_a_head_is_the_target_alone(head_dir, llama_dir,
         for s in out:  # (its first token comes from the prefill, its last round has
             #             room for no draft)
             assert s.stats.drafted_per_position[0] >= s.stats.num_rounds - 2, s.stats
-        # counted under the head's own method, vLLM's name for it, not the draft model's
+        # every drafted token counted under the proposer that drafted it: the head's
+        # under its own method, vLLM's name for it (not the draft model's)
         assert mix.method == head.method in ("eagle3", "eagle", "medusa")
-        assert not any("draft_model" in s.stats.by_proposer for s in out)
-        by_head = sum(s.stats.by_proposer.get(head.method, [0])[0] for s in out)
-        assert by_head == sum(s.stats.num_draft_tokens for s in out) or proposer == "auto"
+        counted: dict[str, int] = {}
+        for s in out:
+            for method, (num_drafted, _) in s.stats.by_proposer.items():
+                counted[method] = counted.get(method, 0) + num_drafted
+        assert sum(counted.values()) == sum(s.stats.num_draft_tokens for s in out)
+        if proposer == "auto" and second_time:  # the suffix lookup leads, the head fills in
+            assert counted.keys() == {head.method, "suffix"} and counted["suffix"] > 0
+        else:  # alone, or (auto) before the lookups have anything to find
+            assert counted.keys() == {head.method}, counted
     assert any(trees) == (proposer == "tree")  # rounds verified as trees, when asked
     # every sequence's KV went back, the target's and the head's, and no feature is kept
     assert target.blocks.num_used_blocks == 0

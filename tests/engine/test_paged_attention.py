@@ -182,6 +182,7 @@ def test_a_machine_without_a_compiler_falls_back_with_one_log_line(tmp_path):
     assert done.stdout.strip()  # the completion
 
 
+@needs_compiler
 def test_a_build_killed_midway_leaves_no_lock_that_stops_the_next_load():
     """torch's lock file, left in the kernel cache by a build that was killed (a replica
     stopped mid-start), is found stale and removed by the next loader, which holds the

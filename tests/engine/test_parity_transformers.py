@@ -1,6 +1,9 @@
-"""Greedy output is token-identical to transformers' generate."""
+"""Greedy output is token-identical to transformers' generate, on the C++ kernel's
+attention path (CPUs) and on the reference path (GPUs)."""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -9,6 +12,7 @@ from outrider.core.sampling import SamplingParams
 from outrider.engine import runner as runner_module
 from outrider.engine.distributed import TPRunnerGroup
 from outrider.engine.drafter import Drafter
+from outrider.engine.kernels import cpu_kernels_loaded, use_cpu_kernels
 from outrider.engine.runner import (
     ForwardRequest,
     ModelRunner,
@@ -17,6 +21,7 @@ from outrider.engine.runner import (
 )
 from outrider.engine.spec_decode import SpeculativeDecoder
 from tests.checkpoints import LLAMA3_ROPE, VOCAB, perturbed_copy, save_random_checkpoint
+from tests.toolchain import HAS_COMPILER
 
 NEW_TOKENS = 64
 
@@ -56,11 +61,41 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_greedy_matches_transformers(tmp_path, case):
-    model_dir = save_random_checkpoint(tmp_path, seed=11, **CASES[case])
+@pytest.fixture(params=["kernel", "reference"])
+def attention_path(request):
+    """Each row on the C++ kernel's path (CPUs) and on the reference path (GPUs)."""
+    if request.param == "kernel" and not HAS_COMPILER:
+        pytest.skip("no C++ compiler: the kernel cannot be built on this machine")
+    use_cpu_kernels(request.param == "kernel")
+    try:  # a compiler but a failed build would hold the reference path twice
+        assert cpu_kernels_loaded() == (request.param == "kernel")
+        yield request.param
+    finally:
+        use_cpu_kernels(True)
+
+
+@contextmanager
+def reference_path():
+    """The reference (pure-torch) path GPUs run, for a block."""
+    use_cpu_kernels(False)
+    try:
+        yield
+    finally:
+        use_cpu_kernels(True)
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request, tmp_path_factory):
+    """A case's checkpoint, prompts and transformers' greedy output (once for both paths)."""
+    model_dir = save_random_checkpoint(tmp_path_factory.mktemp(request.param), seed=11,
+                                       **CASES[request.param])
     prompt_list = prompts()
-    assert outrider_greedy(model_dir, prompt_list) == hf_greedy(model_dir, prompt_list)
+    return model_dir, prompt_list, hf_greedy(model_dir, prompt_list)
+
+
+def test_greedy_matches_transformers(case, attention_path):
+    model_dir, prompt_list, expected = case
+    assert outrider_greedy(model_dir, prompt_list) == expected
 
 
 def test_sharded_checkpoint_has_index(tmp_path):
@@ -83,14 +118,32 @@ def test_dtype_auto_is_the_checkpoints_where_the_device_computes_it(monkeypatch,
 
 def test_checkpoint_dtype_is_honoured(tmp_path):
     model_dir = save_random_checkpoint(tmp_path, dtype=torch.bfloat16)
-    runner = ModelRunner(RunnerConfig(str(model_dir), dtype="auto"))
+    runner = ModelRunner(RunnerConfig(str(model_dir), dtype="auto", kv_cache_mb=8))
     assert runner.model_config.dtype == torch.bfloat16
     # a CPU with bfloat16 instructions computes a half-precision checkpoint in bfloat16
-    assert runner.dtype == (torch.bfloat16 if cpu_computes_bfloat16() else torch.float32)
-    half = ModelRunner(RunnerConfig(str(model_dir), dtype="bfloat16"))
-    assert half.model.embed_tokens.weight.dtype == torch.bfloat16
-    out = SpeculativeDecoder(half).generate([[5, 6, 7]], SamplingParams(max_tokens=8), 0)
-    assert len(out[0].output_ids) >= 1
+    expected = torch.bfloat16 if cpu_computes_bfloat16() else torch.float32
+    assert runner.dtype == expected and dtypes_a_generation_runs_in(runner) == {expected}
+    half = ModelRunner(RunnerConfig(str(model_dir), dtype="bfloat16", kv_cache_mb=8))
+    assert dtypes_a_generation_runs_in(half) == {torch.bfloat16}
+
+
+def dtypes_a_generation_runs_in(runner: ModelRunner) -> set[torch.dtype]:
+    """Of the model's weights (those kept as parameters), its KV cache, and the hidden
+    states each layer and the final norm hand on while it generates."""
+    seen = {p.dtype for p in runner.model.parameters()}
+    seen |= {t.dtype for layer in runner.kv_caches for t in layer}
+    model = runner.model
+    hooks = [m.register_forward_hook(lambda m, i, out: seen.update(
+        t.dtype for t in (out if isinstance(out, tuple) else (out,)) if torch.is_tensor(t)))
+        for m in [*model.layers, model.norm]]
+    try:
+        out = SpeculativeDecoder(runner).generate([[5, 6, 7]], SamplingParams(
+            max_tokens=8, ignore_eos=True), 0)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(out[0].output_ids) == 8
+    return seen
 
 
 # an architecture's row: its logits, and greedy output alone, speculating with a draft of
@@ -146,23 +199,37 @@ def test_an_architecture_matches_transformers_alone_speculating_and_over_two_ran
                                     **overrides)
     draft = perturbed_copy(target, tmp_path / "draft", noise=0.1)
     prompt_list = prompts(4)
-    expected = outrider_greedy(target, prompt_list)
+    expected = outrider_greedy(target, prompt_list)  # on the kernel's path, where built
     if reference == "generate":
         assert expected == hf_greedy(target, prompt_list)
     else:
         assert all(hf_argmax_path(target, p, out) for p, out in zip(prompt_list, expected))
     assert max_logit_difference(target, prompt_list[0] + expected[0]) < 1e-4
-    greedy = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     for tp in (1, 2):
-        group = TPRunnerGroup(RunnerConfig(str(target), tp=tp, kv_cache_mb=8))
-        try:
-            drafter = Drafter(ModelRunner(RunnerConfig(str(draft), kv_cache_mb=8)))
-            decoder = SpeculativeDecoder(group.runner, drafter)
-            seqs = decoder.generate(prompt_list, greedy, gamma=4)
-            assert [s.output_ids for s in seqs] == expected, f"tp={tp}"
-            assert sum(s.stats.num_accepted_tokens for s in seqs) > 0
-        finally:
-            group.close()
+        assert speculated(target, draft, prompt_list, tp) == expected, f"tp={tp}"
+    with reference_path():  # the path GPUs run: the same output and logits
+        assert outrider_greedy(target, prompt_list) == expected, "reference path"
+        assert max_logit_difference(target, prompt_list[0] + expected[0]) < 1e-4
+        if arch in SPECULATED_ON_THE_REFERENCE_PATH:
+            assert speculated(target, draft, prompt_list, 1) == expected, "reference path"
+
+
+# verification rows on the reference path (short queries over a cache): soft-capped
+# scores and windows beside global layers; the kernel's path speculates on every row
+SPECULATED_ON_THE_REFERENCE_PATH = ("gemma2",)
+
+
+def speculated(target, draft, prompt_list, tp: int) -> list[list[int]]:
+    """Greedy output speculating with `draft` (γ 4) over `tp` ranks; some drafts accepted."""
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    group = TPRunnerGroup(RunnerConfig(str(target), tp=tp, kv_cache_mb=8))
+    try:
+        drafter = Drafter(ModelRunner(RunnerConfig(str(draft), kv_cache_mb=8)))
+        seqs = SpeculativeDecoder(group.runner, drafter).generate(prompt_list, greedy, gamma=4)
+    finally:
+        group.close()
+    assert sum(s.stats.num_accepted_tokens for s in seqs) > 0
+    return [s.output_ids for s in seqs]
 
 
 def hf_argmax_path(model_dir, prompt: list[int], output: list[int]) -> bool:

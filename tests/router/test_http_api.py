@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API, driven by the official `openai` package against a live
-router, target and draft (the shipped demo pair, whose tokenizer has a chat template)."""
+router, target and draft (the shipped demo pair, whose tokenizer has a chat template: here
+with Qwen3's switch for thinking added, `served_target`)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from outrider.router.service import Refused
 
 from outrider import paths
 from outrider.client import Client
+from outrider.core.tokenizer import Tokenizer
 from tests.reliability._support import wait_until
-from tests.router.demo_system import demo_system, openai_client
+from tests.router.demo_system import demo_chat_template, demo_system, openai_client
 from tests.scraping import scrape, total
 
 pytestmark = pytest.mark.slow
@@ -29,11 +31,34 @@ PROMPT = "def fibonacci(n):\n"
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
 
 
+# the demo target's template with Qwen3's switch after its generation prompt: a request's
+# chat_template_kwargs {"enable_thinking": false} closes an empty think block there
+GENERATION_PROMPT = "{{ '# assistant:\\n' }}"
+THINK_OFF = ("{% if enable_thinking is defined and enable_thinking is false %}"
+             "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}")
+
+
 @pytest.fixture(scope="module")
-def system():
+def served_target(tmp_path_factory):
+    """The demo target as served here: its files, its template switching thinking off."""
+    template = demo_chat_template()
+    assert template.count(GENERATION_PROMPT) == 1
+    target = tmp_path_factory.mktemp("served") / "demo-target"  # (the model's name)
+    target.mkdir()
+    for file in paths.demo_target_dir().iterdir():
+        (target / file.name).symlink_to(file)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config["chat_template"] = template.replace(GENERATION_PROMPT, GENERATION_PROMPT + THINK_OFF)
+    (target / "tokenizer_config.json").unlink()
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.fixture(scope="module")
+def system(served_target):
     """With /metrics on every process (what the replica did for a client that left is
     read there)."""
-    with demo_system(KEY, metrics=True) as running:
+    with demo_system(KEY, metrics=True, target=str(served_target)) as running:
         yield running
 
 
@@ -80,11 +105,11 @@ def test_streamed_completion_equals_unary(oai):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
 
 
-def test_chat_uses_the_models_template_streaming_or_not(oai):
+def test_chat_uses_the_models_template_streaming_or_not(oai, served_target):
     messages = [{"role": "system", "content": "You write Python."},
                 {"role": "user", "content": [{"type": "text", "text": "Sort a list."}]}]
     chat = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, **GREEDY)
-    prompt = ChatTemplate.from_dir(str(paths.demo_target_dir())).render(
+    prompt = ChatTemplate.from_dir(str(served_target)).render(
         [{"role": "system", "content": "You write Python."},
          {"role": "user", "content": "Sort a list."}])
     assert prompt.endswith("# assistant:\n")  # the shipped template's generation prompt
@@ -172,10 +197,19 @@ def test_vllm_extras_do_what_they_say(oai):
     with pytest.raises(openai.BadRequestError, match="one constraint"):
         oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={
             "guided_regex": "a", "guided_choice": ["b"]})
-    chat = oai.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Sort a list."}], max_tokens=4,
-        temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    assert chat.choices[0].finish_reason == "length"
+    def chat(max_tokens: int, **kwargs):
+        return oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Sort a list."}],
+            max_tokens=max_tokens, temperature=0,
+            extra_body={"chat_template_kwargs": kwargs})
+
+    off = chat(4, enable_thinking=False)
+    assert off.choices[0].finish_reason == "length"
+    # the served template branches on it (THINK_OFF): the prompts are what it renders
+    tokenizer = Tokenizer(paths.demo_target_dir())
+    asked = "# user:\nSort a list.\n# assistant:\n"
+    assert off.usage.prompt_tokens == len(tokenizer.encode(f"{asked}<think>\n\n</think>\n\n"))
+    assert chat(1, enable_thinking=True).usage.prompt_tokens == len(tokenizer.encode(asked))
     whole = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24,
                                    **GREEDY).choices[0].text
     stop = whole[8:12]
@@ -199,6 +233,14 @@ def test_chat_template_kwargs_are_variables_that_cannot_replace_the_messages():
     messages = [{"role": "user", "content": "hi"}]
     assert template.render(messages, extra={"think": True}) == "<think>hi"
     assert template.render(messages, extra={"messages": [{"content": "x"}]}) == "hi"
+
+
+def test_a_long_template_given_inline_is_taken_as_the_template(tmp_path):
+    """vLLM's --chat-template takes a template inline whatever its length; a name
+    longer than a file name may be is not a file (it once stopped the router)."""
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}" + " " * 300
+    template = ChatTemplate.from_dir(str(tmp_path), inline)
+    assert template.render([{"role": "user", "content": "hi"}], extra={}).strip() == "hi"
 
 
 def test_tokenize_detokenize_and_version(system):

@@ -18,7 +18,7 @@ from outrider.client import Client, InvalidRequestError
 from outrider.core.grammar import Grammars
 from outrider.core.structured import StructuredOutput
 from outrider.core.tokenizer import Tokenizer
-from tests.router.demo_system import demo_system, openai_client
+from tests.router.demo_system import demo_chat_template, demo_system, openai_client
 from tests.scraping import scrape, total
 
 pytestmark = pytest.mark.slow
@@ -38,9 +38,22 @@ SAMPLED = dict(temperature=0.9)
 SPECULATE = {"speculation": "fixed", "gamma": 4}
 
 
+# the demo target's template, each assistant message's tool calls written after its
+# content (arguments an object, as templates get them, in JSON): any other message
+# renders as with the shipped template
+MESSAGE = "{{ '# ' + message['role'] + ':\\n' + message['content'] + '\\n' }}"
+CALLS = ("{% for call in message.tool_calls or [] %}{{ '<tool_call>' + call.function.name + "
+         "' ' + (call.function.arguments if call.function.arguments is string else "
+         "call.function.arguments | tojson) + '</tool_call>\\n' }}{% endfor %}")
+TOOLS_TEMPLATE = demo_chat_template().replace(MESSAGE, MESSAGE + CALLS)
+
+
 @pytest.fixture(scope="module")
-def system():
-    with demo_system(KEY, metrics=True) as running:
+def system(tmp_path_factory):
+    assert demo_chat_template().count(MESSAGE) == 1  # (the calls come after each message)
+    template = tmp_path_factory.mktemp("template") / "tools.jinja"  # --chat-template FILE
+    template.write_text(TOOLS_TEMPLATE)
+    with demo_system(KEY, metrics=True, chat_template=str(template)) as running:
         yield running
 
 
@@ -296,30 +309,49 @@ def test_a_streamed_tool_call_adds_up_to_the_unary_one(oai, tool_choice):
 
 
 def test_a_conversation_goes_on_after_a_tool_answers(oai):
-    """An assistant's earlier call and the tool's answer are accepted as history: written
-    by hand, or the returned message sent back as the openai package sends it; arguments
-    too deep to parse are still only text."""
-    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function",
-         "function": {"name": "get_time", "arguments": "[" * 50_000}}]},
-               {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
-    done = oai.chat.completions.create(model=MODEL, messages=history, max_tokens=8,
-                                       tools=[CLOCK], tool_choice="none", temperature=0.0)
-    alone = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
-                                        tools=[CLOCK], tool_choice="none", temperature=0.0)
+    """An assistant's earlier call and the tool's answer are accepted as history and
+    rendered, the call's name and arguments too (TOOLS_TEMPLATE): written by hand, or the
+    returned message sent back as the openai package sends it; arguments too deep to
+    parse are still only text."""
+    tokenizer = Tokenizer(paths.demo_target_dir())
+
+    def history(arguments: str) -> list[dict]:
+        return [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_time", "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+
+    def chat(messages: list):
+        return oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                           tools=[CLOCK], tool_choice="none",
+                                           temperature=0.0)
+
+    def prompt(call: str) -> list[int]:  # the history as TOOLS_TEMPLATE renders it
+        return tokenizer.encode(f"# user:\n{MESSAGES[0]['content']}\n# assistant:\n\n{call}"
+                                "# tool:\n12:00\n# assistant:\n")
+
+    done = chat(history('{"zone":"utc"}'))
     assert done.choices[0].message.tool_calls is None
-    assert done.usage.prompt_tokens > alone.usage.prompt_tokens  # the history was rendered
-    deep = ChatMessage.model_validate(history[-2]).for_template()
+    written = prompt('<tool_call>get_time {"zone": "utc"}</tool_call>\n')
+    assert done.usage.prompt_tokens == len(written) > len(prompt(""))  # the call's tokens
+    deep = ChatMessage.model_validate(history("[" * 50_000)[-2]).for_template()
     assert deep["tool_calls"][0]["function"]["arguments"] == "[" * 50_000  # still text
+    with pytest.raises(openai.BadRequestError) as err:  # written as it is: too long
+        chat(history("[" * 50_000))
+    too_long = prompt(f"<tool_call>get_time {'[' * 50_000}</tool_call>\n")
+    assert f"prompt has {len(too_long)} tokens" in err.value.message
     called = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=96,
                                          tools=[CLOCK], tool_choice="required",
                                          parallel_tool_calls=False, temperature=0.0)
     message = called.choices[0].message
     answered = [*MESSAGES, message, {"role": "tool", "tool_call_id": message.tool_calls[0].id,
                                      "content": "12:00"}]
-    done = oai.chat.completions.create(model=MODEL, messages=answered, max_tokens=8,
-                                       tools=[CLOCK], tool_choice="none", temperature=0.0)
+    done = chat(answered)
     assert done.choices[0].finish_reason in ("stop", "length")
+    (call,) = message.tool_calls
+    arguments = json.dumps(json.loads(call.function.arguments), ensure_ascii=False)
+    assert done.usage.prompt_tokens == len(prompt(
+        f"<tool_call>{call.function.name} {arguments}</tool_call>\n"))
 
 
 def test_parameters_with_definitions_are_called_whichever_the_choice(oai):
