@@ -158,6 +158,11 @@ class ModelConfig:
             raise ModelConfigError(
                 f"{source}: unsupported architecture {arch!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if raw.get("quantization_config"):  # its packed tensors would fail by name, unexplained
+            raise ModelConfigError(
+                f"{source}: a quantized checkpoint ({_quantization(raw['quantization_config'])})"
+                f" cannot be loaded yet: serve its unquantized weights (float32, bfloat16 or "
+                f"float16)")
         act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
         if act not in ACTIVATIONS:
             raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (only "
@@ -321,3 +326,24 @@ def _token_ids(value) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
     return tuple(int(v) for v in value)
+
+
+def _quantization(config) -> str:
+    """A quantization_config in a few words: its method and, where it says them, the
+    weights' bits and group size and its format (compressed-tensors, AWQ, GPTQ, fp8)."""
+    if not isinstance(config, dict):
+        return "quantization_config"
+    words = [str(config.get("quant_method", "unnamed method"))]
+    groups = config.get("config_groups") or {}
+    weights = next((g.get("weights") for g in groups.values()
+                    if isinstance(g, dict) and isinstance(g.get("weights"), dict)), None)
+    spec = weights or config
+    if spec.get("num_bits") or spec.get("bits"):
+        words.append(f"{spec.get('num_bits') or spec.get('bits')}-bit "
+                     f"{spec.get('type', 'int') if weights else 'int'} weights")
+    if spec.get("group_size"):
+        words.append(f"group size {spec['group_size']}")
+    if config.get("format"):
+        words.append(f"format {config['format']}")
+    return ", ".join(words)
+
