@@ -55,6 +55,7 @@ class DraftWorkerConfig:
     adapt_redis: str | None = None     # share versions: one replica of the pair trains
     adapt_pair: str | None = None      # the pair's name there (default: the draft's)
     target_model: str | None = None    # a head's target (its embedding and lm_head)
+    speculation_cache: bool = False    # draft the next round while the target verifies
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DraftWorkerConfig:
@@ -70,7 +71,7 @@ class DraftWorkerConfig:
                    distill=DistillConfig(round_tokens=args.adapt_round_tokens,
                                          max_duty=args.adapt_max_duty),
                    adapt_redis=args.adapt_redis, adapt_pair=args.adapt_pair,
-                   target_model=args.target_model)
+                   target_model=args.target_model, speculation_cache=args.speculation_cache)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -94,6 +95,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="free sequences idle this long (they MISS later)")
     p.add_argument("--dist-address", help="host:port of the co-located target's dense "
                                           "q channel (torch.distributed, gloo on CPU)")
+    p.add_argument("--speculation-cache", action=argparse.BooleanOptionalAction,
+                   default=DraftWorkerConfig.speculation_cache,
+                   help="while the target verifies a round, draft the next one for its "
+                        "likely outcomes, so that a Propose that brings one is answered at "
+                        "once (greedy chains of a draft model; not with --adapt; off: on "
+                        "two shared cores it cost more than it saved: docs/DESIGN.md §2.6)")
     p.add_argument("--adapt", action="store_true",
                    help="online distillation: train the draft on the target's tokens of "
                         "the sequences it drafts for, and adopt the trained weights when "
@@ -155,7 +162,8 @@ def start(cfg: DraftWorkerConfig, token: str | None) -> Running:
     drafter = Drafter(runner, evict_lru=True)
     metrics.watch_version(lambda: drafter.version)
     service = DraftService(drafter, idle_ttl_s=cfg.idle_ttl_s, dense_channel=channel,
-                           metrics=metrics, cores=cores)
+                           metrics=metrics, cores=cores,
+                           speculation_cache=cfg.speculation_cache and cfg.prefix_caching)
     if cfg.adapt:
         shared = None
         if cfg.adapt_redis:

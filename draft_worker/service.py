@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import grpc
 import torch
 from opentelemetry import trace
+from outrider.draft_worker.spec_cache import Entry, SpeculationCache
 
 from outrider.core.sampling import SamplingError, sampling_from_proto
 from outrider.dense_channel import DenseChannel
@@ -64,7 +66,8 @@ class DraftService(worker_pb2_grpc.DraftServicer):
     def __init__(self, drafter: Drafter, idle_ttl_s: float = 300.0,
                  dense_channel: DenseChannel | None = None,
                  metrics: DraftMetrics | None = None,
-                 cores: tuple[list[int], list[int]] | None = None) -> None:
+                 cores: tuple[list[int], list[int]] | None = None,
+                 speculation_cache: bool = False) -> None:
         self.drafter = drafter
         # (while the target waits, while it verifies): a draft on the target's machine
         # drafts on the target's idle cores when it waits, beside them when it verifies
@@ -78,6 +81,11 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         self.draft_seconds_total = 0.0  # time spent drafting: the autoscaler's load signal
         self.lock = threading.Lock()  # one model, one forward (or weight swap) at a time
         self.adapter = None  # online distillation (draft_worker/adapt.py), when on
+        # drafts for the outcomes of the verification under way (spec_cache.py), drafted
+        # by one background thread between Proposes; Proposes waiting for the lock
+        self.cache = SpeculationCache(drafter) if speculation_cache else None
+        self._preparing = ThreadPoolExecutor(1, "speculation-cache") if self.cache else None
+        self._waiting, self._waiting_lock = 0, threading.Lock()
 
     def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
         try:
@@ -89,42 +97,77 @@ class DraftService(worker_pb2_grpc.DraftServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "Q_FORMAT_DENSE_DIST needs a dense channel (--dist-address)")
         start = time.perf_counter()
+        self._wait(+1)
         with self.lock:
+            self._wait(-1)
             if self.cores is not None:  # this thread drafts: move it where it belongs
                 os.sched_setaffinity(0, self.cores[request.beside_target])
             if self.drafter.evict_idle(self.idle_ttl_s):
                 self.spans.close_evicted(self.drafter.runner.blocks.has)
-            out = self.drafter.draft(items, torch.device("cpu"))
-            if any(is_dist):
+            cached = self.cache.take(items) if self._caching else [None] * len(items)
+            asked = [it for it, entry in zip(items, cached) if entry is None]
+            out = self.drafter.draft(asked, torch.device("cpu")) if asked else None
+            rows = _rows(cached, out)
+            if any(is_dist):  # (a dense_dist row is never cached: all of them were asked)
                 try:
-                    self._send_dense(out, is_dist, request.dist_tag)
+                    self._send_dense(out, [it.q_format == "dense_dist" for it in asked],
+                                     request.dist_tag)
                 except RuntimeError as exc:  # the pair is out of step: the target falls back
                     self.dense_channel.mark_broken()
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"dense q channel broken: {exc}")
             version = self.drafter.version  # the weights that drafted (swaps hold the lock)
+            if self._caching and not request.beside_target:
+                plans = self.cache.plan(items, [ids for ids, _, _ in rows])
+                self._preparing.submit(self._prepare, plans)
         proposals = []
-        for i, it in enumerate(items):
-            g = out.gammas[i]
-            q_rows = None if out.probs is None else out.probs[i, :g]
-            msg = encode_proposal(it.seq_id, out.token_ids[i, :g].tolist(), q_rows, it.q_format)
-            msg.miss = out.is_miss[i]
+        for it, (ids, q_rows, miss) in zip(items, rows):
+            msg = encode_proposal(it.seq_id, ids, q_rows, it.q_format)
+            msg.miss = miss
             proposals.append(msg)
         seconds = time.perf_counter() - start
-        self._observe(items, out, seconds)
+        self._observe(items, rows, cached, seconds)
         return pb.ProposeResponse(proposals=proposals, draft_seconds=seconds,
                                   draft_version=version, target_topk=self.drafter.target_topk)
 
-    def _observe(self, items: list[DraftItem], out, seconds: float) -> None:
+    def _wait(self, change: int) -> None:
+        with self._waiting_lock:
+            self._waiting += change
+
+    @property
+    def _caching(self) -> bool:
+        """A draft that learns while serving keeps no stand-ins: their made-up contexts
+        would reach its training data when weights are swapped."""
+        return self.cache is not None and self.adapter is None
+
+    def _prepare(self, plans) -> None:
+        """Draft the stand-ins while the target verifies, unless a Propose is already
+        waiting for the model (it comes first: the stand-ins are only ever a head start)."""
+        if not plans or self._waiting:
+            return
+        with self.lock:
+            if self._waiting:
+                return
+            if self.cores is not None:
+                os.sched_setaffinity(0, self.cores[True])
+            drafted = self.cache.fill(plans, interrupted=lambda: self._waiting > 0)
+        if self.metrics:
+            self.metrics.stand_ins.inc(drafted)
+
+    def _observe(self, items: list[DraftItem], rows, cached, seconds: float) -> None:
         with self.lock:
             self.draft_seconds_total += seconds
-            for i, it in enumerate(items):
-                self.spans.proposed(it, out.gammas[i])
+            for it, (ids, _, _) in zip(items, rows):
+                self.spans.proposed(it, len(ids))
         if self.metrics:
             self.metrics.seconds.observe(seconds)
             self.metrics.proposals.inc(len(items))
-            self.metrics.tokens.inc(sum(out.gammas))
-            self.metrics.misses.inc(sum(map(bool, out.is_miss)))
+            self.metrics.tokens.inc(sum(len(ids) for ids, _, _ in rows))
+            self.metrics.misses.inc(sum(miss for _, _, miss in rows))
+            if self._caching:
+                hits = sum(entry is not None for entry in cached)
+                self.metrics.cache_hits.inc(hits)
+                self.metrics.cache_misses.inc(sum(it.gamma > 0 for it in items) - hits)
 
     def _send_dense(self, out, is_dist: list[bool], tag: int) -> None:
         """One send of every dense_dist row, in request order; the target receives it
@@ -140,6 +183,8 @@ class DraftService(worker_pb2_grpc.DraftServicer):
 
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         with self.lock:
+            if self.cache is not None:
+                self.cache.forget(request.seq_ids)
             released = sum(self.drafter.release(seq_id) for seq_id in request.seq_ids)
             self.spans.close(request.seq_ids)
         return pb.ReleaseResponse(num_released=released)
@@ -207,3 +252,18 @@ class DraftService(worker_pb2_grpc.DraftServicer):
                                 f"be ids in [0, {vocab}), as many as logprobs")
             rows.append((row.position, tuple(row.token_ids), tuple(row.logprobs)))
         return rows
+
+
+def _rows(cached: list[Entry | None], out) -> list[tuple[list[int], torch.Tensor | None, bool]]:
+    """Per sequence of a Propose, (draft tokens, their q rows as sent or None, MISS): a
+    hit's from the speculation cache, the others' from `out`, drafted for them in order."""
+    rows, k = [], 0
+    for entry in cached:
+        if entry is not None:
+            rows.append((entry.drafts, entry.q, False))
+            continue
+        g = out.gammas[k]
+        rows.append((out.token_ids[k, :g].tolist(),
+                     None if out.probs is None else out.probs[k, :g], bool(out.is_miss[k])))
+        k += 1
+    return rows

@@ -41,6 +41,7 @@ class LocalSystemConfig:
     target_replicas: int = 1        # behind the one router; they share the draft replicas
     prefix_caching: bool = True     # in every replica's KV cache
     adapt: bool = False             # online distillation on the draft replicas
+    speculation_cache: bool = False  # the draft replicas' (draft_worker/spec_cache.py)
     dtype: str = "auto"             # of both models
     compile: bool = False           # compiled forwards in every replica (--compile)
     proposer: str = TargetWorkerConfig.proposer.value  # the targets' --proposer
@@ -117,6 +118,7 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                            *(("--target-model", cfg.target) if head else ()),
                            *draft_share,
                            *(("--adapt",) if cfg.adapt else ()),
+                           *(("--speculation-cache",) if cfg.speculation_cache else ()),
                            *(("--adapt-redis", cfg.redis_url) if cfg.adapt and cfg.redis_url
                              else ()),
                            *(("--target-cpus", cpus.target, "--threads", "1") if cpus else ()))

@@ -60,6 +60,10 @@ def serve_flags(serve: argparse.ArgumentParser) -> None:
                             "features with each Propose (default: in the target's process)")
     serve.add_argument("--target-replicas", type=int, default=LocalSystemConfig.target_replicas,
                        help="target replicas behind the router (they share the drafts)")
+    serve.add_argument("--speculation-cache", action=argparse.BooleanOptionalAction,
+                       default=LocalSystemConfig.speculation_cache,
+                       help="the draft replicas draft the next round for its likely "
+                            "outcomes while the target verifies (draft-worker's flag)")
     serve.add_argument("--adapt", action="store_true",
                        help="online distillation: the draft replicas learn from the "
                             "target's tokens while they serve (default: off); with --redis, "
@@ -119,6 +123,7 @@ def _local_system_config(args):
                              tree_topk=tree_shape(args).topk,
                              tree_tokens=args.tree_tokens,
                              head_on_replicas=args.head_on_replicas,
+                             speculation_cache=args.speculation_cache,
                              # --gamma 0: no speculation, so nothing proposes
                              proposer=args.proposer if args.gamma else "model")
 

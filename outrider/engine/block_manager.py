@@ -183,6 +183,14 @@ class BlockManager:
                 self._release(block)
             del self._lens[seq_id], self._sealed[seq_id]
 
+    def rename(self, seq_id, new_id) -> None:
+        """`seq_id`'s blocks become `new_id`'s, which must hold none (a stand-in the
+        speculation cache drafted becomes the sequence it stood in for)."""
+        if new_id in self._tables:
+            raise ValueError(f"sequence {new_id!r} already holds KV")
+        for table in (self._tables, self._lens, self._sealed):
+            table[new_id] = table.pop(seq_id)
+
     def forget_cached(self) -> None:
         """Unregister every cached block (their KV was computed with weights that are
         gone): held ones stay with their sequences, unreferenced ones become empty."""

@@ -60,6 +60,11 @@ class Drafter:
         self._proposed: dict[object, tuple[int, list[int]]] = {}  # (position, draft tokens)
         self.num_evicted = 0
         self.num_misses = 0
+        # the speculation cache's guesses (draft_worker/spec_cache.py): per sequence, the
+        # draft's likeliest tokens at each position of its last chain, `runners_up` each
+        self.runners_up = 0
+        self.likeliest: dict[object, list[list[int]]] = {}
+        self.expendable: set = set()  # sequences evicted before any other: its stand-ins
         self.grammars = Grammars.for_model(runner.cfg.model_dir, runner.vocab_size,
                                            runner.model_config.eos_token_ids)
 
@@ -88,20 +93,51 @@ class Drafter:
     def reads_target(self) -> FeatureTap | None:
         return getattr(self.runner, "reads", None)  # a HeadRunner's
 
-    def release(self, seq_id) -> bool:
-        """Forget a sequence; its committed tokens (the target's) go to `on_served`."""
+    def release(self, seq_id, served: bool = True) -> bool:
+        """Forget a sequence; its committed tokens (the target's) go to `on_served`
+        unless it was not `served` (a speculation cache's stand-in, or one it replaced)."""
         self.last_used.pop(seq_id, None)
         tokens = self.token_ids.pop(seq_id, None)
         num_committed, prompt_len = self._committed.pop(seq_id, (0, 0))
         self._proposed.pop(seq_id, None)
+        self.likeliest.pop(seq_id, None)
+        self.expendable.discard(seq_id)
         if self.grammars is not None:
             self.grammars.release(seq_id)
         teacher = self._teacher.pop(seq_id, {})
-        if self.on_served is not None and tokens:
+        if self.on_served is not None and tokens and served:
             self.on_served(tokens[:num_committed], prompt_len, teacher)
         found = self.runner.blocks.has(seq_id)
         self.runner.blocks.free(seq_id)
         return found
+
+    def take_over(self, item: DraftItem, stand_in, drafts: list[int]) -> bool:
+        """`stand_in` was drafted for the context `item` brings: it becomes `item`'s
+        sequence, with `drafts` proposed (its KV holding all but the last, as after
+        drafting them). False, nothing changed: the sequence's own state does not allow
+        it (the checks of _sync)."""
+        blocks, seq_id = self.runner.blocks, item.seq_id
+        if not (blocks.has(stand_in) and blocks.has(seq_id)
+                and blocks.sealed_len(seq_id) <= item.committed_len <= blocks.seq_len(seq_id)):
+            return False
+        self._score(item)
+        committed = item.committed_len + len(item.new_token_ids)
+        teacher = self._teacher.pop(seq_id, None)  # (an adapting draft's, kept)
+        self.release(seq_id, served=False)
+        if teacher is not None:
+            self._teacher[seq_id] = teacher
+        blocks.rename(stand_in, seq_id)
+        self.token_ids[seq_id] = self.token_ids.pop(stand_in)[:committed] + drafts[:-1]
+        blocks.rollback(seq_id, len(self.token_ids[seq_id]))
+        self._committed[seq_id] = (committed, item.prompt_len)
+        self._committed.pop(stand_in, None)
+        self._proposed.pop(stand_in, None)
+        self._proposed[seq_id] = (committed, list(drafts))
+        self.likeliest.pop(stand_in, None)
+        self.expendable.discard(stand_in)
+        self.last_used.pop(stand_in, None)
+        self.last_used[seq_id] = time.monotonic()
+        return True
 
     def adopt(self, state: dict, version: int | None = None) -> None:
         """Draft with new weights (as `version`; default: the next) from now on. Every
@@ -126,7 +162,10 @@ class Drafter:
         self.num_evicted += evicted
         return evicted
 
-    def draft(self, items: list[DraftItem], device: torch.device | None = None) -> Proposal:
+    def draft(self, items: list[DraftItem], device: torch.device | None = None,
+              interrupted: Callable[[], bool] | None = None) -> Proposal:
+        """γ tokens (or a tree) per item. `interrupted`, asked before each drafting step,
+        ends every chain where it is when it says so (rows then propose fewer)."""
         is_miss = [it.is_active and not self._sync(it) for it in items]
         self.num_misses += sum(is_miss)
         for it in items:
@@ -143,7 +182,7 @@ class Drafter:
         is_miss = [miss or (it.prefill_only and not done)
                    for it, miss, done in zip(items, is_miss, is_prefilled)]
         in_trees, chains = tree_rows(items, gammas)
-        token_ids, probs = self._draft_tokens(items, chains, is_prefilled, device)
+        token_ids, probs = self._draft_tokens(items, chains, is_prefilled, device, interrupted)
         proposal = Proposal(token_ids, probs, chains, is_miss)
         if in_trees:  # (their own forwards: a level feeds k nodes where a chain feeds 1)
             trees = self._draft_trees([items[i] for i in in_trees], [gammas[i] for i in in_trees])
@@ -244,16 +283,18 @@ class Drafter:
     def _evict_one(self, protected: set) -> bool:
         if not self.evict_lru:
             return False
-        victim = next((s for s in self.last_used if s not in protected), None)
+        victim = next((s for s in (*self.expendable, *self.last_used) if s not in protected),
+                      None)
         if victim is None:
             return False
-        self.release(victim)
-        self.num_evicted += 1
+        is_stand_in = victim in self.expendable
+        self.release(victim, served=not is_stand_in)
+        self.num_evicted += not is_stand_in
         return True
 
     # -- the drafting chain: γ batched forwards ---------------------------------------------
     def _draft_tokens(self, items: list[DraftItem], gammas: list[int], is_prefilled: list[bool],
-                      device: torch.device):
+                      device: torch.device, interrupted: Callable[[], bool] | None = None):
         """The drafting chain; prefill-only items ride along in its first forward (KV
         only, no logits). A row stops after a token that would end its output (`gammas`
         is cut to what each row drafted): what follows it could never be emitted."""
@@ -273,7 +314,7 @@ class Drafter:
         stops, stopped = [frozenset(it.params.held_back_ids) for it in items], set()
         for j in range(max_gamma):
             rows = [i for i, g in enumerate(gammas) if g > j and i not in stopped]
-            if not rows:
+            if not rows or (j and interrupted is not None and interrupted()):
                 break
             requests = []
             for i in rows:
@@ -289,6 +330,8 @@ class Drafter:
                 fed_back = {i: hidden[k] for k, i in enumerate(rows)}
             tokens, probs = self._pick(logits, [items[i] for i in rows],
                                        self._histories(items, rows, drafted), j)
+            if self.runners_up:
+                self._keep_likeliest(logits, [items[i].seq_id for i in rows], j)
             for i, token in zip(rows, tokens.tolist()):
                 drafted[i].append(token)
                 if token in stops[i]:
@@ -303,7 +346,8 @@ class Drafter:
             if d:                                             # draft token
                 self._proposed[it.seq_id] = (len(self.token_ids[it.seq_id]), d)
                 self.token_ids[it.seq_id] += d[:-1]
-            if i in stopped:  # give back the positions reserved for the rest of its γ
+            if len(d) < gammas[i]:  # stopped, or interrupted: give back the positions
+                #                       reserved for the rest of its γ
                 gammas[i] = len(d)
                 blocks.rollback(it.seq_id, len(self.token_ids[it.seq_id]))
         token_ids = torch.tensor([d + [0] * (max_gamma - len(d)) for d in drafted],
@@ -311,6 +355,13 @@ class Drafter:
         return token_ids, probs_out
 
     # -- the drafting tree: γ levels of batched forwards (engine/tree.py) -------------------
+    def _keep_likeliest(self, logits: torch.Tensor, seq_ids: list, j: int) -> None:
+        """Each row's likeliest tokens at drafting step j (logits [rows, vocab])."""
+        top = logits.topk(self.runners_up + 1, dim=-1).indices.tolist()  # [rows, k + 1]
+        for seq_id, ids in zip(seq_ids, top):
+            kept = self.likeliest.setdefault(seq_id, []) if j else []
+            self.likeliest[seq_id] = kept + [ids]
+
     def _draft_trees(self, items: list[DraftItem], gammas: list[int]
                      ) -> list[tuple[list[int], list[int], torch.Tensor | None]]:
         """Each item's tree (tokens, parents, and for a sampled item the q each node was

@@ -135,6 +135,12 @@ DRAFT_MISSES = Counter("outrider_draft_misses", "Proposals refused for want of t
                        "sequence's cache (the target resends the context)", MODEL)
 DRAFT_SECONDS = Histogram("outrider_draft_propose_seconds", "Time to draft one Propose",
                           MODEL, buckets=LATENCY_BUCKETS)
+SPEC_CACHE_LOOKUPS = Counter("outrider_draft_speculation_cache_lookups", "Sequences a Propose "
+                             "asked drafts for that the speculation cache had prepared for: "
+                             "result hit (answered at once) or miss (drafted then)",
+                             [*MODEL, "result"])
+SPEC_CACHE_STAND_INS = Counter("outrider_draft_speculation_cache_stand_ins", "Outcomes the "
+                               "speculation cache drafted for while the target verified", MODEL)
 DRAFT_CACHED = Gauge("outrider_draft_cached_sequences", "Sequences whose KV the draft holds",
                      MODEL)
 DRAFT_VERSION = Gauge("outrider:draft_version", "Draft weights version serving (0: as loaded; "
@@ -346,6 +352,9 @@ class DraftMetrics:
         self.misses = DRAFT_MISSES.labels(model_name)
         self.seconds = DRAFT_SECONDS.labels(model_name)
         self.rollbacks = DRAFT_ROLLBACKS.labels(model_name)
+        self.cache_hits = SPEC_CACHE_LOOKUPS.labels(model_name, "hit")
+        self.cache_misses = SPEC_CACHE_LOOKUPS.labels(model_name, "miss")
+        self.stand_ins = SPEC_CACHE_STAND_INS.labels(model_name)
 
     def watch_version(self, version: Callable[[], int]) -> None:
         DRAFT_VERSION.labels(self.model).set_function(version)

@@ -163,3 +163,32 @@ def test_adapt_trains_in_the_background_and_reports_its_rounds(draft_dir):
         assert rounds >= 1
         assert "outrider:draft_version{" in text
         assert not propose(stub, seq("after", 0, CONTEXT, 2, "ids")).proposals[0].miss
+
+
+@pytest.mark.slow
+def test_the_speculation_cache_answers_an_outcome_it_drafted_for(draft_dir):
+    """With --speculation-cache, the replica drafts the likely outcomes of a round after
+    answering it; the next Propose that brings one (here: every draft kept, then the
+    draft's own next token) is answered from there, as drafting that context would."""
+    from tests.scraping import scrape, total
+
+    metrics = f"127.0.0.1:{free_port()}"
+    local = Drafter(ModelRunner(RunnerConfig(str(draft_dir))))
+    with outrider_process("draft-worker", "--model", str(draft_dir), "--kv-cache-mb", "4",
+                          "--speculation-cache", "--metrics-port", metrics.rsplit(":", 1)[1],
+                          token=TOKEN) as (_, address), grpc.insecure_channel(address) as chan:
+        stub = worker_pb2_grpc.DraftStub(chan)
+        drafts = list(propose(stub, seq("c", 0, CONTEXT, 4, "ids")).proposals[0].token_ids)
+        deadline = time.monotonic() + 30
+        while not total(scrape(metrics), "outrider_draft_speculation_cache_stand_ins_total"):
+            assert time.monotonic() < deadline, "no stand-ins drafted"
+            time.sleep(0.05)
+        bonus = local.draft([DraftItem("b", 0, CONTEXT + drafts, 1, SAMPLINGS["ids"], 3,
+                                       "ids")]).token_ids[0, 0].item()
+        reply = propose(stub, seq("c", len(CONTEXT) + 3, [drafts[3], bonus], 4, "ids"))
+        want = local.draft([DraftItem("x", 0, CONTEXT + drafts + [bonus], 4,
+                                      SAMPLINGS["ids"], 3, "ids")])
+        assert list(reply.proposals[0].token_ids) == want.token_ids[0].tolist()
+        samples = scrape(metrics)
+        assert total(samples, "outrider_draft_speculation_cache_lookups_total",
+                     result="hit") == 1

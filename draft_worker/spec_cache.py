@@ -1,0 +1,196 @@
+"""The speculation cache (docs/DESIGN.md §2.6): while the target verifies a round, the
+draft replica drafts the next one for the outcomes verification likely has, so that
+the next Propose finds its drafts ready instead of waiting for the draft's γ forwards.
+
+A round that proposed d1..dg for a context c ends in one of these outcomes: the target
+keeps d1..dk and adds one token t of its own (k < g: t replaces the rejected d_k+1; k = g:
+t is the bonus token). Each likely outcome becomes a *stand-in*: a sequence of the
+draft's whose context is c + d1..dk + t, drafted through the Drafter's ordinary path in
+one batch with the others (its prefix comes from the draft's prefix cache: only the
+last unsealed positions and the outcome are fed). The next Propose brings the outcome
+that happened as its new tokens; if a stand-in holds it, the stand-in becomes the
+sequence (Drafter.take_over) and its drafts are the answer.
+
+Which outcomes, in the order of their estimated likelihood, up to MAX_ROWS stand-ins in
+all: k = g with t the draft's own next token (it drafts g + 1 and the first is its guess
+of the bonus), then for each k < g the draft's likeliest token other than d_k+1 (the
+target took something else there). Likelihoods from the draft's acceptance α as the
+target reported it (Drafter.live_acceptance): α^g for k = g, α^k (1 - α) / 2 for k < g.
+
+Exact by construction: a hit answers with drafts the draft model sampled from the very
+context the target committed, at the same absolute positions and seeds, with the q it
+sampled them from; verification (exact for any proposal) does the rest. Their KV was
+computed in one prefill chunk rather than position by position, so the logits move by
+~1e-6 as any batch's shapes move them (§3.6).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from outrider.engine.drafter import Drafter, is_tree
+from outrider.engine.proposer import DraftItem
+
+MAX_ROWS = 16  # stand-ins drafted per round, every sequence of the Propose together
+FAN_OUT = 3  # the draft's likeliest tokens tried where the target rejects a draft
+GUESS_ODDS = 0.5  # how often a runner-up is the token the target takes instead (a guess;
+#                   each next one half as often)
+
+
+@dataclass
+class Entry:
+    """A stand-in's drafts for one outcome."""
+
+    stand_in: str
+    drafts: list[int]
+    q: torch.Tensor | None  # [len(drafts), vocab] as sent; None: point masses
+    q_format: str
+
+
+@dataclass
+class _Plan:
+    item: DraftItem         # the stand-in's, drafted as a whole context
+    seq_id: str
+    outcome: tuple[int, ...]  # the outcome's committed tokens (k = g: t comes with the drafts)
+    bonus_drafted: bool     # k = g: the first draft is the guess of t
+    likelihood: float
+    base: int               # the context's length before the outcome
+
+
+class SpeculationCache:
+    """A draft replica's stand-ins, by the sequence they stand in for."""
+
+    def __init__(self, drafter: Drafter, max_rows: int = MAX_ROWS, sampled: bool = False) -> None:
+        self.drafter = drafter
+        self.max_rows = max_rows
+        self.sampled = sampled
+        drafter.runners_up = FAN_OUT
+        # seq_id -> (its committed length after the last Propose, outcome -> entry)
+        self._entries: dict[str, tuple[int, dict[tuple[int, ...], Entry]]] = {}
+        self._next_id = 0
+        self.hits = self.misses = 0
+
+    # -- the next Propose -----------------------------------------------------------------
+    def take(self, items: list[DraftItem]) -> list[Entry | None]:
+        """Per item, the entry of the outcome it brings, its stand-in now the sequence
+        (None: a miss); every other stand-in of these sequences goes."""
+        found = []
+        for it in items:
+            base, entries = self._entries.pop(it.seq_id, (None, {}))
+            outcome = self._outcome(it, base)
+            entry = entries.get(outcome) if outcome else None
+            if entry is not None and self._takes(it, entry):
+                del entries[outcome]
+            else:
+                entry = None
+            for other in entries.values():
+                self.drafter.release(other.stand_in, served=False)
+            if base is not None and it.gamma:
+                self.hits += entry is not None
+                self.misses += entry is None
+            found.append(entry)
+        return found
+
+    def _outcome(self, item: DraftItem, base: int | None) -> tuple[int, ...]:
+        """The tokens committed after `base` that `item` brings: the drafts the target
+        kept, which the draft's KV holds already (the item's committed_len counts them),
+        then its new tokens."""
+        held = self.drafter.token_ids.get(item.seq_id)
+        if base is None or held is None or not base <= item.committed_len <= len(held):
+            return ()
+        return (*held[base:item.committed_len], *item.new_token_ids)
+
+    def _takes(self, item: DraftItem, entry: Entry) -> bool:
+        if (not 0 < item.gamma <= len(entry.drafts) or item.q_format != entry.q_format
+                or item.teacher):
+            return False
+        entry.drafts = entry.drafts[:item.gamma]
+        entry.q = None if entry.q is None else entry.q[:item.gamma]
+        return self.drafter.take_over(item, entry.stand_in, entry.drafts)
+
+    def forget(self, seq_ids) -> None:
+        """Released sequences: their stand-ins go too."""
+        for seq_id in seq_ids:
+            for entry in self._entries.pop(seq_id, (0, {}))[1].values():
+                self.drafter.release(entry.stand_in, served=False)
+
+    # -- while the target verifies --------------------------------------------------------
+    def plan(self, items: list[DraftItem], token_ids: list[list[int]]) -> list[_Plan]:
+        """The stand-ins worth drafting after a Propose that proposed `token_ids` (per
+        item), likeliest first, at most max_rows."""
+        counts = self.drafter.live_acceptance.get(self.drafter.version, [0, 0])
+        alpha = counts[1] / counts[0] if counts[0] else 0.5
+        plans = []
+        for it, drafts in zip(items, token_ids):
+            if self._cacheable(it, drafts):
+                plans += self._outcomes(it, drafts, alpha)
+        plans.sort(key=lambda p: -p.likelihood)
+        return plans[:self.max_rows]
+
+    def _cacheable(self, item: DraftItem, drafts: list[int]) -> bool:
+        """A greedy chain of a draft model that drafted its full γ, for a request with
+        nothing else riding on the sequence's state (a grammar's, a teacher's, a dense
+        channel's). Sampled rows only when asked: the token the target draws where it
+        rejects comes from the residual max(0, p - q), which the draft's likeliest
+        tokens rarely hold (measured: 13 % hits at T 0.7 against 95 % greedy)."""
+        return (0 < len(drafts) == item.gamma and not item.prefill_only
+                and (self.sampled or item.params.is_greedy)
+                and not is_tree(item) and item.features is None and not item.teacher
+                and item.params.structured_output is None and item.q_format != "dense_dist"
+                and item.seq_id in self.drafter.likeliest)
+
+    def _outcomes(self, item: DraftItem, drafts: list[int], alpha: float) -> list[_Plan]:
+        context = self.drafter.token_ids[item.seq_id][:item.committed_len
+                                                      + len(item.new_token_ids)]
+        likeliest = self.drafter.likeliest[item.seq_id]
+        g = len(drafts)
+        # its committed tokens are final: sealed, the stand-ins take them from the cache
+        self.drafter.runner.blocks.seal(item.seq_id, self.drafter.token_ids[item.seq_id],
+                                        len(context))
+        plans = [self._plan(item, context, tuple(drafts), True, alpha ** g)]
+        for k in range(g):
+            others = [t for t in likeliest[k] if t != drafts[k]][:FAN_OUT]
+            plans += [self._plan(item, context, (*drafts[:k], t), False,
+                                 alpha ** k * (1 - alpha) * GUESS_ODDS ** (rank + 1))
+                      for rank, t in enumerate(others)]
+        return plans
+
+    def _plan(self, item: DraftItem, context: list[int], outcome: tuple[int, ...],
+              bonus_drafted: bool, likelihood: float) -> _Plan:
+        self._next_id += 1
+        stand_in = replace(item, seq_id=f"{item.seq_id}\x00{self._next_id}", committed_len=0,
+                           new_token_ids=context + list(outcome), traceparent="",
+                           gamma=item.gamma + bonus_drafted)
+        return _Plan(stand_in, item.seq_id, outcome, bonus_drafted, likelihood, len(context))
+
+    def fill(self, plans: list[_Plan], interrupted: Callable[[], bool] | None = None) -> int:
+        """Draft the stand-ins (the caller holds the forward lock) and keep what they
+        drafted, until `interrupted` (a Propose waits); returns how many were drafted. A
+        stand-in never evicts a sequence."""
+        if not plans:
+            return 0
+        evicts, self.drafter.evict_lru = self.drafter.evict_lru, False
+        try:
+            out = self.drafter.draft([p.item for p in plans], interrupted=interrupted)
+        finally:
+            self.drafter.evict_lru = evicts
+        for i, p in enumerate(plans):
+            g = out.gammas[i]
+            drafts = out.token_ids[i, :g].tolist()
+            q = None if out.probs is None else out.probs[i, :g]
+            outcome = p.outcome
+            if p.bonus_drafted and drafts:  # its first draft is the guess of t
+                outcome, drafts, q = (*outcome, drafts[0]), drafts[1:], None if q is None else q[1:]
+            if out.is_miss[i] or not drafts:
+                self.drafter.release(p.item.seq_id, served=False)
+                continue
+            entries = self._entries.setdefault(p.seq_id, (p.base, {}))[1]
+            stale = entries.pop(outcome, None)
+            if stale is not None:
+                self.drafter.release(stale.stand_in, served=False)
+            entries[outcome] = Entry(p.item.seq_id, drafts, q, p.item.q_format)
+            self.drafter.expendable.add(p.item.seq_id)  # the first to go for a sequence
+        return len(plans)

@@ -1,0 +1,146 @@
+"""The draft replica's speculation cache (draft_worker/spec_cache.py) on a real Drafter: a
+hit answers what drafting the outcome's context afresh answers, and leaves the sequence
+as drafting would; misses, releases, interruptions and a full KV cost drafts, never a
+wrong one; two targets' sequences keep their stand-ins apart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from outrider.draft_worker.spec_cache import SpeculationCache
+
+from outrider import paths
+from outrider.core.sampling import SamplingParams
+from outrider.engine.drafter import Drafter
+from outrider.engine.proposer import DraftItem
+from outrider.engine.runner import ModelRunner, RunnerConfig
+
+CONTEXT = list(range(5, 60))
+GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9)
+
+
+def drafter(draft_dir, **cfg) -> Drafter:
+    return Drafter(ModelRunner(RunnerConfig(str(draft_dir), dtype="float32", **cfg)),
+                   evict_lru=True)
+
+
+def first_round(cache: SpeculationCache, seq_id: str, params=GREEDY, gamma: int = 4):
+    """Propose for a new sequence, then draft its stand-ins: (the item, its drafts)."""
+    item = DraftItem(seq_id, 0, list(CONTEXT), gamma, params, 7, "dense")
+    drafts = cache.drafter.draft([item]).token_ids[0].tolist()
+    cache.fill(cache.plan([item], [drafts]))
+    return item, drafts
+
+
+def next_item(seq_id: str, drafts: list[int], outcome: tuple[int, ...], params=GREEDY,
+              gamma: int = 4) -> DraftItem:
+    """The Propose the target sends after committing `outcome`: the kept drafts counted
+    as held (the draft's KV has all but the last), the rest as new tokens."""
+    kept = 0
+    while kept < min(len(outcome) - 1, len(drafts) - 1) and outcome[kept] == drafts[kept]:
+        kept += 1
+    return DraftItem(seq_id, len(CONTEXT) + kept, list(outcome[kept:]), gamma, params, 7,
+                     "dense")
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_hit_answers_what_drafting_that_context_answers(draft_dir, params):
+    cache = SpeculationCache(drafter(draft_dir), sampled=True)
+    fresh = drafter(draft_dir)
+    _, drafts = first_round(cache, "s", params)
+    outcomes = list(cache._entries["s"][1])
+    assert (*drafts, outcomes[0][-1]) in outcomes or any(len(o) == 5 for o in outcomes)
+    assert any(len(o) < len(drafts) for o in outcomes)  # rejections too
+    for outcome in (max(outcomes, key=len), min(outcomes, key=len)):  # all kept; k = 0
+        cache = SpeculationCache(drafter(draft_dir), sampled=True)
+        _, drafts = first_round(cache, "s", params)
+        [entry] = cache.take([next_item("s", drafts, outcome, params)])
+        assert entry is not None and cache.hits == 1
+        want = fresh.draft([DraftItem("r", 0, CONTEXT + list(outcome), 4, params, 7, "dense")])
+        assert entry.drafts == want.token_ids[0].tolist()
+        if params.is_greedy:
+            assert entry.q is None
+        else:
+            torch.testing.assert_close(entry.q, want.probs[0], atol=1e-5, rtol=1e-4)
+        # the round after goes on from the stand-in's state as from drafting's
+        after = next_item("s", entry.drafts, (*entry.drafts[:2], 11), params)
+        got = cache.drafter.draft([after]).token_ids[0].tolist()
+        after.seq_id = "r"
+        assert got == fresh.draft([after]).token_ids[0].tolist()
+        fresh.release("r")
+        assert cache.drafter.runner.blocks.num_sequences == 1  # no stand-in left behind
+
+
+def test_sampled_rows_are_not_cached_unless_asked(draft_dir):
+    cache = SpeculationCache(drafter(draft_dir))
+    first_round(cache, "s", SAMPLED)
+    assert "s" not in cache._entries and cache.drafter.runner.blocks.num_sequences == 1
+
+
+def test_an_outcome_nobody_guessed_is_a_miss_and_drafts_as_before(draft_dir):
+    cache = SpeculationCache(drafter(draft_dir))
+    fresh = drafter(draft_dir)
+    _, drafts = first_round(cache, "s")
+    guessed = {o[-1] for o in cache._entries["s"][1] if len(o) == 1}
+    unguessed = next(t for t in range(100, 200) if t not in guessed and t != drafts[0])
+    item = next_item("s", drafts, (unguessed,))
+    assert cache.take([item]) == [None] and cache.misses == 1
+    assert cache.drafter.runner.blocks.num_sequences == 1  # its stand-ins are gone
+    got = cache.drafter.draft([item]).token_ids[0].tolist()
+    want = fresh.draft([DraftItem("r", 0, CONTEXT + [unguessed], 4, GREEDY, 7, "dense")])
+    assert got == want.token_ids[0].tolist()
+
+
+def test_two_targets_sequences_keep_their_stand_ins_apart(draft_dir):
+    """A replica serving two targets sees their sequence ids (each target's own prefix):
+    one sequence's outcome never takes or frees the other's stand-ins."""
+    cache = SpeculationCache(drafter(draft_dir))
+    a, drafts_a = first_round(cache, "target-a:1")
+    b, drafts_b = first_round(cache, "target-b:1")
+    assert drafts_a == drafts_b and len(cache._entries) == 2  # same context, two caches
+    all_kept = max(cache._entries["target-a:1"][1], key=len)
+    [hit] = cache.take([next_item("target-a:1", drafts_a, all_kept)])
+    assert hit is not None
+    assert "target-b:1" in cache._entries and all(
+        cache.drafter.runner.blocks.has(e.stand_in)
+        for e in cache._entries["target-b:1"][1].values())
+    [hit_b] = cache.take([next_item("target-b:1", drafts_b, all_kept)])
+    assert hit_b is not None and hit_b.drafts == hit.drafts
+
+
+def test_a_release_frees_the_stand_ins(draft_dir):
+    cache = SpeculationCache(drafter(draft_dir))
+    first_round(cache, "s")
+    blocks = cache.drafter.runner.blocks
+    assert blocks.num_sequences > 1
+    cache.forget(["s"])
+    cache.drafter.release("s")
+    assert blocks.num_sequences == 0
+
+
+def test_an_interrupted_fill_leaves_misses_not_wrong_drafts(draft_dir):
+    cache = SpeculationCache(drafter(draft_dir))
+    item = DraftItem("s", 0, list(CONTEXT), 4, GREEDY, 7, "dense")
+    drafts = cache.drafter.draft([item]).token_ids[0].tolist()
+    steps = iter(range(100))
+    cache.fill(cache.plan([item], [drafts]), interrupted=lambda: next(steps) >= 1)
+    for entry in cache._entries.get("s", (0, {}))[1].values():  # cut short: fewer drafts
+        assert len(entry.drafts) < 4
+    outcome = max(cache._entries.get("s", (0, {(): None}))[1], key=len)
+    assert cache.take([next_item("s", drafts, outcome or (drafts[0],))]) == [None]
+
+
+def test_stand_ins_never_evict_a_sequence_and_go_first():
+    """A KV cache of 12 blocks (the demo draft): one sequence's stand-ins take every free
+    block without evicting anything, and a second sequence then evicts stand-ins, never
+    the first sequence."""
+    cache = SpeculationCache(drafter(paths.demo_draft_dir(), kv_cache_mb=0.05,
+                                     block_size=16))
+    blocks = cache.drafter.runner.blocks
+    first_round(cache, "other")
+    assert blocks.num_free_blocks == 0 and len(cache.drafter.expendable) > 1
+    stand_ins = set(cache.drafter.expendable)
+    item = DraftItem("s", 0, list(CONTEXT), 4, GREEDY, 7, "dense")
+    assert cache.drafter.draft([item]).gammas == [4]
+    assert blocks.has("s") and blocks.has("other") and cache.drafter.num_evicted == 0
+    assert len(cache.drafter.expendable) < len(stand_ins)
