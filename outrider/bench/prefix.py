@@ -35,7 +35,6 @@ import statistics
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -44,7 +43,13 @@ from pathlib import Path
 from outrider import paths
 from outrider.bench import common
 from outrider.bench.prompts import package_prompts
-from outrider.bench.servers import SERVED_NAME, outrider_server, vllm_server
+from outrider.bench.servers import (
+    SERVED_NAME,
+    base_url,
+    outrider_server,
+    vllm_server,
+    vllm_system,
+)
 from outrider.bench.tables import prefix_table
 
 DEFAULT_OUT = "results/prefix_cache.json"
@@ -151,11 +156,11 @@ def measure(args, system: str, work: Workload, log) -> dict:
     if system in OUTRIDER_SYSTEMS:
         extra = ("--target-replicas", str(args.target_replicas), *OUTRIDER_SYSTEMS[system],
                  *args.outrider_args.split())
-        server = _url_only(outrider_server(args, extra))
+        server = base_url(outrider_server(args, extra))
     else:
-        with_draft = system != "vllm"
-        server = vllm_server(args, with_draft, ("--enable-prefix-caching",
-                                                "--enable-prompt-tokens-details"))
+        server = base_url(vllm_server(args, vllm_system(system != "vllm", args.gamma),
+                                      ("--enable-prefix-caching",
+                                       "--enable-prompt-tokens-details")))
     with server as url:
         result = run_workload(url, work, args.parallel_conversations)
     log(f"{system}: TTFT p50 {result['ttft_ms_p50']:.0f} ms, {result['tokens_per_s']:.1f} "
@@ -164,12 +169,6 @@ def measure(args, system: str, work: Workload, log) -> dict:
 
 
 @contextmanager
-def _url_only(server) -> Iterator[str]:
-    """`outrider serve`'s base URL (servers.outrider_server also yields its metrics')."""
-    with server as (url, _):
-        yield url
-
-
 def same_outputs(results: dict[str, dict], reference: str) -> dict[str, float]:
     """Per system, the fraction of answers identical to `reference`'s (greedy)."""
     if reference not in results:

@@ -141,16 +141,17 @@ def run_round(args, order: list[str], files: dict[str, Path], out_dir: Path, log
 
 def _server(args, system: str):
     if system.startswith("outrider-"):
-        return servers.outrider_server(args, ("--proposer", system.removeprefix("outrider-")))
-    return _vllm(args, system)
+        return servers.base_url(servers.outrider_server(
+            args, ("--proposer", system.removeprefix("outrider-"))))
+    return servers.base_url(_vllm(args, system))
 
 
 def _vllm(args, server: str):
     if server == "vllm-ngram":
         config = {**VLLM_NGRAM, "num_speculative_tokens": args.gamma}
-        return servers.vllm_server(args, with_draft=False,
+        return servers.vllm_server(args, "vllm",
                                    extra=("--speculative-config", json.dumps(config)))
-    return servers.vllm_server(args, with_draft=True)
+    return servers.vllm_server(args, servers.vllm_system(True, args.gamma))
 
 
 def measure(args, url: str, files: dict[str, Path], out_dir: Path, system: str,

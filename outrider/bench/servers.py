@@ -131,6 +131,19 @@ def _printed_metrics(log, role: str, timeout_s: float = 10) -> list[str]:
 
 
 @contextmanager
+def base_url(server) -> Iterator[str]:
+    """A server's base URL alone (outrider_server and vllm_server also yield the metrics
+    URLs of Outrider's replicas)."""
+    with server as (url, _):
+        yield url
+
+
+def vllm_system(with_draft: bool, gamma: int) -> str:
+    """The vllm_server system of vLLM with the draft model or without it."""
+    return f"vllm-draft{gamma}" if with_draft else "vllm"
+
+
+@contextmanager
 def vllm_server(args, system: str, extra: tuple[str, ...] = ()) -> Iterator[str]:
     port = free_port()
     command = [*vllm_command(args.vllm), "serve", args.target, "--served-model-name",

