@@ -5,9 +5,12 @@ experts).
 
     python scripts/random_checkpoint.py mixtral /tmp/mixtral-demo
     python scripts/random_checkpoint.py qwen3_moe /tmp/qwen3-moe-demo
+    python scripts/random_checkpoint.py llama /tmp/llama-140m --size 140m
 
 Shapes: 4 layers, hidden 256, 8 heads (2 KV heads), the demo's 4,096-token vocabulary;
-the MoE kinds 8 experts of 896 features, top-2 (Mixtral's ratios); bfloat16."""
+the MoE kinds 8 experts of 896 features, top-2 (Mixtral's ratios); bfloat16. `--size 140m`:
+a model where the forward dominates a step (hidden 1,024, 12 layers, 16 heads (4 KV
+heads), MLP 2,816: ~140M parameters, 280 MB in bfloat16)."""
 
 from __future__ import annotations
 
@@ -38,17 +41,20 @@ KINDS = {
     "qwen3": ("Qwen3Config", dict(intermediate_size=896, head_dim=32)),
     "phi3": ("Phi3Config", dict(intermediate_size=896, pad_token_id=0, sliding_window=1024)),
 }
+SIZES = {"demo": {}, "140m": dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16,
+                                  num_key_value_heads=4, intermediate_size=2816)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kind", choices=sorted(KINDS))
     parser.add_argument("out")
+    parser.add_argument("--size", choices=sorted(SIZES), default="demo")
     args = parser.parse_args()
     import transformers
 
     config_class, extra = KINDS[args.kind]
-    config = getattr(transformers, config_class)(**{**SHAPES, **extra})
+    config = getattr(transformers, config_class)(**{**SHAPES, **extra, **SIZES[args.size]})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     out = Path(args.out)

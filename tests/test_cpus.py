@@ -69,3 +69,26 @@ def test_small_steps_run_on_the_small_step_threads_and_large_ones_on_all(llama_d
                 runner.blocks.free(seq)
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_model_that_streams_its_weights_runs_every_step_on_every_thread(llama_dir,
+                                                                          monkeypatch):
+    """Past SMALL_STEP_WEIGHT_BYTES a rank, no forward is small: a decode step reads every
+    weight, and from memory a second core's bandwidth pays (docs/DESIGN.md §10.1)."""
+    import torch
+
+    from outrider.engine import runner as runner_module
+    from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner = ModelRunner(RunnerConfig(str(llama_dir), kv_cache_mb=1, small_step_threads=1))
+        for limit, threads in ((runner.weight_bytes, 1), (runner.weight_bytes - 1, 2)):
+            monkeypatch.setattr(runner_module, "SMALL_STEP_WEIGHT_BYTES", limit)
+            runner.blocks.append("s", 1)
+            runner.forward([ForwardRequest([5], 0, runner.blocks.block_table("s"), 1)])
+            assert torch.get_num_threads() == threads
+            runner.blocks.free("s")
+    finally:
+        torch.set_num_threads(before)

@@ -8,6 +8,7 @@ process boundaries.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from dataclasses import dataclass
@@ -29,6 +30,11 @@ log = logging.getLogger(__name__)
 
 
 SMALL_STEP_TOKENS = 16  # a forward of fewer tokens is small (RunnerConfig.small_step_threads)
+# ... and of a model of at most this many bytes of weights a rank: a larger one streams its
+# weights from memory at every step, and a second core brings bandwidth (a ~140M-parameter
+# fp32 Llama's decode step: 65 ms on one thread, 38 on two; the demo target's 40 MB, held
+# in the last-level cache: 6.7 against 4.8 ms alone, but served one thread does better)
+SMALL_STEP_WEIGHT_BYTES = 128 << 20
 STEP_THREADS = ("by-kind", "by-size")  # RunnerConfig.step_threads
 ACTIVATION_TOKENS = 8192  # tokens of the largest forward a budget from memory leaves room for
 LOGITS_ROWS = 1024        # logits rows of that forward
@@ -330,6 +336,12 @@ class ModelRunner:
             keys[dst_t // bs, :, :, dst_t % bs] = keys[src_t // bs, :, :, src_t % bs]
             values[dst_t] = values[src_t]  # [slots, kv_heads, dim]
 
+    @functools.cached_property
+    def weight_bytes(self) -> int:
+        """This rank's share of the model's weights, in bytes (from its shapes: CPU layers
+        keep theirs prepacked, outside the module's parameters)."""
+        return self.model_config.num_params * self.dtype.itemsize // self.tp.size
+
     def _use_threads(self, requests: list[ForwardRequest]) -> None:
         """A small forward on `small_step_threads`, any other on every thread of this
         rank. Small: fewer than SMALL_STEP_TOKENS tokens, and (step_threads "by-kind") a
@@ -338,12 +350,14 @@ class ModelRunner:
         forward there waits at every parallel region for its preempted threads (a
         32-stream decode step took 9.7 ms on two threads, 7.5 on one: BENCHMARKS §1),
         while a verification's or a prefill's larger forward gains from them. Every rank
-        runs the same forward, so they switch alike."""
+        runs the same forward, so they switch alike. A model of more than
+        SMALL_STEP_WEIGHT_BYTES a rank has no small forwards."""
         if self.device.type != "cpu" or not self.cfg.small_step_threads:
             return
         decode = self.cfg.step_threads == "by-kind" and all(len(r.token_ids) == 1
                                                              for r in requests)
-        small = decode or sum(len(r.token_ids) for r in requests) < SMALL_STEP_TOKENS
+        small = ((decode or sum(len(r.token_ids) for r in requests) < SMALL_STEP_TOKENS)
+                 and self.weight_bytes <= SMALL_STEP_WEIGHT_BYTES)
         threads = min(self.cfg.small_step_threads, self.threads) if small else self.threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
