@@ -184,6 +184,8 @@ class SpeculationCache:
             outcome = p.outcome
             if p.bonus_drafted and drafts:  # its first draft is the guess of t
                 outcome, drafts, q = (*outcome, drafts[0]), drafts[1:], None if q is None else q[1:]
+                likeliest = self.drafter.likeliest
+                likeliest[p.item.seq_id] = likeliest.get(p.item.seq_id, [])[1:]
             if out.is_miss[i] or not drafts:
                 self.drafter.release(p.item.seq_id, served=False)
                 continue

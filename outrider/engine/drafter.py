@@ -126,6 +126,8 @@ class Drafter:
         self.release(seq_id, served=False)
         if teacher is not None:
             self._teacher[seq_id] = teacher
+        if stand_in in self.likeliest:  # at its drafts' positions: the next guesses
+            self.likeliest[seq_id] = self.likeliest.pop(stand_in)[:len(drafts)]
         blocks.rename(stand_in, seq_id)
         self.token_ids[seq_id] = self.token_ids.pop(stand_in)[:committed] + drafts[:-1]
         blocks.rollback(seq_id, len(self.token_ids[seq_id]))
@@ -133,7 +135,6 @@ class Drafter:
         self._committed.pop(stand_in, None)
         self._proposed.pop(stand_in, None)
         self._proposed[seq_id] = (committed, list(drafts))
-        self.likeliest.pop(stand_in, None)
         self.expendable.discard(stand_in)
         self.last_used.pop(stand_in, None)
         self.last_used[seq_id] = time.monotonic()

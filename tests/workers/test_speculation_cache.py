@@ -32,15 +32,16 @@ def first_round(cache: SpeculationCache, seq_id: str, params=GREEDY, gamma: int 
     return item, drafts
 
 
-def next_item(seq_id: str, drafts: list[int], outcome: tuple[int, ...], params=GREEDY,
-              gamma: int = 4) -> DraftItem:
-    """The Propose the target sends after committing `outcome`: the kept drafts counted
-    as held (the draft's KV has all but the last), the rest as new tokens."""
+def next_item(cache: SpeculationCache, seq_id: str, drafts: list[int],
+              outcome: tuple[int, ...], params=GREEDY, gamma: int = 4) -> DraftItem:
+    """The Propose the target sends after committing `outcome` to the round that proposed
+    `drafts`: the kept drafts counted as held (the draft's KV has all but the last), the
+    rest as new tokens."""
+    base = len(cache.drafter.token_ids[seq_id]) - (len(drafts) - 1)  # committed before
     kept = 0
     while kept < min(len(outcome) - 1, len(drafts) - 1) and outcome[kept] == drafts[kept]:
         kept += 1
-    return DraftItem(seq_id, len(CONTEXT) + kept, list(outcome[kept:]), gamma, params, 7,
-                     "dense")
+    return DraftItem(seq_id, base + kept, list(outcome[kept:]), gamma, params, 7, "dense")
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
@@ -54,7 +55,7 @@ def test_a_hit_answers_what_drafting_that_context_answers(draft_dir, params):
     for outcome in (max(outcomes, key=len), min(outcomes, key=len)):  # all kept; k = 0
         cache = SpeculationCache(drafter(draft_dir), sampled=True)
         _, drafts = first_round(cache, "s", params)
-        [entry] = cache.take([next_item("s", drafts, outcome, params)])
+        [entry] = cache.take([next_item(cache, "s", drafts, outcome, params)])
         assert entry is not None and cache.hits == 1
         want = fresh.draft([DraftItem("r", 0, CONTEXT + list(outcome), 4, params, 7, "dense")])
         assert entry.drafts == want.token_ids[0].tolist()
@@ -63,7 +64,7 @@ def test_a_hit_answers_what_drafting_that_context_answers(draft_dir, params):
         else:
             torch.testing.assert_close(entry.q, want.probs[0], atol=1e-5, rtol=1e-4)
         # the round after goes on from the stand-in's state as from drafting's
-        after = next_item("s", entry.drafts, (*entry.drafts[:2], 11), params)
+        after = next_item(cache, "s", entry.drafts, (*entry.drafts[:2], 11), params)
         got = cache.drafter.draft([after]).token_ids[0].tolist()
         after.seq_id = "r"
         assert got == fresh.draft([after]).token_ids[0].tolist()
@@ -83,7 +84,7 @@ def test_an_outcome_nobody_guessed_is_a_miss_and_drafts_as_before(draft_dir):
     _, drafts = first_round(cache, "s")
     guessed = {o[-1] for o in cache._entries["s"][1] if len(o) == 1}
     unguessed = next(t for t in range(100, 200) if t not in guessed and t != drafts[0])
-    item = next_item("s", drafts, (unguessed,))
+    item = next_item(cache, "s", drafts, (unguessed,))
     assert cache.take([item]) == [None] and cache.misses == 1
     assert cache.drafter.runner.blocks.num_sequences == 1  # its stand-ins are gone
     got = cache.drafter.draft([item]).token_ids[0].tolist()
@@ -99,12 +100,12 @@ def test_two_targets_sequences_keep_their_stand_ins_apart(draft_dir):
     b, drafts_b = first_round(cache, "target-b:1")
     assert drafts_a == drafts_b and len(cache._entries) == 2  # same context, two caches
     all_kept = max(cache._entries["target-a:1"][1], key=len)
-    [hit] = cache.take([next_item("target-a:1", drafts_a, all_kept)])
+    [hit] = cache.take([next_item(cache, "target-a:1", drafts_a, all_kept)])
     assert hit is not None
     assert "target-b:1" in cache._entries and all(
         cache.drafter.runner.blocks.has(e.stand_in)
         for e in cache._entries["target-b:1"][1].values())
-    [hit_b] = cache.take([next_item("target-b:1", drafts_b, all_kept)])
+    [hit_b] = cache.take([next_item(cache, "target-b:1", drafts_b, all_kept)])
     assert hit_b is not None and hit_b.drafts == hit.drafts
 
 
@@ -127,7 +128,7 @@ def test_an_interrupted_fill_leaves_misses_not_wrong_drafts(draft_dir):
     for entry in cache._entries.get("s", (0, {}))[1].values():  # cut short: fewer drafts
         assert len(entry.drafts) < 4
     outcome = max(cache._entries.get("s", (0, {(): None}))[1], key=len)
-    assert cache.take([next_item("s", drafts, outcome or (drafts[0],))]) == [None]
+    assert cache.take([next_item(cache, "s", drafts, outcome or (drafts[0],))]) == [None]
 
 
 def test_stand_ins_never_evict_a_sequence_and_go_first():
@@ -144,3 +145,18 @@ def test_stand_ins_never_evict_a_sequence_and_go_first():
     assert cache.drafter.draft([item]).gammas == [4]
     assert blocks.has("s") and blocks.has("other") and cache.drafter.num_evicted == 0
     assert len(cache.drafter.expendable) < len(stand_ins)
+
+
+def test_a_hit_drafts_the_stand_ins_of_the_round_after(draft_dir):
+    """A sequence answered from the cache keeps its guesses (the stand-in's runners-up),
+    so its next round has stand-ins too: hits can follow hits."""
+    cache = SpeculationCache(drafter(draft_dir))
+    item, drafts = first_round(cache, "s")
+    for _ in range(3):
+        outcome = max(cache._entries["s"][1], key=len)  # every draft kept, the bonus guessed
+        item = next_item(cache, "s", drafts, outcome)
+        [entry] = cache.take([item])
+        assert entry is not None
+        drafts = entry.drafts
+        cache.fill(cache.plan([item], [drafts]))
+    assert cache.hits == 3
