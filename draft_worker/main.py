@@ -100,7 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="while the target verifies a round, draft the next one for its "
                         "likely outcomes, so that a Propose that brings one is answered at "
                         "once (greedy chains of a draft model; not with --adapt; off: on "
-                        "two shared cores it cost more than it saved: docs/DESIGN.md §2.6)")
+                        "two shared cores it costs more than it saves: docs/DESIGN.md §2.6)")
     p.add_argument("--adapt", action="store_true",
                    help="online distillation: train the draft on the target's tokens of "
                         "the sequences it drafts for, and adopt the trained weights when "
