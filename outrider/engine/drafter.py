@@ -360,8 +360,9 @@ class Drafter:
         """Each row's likeliest tokens at drafting step j (logits [rows, vocab])."""
         top = logits.topk(self.runners_up + 1, dim=-1).indices.tolist()  # [rows, k + 1]
         for seq_id, ids in zip(seq_ids, top):
-            kept = self.likeliest.setdefault(seq_id, []) if j else []
-            self.likeliest[seq_id] = kept + [ids]
+            if j == 0:
+                self.likeliest[seq_id] = []
+            self.likeliest[seq_id].append(ids)
 
     def _draft_trees(self, items: list[DraftItem], gammas: list[int]
                      ) -> list[tuple[list[int], list[int], torch.Tensor | None]]:
