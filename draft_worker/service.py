@@ -105,9 +105,11 @@ class DraftService(worker_pb2_grpc.DraftServicer):
             if self.drafter.evict_idle(self.idle_ttl_s):
                 self.spans.close_evicted(self.drafter.runner.blocks.has)
             cached = self.cache.take(items) if self._caching else [None] * len(items)
-            asked = [it for it, entry in zip(items, cached) if entry is None]
+            # a miss that asked for ready drafts only is answered at once, with none
+            waits = [it.ready_only and it.gamma > 0 and self._caching for it in items]
+            asked = [it for it, entry, w in zip(items, cached, waits) if entry is None and not w]
             out = self.drafter.draft(asked, torch.device("cpu")) if asked else None
-            rows = _rows(cached, out)
+            rows = _rows(items, cached, waits, out, self.drafter.holds)
             if any(is_dist):  # (a dense_dist row is never cached: all of them were asked)
                 try:
                     self._send_dense(out, [it.q_format == "dense_dist" for it in asked],
@@ -118,12 +120,12 @@ class DraftService(worker_pb2_grpc.DraftServicer):
                                   f"dense q channel broken: {exc}")
             version = self.drafter.version  # the weights that drafted (swaps hold the lock)
             if self._caching and not request.beside_target:
-                plans = self.cache.plan(items, [ids for ids, _, _ in rows])
+                plans = self.cache.plan(items, [row[0] for row in rows])
                 self._preparing.submit(self._prepare, plans)
         proposals = []
-        for it, (ids, q_rows, miss) in zip(items, rows):
+        for it, (ids, q_rows, miss, rank) in zip(items, rows):
             msg = encode_proposal(it.seq_id, ids, q_rows, it.q_format)
-            msg.miss = miss
+            msg.miss, msg.cache_rank = miss, rank
             proposals.append(msg)
         seconds = time.perf_counter() - start
         self._observe(items, rows, cached, seconds)
@@ -157,13 +159,13 @@ class DraftService(worker_pb2_grpc.DraftServicer):
     def _observe(self, items: list[DraftItem], rows, cached, seconds: float) -> None:
         with self.lock:
             self.draft_seconds_total += seconds
-            for it, (ids, _, _) in zip(items, rows):
-                self.spans.proposed(it, len(ids))
+            for it, row in zip(items, rows):
+                self.spans.proposed(it, len(row[0]))
         if self.metrics:
             self.metrics.seconds.observe(seconds)
             self.metrics.proposals.inc(len(items))
-            self.metrics.tokens.inc(sum(len(ids) for ids, _, _ in rows))
-            self.metrics.misses.inc(sum(miss for _, _, miss in rows))
+            self.metrics.tokens.inc(sum(len(row[0]) for row in rows))
+            self.metrics.misses.inc(sum(row[2] for row in rows))
             if self._caching:
                 hits = sum(entry is not None for entry in cached)
                 self.metrics.cache_hits.inc(hits)
@@ -201,7 +203,8 @@ class DraftService(worker_pb2_grpc.DraftServicer):
                              num_dense_sends=self.num_dense_sends,
                              model_name=self.drafter.model_name,
                              method=self.drafter.method,
-                             feature_width=self._feature_width)
+                             feature_width=self._feature_width,
+                             speculation_cache=self._caching)
 
     @property
     def _feature_width(self) -> int:
@@ -225,7 +228,7 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         return DraftItem(s.seq_id, s.committed_len, list(s.new_token_ids), s.gamma, params,
                          seed, Q_FORMAT_NAMES[s.q_format], s.traceparent, s.prefill_only,
                          s.prompt_len, self._teacher(s, where, vocab),
-                         features=self._features(s, where))
+                         features=self._features(s, where), ready_only=s.ready_only)
 
     def _features(self, s: pb.ProposeSequence, where: str) -> torch.Tensor | None:
         """A head's input rows (one per new token); a head drafts nothing without them."""
@@ -254,16 +257,21 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         return rows
 
 
-def _rows(cached: list[Entry | None], out) -> list[tuple[list[int], torch.Tensor | None, bool]]:
-    """Per sequence of a Propose, (draft tokens, their q rows as sent or None, MISS): a
-    hit's from the speculation cache, the others' from `out`, drafted for them in order."""
+def _rows(items: list[DraftItem], cached: list[Entry | None], waits: list[bool], out,
+          holds) -> list[tuple[list[int], torch.Tensor | None, bool, int]]:
+    """Per sequence of a Propose, (draft tokens, their q rows as sent or None, MISS, cache
+    rank): a hit's from the speculation cache; none for a ready-only miss (MISS if the
+    draft lacks its prefix: `holds`); the others' from `out`, drafted for them in order."""
     rows, k = [], 0
-    for entry in cached:
+    for it, entry, waits_a_round in zip(items, cached, waits):
         if entry is not None:
-            rows.append((entry.drafts, entry.q, False))
-            continue
-        g = out.gammas[k]
-        rows.append((out.token_ids[k, :g].tolist(),
-                     None if out.probs is None else out.probs[k, :g], bool(out.is_miss[k])))
-        k += 1
+            rows.append((entry.drafts, entry.q, False, entry.rank))
+        elif waits_a_round:
+            rows.append(([], None, not holds(it), 0))
+        else:
+            g = out.gammas[k]
+            rows.append((out.token_ids[k, :g].tolist(),
+                         None if out.probs is None else out.probs[k, :g],
+                         bool(out.is_miss[k]), 0))
+            k += 1
     return rows

@@ -16,6 +16,9 @@ all: k = g with t the draft's own next token (it drafts g + 1 and the first is i
 of the bonus), then for each k < g the draft's likeliest token other than d_k+1 (the
 target took something else there). Likelihoods from the draft's acceptance α as the
 target reported it (Drafter.live_acceptance): α^g for k = g, α^k (1 - α) / 2 for k < g.
+A sequence that asked for ready drafts only (DraftItem.ready_only) and missed proposed
+nothing: the target decodes one token t after its context c, and its one stand-in, c
+drafted g + 1 deep, guesses t; it goes first.
 
 Exact by construction: a hit answers with drafts the draft model sampled from the very
 context the target committed, at the same absolute positions and seeds, with the q it
@@ -48,6 +51,7 @@ class Entry:
     drafts: list[int]
     q: torch.Tensor | None  # [len(drafts), vocab] as sent; None: point masses
     q_format: str
+    rank: int               # its outcome's, among the sequence's, likeliest first (1)
 
 
 @dataclass
@@ -57,7 +61,8 @@ class _Plan:
     outcome: tuple[int, ...]  # the outcome's committed tokens (k = g: t comes with the drafts)
     bonus_drafted: bool     # k = g: the first draft is the guess of t
     likelihood: float
-    base: int               # the context's length before the outcome
+    context: list[int]      # the committed tokens before the outcome
+    rank: int = 0
 
 
 class SpeculationCache:
@@ -68,8 +73,8 @@ class SpeculationCache:
         self.max_rows = max_rows
         self.sampled = sampled
         drafter.runners_up = FAN_OUT
-        # seq_id -> (its committed length after the last Propose, outcome -> entry)
-        self._entries: dict[str, tuple[int, dict[tuple[int, ...], Entry]]] = {}
+        # seq_id -> (its committed tokens at the last Propose, outcome -> entry)
+        self._entries: dict[str, tuple[list[int], dict[tuple[int, ...], Entry]]] = {}
         self._next_id = 0
         self.hits = self.misses = 0
 
@@ -79,8 +84,8 @@ class SpeculationCache:
         (None: a miss); every other stand-in of these sequences goes."""
         found = []
         for it in items:
-            base, entries = self._entries.pop(it.seq_id, (None, {}))
-            outcome = self._outcome(it, base)
+            context, entries = self._entries.pop(it.seq_id, (None, {}))
+            outcome = self._outcome(it, context)
             entry = entries.get(outcome) if outcome else None
             if entry is not None and self._takes(it, entry):
                 del entries[outcome]
@@ -88,20 +93,23 @@ class SpeculationCache:
                 entry = None
             for other in entries.values():
                 self.drafter.release(other.stand_in, served=False)
-            if base is not None and it.gamma:
+            if context is not None and it.gamma:
                 self.hits += entry is not None
                 self.misses += entry is None
             found.append(entry)
         return found
 
-    def _outcome(self, item: DraftItem, base: int | None) -> tuple[int, ...]:
-        """The tokens committed after `base` that `item` brings: the drafts the target
-        kept, which the draft's KV holds already (the item's committed_len counts them),
-        then its new tokens."""
-        held = self.drafter.token_ids.get(item.seq_id)
-        if base is None or held is None or not base <= item.committed_len <= len(held):
+    def _outcome(self, item: DraftItem, context: list[int] | None) -> tuple[int, ...]:
+        """The tokens committed after `context` that `item` brings (the drafts the target
+        kept, which the draft holds already and the item's committed_len counts, then its
+        new tokens); () when what it brings does not extend `context`."""
+        held = self.drafter.token_ids.get(item.seq_id, [])
+        if context is None or item.committed_len > len(held):
             return ()
-        return (*held[base:item.committed_len], *item.new_token_ids)
+        committed = held[:item.committed_len] + item.new_token_ids
+        if len(committed) <= len(context) or committed[:len(context)] != context:
+            return ()
+        return tuple(committed[len(context):])
 
     def _takes(self, item: DraftItem, entry: Entry) -> bool:
         if (not 0 < item.gamma <= len(entry.drafts) or item.q_format != entry.q_format
@@ -125,22 +133,38 @@ class SpeculationCache:
         alpha = counts[1] / counts[0] if counts[0] else 0.5
         plans = []
         for it, drafts in zip(items, token_ids):
-            if self._cacheable(it, drafts):
+            if not self._cacheable(it):
+                continue
+            if 0 < len(drafts) == it.gamma and it.seq_id in self.drafter.likeliest:
                 plans += self._outcomes(it, drafts, alpha)
+            elif it.ready_only and not drafts and self.drafter.holds(it):
+                plans.append(self._undrafted(it))
         plans.sort(key=lambda p: -p.likelihood)
-        return plans[:self.max_rows]
+        plans = plans[:self.max_rows]
+        ranks: dict[str, int] = {}
+        for p in plans:
+            p.rank = ranks[p.seq_id] = ranks.get(p.seq_id, 0) + 1
+        return plans
 
-    def _cacheable(self, item: DraftItem, drafts: list[int]) -> bool:
-        """A greedy chain of a draft model that drafted its full γ, for a request with
-        nothing else riding on the sequence's state (a grammar's, a teacher's, a dense
-        channel's). Sampled rows only when asked: the token the target draws where it
-        rejects comes from the residual max(0, p - q), which the draft's likeliest
-        tokens rarely hold (measured: 13 % hits at T 0.7 against 95 % greedy)."""
-        return (0 < len(drafts) == item.gamma and not item.prefill_only
+    def _cacheable(self, item: DraftItem) -> bool:
+        """A greedy chain of a draft model, for a request with nothing else riding on the
+        sequence's state (a grammar's, a teacher's, a dense channel's). Sampled rows
+        only when asked: the token the target draws where it rejects comes from the
+        residual max(0, p - q), which the draft's likeliest tokens rarely hold
+        (measured: 13 % hits at T 0.7 against 95 % greedy)."""
+        return (item.gamma > 0 and not item.prefill_only
                 and (self.sampled or item.params.is_greedy)
                 and not is_tree(item) and item.features is None and not item.teacher
-                and item.params.structured_output is None and item.q_format != "dense_dist"
-                and item.seq_id in self.drafter.likeliest)
+                and item.params.structured_output is None and item.q_format != "dense_dist")
+
+    def _undrafted(self, item: DraftItem) -> _Plan:
+        """A ready-only sequence that missed: the target decodes one token after its
+        context, which the draft has not taken in (it holds committed_len of it)."""
+        held = self.drafter.token_ids.get(item.seq_id, [])
+        if item.committed_len:
+            self.drafter.runner.blocks.seal(item.seq_id, held, item.committed_len)
+        context = held[:item.committed_len] + item.new_token_ids
+        return self._plan(item, context, (), True, 1.0)
 
     def _outcomes(self, item: DraftItem, drafts: list[int], alpha: float) -> list[_Plan]:
         context = self.drafter.token_ids[item.seq_id][:item.committed_len
@@ -163,8 +187,8 @@ class SpeculationCache:
         self._next_id += 1
         stand_in = replace(item, seq_id=f"{item.seq_id}\x00{self._next_id}", committed_len=0,
                            new_token_ids=context + list(outcome), traceparent="",
-                           gamma=item.gamma + bonus_drafted)
-        return _Plan(stand_in, item.seq_id, outcome, bonus_drafted, likelihood, len(context))
+                           gamma=item.gamma + bonus_drafted, ready_only=False)
+        return _Plan(stand_in, item.seq_id, outcome, bonus_drafted, likelihood, context)
 
     def fill(self, plans: list[_Plan], interrupted: Callable[[], bool] | None = None) -> int:
         """Draft the stand-ins (the caller holds the forward lock) and keep what they
@@ -189,10 +213,10 @@ class SpeculationCache:
             if out.is_miss[i] or not drafts:
                 self.drafter.release(p.item.seq_id, served=False)
                 continue
-            entries = self._entries.setdefault(p.seq_id, (p.base, {}))[1]
+            entries = self._entries.setdefault(p.seq_id, (p.context, {}))[1]
             stale = entries.pop(outcome, None)
             if stale is not None:
                 self.drafter.release(stale.stand_in, served=False)
-            entries[outcome] = Entry(p.item.seq_id, drafts, q, p.item.q_format)
+            entries[outcome] = Entry(p.item.seq_id, drafts, q, p.item.q_format, p.rank)
             self.drafter.expendable.add(p.item.seq_id)  # the first to go for a sequence
         return len(plans)

@@ -409,7 +409,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             msg.rounds.extend(gp.Round(gamma=r.gamma, num_accepted=r.num_accepted, heat=r.heat,
                                        draft_version=r.draft_version, free_kind=r.free_kind,
                                        num_free=r.num_free, model_method=r.model_method,
-                                       tree_nodes=r.tree_nodes)
+                                       tree_nodes=r.tree_nodes, cache_rank=r.cache_rank)
                               for r in rounds)
         return msg
 

@@ -197,7 +197,8 @@ class TargetEngine:
         if self.metrics:
             self.metrics.record_step(step_s, time.thread_time() - cpu,
                                      timing.draft_wait_s if ran else 0.0,
-                                     *((timing.tree_rounds, timing.tree_nodes) if ran else ()))
+                                     *((timing.tree_rounds, timing.tree_nodes,
+                                        timing.ready_only) if ran else ()))
         return True
 
     def _step(self) -> bool:
@@ -239,7 +240,7 @@ class TargetEngine:
         self._learn(handle, r)
         logprobs = seq.logprobs[len(seq.logprobs) - len(tokens):] if seq.logprobs else []
         stats = RoundStats(r.gamma, r.num_accepted, heat, version, r.free_kind, r.num_free,
-                           self.decoder.model_method, r.tree_nodes)
+                           self.decoder.model_method, r.tree_nodes, r.cache_rank)
         self._deliver(handle, Chunk(tokens, [stats], logprobs=logprobs,
                                     num_cached_tokens=seq.num_cached_tokens or 0))
         if self.metrics:

@@ -74,6 +74,7 @@ class RemoteDrafter:
         stats = self._describe()
         self.vocab_size, self.max_model_len = stats.vocab_size, stats.max_model_len
         self.model_name = stats.model_name
+        self.prepares_ahead = stats.speculation_cache  # (Proposer: ready_only items)
         # the head the replicas run (they say which): its features go with each Propose
         self.head = head
         self.method = stats.method or MODEL_METHOD
@@ -198,6 +199,7 @@ class RemoteDrafter:
         # a prefill-only item is a miss unless a replica took it in (Proposal.is_miss): one
         # whose call failed, or that went nowhere, must not count as held
         is_miss = [it.prefill_only and it.is_active for it in items]
+        ranks = [0] * len(items)
         token_rows: list[list[int]] = [[] for _ in items]
         q_rows: dict[int, torch.Tensor] = {}
         for replica, call in calls.items():
@@ -209,10 +211,12 @@ class RemoteDrafter:
             self._healthy(replica, time.monotonic() - start)
             self._reported[self.addresses[replica]] = (reply.draft_version, reply.target_topk)
             for i, proposal in zip(groups[replica], reply.proposals):
-                is_miss[i] = proposal.miss
+                is_miss[i], ranks[i] = proposal.miss, proposal.cache_rank
                 self._read(items[i], proposal, formats[i], i, gammas, is_miss, token_rows, q_rows)
             self._receive_dense(groups[replica], reply, formats, gammas, token_rows, q_rows)
-        return _pack(items, gammas, is_miss, token_rows, q_rows, self.vocab_size, device)
+        out = _pack(items, gammas, is_miss, token_rows, q_rows, self.vocab_size, device)
+        out.cache_ranks = ranks if any(ranks) else []
+        return out
 
     def _deadline(self, num_new_tokens: int) -> float:
         """Generous against the usual round trip, so a hung (not dead) replica stalls the
@@ -309,7 +313,7 @@ class RemoteDrafter:
                 sampling=sampling_to_proto(it.params, it.seed),
                 q_format=Q_FORMAT_CODES[formats[i]], traceparent=it.traceparent,
                 prefill_only=it.prefill_only, prompt_len=it.prompt_len, teacher=teacher,
-                features=features.get(i)))
+                features=features.get(i), ready_only=it.ready_only))
         return pb.ProposeRequest(sequences=seqs, dist_tag=self._dist_tag,
                                  beside_target=beside_target)
 

@@ -92,3 +92,14 @@ def test_a_model_that_streams_its_weights_runs_every_step_on_every_thread(llama_
             runner.blocks.free("s")
     finally:
         torch.set_num_threads(before)
+
+
+def test_with_the_speculation_cache_the_target_keeps_to_its_own_cores():
+    """Its stand-ins are drafted while the target verifies, on the cores the target's
+    large steps would otherwise take (docs/DESIGN.md §2.6)."""
+    from outrider.local_system import LocalSystemConfig, target_core_args
+    two = plan_cpus([0, 1])
+    cfg = LocalSystemConfig("target", "draft", speculation_cache=True)
+    assert target_core_args(cfg, two) == ("--cpus", "0", "--threads", "1")
+    assert target_core_args(replace(cfg, speculation_cache=False), two) == ()
+    assert target_core_args(cfg, None) == ()

@@ -22,6 +22,8 @@ class Round:
     num_free: int = 0
     model_method: str = "draft_model"  # a draft model, or a head: "eagle3", "eagle", "medusa"
     tree_nodes: int = 0   # a token tree's nodes verified (gamma: its depth); 0: a chain
+    cache_rank: int = 0   # its drafts came ready from the speculation cache (its n-th
+    #                       likeliest outcome); 0: drafted when asked
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,8 @@ class Collector:
         if msg.token_ids and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         rounds = tuple(Round(r.gamma, r.num_accepted, r.heat, r.draft_version, r.free_kind,
-                             r.num_free, r.model_method or MODEL_METHOD, r.tree_nodes)
+                             r.num_free, r.model_method or MODEL_METHOD, r.tree_nodes,
+                             r.cache_rank)
                        for r in msg.rounds)
         self.parts.append(msg.text)
         self.token_ids.extend(msg.token_ids)

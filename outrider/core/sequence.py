@@ -60,6 +60,7 @@ class Round(NamedTuple):
     free_kind: str = ""
     num_free: int = 0
     tree_nodes: int = 0  # a token tree's nodes verified (γ is its depth); 0: a chain
+    cache_rank: int = 0  # its drafts were prepared ahead for this outcome (§2.6); 0: not
 
 
 class RoundStats(NamedTuple):
@@ -74,6 +75,7 @@ class RoundStats(NamedTuple):
     num_free: int = 0
     model_method: str = ""  # what drafted the rest (Proposer.method; "": draft_model)
     tree_nodes: int = 0     # a token tree's nodes verified (γ: its depth); 0: a chain
+    cache_rank: int = 0     # the speculation cache's outcome its drafts came from; 0: none
 
 
 @dataclass(eq=False)  # a sequence is itself, not its fields: the scheduler's membership

@@ -85,6 +85,10 @@ class Drafter:
         return True
 
     @property
+    def prepares_ahead(self) -> bool:
+        return False  # (a draft replica's speculation cache does, around it)
+
+    @property
     def method(self) -> str:
         head = getattr(self.runner, "head", None)  # a HeadRunner's
         return HEAD_METHODS[head.kind] if head is not None else MODEL_METHOD
@@ -207,19 +211,25 @@ class Drafter:
         return PendingProposal(lambda: out)
 
     # -- cache bookkeeping -----------------------------------------------------------------
+    def holds(self, item: DraftItem) -> bool:
+        """Whether the caller's committed prefix is here (or the item sends the whole
+        context): otherwise drafting for it answers MISS."""
+        blocks, seq_id = self.runner.blocks, item.seq_id
+        return bool(item.new_token_ids) and (item.committed_len == 0 or (
+            blocks.has(seq_id)
+            and blocks.sealed_len(seq_id) <= item.committed_len <= blocks.seq_len(seq_id)))
+
     def _sync(self, item: DraftItem) -> bool:
         """Roll the cache back to the caller's committed prefix; False: a MISS. A sequence
         sent whole (committed_len 0) starts on the longest prefix the cache holds."""
         blocks, seq_id = self.runner.blocks, item.seq_id
-        if not item.new_token_ids:
-            return False  # drafting needs the logits of the last committed token: resend it
+        if not self.holds(item):
+            if item.committed_len and blocks.has(seq_id) \
+                    and item.committed_len < blocks.sealed_len(seq_id):
+                self.release(seq_id)  # sealed blocks may be shared: never roll back into them
+            return False
         if item.committed_len == 0:
             self._start(item)
-        elif not blocks.has(seq_id) or blocks.seq_len(seq_id) < item.committed_len:
-            return False
-        elif item.committed_len < blocks.sealed_len(seq_id):
-            self.release(seq_id)  # sealed blocks may be shared: never roll back into them
-            return False
         else:
             self._score(item)
         blocks.rollback(seq_id, item.committed_len)

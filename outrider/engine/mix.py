@@ -195,6 +195,10 @@ class ProposerMix:
     def method(self) -> str:
         return self.model.method if self.model is not None else MODEL_METHOD
 
+    @property
+    def prepares_ahead(self) -> bool:
+        return self.model is not None and self.model.prepares_ahead
+
     def version_of(self, seq_id) -> int:
         return self.model.version_of(seq_id) if self.model is not None else 0
 
@@ -368,7 +372,7 @@ class ProposerMix:
         if drafted is not None:
             drafted = self._retry_misses(asked, drafted, device)
         by_plan = {id(p): k for k, p in enumerate(asked)}
-        rows, sources, trees = [], [], []
+        rows, sources, trees, ranks = [], [], [], []
         is_miss = list(is_miss)
         for i, p in enumerate(plans):
             k = by_plan.get(id(p))
@@ -392,6 +396,7 @@ class ProposerMix:
                 q = torch.cat([dense_q(None, free_ids[None], self.vocab_size)[0], model_q])
             rows.append((ids, q))
             sources.append((p.free_kind, len(p.free)))
+            ranks.append(drafted.cache_rank(k) if model_ids else 0)
             if p.held is not None and not miss:  # (a tree's first path is what it learns)
                 p.held.propose([ids[n] for n in first_path(trees[-1])], len(p.free),
                                p.free_match, p.is_forced)
@@ -400,6 +405,7 @@ class ProposerMix:
                                trees if is_tree else None) if any(
             ids for ids, _ in rows) else Proposal.empty(len(plans), device)
         out.is_miss = is_miss
+        out.cache_ranks = ranks if any(ranks) else []
         return out
 
     def _model_part(self, p: _Plan, drafted: Proposal, k: int

@@ -48,6 +48,10 @@ class DraftItem:
     # draft a token tree γ deep (engine/tree.py); None or top-k 1: a chain. A proposer
     # that cannot draft trees proposes a chain
     tree: TreeShape | None = None
+    # answer only from what the proposer prepared while the target verified (a draft
+    # replica's speculation cache, docs/DESIGN.md §2.6): otherwise no drafts this round,
+    # and the new tokens are not taken in (the next round sends them again)
+    ready_only: bool = False
 
     @property
     def is_active(self) -> bool:
@@ -72,10 +76,16 @@ class Proposal:
     # per item, the parent of each proposal (engine/tree.py; every q a point mass); None:
     # every item's proposals are a chain
     parents: list[list[int]] | None = None
+    # per item, the rank of the speculation-cache outcome its drafts were prepared for
+    # (1: the likeliest), 0: drafted for this call; empty: none came from a cache
+    cache_ranks: list[int] = field(default_factory=list)
 
     def parents_of(self, k: int) -> list[int]:
         """Item k's tree (a chain's parents for a chain)."""
         return chain(self.gammas[k]) if self.parents is None else self.parents[k]
+
+    def cache_rank(self, k: int) -> int:
+        return self.cache_ranks[k] if self.cache_ranks else 0
 
     def source(self, k: int) -> tuple[str, int]:
         """(the model-free kind, how many of item k's proposals it gave: they come first)."""
@@ -126,16 +136,18 @@ class Proposal:
         parents = None
         if self.parents is not None or other.parents is not None:
             parents = [self.parents_of(i) for i in range(len(gammas))]
+        ranks = [self.cache_rank(i) for i in range(len(gammas))]
         for k, i in enumerate(rows):
             g = other.gammas[k]
             token_ids[i, :g], gammas[i] = other.token_ids[k, :g], g
-            sources[i] = other.source(k)
+            sources[i], ranks[i] = other.source(k), other.cache_rank(k)
             if probs is not None:
                 probs[i, :g] = other_probs[k, :g]
             if parents is not None:
                 parents[i] = other.parents_of(k)
         return Proposal(token_ids, probs, gammas, [False] * len(gammas),
-                        [n for _, n in sources], [kind for kind, _ in sources], parents)
+                        [n for _, n in sources], [kind for kind, _ in sources], parents,
+                        ranks if any(ranks) else [])
 
 
 def dense_q(probs: torch.Tensor | None, token_ids: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -186,6 +198,12 @@ class Proposer(Protocol):
     def drafts_trees(self) -> bool:
         """Whether it drafts a token tree for an item that asks (DraftItem.tree); one
         that does not proposes chains."""
+
+    @property
+    def prepares_ahead(self) -> bool:
+        """Whether it drafts the likely next rounds while the target verifies (a draft
+        replica's speculation cache): an item may then ask for what is ready only
+        (DraftItem.ready_only)."""
 
     @property
     def method(self) -> str:

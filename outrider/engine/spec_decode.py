@@ -39,6 +39,7 @@ from outrider.core.stats import GRAMMAR_METHOD, MODEL_METHOD
 from outrider.core.structured import StructuredOutputError
 from outrider.engine.block_manager import OutOfBlocksError
 from outrider.engine.features import FeatureLog
+from outrider.engine.goodput import CacheMissChoice
 from outrider.engine.mix import ProposerMix
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal, Proposer, dense_q
 from outrider.engine.rejection import (
@@ -92,6 +93,7 @@ class StepTiming:
     tree_rounds: int = 0  # rounds verified as token trees, and their nodes
     tree_nodes: int = 0
     is_plain: bool = False  # nothing verified, every sequence decoding one token
+    ready_only: bool = False  # its Proposes asked for ready drafts only (CacheMissChoice)
 
     @property
     def draft_wait_s(self) -> float:
@@ -131,6 +133,7 @@ class Row:
     wanted: int            # γ asked for, clipped to what it may still emit (0 unless ready)
     gamma: int = 0         # tokens proposed
     source: tuple[str, int] = ("", 0)  # the first of them were looked up (Proposal.source)
+    cache_rank: int = 0    # they were prepared ahead for this outcome (Proposal.cache_ranks)
     ahead_gamma: int = 0   # its γ drafted ahead while the target verifies (overlap)
     num_verified: int = 0  # γ, or γ + 1 with a bonus-position candidate (overlap)
     ahead: DraftAhead | None = None  # next round's drafts, kept if the candidate passes
@@ -187,6 +190,7 @@ class Step:
     draft_cpu_s: float = 0.0
     verify_s: float = 0.0
     mask_s: float = 0.0
+    ready_only: bool = False  # its Proposes asked for ready drafts only (CacheMissChoice)
 
     @property
     def ready(self) -> list[Row]:
@@ -200,7 +204,8 @@ class Step:
         return StepTiming(sum(r.feed for r in self.rows) + sum(gammas), self.verify_s,
                           max(drafted, default=0), sum(drafted), self.draft_s, self.mask_s,
                           self.draft_cpu_s, len(trees), sum(trees),
-                          not any(gammas) and all(r.feed == 1 for r in self.rows))
+                          not any(gammas) and all(r.feed == 1 for r in self.rows),
+                          self.ready_only)
 
 
 class SpeculativeDecoder:
@@ -220,6 +225,9 @@ class SpeculativeDecoder:
         # whether greedy requests draft trees this step (None: always), by the seconds
         # a target forward of n positions takes (the replica's cost model sets it)
         self.tree_choice = TreeChoice() if choose_trees else None
+        # what a Propose does with the sequences a draft replica's speculation cache misses
+        self.cache_misses = (CacheMissChoice() if drafter is not None
+                             and drafter.prepares_ahead else None)
         self.verify_seconds: Callable[[int], float] | None = None
         self._trees_now = self.tree is not None
         if self.tree is not None and not (drafter is not None and drafter.drafts_trees):
@@ -393,6 +401,10 @@ class SpeculativeDecoder:
         self.last_timing = step.timing  # after the commit: it times the grammar masks
         if self.tree is not None and self.tree_choice is not None and self.verify_seconds:
             self._choose_trees(step)  # the next step's kind, before its γ and KV are planned
+        if self.cache_misses is not None:
+            for r in step.ready:
+                if r.gamma:
+                    self.cache_misses.observe_kept(min(len(r.committed) - 1, r.gamma))
         return [r.committed for r in step.rows]
 
     def _choose_trees(self, step: Step) -> None:
@@ -437,8 +449,9 @@ class SpeculativeDecoder:
         aheads = [self._ahead.pop(r.seq.seq_id, None) for r in step.rows]
         aheads = [a if g else None for a, g in zip(aheads, asked)]
         to_draft = [0 if a else g for a, g in zip(aheads, asked)]
-        proposal = (self._draft([r.seq for r in step.rows], to_draft) if any(to_draft)
-                    else Proposal.empty(len(step.rows), self.target.device))
+        step.ready_only = self._ready_only(step.rows, to_draft)
+        proposal = (self._draft([r.seq for r in step.rows], to_draft, step.ready_only)
+                    if any(to_draft) else Proposal.empty(len(step.rows), self.target.device))
         if any(aheads):
             asked = [g + a.num_forced if a else g for a, g in zip(aheads, asked)]
             drafted = [(a.token_ids[:g], None if a.probs is None else a.probs[:g])
@@ -456,11 +469,31 @@ class SpeculativeDecoder:
         for r, g in zip(step.rows, proposal.gammas):
             r.gamma = r.num_verified = g
             r.source = proposal.source(r.index)
+            r.cache_rank = proposal.cache_rank(r.index)
             if step.has_trees:
                 r.parents = proposal.parents_of(r.index)
         step.draft_s = time.perf_counter() - start
         step.draft_cpu_s = time.thread_time() - cpu_start
+        if self.cache_misses is not None:
+            # (rows whose every proposal was looked up asked the model nothing)
+            drafted = [r for r, g in zip(step.rows, to_draft) if g and not (
+                r.gamma and r.source[1] >= r.gamma)]
+            self.cache_misses.observe(step.ready_only, len(drafted),
+                                      sum(r.cache_rank > 0 for r in drafted), step.draft_s)
         self._start_background(step)
+
+    def _ready_only(self, rows: list[Row], gammas: list[int]) -> bool:
+        """Whether this step's Proposes ask for what the speculation cache prepared only
+        (CacheMissChoice): when every sequence asking is of the kind it prepares for (a
+        greedy chain, no grammar); a sampled one would be waited for anyway, and a seeded
+        sample must not depend on what was cached."""
+        asking = [(r.seq, g) for r, g in zip(rows, gammas) if g]
+        if self.cache_misses is None or self.verify_seconds is None or not asking or any(
+                not seq.params.is_greedy or seq.params.structured_output is not None
+                or self._tree_for(seq) is not None for seq, _ in asking):
+            return False
+        gamma = round(sum(g for _, g in asking) / len(asking))
+        return self.cache_misses.ready_only(len(asking), gamma, self.verify_seconds)
 
     def _join_warming(self) -> None:
         """The contexts the draft took in after earlier steps (their prefills): what it
@@ -572,9 +605,12 @@ class SpeculativeDecoder:
                 stored += rows
 
     # -- propose ---------------------------------------------------------------------------
-    def _draft(self, seqs: list[Sequence], gammas: list[int]) -> Proposal:
+    def _draft(self, seqs: list[Sequence], gammas: list[int], ready_only: bool = False
+               ) -> Proposal:
         """A fresh Propose; sequences the draft has lost resend their whole context once."""
         items = [self._draft_item(s, g) for s, g in zip(seqs, gammas)]
+        for it in items:
+            it.ready_only = ready_only
         out = self.drafter.draft(items, self.target.device)
         missed = [i for i, miss in enumerate(out.is_miss) if miss]
         if missed:
@@ -582,7 +618,7 @@ class SpeculativeDecoder:
                 seqs[i].draft_len = 0
             retries = [self._draft_item(seqs[i], gammas[i]) for i in missed]
             for i, retry in zip(missed, retries):
-                retry.teacher = items[i].teacher
+                retry.teacher, retry.ready_only = items[i].teacher, ready_only
             out = out.with_rows(missed, self.drafter.draft(retries, self.target.device))
         holds_drafts = self.reads is None and self.tree is None
         for s, g in zip(seqs, out.gammas):
@@ -980,7 +1016,7 @@ def _round_of(row: Row, num_accepted: int, num_committed: int) -> Round:
         gamma = num_accepted = num_committed
     num_free = min(num_free, gamma)
     return Round(gamma, num_accepted, kind if num_free else "", num_free,
-                 row.gamma if row.tree is not None else 0)
+                 row.gamma if row.tree is not None else 0, row.cache_rank)
 
 
 def _committed_rows(ready: list[Row], which: Iterable[int]) -> list[int]:

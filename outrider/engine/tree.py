@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from outrider.core.policy import MASK_BITS
+from outrider.engine.goodput import Trials, ewma
 
 
 @dataclass(frozen=True)
@@ -77,33 +78,26 @@ class TreeChoice:
     tokens are known); it costs its N nodes where the chain verifies γ, priced by the
     replica's cost model (`verify_seconds`), and its levels' k nodes where the chain
     drafts one, measured as draft seconds per drafting row of either kind. The losing
-    kind runs now and then so its figures follow the load and the text: after 8 steps,
-    then twice as long each time it loses again (up to 128). Timing each kind's steps
+    kind runs now and then (goodput.Trials). Timing each kind's steps
     instead was too noisy (prefill chunks, γ and batch move with every step): trying
     trees on such figures served 0.79-0.89x the chains at 8 streams. Sampled requests
     keep the configured shape (a seed's sample must not depend on timing)."""
 
-    FIRST_TRY, LAST_TRY = 8, 128  # steps between tries of the losing kind
-
-    def __init__(self, weight: float = 0.1) -> None:
-        self.weight = weight
+    def __init__(self) -> None:
         self.gain: float | None = None   # tokens a tree round keeps over its chain
         self.kept: float | None = None   # drafts a chain round keeps
         self.draft_s: dict[bool, float] = {}  # kind -> draft seconds per drafting row
-        self.wait = [self.FIRST_TRY, self.FIRST_TRY, True]  # [steps left, wait, leader]
+        self.trials = Trials()
 
     def observe_round(self, used_tree: bool, kept: int, chain_kept: int) -> None:
         """A greedy round: drafts kept, and what its first children alone kept."""
-        self.kept = self._mean(self.kept, chain_kept)
+        self.kept = ewma(self.kept, chain_kept)
         if used_tree:
-            self.gain = self._mean(self.gain, kept - chain_kept)
+            self.gain = ewma(self.gain, kept - chain_kept)
 
     def observe_draft(self, used_tree: bool, rows: int, seconds: float) -> None:
         if rows:
-            self.draft_s[used_tree] = self._mean(self.draft_s.get(used_tree), seconds / rows)
-
-    def _mean(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.weight * (new - old)
+            self.draft_s[used_tree] = ewma(self.draft_s.get(used_tree), seconds / rows)
 
     def use_tree(self, rows: int, gamma: int, width: int,
                  verify_seconds: Callable[[int], float]) -> bool:
@@ -116,15 +110,7 @@ class TreeChoice:
             verify_seconds(rows * (1 + gamma)) + rows * self.draft_s[False])
         tree_rate = rows * (1 + self.kept + self.gain) / (
             verify_seconds(rows * (1 + width)) + rows * self.draft_s[True])
-        best = tree_rate >= chain_rate
-        if self.wait[2] != best:  # the lead changed: try the other kind soon
-            self.wait = [self.FIRST_TRY, self.FIRST_TRY, best]
-        self.wait[0] -= 1
-        if self.wait[0] > 0:
-            return best
-        self.wait[1] = min(2 * self.wait[1], self.LAST_TRY)
-        self.wait[0] = self.wait[1]
-        return not best
+        return self.trials.pick(tree_rate >= chain_rate)
 
 
 def chain(n: int) -> list[int]:

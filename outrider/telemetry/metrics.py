@@ -73,6 +73,13 @@ TREE_ROUNDS = Counter("outrider_spec_tree_rounds", "Rounds verified as token tre
 TREE_NODES = Counter("outrider_spec_tree_nodes", "Tree nodes verified (their rounds' "
                      "accepted depth: vllm:spec_decode_num_accepted_tokens)", ENGINE)
 ENGINE_STEPS = Counter("outrider_engine_steps", "Steps the engine thread ran", ENGINE)
+CACHE_ROUNDS = Counter("outrider_spec_cache_rounds", "Rounds whose drafts came ready from a "
+                       "draft replica's speculation cache, by the rank of the outcome they "
+                       "were prepared for (1: the likeliest; docs/DESIGN.md §2.6)",
+                       [*ENGINE, "rank"])
+READY_ONLY_STEPS = Counter("outrider_spec_cache_ready_only_steps", "Steps whose Proposes "
+                           "asked for ready drafts only: a sequence the speculation cache "
+                           "missed verified none", ENGINE)
 ENGINE_STEP_SECONDS = Counter("outrider_engine_step_seconds", "The engine thread's steps: "
                               "their wall time (part=wall), its CPU time in them (cpu) and "
                               "the time off its CPU waiting for the proposer "
@@ -234,6 +241,7 @@ class TargetMetrics:
                       for b in (False, True)}
         self._by_version: dict[int, tuple] = {}  # draft version -> (drafted, accepted)
         self._steps = ENGINE_STEPS.labels(**self.labels)
+        self._ready_only_steps = READY_ONLY_STEPS.labels(**self.labels)
         self._trees = (TREE_ROUNDS.labels(**self.labels), TREE_NODES.labels(**self.labels))
         self._step_seconds = [ENGINE_STEP_SECONDS.labels(**self.labels, part=part)
                               for part in ("wall", "cpu", "proposer_wait")]
@@ -256,6 +264,8 @@ class TargetMetrics:
         self._heat[gamma > 0].observe(r.heat)
         if not gamma:
             return
+        if r.cache_rank:
+            CACHE_ROUNDS.labels(**self.labels, rank=str(r.cache_rank)).inc()
         self._counters(r.free_kind or r.model_method or MODEL_METHOD)[0].inc()
         parts = by_proposer(gamma, accepted, r.free_kind, r.num_free, r.model_method)
         for method, (proposed, kept) in parts.items():
@@ -281,8 +291,10 @@ class TargetMetrics:
         return pair
 
     def record_step(self, wall_s: float, cpu_s: float, proposer_wait_s: float,
-                    tree_rounds: int = 0, tree_nodes: int = 0) -> None:
+                    tree_rounds: int = 0, tree_nodes: int = 0, ready_only: bool = False) -> None:
         self._steps.inc()
+        if ready_only:
+            self._ready_only_steps.inc()
         if tree_rounds:
             self._trees[0].inc(tree_rounds)
             self._trees[1].inc(tree_nodes)

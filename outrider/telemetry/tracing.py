@@ -98,8 +98,9 @@ def round_event(span: trace.Span, r: RoundStats) -> None:
     """A speculative round on `span`: γ proposed (the policy's decision), tokens accepted,
     the batch heat the decision was made at, the draft weights' version, how many of
     the proposals were looked up (model-free) and by which kind, what drafted the rest
-    (a draft model, or a head: "eagle3", "eagle", "medusa"), and a token tree's nodes
-    (γ is its depth; 0: a chain)."""
+    (a draft model, or a head: "eagle3", "eagle", "medusa"), a token tree's nodes (γ is
+    its depth; 0: a chain), and the speculation cache's rank of the outcome its drafts
+    were prepared for (0: drafted when asked)."""
     span.add_event("outrider.spec.round", {"outrider.spec.gamma": r.gamma,
                                            "outrider.spec.accepted": r.num_accepted,
                                            "outrider.spec.heat": r.heat,
@@ -108,4 +109,5 @@ def round_event(span: trace.Span, r: RoundStats) -> None:
                                            "outrider.spec.num_free": r.num_free,
                                            "outrider.spec.model_method":
                                                r.model_method or MODEL_METHOD,
-                                           "outrider.spec.tree_nodes": r.tree_nodes})
+                                           "outrider.spec.tree_nodes": r.tree_nodes,
+                                           "outrider.spec.cache_rank": r.cache_rank})

@@ -178,7 +178,7 @@ class ProposerStats(_message.Message):
     def __init__(self, method: _Optional[str] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class Round(_message.Message):
-    __slots__ = ("gamma", "num_accepted", "heat", "draft_version", "free_kind", "num_free", "model_method", "tree_nodes")
+    __slots__ = ("gamma", "num_accepted", "heat", "draft_version", "free_kind", "num_free", "model_method", "tree_nodes", "cache_rank")
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     HEAT_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,7 @@ class Round(_message.Message):
     NUM_FREE_FIELD_NUMBER: _ClassVar[int]
     MODEL_METHOD_FIELD_NUMBER: _ClassVar[int]
     TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_RANK_FIELD_NUMBER: _ClassVar[int]
     gamma: int
     num_accepted: int
     heat: float
@@ -195,7 +196,8 @@ class Round(_message.Message):
     num_free: int
     model_method: str
     tree_nodes: int
-    def __init__(self, gamma: _Optional[int] = ..., num_accepted: _Optional[int] = ..., heat: _Optional[float] = ..., draft_version: _Optional[int] = ..., free_kind: _Optional[str] = ..., num_free: _Optional[int] = ..., model_method: _Optional[str] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
+    cache_rank: int
+    def __init__(self, gamma: _Optional[int] = ..., num_accepted: _Optional[int] = ..., heat: _Optional[float] = ..., draft_version: _Optional[int] = ..., free_kind: _Optional[str] = ..., num_free: _Optional[int] = ..., model_method: _Optional[str] = ..., tree_nodes: _Optional[int] = ..., cache_rank: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "speculation", "rounds", "replica", "logprobs")

@@ -79,7 +79,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., held_back_ids: _Optional[_Iterable[int]] = ..., structured_output: _Optional[_Union[_generate_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class ProposeSequence(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "new_token_ids", "gamma", "sampling", "q_format", "traceparent", "prefill_only", "prompt_len", "teacher", "features")
+    __slots__ = ("seq_id", "committed_len", "new_token_ids", "gamma", "sampling", "q_format", "traceparent", "prefill_only", "prompt_len", "teacher", "features", "ready_only")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class ProposeSequence(_message.Message):
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     TEACHER_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    READY_ONLY_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     committed_len: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -102,7 +103,8 @@ class ProposeSequence(_message.Message):
     prompt_len: int
     teacher: _containers.RepeatedCompositeFieldContainer[TeacherRow]
     features: Features
-    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., q_format: _Optional[_Union[QFormat, str]] = ..., traceparent: _Optional[str] = ..., prefill_only: _Optional[bool] = ..., prompt_len: _Optional[int] = ..., teacher: _Optional[_Iterable[_Union[TeacherRow, _Mapping]]] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
+    ready_only: bool
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., q_format: _Optional[_Union[QFormat, str]] = ..., traceparent: _Optional[str] = ..., prefill_only: _Optional[bool] = ..., prompt_len: _Optional[int] = ..., teacher: _Optional[_Iterable[_Union[TeacherRow, _Mapping]]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., ready_only: _Optional[bool] = ...) -> None: ...
 
 class Features(_message.Message):
     __slots__ = ("data", "width", "dtype")
@@ -135,7 +137,7 @@ class ProposeRequest(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[ProposeSequence, _Mapping]]] = ..., dist_tag: _Optional[int] = ..., beside_target: _Optional[bool] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("seq_id", "miss", "token_ids", "support_lens", "support_ids", "support_probs", "dense_q", "vocab_size")
+    __slots__ = ("seq_id", "miss", "token_ids", "support_lens", "support_ids", "support_probs", "dense_q", "vocab_size", "cache_rank")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     MISS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +146,7 @@ class Proposal(_message.Message):
     SUPPORT_PROBS_FIELD_NUMBER: _ClassVar[int]
     DENSE_Q_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_RANK_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     miss: bool
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -152,7 +155,8 @@ class Proposal(_message.Message):
     support_probs: _containers.RepeatedScalarFieldContainer[float]
     dense_q: bytes
     vocab_size: int
-    def __init__(self, seq_id: _Optional[str] = ..., miss: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., support_lens: _Optional[_Iterable[int]] = ..., support_ids: _Optional[_Iterable[int]] = ..., support_probs: _Optional[_Iterable[float]] = ..., dense_q: _Optional[bytes] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    cache_rank: int
+    def __init__(self, seq_id: _Optional[str] = ..., miss: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., support_lens: _Optional[_Iterable[int]] = ..., support_ids: _Optional[_Iterable[int]] = ..., support_probs: _Optional[_Iterable[float]] = ..., dense_q: _Optional[bytes] = ..., vocab_size: _Optional[int] = ..., cache_rank: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("proposals", "draft_seconds", "draft_version", "target_topk")
@@ -183,7 +187,7 @@ class DraftStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftStats(_message.Message):
-    __slots__ = ("num_sequences", "num_used_blocks", "num_total_blocks", "num_evicted", "num_misses", "vocab_size", "max_model_len", "num_dense_sends", "model_name", "method", "feature_width")
+    __slots__ = ("num_sequences", "num_used_blocks", "num_total_blocks", "num_evicted", "num_misses", "vocab_size", "max_model_len", "num_dense_sends", "model_name", "method", "feature_width", "speculation_cache")
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +199,7 @@ class DraftStats(_message.Message):
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     FEATURE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_CACHE_FIELD_NUMBER: _ClassVar[int]
     num_sequences: int
     num_used_blocks: int
     num_total_blocks: int
@@ -206,7 +211,8 @@ class DraftStats(_message.Message):
     model_name: str
     method: str
     feature_width: int
-    def __init__(self, num_sequences: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_evicted: _Optional[int] = ..., num_misses: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_dense_sends: _Optional[int] = ..., model_name: _Optional[str] = ..., method: _Optional[str] = ..., feature_width: _Optional[int] = ...) -> None: ...
+    speculation_cache: bool
+    def __init__(self, num_sequences: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_evicted: _Optional[int] = ..., num_misses: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_dense_sends: _Optional[int] = ..., model_name: _Optional[str] = ..., method: _Optional[str] = ..., feature_width: _Optional[int] = ..., speculation_cache: _Optional[bool] = ...) -> None: ...
 
 class TargetRequest(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "resume_output_ids", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "spec_mode", "gamma", "acceptance_prior", "traceparent", "logprobs", "proposer", "tree_topk", "tree_tokens")
@@ -243,7 +249,7 @@ class TargetRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., resume_output_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., spec_mode: _Optional[_Union[SpecMode, str]] = ..., gamma: _Optional[int] = ..., acceptance_prior: _Optional[_Iterable[float]] = ..., traceparent: _Optional[str] = ..., logprobs: _Optional[int] = ..., proposer: _Optional[str] = ..., tree_topk: _Optional[int] = ..., tree_tokens: _Optional[int] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("gamma", "num_accepted", "heat", "draft_version", "free_kind", "num_free", "model_method", "tree_nodes")
+    __slots__ = ("gamma", "num_accepted", "heat", "draft_version", "free_kind", "num_free", "model_method", "tree_nodes", "cache_rank")
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     HEAT_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +258,7 @@ class RoundStats(_message.Message):
     NUM_FREE_FIELD_NUMBER: _ClassVar[int]
     MODEL_METHOD_FIELD_NUMBER: _ClassVar[int]
     TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_RANK_FIELD_NUMBER: _ClassVar[int]
     gamma: int
     num_accepted: int
     heat: float
@@ -260,7 +267,8 @@ class RoundStats(_message.Message):
     num_free: int
     model_method: str
     tree_nodes: int
-    def __init__(self, gamma: _Optional[int] = ..., num_accepted: _Optional[int] = ..., heat: _Optional[float] = ..., draft_version: _Optional[int] = ..., free_kind: _Optional[str] = ..., num_free: _Optional[int] = ..., model_method: _Optional[str] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
+    cache_rank: int
+    def __init__(self, gamma: _Optional[int] = ..., num_accepted: _Optional[int] = ..., heat: _Optional[float] = ..., draft_version: _Optional[int] = ..., free_kind: _Optional[str] = ..., num_free: _Optional[int] = ..., model_method: _Optional[str] = ..., tree_nodes: _Optional[int] = ..., cache_rank: _Optional[int] = ...) -> None: ...
 
 class TargetChunk(_message.Message):
     __slots__ = ("token_ids", "rounds", "finish_reason", "logprobs", "num_cached_tokens")

@@ -169,7 +169,9 @@ def test_adapt_trains_in_the_background_and_reports_its_rounds(draft_dir):
 def test_the_speculation_cache_answers_an_outcome_it_drafted_for(draft_dir):
     """With --speculation-cache, the replica drafts the likely outcomes of a round after
     answering it; the next Propose that brings one (here: every draft kept, then the
-    draft's own next token) is answered from there, as drafting that context would."""
+    draft's own next token) is answered from there, as drafting that context would. One
+    that asks for ready drafts only and misses is answered with none; the round after,
+    the target's token being the draft's guess, is answered from the cache."""
     from tests.scraping import scrape, total
 
     metrics = f"127.0.0.1:{free_port()}"
@@ -189,6 +191,28 @@ def test_the_speculation_cache_answers_an_outcome_it_drafted_for(draft_dir):
         want = local.draft([DraftItem("x", 0, CONTEXT + drafts + [bonus], 4,
                                       SAMPLINGS["ids"], 3, "ids")])
         assert list(reply.proposals[0].token_ids) == want.token_ids[0].tolist()
+        assert reply.proposals[0].cache_rank >= 1
         samples = scrape(metrics)
         assert total(samples, "outrider_draft_speculation_cache_lookups_total",
                      result="hit") == 1
+        assert stub.Stats(pb.DraftStatsRequest(), metadata=token_metadata(TOKEN)).\
+            speculation_cache
+
+        context = CONTEXT + drafts + [bonus]
+        prepared = total(scrape(metrics), "outrider_draft_speculation_cache_stand_ins_total")
+        unguessed = next(t for t in range(100, 200) if t != want.token_ids[0, 0].item())
+        ready = seq("c", len(context), [unguessed], 4, "ids")
+        ready.ready_only = True
+        reply = propose(stub, ready).proposals[0]
+        assert not reply.token_ids and not reply.miss and not reply.cache_rank
+        while total(scrape(metrics), "outrider_draft_speculation_cache_stand_ins_total") \
+                <= prepared:
+            assert time.monotonic() < deadline, "the miss's stand-in was never drafted"
+            time.sleep(0.05)
+        context.append(unguessed)
+        guess = local.draft([DraftItem("g", 0, context, 1, SAMPLINGS["ids"], 3, "ids")])
+        ready.new_token_ids.append(guess.token_ids[0, 0].item())
+        reply = propose(stub, ready).proposals[0]
+        want = local.draft([DraftItem("y", 0, context + [guess.token_ids[0, 0].item()], 4,
+                                      SAMPLINGS["ids"], 3, "ids")])
+        assert list(reply.token_ids) == want.token_ids[0].tolist() and reply.cache_rank == 1

@@ -12,6 +12,7 @@ from outrider.draft_worker.spec_cache import SpeculationCache
 from outrider import paths
 from outrider.core.sampling import SamplingParams
 from outrider.engine.drafter import Drafter
+from outrider.engine.goodput import CacheMissChoice
 from outrider.engine.proposer import DraftItem
 from outrider.engine.runner import ModelRunner, RunnerConfig
 
@@ -42,6 +43,13 @@ def next_item(cache: SpeculationCache, seq_id: str, drafts: list[int],
     while kept < min(len(outcome) - 1, len(drafts) - 1) and outcome[kept] == drafts[kept]:
         kept += 1
     return DraftItem(seq_id, base + kept, list(outcome[kept:]), gamma, params, 7, "dense")
+
+
+def round_then_unguessed(cache: SpeculationCache) -> tuple[list[int], int]:
+    """A first round for sequence "s": its drafts, and a token no stand-in guessed for k = 0."""
+    _, drafts = first_round(cache, "s")
+    guessed = {o[-1] for o in cache._entries["s"][1] if len(o) == 1}
+    return drafts, next(t for t in range(100, 200) if t not in guessed and t != drafts[0])
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
@@ -81,9 +89,7 @@ def test_sampled_rows_are_not_cached_unless_asked(draft_dir):
 def test_an_outcome_nobody_guessed_is_a_miss_and_drafts_as_before(draft_dir):
     cache = SpeculationCache(drafter(draft_dir))
     fresh = drafter(draft_dir)
-    _, drafts = first_round(cache, "s")
-    guessed = {o[-1] for o in cache._entries["s"][1] if len(o) == 1}
-    unguessed = next(t for t in range(100, 200) if t not in guessed and t != drafts[0])
+    drafts, unguessed = round_then_unguessed(cache)
     item = next_item(cache, "s", drafts, (unguessed,))
     assert cache.take([item]) == [None] and cache.misses == 1
     assert cache.drafter.runner.blocks.num_sequences == 1  # its stand-ins are gone
@@ -160,3 +166,44 @@ def test_a_hit_drafts_the_stand_ins_of_the_round_after(draft_dir):
         drafts = entry.drafts
         cache.fill(cache.plan([item], [drafts]))
     assert cache.hits == 3
+
+
+def test_a_ready_only_miss_drafts_nothing_now_and_its_next_round_is_prepared(draft_dir):
+    """A sequence that asks for ready drafts only and misses proposes nothing and is not
+    taken in (the target decodes one token and sends the tokens again); its stand-in, the
+    context drafted γ + 1 deep, answers the round after when the target's token is the
+    draft's guess, with what drafting that context afresh answers."""
+    cache = SpeculationCache(drafter(draft_dir))
+    fresh = drafter(draft_dir)
+    drafts, unguessed = round_then_unguessed(cache)
+    miss = next_item(cache, "s", drafts, (unguessed,))
+    miss.ready_only = True
+    held = list(cache.drafter.token_ids["s"])
+    assert cache.take([miss]) == [None] and cache.drafter.holds(miss)
+    cache.fill(cache.plan([miss], [[]]))  # as the replica does after answering none
+    assert cache.drafter.token_ids["s"] == held  # nothing taken in
+    [(outcome, entry)] = cache._entries["s"][1].items()
+    context = CONTEXT + [unguessed]
+    guess = fresh.draft([DraftItem("g", 0, context, 1, GREEDY, 7, "dense")]).token_ids[0, 0]
+    assert outcome == (guess.item(),) and entry.rank == 1
+    nxt = DraftItem("s", miss.committed_len, [unguessed, guess.item()], 4, GREEDY, 7, "dense",
+                    ready_only=True)
+    [hit] = cache.take([nxt])
+    want = fresh.draft([DraftItem("r", 0, context + [guess.item()], 4, GREEDY, 7, "dense")])
+    assert hit is not None and hit.drafts == want.token_ids[0].tolist()
+
+
+def test_misses_are_waited_for_at_one_sequence_and_left_out_in_a_batch():
+    """CacheMissChoice: nothing measured, a Propose waits for its misses (as without a
+    cache); once a miss's cost is known, the ready-only wait is measured; then at 8
+    sequences (7 of 8 hit) leaving the miss out pays, at one it does not: the whole step
+    waits for one sequence's drafting, which its 3 kept drafts outweigh."""
+    choice = CacheMissChoice()
+    verify = lambda n: 0.010 + 0.0005 * n  # noqa: E731 (seconds for n positions)
+    assert not choice.ready_only(8, 4, verify)
+    for _ in range(20):
+        choice.observe(False, 8, 7, 0.006)
+        choice.observe_kept(3)
+    assert choice.ready_only(8, 4, verify)
+    choice.observe(True, 8, 7, 0.001)
+    assert choice.ready_only(8, 4, verify) and not choice.ready_only(1, 4, verify)

@@ -1,0 +1,81 @@
+"""Choices the speculative loop makes step by step by expected goodput (tokens a second),
+from what its own steps measured: whether greedy requests draft trees (tree.TreeChoice)
+and what a Propose does with the sequences a speculation cache misses (CacheMissChoice)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+class Trials:
+    """When a measured choice runs its losing option anyway, so that option's figures
+    follow the load and the text: after 8 steps, then twice as long each time it loses
+    again (up to 128), from 8 again when the lead changes."""
+
+    FIRST, LAST = 8, 128  # steps between tries of the loser
+
+    def __init__(self) -> None:
+        self.left = self.wait = self.FIRST
+        self.leader: bool | None = None
+
+    def pick(self, best: bool) -> bool:
+        """`best` most steps, the other now and then."""
+        if self.leader != best:
+            self.left = self.wait = self.FIRST
+            self.leader = best
+        self.left -= 1
+        if self.left > 0:
+            return best
+        self.wait = min(2 * self.wait, self.LAST)
+        self.left = self.wait
+        return not best
+
+
+def ewma(old: float | None, new: float, weight: float = 0.1) -> float:
+    return new if old is None else old + weight * (new - old)
+
+
+class CacheMissChoice:
+    """Whether a step's Proposes ask for ready drafts only (DraftItem.ready_only: a
+    sequence the draft replica's speculation cache misses verifies no drafts this round)
+    or wait while the misses are drafted. Waiting costs the whole batch the misses'
+    drafting, whenever any of its B sequences misses (1 - h^B, h the hit rate); not
+    waiting costs each missed sequence the drafts a round keeps. Priced with the replica's
+    cost model (`verify_seconds`) and the Propose waits measured either way; until both
+    are known, it waits (as without a cache) and tries ready drafts only now and then."""
+
+    def __init__(self) -> None:
+        self.hit_rate: float | None = None  # of the sequences a Propose asked drafts for
+        self.kept: float | None = None      # drafts a round keeps
+        # the step's wait for its Proposes: asking for ready drafts only, and waiting for
+        # a Propose some sequence missed in
+        self.ready_wait_s: float | None = None
+        self.miss_wait_s: float | None = None
+        self.trials = Trials()
+
+    def observe(self, ready_only: bool, rows: int, hits: int, wait_s: float) -> None:
+        """A step's Propose: `rows` sequences asked for drafts, `hits` of them cached."""
+        if not rows:
+            return
+        self.hit_rate = ewma(self.hit_rate, hits / rows)
+        if ready_only:
+            self.ready_wait_s = ewma(self.ready_wait_s, wait_s)
+        elif hits < rows:
+            self.miss_wait_s = ewma(self.miss_wait_s, wait_s)
+
+    def observe_kept(self, kept: int) -> None:
+        self.kept = ewma(self.kept, kept)
+
+    def ready_only(self, rows: int, gamma: int, verify_seconds: Callable[[int], float]) -> bool:
+        """For `rows` sequences asking for γ drafts each."""
+        if self.hit_rate is None or self.kept is None or self.miss_wait_s is None:
+            return False
+        if self.ready_wait_s is None:
+            return True  # measure it once
+        h, kept, wait = self.hit_rate, self.kept, self.ready_wait_s
+        waited = rows * (1 + kept) / (verify_seconds(rows * (1 + gamma)) + wait
+                                      + (1 - h ** rows) * max(0.0, self.miss_wait_s - wait))
+        hits = rows * h
+        ready = (hits * (1 + kept) + rows - hits) / (
+            verify_seconds(round(hits * (1 + gamma) + rows - hits)) + wait)
+        return self.trials.pick(ready > waited)
