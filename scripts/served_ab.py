@@ -2,16 +2,18 @@
 
     python scripts/served_ab.py --variants "default;--threads 1" [--concurrency 32,64]
         [--modes auto,off] [--rounds 2] [--prompts 64] [--dtype auto]
-        [--out results/served_ab.json]
+        [--sampling greedy] [--out results/served_ab.json]
 
 Each variant is a `outrider serve`-like deployment on the demo pair (router, target and
 draft replicas as processes, every default as `outrider serve` has it, the variant's
-flags added to the target replica's), driven by `outrider bench`'s gRPC client (code
-prompts, greedy, 96 tokens, EOS ignored). Rounds take the variants in turn, the order
+flags added to the target replica's, but for `--speculation-cache`, which is serve's:
+the draft replicas' cache), driven by `outrider bench`'s gRPC client (code prompts,
+greedy or --sampling, 96 tokens, EOS ignored). Rounds take the variants in turn, the order
 reversed every other round, so the machine's noise meets each alike. Per variant, mode
 and level: tok/s and TTFT p50 as the client saw them, then from the replicas' metrics the
 engine thread's step (ms, and the shares on its CPU, waiting for the proposer, waiting
-otherwise) and the draft replica's time per Propose.
+otherwise), the share of rounds whose drafts the speculation cache had ready, and the
+draft replica's time per Propose.
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ import grpc
 
 from outrider import paths
 from outrider.bench import serving
-from outrider.bench.common import Mode, command_line, machine, provenance, workload_prompts
+from outrider.bench.common import (
+    SETTINGS,
+    Mode,
+    command_line,
+    machine,
+    provenance,
+    workload_prompts,
+)
 from outrider.bench.versus import engine_cell, engine_counters
 from outrider.core.tokenizer import Tokenizer
 from outrider.local_system import LocalSystemConfig, local_system
@@ -48,9 +57,11 @@ def propose_seconds(metrics: str) -> tuple[float, float]:
 def measure(variant: str, plan: serving.Plan, dtype: str) -> list[dict]:
     """Every (mode, level) of the plan on a fresh deployment with the variant's flags."""
     target, draft = map(str, paths.demo_pair())
-    extra = () if variant == "default" else tuple(shlex.split(variant))
+    extra = [] if variant == "default" else shlex.split(variant)
+    cache = "--speculation-cache" in extra
+    extra = tuple(a for a in extra if a != "--speculation-cache")
     cfg = LocalSystemConfig(target, draft, grpc_port=0, metrics=True, extra_target_args=extra,
-                            dtype=dtype)
+                            dtype=dtype, speculation_cache=cache)
     rows = []
     with local_system(cfg) as system, grpc.insecure_channel(system.router) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
@@ -86,12 +97,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--dtype", default="auto", help="of both models (as serve's --dtype)")
+    parser.add_argument("--sampling", default="greedy", choices=list(SETTINGS))
     parser.add_argument("--out", default="results/served_ab.json")
     args = parser.parse_args()
     target = str(paths.demo_target_dir(must_exist=True))
     plan = serving.Plan(prompts={"code": workload_prompts(Tokenizer(target), "code",
                                                           args.prompts, 128)},
-                        samplings=["greedy"], modes=[Mode.parse(m) for m in
+                        samplings=[args.sampling], modes=[Mode.parse(m) for m in
                                                      args.modes.split(",")],
                         levels=[int(c) for c in args.concurrency.split(",")], max_tokens=96,
                         seed=0, repeats=1)
@@ -101,7 +113,8 @@ def main() -> int:
     report = {"provenance": provenance(), "machine": machine(), "command": command_line(),
               "variants": variants, "config": {"prompts": args.prompts, "max_tokens": 96,
                                                "dtype": args.dtype,
-                                               "prompt_tokens": 128, "sampling": "greedy"},
+                                               "prompt_tokens": 128,
+                                               "sampling": args.sampling},
               "rows": [row for one in rounds for rows in one for row in rows]}
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)

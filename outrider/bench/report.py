@@ -278,8 +278,9 @@ GPU_GAMMA = 4  # scripts/gpu_check.py's
 
 def render_served_ab(runs: list[Run]) -> str:
     """scripts/served_ab.py: per variant and mode, mean tok/s [each round] per level, then
-    the target engine thread's mean step and its share waiting neither on its CPU nor on
-    the proposer."""
+    the target engine thread's mean step, its shares waiting for the proposer and waiting
+    neither on its CPU nor for it, and (runs that measured it) the share of rounds whose
+    drafts the speculation cache had ready."""
     import statistics
 
     run = runs[0]
@@ -297,14 +298,31 @@ def render_served_ab(runs: list[Run]) -> str:
             f" {statistics.mean(r['tokens_per_s'] for r in rows):,.0f} "
             f"[{' / '.join(str(round(r['tokens_per_s'])) for r in rows)}] |"
             for rows in (by_level[c] for c in levels)))
-        steps.append(label + "".join(
-            f" {statistics.mean(r['engine_step_ms'] for r in rows):.1f} ms, "
-            f"{statistics.mean(r['engine_other_wait'] for r in rows):.0%} |"
-            for rows in (by_level[c] for c in levels)))
-    return with_provenance(runs, "Mean output tok/s [each round]:", "\n".join(speed),
-                           "The target's engine thread: mean step, and its share waiting "
-                           "otherwise (neither on its CPU nor for the proposer):",
-                           "\n".join(steps))
+        steps.append(label + "".join(_served_ab_step(rows)
+                                     for rows in (by_level[c] for c in levels)))
+    return with_provenance(runs, f"Mean output tok/s [each round], "
+                           f"{run.data['config'].get('sampling', 'greedy')}:",
+                           "\n".join(speed),
+                           "The target's engine thread: mean step, and its shares waiting "
+                           "for the proposer and otherwise (neither on its CPU nor for the "
+                           "proposer); where measured, the rounds whose drafts were ready in "
+                           "the speculation cache:", "\n".join(steps))
+
+
+def _served_ab_step(rows: list[dict]) -> str:
+    import statistics
+
+    def mean(key: str) -> float:
+        return statistics.mean(r[key] for r in rows)
+
+    text = f" {mean('engine_step_ms'):.1f} ms, "
+    if "engine_cache_hits" in rows[0]:
+        text += f"wait {mean('engine_proposer_wait'):.0%}, "
+    text += f"{mean('engine_other_wait'):.0%}"
+    hits = [r["engine_cache_hits"] for r in rows if r.get("engine_cache_hits") is not None]
+    if hits and all(h == h for h in hits) and any(hits):
+        text += f", ready {statistics.mean(hits):.0%}"
+    return text + " |"
 
 
 def render_gpu_served(runs: list[Run]) -> str:

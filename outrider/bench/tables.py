@@ -144,19 +144,23 @@ def _versus_cell(x: dict, rounds: bool) -> str:
 
 
 def engine_table(results: dict[str, dict[int, dict]]) -> str:
-    """Per Outrider system and level, the engine thread's time (engine_cell), as %."""
+    """Per Outrider system and level, the engine thread's time (engine_cell), as %; and
+    where some system ran a speculation cache, the rounds whose drafts it had ready."""
+    cells = [(system, c, x) for system, by_level in results.items()
+             for c, x in sorted(by_level.items()) if "engine_cpu" in x]
+    cached = any(_share(x.get("engine_cache_hits")) not in ("–", "0%") for _, _, x in cells)
     lines = ["| system | streams | steps/s | step ms | in steps | of which on CPU | waiting "
-             "for the proposer | waiting otherwise | voluntary switches a step |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for system, cells in results.items():
-        for c, x in sorted(cells.items()):
-            if "engine_cpu" in x:
-                lines.append(
-                    f"| {system} | {c} | {x['engine_steps_per_s']:.0f} | "
-                    f"{x['engine_step_ms']:.1f} | {x['engine_in_steps']:.0%} | "
-                    f"{x['engine_cpu']:.0%} | "
-                    f"{x['engine_proposer_wait']:.0%} | {x['engine_other_wait']:.0%} | "
-                    f"{x['engine_switches_per_step']:.1f} |")
+             "for the proposer | waiting otherwise | voluntary switches a step |"
+             + (" rounds ready in the speculation cache |" if cached else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if cached else "")]
+    for system, c, x in cells:
+        lines.append(
+            f"| {system} | {c} | {x['engine_steps_per_s']:.0f} | "
+            f"{x['engine_step_ms']:.1f} | {x['engine_in_steps']:.0%} | "
+            f"{x['engine_cpu']:.0%} | "
+            f"{x['engine_proposer_wait']:.0%} | {x['engine_other_wait']:.0%} | "
+            f"{x['engine_switches_per_step']:.1f} |"
+            + (f" {_share(x.get('engine_cache_hits'))} |" if cached else ""))
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -182,6 +186,11 @@ def model_rate(cell: dict) -> float | None:
 
 def _fixed(value, digits: int = 0) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _share(value: float | None) -> str:
+    """A share as %, "–" where the run did not measure it."""
+    return "–" if value is None or value != value else f"{value:.0%}"
 
 
 def structured_table(results: dict[str, dict], constraints: list[str],

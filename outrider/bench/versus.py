@@ -171,7 +171,8 @@ def measure_server(args, system: str, url: str, prompts_files: dict[int, Path],
 
 
 def engine_counters(metrics_urls: list[str]) -> dict[str, float]:
-    """The target engine threads' counters (outrider_engine_*), summed over replicas."""
+    """The target engine threads' counters (outrider_engine_*, and the speculative rounds
+    and those whose drafts the speculation cache had ready), summed over replicas."""
     from prometheus_client.parser import text_string_to_metric_families
 
     totals: dict[str, float] = {}
@@ -183,7 +184,9 @@ def engine_counters(metrics_urls: list[str]) -> dict[str, float]:
         for sample in (s for f in text_string_to_metric_families(text) for s in f.samples):
             key = {"outrider_engine_steps_total": "steps",
                    "outrider_engine_step_seconds_total": sample.labels.get("part"),
-                   "outrider_engine_context_switches": sample.labels.get("kind")
+                   "outrider_engine_context_switches": sample.labels.get("kind"),
+                   "vllm:spec_decode_num_drafts_total": "rounds",
+                   "outrider_spec_cache_rounds_total": "cache_rounds",
                    }.get(sample.name)
             if key:
                 totals[key] = totals.get(key, 0.0) + sample.value
@@ -195,7 +198,8 @@ def engine_cell(before: dict[str, float], after: dict[str, float], seconds: floa
     them spent in steps, and of the steps' wall time the share on the thread's CPU, off it
     waiting for the proposer, and waiting for anything else (the rest: the GIL held by the
     process's other threads, or the forward's own intra-op threads, whose CPU time is not
-    the engine thread's); voluntary context switches a step."""
+    the engine thread's); voluntary context switches a step; the share of speculative
+    rounds whose drafts came ready from a speculation cache."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     wall, steps = d.get("wall") or float("nan"), d.get("steps") or float("nan")
     return {"engine_in_steps": wall / seconds, "engine_step_ms": 1000 * wall / steps,
@@ -203,7 +207,8 @@ def engine_cell(before: dict[str, float], after: dict[str, float], seconds: floa
             "engine_proposer_wait": d.get("proposer_wait", 0.0) / wall,
             "engine_other_wait": 1 - (d.get("cpu", 0.0) + d.get("proposer_wait", 0.0)) / wall,
             "engine_steps_per_s": steps / seconds,
-            "engine_switches_per_step": d.get("voluntary", 0.0) / steps}
+            "engine_switches_per_step": d.get("voluntary", 0.0) / steps,
+            "engine_cache_hits": d.get("cache_rounds", 0.0) / (d.get("rounds") or float("nan"))}
 
 
 def _outrider_body(system: str) -> dict | None:
