@@ -136,8 +136,7 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                             "--tree-topk", str(cfg.tree_topk),
                             "--tree-tokens", str(cfg.tree_tokens),
                             *(("--small-step-threads", str(cpus.small_step_threads))
-                              if cpus else ()), *target_core_args(cfg, cpus),
-                            *cfg.extra_target_args)
+                              if cpus else ()), *cfg.extra_target_args)
                         for i in range(cfg.target_replicas))
         http_port = None if cfg.http_port is None else cfg.http_port or free_port()
         router = run("router", "router", "--model", cfg.target,
@@ -170,11 +169,3 @@ def gpu_shares(cfg: LocalSystemConfig, num_drafts: int) -> tuple[tuple[str, ...]
     flag = lambda share: ("--gpu-memory-utilization", f"{share:.4f}")  # noqa: E731
     draft_flag = flag(drafts / num_drafts) if num_drafts else ()
     return draft_flag, flag((whole - drafts) / cfg.target_replicas)
-
-
-def target_core_args(cfg: LocalSystemConfig, cpus) -> tuple[str, ...]:
-    """With the speculation cache, the target keeps to its own cores for every step: the
-    drafts prepare the next round on the others while it verifies (docs/DESIGN.md §2.6)."""
-    if not (cpus and cfg.speculation_cache and cfg.draft):
-        return ()
-    return "--cpus", cpus.target, "--threads", str(cpus.small_step_threads)

@@ -40,8 +40,9 @@ def test_a_role_runs_on_the_cores_it_was_given():
 
 
 def test_small_steps_run_on_the_small_step_threads_and_large_ones_on_all(llama_dir):
-    """The target's plan: a forward of fewer than SMALL_STEP_TOKENS tokens, or a decode
-    step of any batch, on its own cores' threads, any other on every thread it has."""
+    """The target's plan: a forward of fewer than SMALL_STEP_TOKENS tokens, a decode
+    step of any batch, or one with a draft working beside it, on its own cores' threads,
+    any other on every thread it has."""
     import torch
 
     from outrider.engine.runner import SMALL_STEP_TOKENS, ForwardRequest, ModelRunner, RunnerConfig
@@ -51,12 +52,14 @@ def test_small_steps_run_on_the_small_step_threads_and_large_ones_on_all(llama_d
     try:
         runner = ModelRunner(RunnerConfig(str(llama_dir), kv_cache_mb=1, small_step_threads=1))
         seen = []
-        for tokens in (SMALL_STEP_TOKENS - 1, SMALL_STEP_TOKENS, 1):
+        for tokens, beside in ((SMALL_STEP_TOKENS - 1, False), (SMALL_STEP_TOKENS, False),
+                               (1, False), (SMALL_STEP_TOKENS, True)):
             runner.blocks.append(tokens, tokens)
-            runner.forward([ForwardRequest([5] * tokens, 0, runner.blocks.block_table(tokens), 1)])
+            runner.forward([ForwardRequest([5] * tokens, 0, runner.blocks.block_table(tokens),
+                                           1)], beside_draft=beside)
             seen.append(torch.get_num_threads())
             runner.blocks.free(tokens)
-        assert seen == [1, 2, 1]
+        assert seen == [1, 2, 1, 1]
         for kind, threads in (("by-kind", 1), ("by-size", 2)):
             runner.cfg = replace(runner.cfg, step_threads=kind)
             decode = [(seq, 1) for seq in range(SMALL_STEP_TOKENS + 4)]  # a token each
@@ -93,13 +96,3 @@ def test_a_model_that_streams_its_weights_runs_every_step_on_every_thread(llama_
     finally:
         torch.set_num_threads(before)
 
-
-def test_with_the_speculation_cache_the_target_keeps_to_its_own_cores():
-    """Its stand-ins are drafted while the target verifies, on the cores the target's
-    large steps would otherwise take (docs/DESIGN.md §2.6)."""
-    from outrider.local_system import LocalSystemConfig, target_core_args
-    two = plan_cpus([0, 1])
-    cfg = LocalSystemConfig("target", "draft", speculation_cache=True)
-    assert target_core_args(cfg, two) == ("--cpus", "0", "--threads", "1")
-    assert target_core_args(replace(cfg, speculation_cache=False), two) == ()
-    assert target_core_args(cfg, None) == ()

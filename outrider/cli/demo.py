@@ -28,9 +28,9 @@ def cmd_demo(args) -> int:
 
     prompt = _demo_prompt()
     target, draft = paths.demo_pair()
-    cfg = LocalSystemConfig(str(target), str(draft), grpc_port=0)
-    print("== starting router, target replica and draft replica (processes, gRPC) ==",
-          flush=True)
+    cfg = LocalSystemConfig(str(target), str(draft), grpc_port=0, speculation_cache=True)
+    print("== starting router, target replica and draft replica (processes, gRPC; the "
+          "draft replica with its speculation cache) ==", flush=True)
     with local_system(cfg) as system, Client(system.router, timeout_s=600) as client:
         print(f"router listening on {system.router}\n== prompt: the head of held-out module "
               f"{DEMO_MODULE} ==\n{prompt}", flush=True)
@@ -44,6 +44,7 @@ def cmd_demo(args) -> int:
         plain = client.generate(prompt, speculation="off", **options)
         print("\n" + stats_line(spec))
         _print_comparison(spec, plain)
+        _demo_cache(client, prompt, options, args.gamma)
         _demo_sampled(client, prompt, args.max_tokens)
     head = paths.demo_head_dir()
     if (head / "config.json").is_file():
@@ -74,6 +75,31 @@ def _demo_head(target: str, head: str, prompt: str, options: dict, gamma: int, s
         s = result.speculation
         print(f"  {name:13} α {s.acceptance_rate:.2f}, {s.mean_accepted_len:.2f} tokens/round, "
               f"{result.timings.tokens_per_s:.1f} tok/s")
+
+
+CACHE_STREAMS = 4  # beyond the 2 that draft ahead instead (docs/DESIGN.md §2.5-2.6)
+
+
+def _demo_cache(client, prompt: str, options: dict, gamma: int) -> None:
+    """Several greedy streams at once: the draft replica drafts each round's likely
+    outcomes while the target verifies, and rounds whose outcome it prepared take their
+    drafts without waiting for the draft model."""
+    print(f"\n== {CACHE_STREAMS} streams at once, greedy, γ = {gamma}: drafts prepared in "
+          f"the draft replica's speculation cache ==", flush=True)
+    lines = prompt.splitlines(keepends=True)
+    prompts = ["".join(lines[:len(lines) - k]) for k in range(CACHE_STREAMS)]
+    batch = dict(max_concurrency=CACHE_STREAMS, **options)
+    spec = client.generate_batch(prompts, speculation="fixed", gamma_max=gamma,
+                                 proposer="model", include_rounds=True, **batch)
+    plain = client.generate_batch(prompts, speculation="off", **batch)
+    rounds = [r for g in spec for r in g.rounds if r.gamma]
+    ready = sum(r.cache_rank > 0 for r in rounds)
+    drafted = sum(r.gamma for r in rounds)
+    accepted = sum(r.num_accepted for r in rounds)
+    same = all(s.token_ids == p.token_ids for s, p in zip(spec, plain))
+    print(f"rounds {len(rounds)}, of which {ready} ({ready / max(1, len(rounds)):.0%}) took "
+          f"drafts ready in the cache; α = {accepted / max(1, drafted):.3f}; output "
+          f"{'identical' if same else 'DIFFERENT'} to the target's own greedy output")
 
 
 SAMPLED = dict(temperature=0.7, top_p=0.9, seed=7)  # what production traffic runs at

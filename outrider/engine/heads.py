@@ -336,8 +336,10 @@ class HeadRunner(ModelRunner):
         """The feature rows it takes from a target (HeadConfig.feature_width)."""
         return self.head.feature_width
 
-    def _forward(self, requests: list[ForwardRequest]) -> torch.Tensor:
+    def _forward(self, requests: list[ForwardRequest], beside_draft: bool = False
+                 ) -> torch.Tensor:
         pairs = [_as_pairs(r) for r in requests]
+        self._use_threads(pairs, beside_draft)
         input_ids, positions, meta, logits_rows = self._batch(pairs)
         features = torch.cat([r.features for r in pairs])  # [num_pairs, width]
         return self.step(input_ids, positions, self.kv_caches, meta, logits_rows, features)

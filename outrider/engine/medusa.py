@@ -83,6 +83,7 @@ class MedusaProposer:
     target_topk = 0
     reads_target = FeatureTap(normed=True)
     drafts_trees = True  # level j of a tree from head j (_draft_trees)
+    prepares_ahead = False
     method = "medusa"
 
     def version_of(self, seq_id) -> int:

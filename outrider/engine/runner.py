@@ -284,22 +284,25 @@ class ModelRunner:
                 + LOGITS_ROWS * mc.vocab_size * 4)
 
     @torch.inference_mode()
-    def forward(self, requests: list[ForwardRequest]) -> torch.Tensor:
-        """Run one forward; returns logits [sum(num_logits), vocab] in fp32."""
+    def forward(self, requests: list[ForwardRequest], beside_draft: bool = False
+                ) -> torch.Tensor:
+        """Run one forward; returns logits [sum(num_logits), vocab] in fp32.
+        `beside_draft`: a draft works meanwhile on the cores beyond this rank's own."""
         if not requests:
             return torch.zeros(0, self.vocab_size, device=self.device)
         if self.tp.size > 1 and self.tp.is_driver:
             broadcast_requests(self.tp, encode_requests(requests))
-        return self._forward(requests)
+        return self._forward(requests, beside_draft)
 
-    def _forward(self, requests: list[ForwardRequest]) -> torch.Tensor:
+    def _forward(self, requests: list[ForwardRequest], beside_draft: bool = False
+                 ) -> torch.Tensor:
+        self._use_threads(requests, beside_draft)
         input_ids, positions, meta, logits_rows = self._batch(requests)
         return self.step(input_ids, positions, self.kv_caches, meta, logits_rows)
 
     def _batch(self, requests: list[ForwardRequest]):
         """(input_ids, positions, metadata, logits rows) of a forward over `requests`."""
         device = self.device
-        self._use_threads(requests)
         input_ids, positions, logits_rows, offset = [], [], [], 0
         for r in requests:
             n = len(r.token_ids)
@@ -342,9 +345,11 @@ class ModelRunner:
         keep theirs prepacked, outside the module's parameters)."""
         return self.model_config.num_params * self.dtype.itemsize // self.tp.size
 
-    def _use_threads(self, requests: list[ForwardRequest]) -> None:
+    def _use_threads(self, requests: list[ForwardRequest], beside_draft: bool) -> None:
         """A small forward on `small_step_threads`, any other on every thread of this
-        rank. Small: fewer than SMALL_STEP_TOKENS tokens, and (step_threads "by-kind") a
+        rank. Small: one with a draft working beside it (a speculation cache's stand-ins,
+        drafting ahead: the other cores are the draft's then), fewer than
+        SMALL_STEP_TOKENS tokens, and (step_threads "by-kind") a
         decode step, one token a sequence, whatever the batch: serving, such a step
         streams a delta per token to the router, which keeps the other cores busy, and a
         forward there waits at every parallel region for its preempted threads (a
@@ -356,7 +361,8 @@ class ModelRunner:
             return
         decode = self.cfg.step_threads == "by-kind" and all(len(r.token_ids) == 1
                                                              for r in requests)
-        small = ((decode or sum(len(r.token_ids) for r in requests) < SMALL_STEP_TOKENS)
+        small = ((beside_draft or decode
+                  or sum(len(r.token_ids) for r in requests) < SMALL_STEP_TOKENS)
                  and self.weight_bytes <= SMALL_STEP_WEIGHT_BYTES)
         threads = min(self.cfg.small_step_threads, self.threads) if small else self.threads
         if torch.get_num_threads() != threads:

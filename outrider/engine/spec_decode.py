@@ -482,6 +482,12 @@ class SpeculativeDecoder:
                                       sum(r.cache_rank > 0 for r in drafted), step.draft_s)
         self._start_background(step)
 
+    def _prepared_for(self, seq: Sequence) -> bool:
+        """Whether a draft replica's speculation cache prepares the next rounds of `seq`:
+        a greedy chain without a grammar (draft_worker/spec_cache.py)."""
+        return (seq.params.is_greedy and seq.params.structured_output is None
+                and self._tree_for(seq) is None)
+
     def _ready_only(self, rows: list[Row], gammas: list[int]) -> bool:
         """Whether this step's Proposes ask for what the speculation cache prepared only
         (CacheMissChoice): when every sequence asking is of the kind it prepares for (a
@@ -489,8 +495,7 @@ class SpeculativeDecoder:
         sample must not depend on what was cached."""
         asking = [(r.seq, g) for r, g in zip(rows, gammas) if g]
         if self.cache_misses is None or self.verify_seconds is None or not asking or any(
-                not seq.params.is_greedy or seq.params.structured_output is not None
-                or self._tree_for(seq) is not None for seq, _ in asking):
+                not self._prepared_for(seq) for seq, _ in asking):
             return False
         gamma = round(sum(g for _, g in asking) / len(asking))
         return self.cache_misses.ready_only(len(asking), gamma, self.verify_seconds)
@@ -541,7 +546,7 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         # where each row's fed tokens start, for a head's features (not known after)
         positions = [r.seq.target_len for r in step.rows] if self.reads is not None else []
-        step.logits = self._forward(step.rows, step.drafts)
+        step.logits = self._forward(step.rows, step.drafts, self._draft_beside(step))
         step.verify_s = time.perf_counter() - start
         if self.reads is not None:
             step.features = self.target.features
@@ -762,7 +767,16 @@ class SpeculativeDecoder:
             self._warming.append((pending, [(seq, held) for _, seq, held in live]))
 
     # -- verify ----------------------------------------------------------------------------
-    def _forward(self, rows: list[Row], drafts: list[list[int]]) -> torch.Tensor:
+    def _draft_beside(self, step: Step) -> bool:
+        """Whether the draft works while this step's forward runs: drafting ahead, or
+        (a draft replica's speculation cache) preparing the next round of the greedy
+        chains it was asked for; the forward then leaves it the cores beyond the
+        target's own (ModelRunner.forward)."""
+        return step.background is not None or (self.cache_misses is not None and any(
+            r.wanted and not r.is_first and self._prepared_for(r.seq) for r in step.rows))
+
+    def _forward(self, rows: list[Row], drafts: list[list[int]], beside_draft: bool = False
+                 ) -> torch.Tensor:
         """ONE target forward over all rows' fed tokens + proposals. Returns logits
         [sum over ready rows of (γ_i + 1), vocab]; a row's last one is its bonus row."""
         blocks = self.target.blocks
@@ -779,7 +793,7 @@ class SpeculativeDecoder:
             requests.append(ForwardRequest(x, seq.target_len, blocks.block_table(seq.seq_id),
                                            r.gamma + 1 if r.is_ready else 0, tree=tree))
             seq.target_len += len(x)
-        return self.target.forward(requests)
+        return self.target.forward(requests, beside_draft)
 
     def _add_bonus_candidates(self, step: Step, ahead: Proposal) -> None:
         """Append each row's bonus-position candidate to its proposals (γ_i + 1 tokens to

@@ -207,3 +207,27 @@ def test_misses_are_waited_for_at_one_sequence_and_left_out_in_a_batch():
     assert choice.ready_only(8, 4, verify)
     choice.observe(True, 8, 7, 0.001)
     assert choice.ready_only(8, 4, verify) and not choice.ready_only(1, 4, verify)
+
+
+@pytest.mark.slow
+def test_served_greedy_with_the_cache_is_the_target_alone():
+    """`outrider serve --speculation-cache`, 8 greedy streams drafted by the model only:
+    rounds take drafts from the cache (and the policy leaves some misses out, drafting
+    nothing for them that round), and every output is the target's own."""
+    from outrider.client import Client
+    from outrider.local_system import LocalSystemConfig, local_system
+    from tests.scraping import scrape, total
+
+    target, draft = map(str, paths.demo_pair())
+    cfg = LocalSystemConfig(target, draft, grpc_port=0, metrics=True, kv_cache_mb=32,
+                            speculation_cache=True, proposer="model")
+    prompts = [[5 + k, 300 + 7 * k, 41, 1200 - k, 9, 77 + k] for k in range(8)]
+    options = dict(max_tokens=64, temperature=0.0, ignore_eos=True, max_concurrency=8)
+    with local_system(cfg) as system, Client(system.router, timeout_s=120) as client:
+        spec = client.generate_batch(prompts, speculation="fixed", gamma_max=4,
+                                     include_rounds=True, **options)
+        plain = client.generate_batch(prompts, speculation="off", **options)
+        samples = scrape(system.metrics["target"])
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert sum(r.cache_rank > 0 for s in spec for r in s.rounds) > 0
+    assert total(samples, "outrider_spec_cache_ready_only_steps_total") > 0
