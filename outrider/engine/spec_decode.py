@@ -770,10 +770,13 @@ class SpeculativeDecoder:
     def _draft_beside(self, step: Step) -> bool:
         """Whether the draft works while this step's forward runs: drafting ahead, or
         (a draft replica's speculation cache) preparing the next round of the greedy
-        chains it was asked for; the forward then leaves it the cores beyond the
-        target's own (ModelRunner.forward)."""
+        chains the model drafted for, or left without drafts; the forward then leaves it
+        the cores beyond the target's own (ModelRunner.forward). Not for rounds looked up
+        alone: the model has nothing to prepare from them."""
         return step.background is not None or (self.cache_misses is not None and any(
-            r.wanted and not r.is_first and self._prepared_for(r.seq) for r in step.rows))
+            not r.is_first and self._prepared_for(r.seq)
+            and (r.gamma > r.source[1] or step.ready_only and r.wanted and not r.gamma)
+            for r in step.rows))
 
     def _forward(self, rows: list[Row], drafts: list[list[int]], beside_draft: bool = False
                  ) -> torch.Tensor:
