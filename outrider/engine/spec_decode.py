@@ -101,6 +101,11 @@ class StepTiming:
         return max(0.0, self.draft_s - self.draft_cpu_s)
 
 
+# the speculation cache's hit rate from which a verification leaves the draft replica the
+# cores beyond the target's own (SpeculativeDecoder._draft_beside)
+CACHE_CORES_HIT_RATE = 0.5
+
+
 @dataclass
 class DraftAhead:
     """Draft tokens for the next round, drafted ahead (overlap) after a bonus-position
@@ -771,12 +776,17 @@ class SpeculativeDecoder:
         """Whether the draft works while this step's forward runs: drafting ahead, or
         (a draft replica's speculation cache) preparing the next round of the greedy
         chains the model drafted for, or left without drafts; the forward then leaves it
-        the cores beyond the target's own (ModelRunner.forward). Not for rounds looked up
+        the cores beyond the target's own (ModelRunner.forward) — while at least half
+        the sequences asking find their drafts ready (CacheMissChoice.hit_rate): the
+        second core is worth more to a verification than stand-ins rarely used (AUTO,
+        whose lookups lead most greedy rounds, hits ~10 %). Not for rounds looked up
         alone: the model has nothing to prepare from them."""
-        return step.background is not None or (self.cache_misses is not None and any(
-            not r.is_first and self._prepared_for(r.seq)
-            and (r.gamma > r.source[1] or step.ready_only and r.wanted and not r.gamma)
-            for r in step.rows))
+        cache = self.cache_misses
+        return step.background is not None or (
+            cache is not None and (cache.hit_rate or 0.0) >= CACHE_CORES_HIT_RATE and any(
+                not r.is_first and self._prepared_for(r.seq)
+                and (r.gamma > r.source[1] or step.ready_only and r.wanted and not r.gamma)
+                for r in step.rows))
 
     def _forward(self, rows: list[Row], drafts: list[list[int]], beside_draft: bool = False
                  ) -> torch.Tensor:
