@@ -31,6 +31,13 @@ class Trials:
         return not best
 
 
+# the share of sequences asking whose drafts a speculation cache had ready below which its
+# stand-ins are not worth a core: the draft replica drafts them only now and then
+# (draft_worker/spec_cache.py), the target's verification keeps every core
+# (SpeculativeDecoder._draft_beside); AUTO's lookups lead most greedy rounds, and ~10 % hit
+CACHE_PAYS = 0.5
+
+
 def ewma(old: float | None, new: float, weight: float = 0.1) -> float:
     return new if old is None else old + weight * (new - old)
 

@@ -39,7 +39,7 @@ from outrider.core.stats import GRAMMAR_METHOD, MODEL_METHOD
 from outrider.core.structured import StructuredOutputError
 from outrider.engine.block_manager import OutOfBlocksError
 from outrider.engine.features import FeatureLog
-from outrider.engine.goodput import CacheMissChoice
+from outrider.engine.goodput import CACHE_PAYS, CacheMissChoice
 from outrider.engine.mix import ProposerMix
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal, Proposer, dense_q
 from outrider.engine.rejection import (
@@ -99,11 +99,6 @@ class StepTiming:
     def draft_wait_s(self) -> float:
         """Of draft_s, the time this thread was off its CPU: waiting for the draft."""
         return max(0.0, self.draft_s - self.draft_cpu_s)
-
-
-# the speculation cache's hit rate from which a verification leaves the draft replica the
-# cores beyond the target's own (SpeculativeDecoder._draft_beside)
-CACHE_CORES_HIT_RATE = 0.5
 
 
 @dataclass
@@ -776,14 +771,13 @@ class SpeculativeDecoder:
         """Whether the draft works while this step's forward runs: drafting ahead, or
         (a draft replica's speculation cache) preparing the next round of the greedy
         chains the model drafted for, or left without drafts; the forward then leaves it
-        the cores beyond the target's own (ModelRunner.forward) — while at least half
-        the sequences asking find their drafts ready (CacheMissChoice.hit_rate): the
-        second core is worth more to a verification than stand-ins rarely used (AUTO,
-        whose lookups lead most greedy rounds, hits ~10 %). Not for rounds looked up
-        alone: the model has nothing to prepare from them."""
+        the cores beyond the target's own (ModelRunner.forward) — while the cache pays
+        (CACHE_PAYS of the sequences asking find their drafts ready): the second core is
+        worth more to a verification than stand-ins rarely used. Not for rounds looked
+        up alone: the model has nothing to prepare from them."""
         cache = self.cache_misses
         return step.background is not None or (
-            cache is not None and (cache.hit_rate or 0.0) >= CACHE_CORES_HIT_RATE and any(
+            cache is not None and (cache.hit_rate or 0.0) >= CACHE_PAYS and any(
                 not r.is_first and self._prepared_for(r.seq)
                 and (r.gamma > r.source[1] or step.ready_only and r.wanted and not r.gamma)
                 for r in step.rows))

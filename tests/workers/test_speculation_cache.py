@@ -231,3 +231,13 @@ def test_served_greedy_with_the_cache_is_the_target_alone():
     assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
     assert sum(r.cache_rank > 0 for s in spec for r in s.rounds) > 0
     assert total(samples, "outrider_spec_cache_ready_only_steps_total") > 0
+
+
+def test_stand_ins_rarely_used_are_drafted_only_now_and_then(draft_dir):
+    """While fewer than half the lookups hit, a Propose plans no stand-ins, but now and
+    then (after 8, then 16 ... Proposes) one does, to see whether they pay again."""
+    cache = SpeculationCache(drafter(draft_dir))
+    item, drafts = first_round(cache, "s")
+    cache.hit_rate = 0.1
+    planned = [bool(cache.plan([item], [drafts])) for _ in range(8 + 16)]
+    assert [i for i, p in enumerate(planned) if p] == [7, 23]
