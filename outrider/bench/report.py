@@ -50,6 +50,7 @@ from outrider.bench.tables import (
 
 # -- the pages' generated blocks -----------------------------------------------------------
 PAGES = ("BENCHMARKS.md", "README.md")
+MAX_LINES = {"BENCHMARKS.md": 400, "README.md": 300}  # a page a reader reads through
 BLOCK = re.compile(r"(?P<open><!-- generated: (?P<name>[\w-]+) from (?P<files>[^>]*?) -->\n)"
                    r"(?P<body>.*?)(?P<close><!-- /generated -->)", re.S)
 LABELS = {"outrider-auto": "`outrider serve`, AUTO",
@@ -472,7 +473,21 @@ def main(argv: list[str] | None = None) -> int:
     for block in stale:
         print(f"{'stale' if args.check else 'rewrote'}: {block}",
               file=sys.stderr if args.check else sys.stdout)
-    return 1 if args.check and stale else 0
+    too_long = overlong(pages)
+    for problem in too_long:
+        print(f"too long: {problem}", file=sys.stderr)
+    return 1 if (args.check and stale) or too_long else 0
+
+
+def overlong(pages: list[Path]) -> list[str]:
+    """Pages past their MAX_LINES: a new section replaces or merges, it does not pile up."""
+    out = []
+    for page in pages:
+        limit = MAX_LINES.get(page.name)
+        lines = len(page.read_text().splitlines()) if limit else 0
+        if limit and lines > limit:
+            out.append(f"{page.name} has {lines} lines, more than {limit}")
+    return out
 
 
 if __name__ == "__main__":

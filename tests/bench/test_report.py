@@ -39,6 +39,11 @@ def test_a_changed_figure_makes_check_fail_naming_its_block(tmp_path, capsys):
     assert report.main(["--root", str(tmp_path)]) == 0  # rewritten, then current
     assert report.main(["--check", "--root", str(tmp_path)]) == 0
 
+    readme = tmp_path / "README.md"  # a page past its limit fails, naming it
+    readme.write_text(readme.read_text() + "\n" * (report.MAX_LINES["README.md"] + 1))
+    assert report.main(["--check", "--root", str(tmp_path)]) == 1
+    assert "too long: README.md has" in capsys.readouterr().err
+
 
 def test_provenance_records_commit_date_argv_and_machine():
     argv = ["outrider", "bench", "--step", "--out", "results/step.json"]
