@@ -347,8 +347,8 @@ class ModelRunner:
 
     def _use_threads(self, requests: list[ForwardRequest], beside_draft: bool) -> None:
         """A small forward on `small_step_threads`, any other on every thread of this
-        rank. Small: one with a draft working beside it (a speculation cache's stand-ins,
-        drafting ahead: the other cores are the draft's then), fewer than
+        rank. Small: one with a draft working beside it (a speculation cache's stand-ins:
+        the other cores are the draft's then), fewer than
         SMALL_STEP_TOKENS tokens, and (step_threads "by-kind") a
         decode step, one token a sequence, whatever the batch: serving, such a step
         streams a delta per token to the router, which keeps the other cores busy, and a

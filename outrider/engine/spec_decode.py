@@ -768,19 +768,19 @@ class SpeculativeDecoder:
 
     # -- verify ----------------------------------------------------------------------------
     def _draft_beside(self, step: Step) -> bool:
-        """Whether the draft works while this step's forward runs: drafting ahead, or
-        (a draft replica's speculation cache) preparing the next round of the greedy
-        chains the model drafted for, or left without drafts; the forward then leaves it
-        the cores beyond the target's own (ModelRunner.forward) — while the cache pays
-        (CACHE_PAYS of the sequences asking find their drafts ready): the second core is
-        worth more to a verification than stand-ins rarely used. Not for rounds looked
-        up alone: the model has nothing to prepare from them."""
+        """Whether a draft replica's speculation cache prepares, while this step's
+        forward runs, the next round of the greedy chains the model drafted for (or left
+        without drafts); the forward then leaves it the cores beyond the target's own
+        (ModelRunner.forward) — while the cache pays (CACHE_PAYS of the sequences asking
+        find their drafts ready): the second core is worth more to a verification than
+        stand-ins rarely used. Not for rounds looked up alone: the model has nothing to
+        prepare from them. (Drafting ahead runs beside verifications of at most
+        overlap_max_seqs sequences, small forwards already.)"""
         cache = self.cache_misses
-        return step.background is not None or (
-            cache is not None and (cache.hit_rate or 0.0) >= CACHE_PAYS and any(
-                not r.is_first and self._prepared_for(r.seq)
-                and (r.gamma > r.source[1] or step.ready_only and r.wanted and not r.gamma)
-                for r in step.rows))
+        return cache is not None and (cache.hit_rate or 0.0) >= CACHE_PAYS and any(
+            not r.is_first and self._prepared_for(r.seq)
+            and (r.gamma > r.source[1] or step.ready_only and r.wanted and not r.gamma)
+            for r in step.rows)
 
     def _forward(self, rows: list[Row], drafts: list[list[int]], beside_draft: bool = False
                  ) -> torch.Tensor:
