@@ -35,7 +35,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from outrider.engine.drafter import Drafter, is_tree
-from outrider.engine.goodput import CACHE_PAYS, Trials, ewma
 from outrider.engine.proposer import DraftItem
 
 MAX_ROWS = 16  # stand-ins drafted per round, every sequence of the Propose together
@@ -78,8 +77,6 @@ class SpeculationCache:
         self._entries: dict[str, tuple[list[int], dict[tuple[int, ...], Entry]]] = {}
         self._next_id = 0
         self.hits = self.misses = 0
-        self.hit_rate = 1.0  # of lookups, recent (EWMA; paying until measured)
-        self.trials = Trials()
 
     # -- the next Propose -----------------------------------------------------------------
     def take(self, items: list[DraftItem]) -> list[Entry | None]:
@@ -99,7 +96,6 @@ class SpeculationCache:
             if context is not None and it.gamma:
                 self.hits += entry is not None
                 self.misses += entry is None
-                self.hit_rate = ewma(self.hit_rate, float(entry is not None))
             found.append(entry)
         return found
 
@@ -132,11 +128,7 @@ class SpeculationCache:
     # -- while the target verifies --------------------------------------------------------
     def plan(self, items: list[DraftItem], token_ids: list[list[int]]) -> list[_Plan]:
         """The stand-ins worth drafting after a Propose that proposed `token_ids` (per
-        item), likeliest first, at most max_rows; none, but now and then, while fewer than
-        CACHE_PAYS of the lookups hit: their forwards take a core the target's
-        verification could use."""
-        if not self.trials.pick(self.hit_rate >= CACHE_PAYS):
-            return []
+        item), likeliest first, at most max_rows."""
         counts = self.drafter.live_acceptance.get(self.drafter.version, [0, 0])
         alpha = counts[1] / counts[0] if counts[0] else 0.5
         plans = []

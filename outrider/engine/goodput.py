@@ -31,10 +31,10 @@ class Trials:
         return not best
 
 
-# the share of sequences asking whose drafts a speculation cache had ready below which its
-# stand-ins are not worth a core: the draft replica drafts them only now and then
-# (draft_worker/spec_cache.py), the target's verification keeps every core
-# (SpeculativeDecoder._draft_beside); AUTO's lookups lead most greedy rounds, and ~10 % hit
+# the share of sequences asking whose drafts a speculation cache had ready below which it
+# does not pay: the target's verification keeps every core (SpeculativeDecoder.
+# _draft_beside) and a Propose waits for its misses (CacheMissChoice); AUTO's lookups lead
+# most greedy rounds, and ~10 % hit
 CACHE_PAYS = 0.5
 
 
@@ -49,7 +49,9 @@ class CacheMissChoice:
     drafting, whenever any of its B sequences misses (1 - h^B, h the hit rate); not
     waiting costs each missed sequence the drafts a round keeps. Priced with the replica's
     cost model (`verify_seconds`) and the Propose waits measured either way; until both
-    are known, it waits (as without a cache) and tries ready drafts only now and then."""
+    are known, or while fewer than CACHE_PAYS of the sequences hit (one slow Propose,
+    a context resent whole, had a first request at one stream left out 44 of its 71
+    rounds), it waits as without a cache."""
 
     def __init__(self) -> None:
         self.hit_rate: float | None = None  # of the sequences a Propose asked drafts for
@@ -75,8 +77,9 @@ class CacheMissChoice:
 
     def ready_only(self, rows: int, gamma: int, verify_seconds: Callable[[int], float]) -> bool:
         """For `rows` sequences asking for γ drafts each."""
-        if self.hit_rate is None or self.kept is None or self.miss_wait_s is None:
-            return False
+        if (self.hit_rate is None or self.hit_rate < CACHE_PAYS or self.kept is None
+                or self.miss_wait_s is None):
+            return False  # (a rarely hit cache leaves misses nothing: wait, as without one)
         if self.ready_wait_s is None:
             return True  # measure it once
         h, kept, wait = self.hit_rate, self.kept, self.ready_wait_s
