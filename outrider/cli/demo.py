@@ -44,7 +44,7 @@ def cmd_demo(args) -> int:
         plain = client.generate(prompt, speculation="off", **options)
         print("\n" + stats_line(spec))
         _print_comparison(spec, plain)
-        _demo_cache(client, prompt, options, args.gamma)
+        _demo_cache(client, str(target), args.gamma)
         _demo_sampled(client, prompt, args.max_tokens)
     head = paths.demo_head_dir()
     if (head / "config.json").is_file():
@@ -77,18 +77,22 @@ def _demo_head(target: str, head: str, prompt: str, options: dict, gamma: int, s
               f"{result.timings.tokens_per_s:.1f} tok/s")
 
 
-CACHE_STREAMS = 4  # beyond the 2 that draft ahead instead (docs/DESIGN.md §2.5-2.6)
+CACHE_STREAMS = 8  # beyond the 2 that draft ahead instead (docs/DESIGN.md §2.5-2.6)
 
 
-def _demo_cache(client, prompt: str, options: dict, gamma: int) -> None:
-    """Several greedy streams at once: the draft replica drafts each round's likely
-    outcomes while the target verifies, and rounds whose outcome it prepared take their
-    drafts without waiting for the draft model."""
-    print(f"\n== {CACHE_STREAMS} streams at once, greedy, γ = {gamma}: drafts prepared in "
-          f"the draft replica's speculation cache ==", flush=True)
-    lines = prompt.splitlines(keepends=True)
-    prompts = ["".join(lines[:len(lines) - k]) for k in range(CACHE_STREAMS)]
-    batch = dict(max_concurrency=CACHE_STREAMS, **options)
+def _demo_cache(client, target: str, gamma: int) -> None:
+    """Several greedy streams at once (held-out modules' heads): the draft replica drafts
+    each round's likely outcomes while the target verifies, and rounds whose outcome it
+    prepared take their drafts without waiting for the draft model."""
+    from outrider.bench.prompts import heldout_prompts
+    from outrider.core.tokenizer import Tokenizer
+
+    print(f"\n== {CACHE_STREAMS} streams at once (held-out modules), greedy, γ = {gamma}, "
+          f"the draft model drafting: drafts prepared in the draft replica's speculation "
+          f"cache ==", flush=True)
+    prompts = heldout_prompts(Tokenizer(target), CACHE_STREAMS, 128)
+    batch = dict(max_concurrency=CACHE_STREAMS, max_tokens=96, temperature=0.0,
+                 ignore_eos=True)
     spec = client.generate_batch(prompts, speculation="fixed", gamma_max=gamma,
                                  proposer="model", include_rounds=True, **batch)
     plain = client.generate_batch(prompts, speculation="off", **batch)
