@@ -102,14 +102,17 @@ class SpeculationCache:
     def _outcome(self, item: DraftItem, context: list[int] | None) -> tuple[int, ...]:
         """The tokens committed after `context` that `item` brings (the drafts the target
         kept, which the draft holds already and the item's committed_len counts, then its
-        new tokens); () when what it brings does not extend `context`."""
+        new tokens); () when what it brings does not extend `context`. The draft's tokens
+        agree with `context` as far as both go (each Propose or Release drops the
+        sequence's entries): only the tokens after that are compared, not the context."""
         held = self.drafter.token_ids.get(item.seq_id, [])
         if context is None or item.committed_len > len(held):
             return ()
-        committed = held[:item.committed_len] + item.new_token_ids
-        if len(committed) <= len(context) or committed[:len(context)] != context:
+        start = min(item.committed_len, len(context))
+        after = held[start:item.committed_len] + item.new_token_ids  # from position start
+        if start + len(after) <= len(context) or after[:len(context) - start] != context[start:]:
             return ()
-        return tuple(committed[len(context):])
+        return tuple(after[len(context) - start:])
 
     def _takes(self, item: DraftItem, entry: Entry) -> bool:
         if (not 0 < item.gamma <= len(entry.drafts) or item.q_format != entry.q_format

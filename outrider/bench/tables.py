@@ -148,7 +148,7 @@ def engine_table(results: dict[str, dict[int, dict]]) -> str:
     where some system ran a speculation cache, the rounds whose drafts it had ready."""
     cells = [(system, c, x) for system, by_level in results.items()
              for c, x in sorted(by_level.items()) if "engine_cpu" in x]
-    cached = any(_share(x.get("engine_cache_hits")) not in ("–", "0%") for _, _, x in cells)
+    cached = any((x.get("engine_cache_hits") or 0) > 0 for _, _, x in cells)  # (NaN: no)
     lines = ["| system | streams | steps/s | step ms | in steps | of which on CPU | waiting "
              "for the proposer | waiting otherwise | voluntary switches a step |"
              + (" rounds ready in the speculation cache |" if cached else ""),
