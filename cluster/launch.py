@@ -86,6 +86,12 @@ def connect(address: str | None, num_cpus: float, start_if_missing: bool = True)
     return True
 
 
+# Ray starts its workers at nice 15, to keep its own daemons responsive; Outrider's
+# replicas are those workers, and beside any other load they starved (a tp=2 target
+# took over 600 s to start on a busy 2-core machine, 30 s alone)
+SERVING_ENV = {"RAY_worker_niceness": "0"}
+
+
 def start_local_head(num_cpus: float) -> None:
     """A Ray head on this machine that outlives this command; logical CPUs enough for
     the spec even on a small machine (the OS shares the cores)."""
@@ -97,7 +103,7 @@ def start_local_head(num_cpus: float) -> None:
     done = subprocess.run([ray_bin, "start", "--head", f"--port={free_port()}",
                            f"--num-cpus={cpus}", "--num-gpus=0", "--include-dashboard=false",
                            "--disable-usage-stats", "--object-store-memory=200000000"],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env={**os.environ, **SERVING_ENV})
     if done.returncode:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise RuntimeError("`ray start --head` failed: " + " / ".join(tail))

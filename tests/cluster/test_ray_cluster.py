@@ -22,9 +22,9 @@ from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
 
-# seven Ray processes on 2 cores beside the suite's other workers: 30 s alone, 264-312 s
-# in a full run (a tp=2 collective waits for both ranks to be scheduled), so the hang
-# guard is wider than the suite's 300 s
+# seven Ray processes on 2 cores beside the suite's other workers: 75 s alone, 311 s beside
+# four busy processes (a tp=2 collective waits for both ranks to be scheduled; at Ray's
+# nice 15 the setup alone passed 600 s), so the hang guard is wider than the suite's 300 s
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 61], [11, 12, 13, 14], [200, 2, 9, 77, 41]]
@@ -53,8 +53,11 @@ def cluster(tmp_path_factory, llama_dir, draft_dir, redis_url):
     from outrider.launch import free_port
 
     redis.Redis.from_url(redis_url).flushdb()
-    ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, namespace=NAMESPACE,
-             object_store_memory=200_000_000, logging_level="ERROR")
+    with pytest.MonkeyPatch.context() as env:  # the local Ray reads it as it starts
+        for name, value in launch.SERVING_ENV.items():
+            env.setenv(name, value)
+        ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, namespace=NAMESPACE,
+                 object_store_memory=200_000_000, logging_level="ERROR")
     spec = write_spec(tmp_path_factory.mktemp("spec") / "spec.yaml", llama_dir, draft_dir,
                       redis_url, free_port())
     endpoints, seconds = launch.up(spec, None)

@@ -165,6 +165,18 @@ def test_adapt_trains_in_the_background_and_reports_its_rounds(draft_dir):
         assert not propose(stub, seq("after", 0, CONTEXT, 2, "ids")).proposals[0].miss
 
 
+def stand_ins_beyond(metrics: str, count: float, deadline: float) -> float:
+    """The replica's count of stand-ins drafted, once it passes `count` (the next fill
+    done: a Propose that comes before it ends finds that fill's stand-ins, not its own)."""
+    from tests.scraping import scrape, total
+
+    while (now := total(scrape(metrics), "outrider_draft_speculation_cache_stand_ins_total")) \
+            <= count:
+        assert time.monotonic() < deadline, "no stand-ins drafted"
+        time.sleep(0.05)
+    return now
+
+
 @pytest.mark.slow
 def test_the_speculation_cache_answers_an_outcome_it_drafted_for(draft_dir):
     """With --speculation-cache, the replica drafts the likely outcomes of a round after
@@ -182,9 +194,7 @@ def test_the_speculation_cache_answers_an_outcome_it_drafted_for(draft_dir):
         stub = worker_pb2_grpc.DraftStub(chan)
         drafts = list(propose(stub, seq("c", 0, CONTEXT, 4, "ids")).proposals[0].token_ids)
         deadline = time.monotonic() + 30
-        while not total(scrape(metrics), "outrider_draft_speculation_cache_stand_ins_total"):
-            assert time.monotonic() < deadline, "no stand-ins drafted"
-            time.sleep(0.05)
+        prepared = stand_ins_beyond(metrics, 0, deadline)
         bonus = local.draft([DraftItem("b", 0, CONTEXT + drafts, 1, SAMPLINGS["ids"], 3,
                                        "ids")]).token_ids[0, 0].item()
         reply = propose(stub, seq("c", len(CONTEXT) + 3, [drafts[3], bonus], 4, "ids"))
@@ -199,16 +209,13 @@ def test_the_speculation_cache_answers_an_outcome_it_drafted_for(draft_dir):
             speculation_cache
 
         context = CONTEXT + drafts + [bonus]
-        prepared = total(scrape(metrics), "outrider_draft_speculation_cache_stand_ins_total")
+        prepared = stand_ins_beyond(metrics, prepared, deadline)  # this round's outcomes'
         unguessed = next(t for t in range(100, 200) if t != want.token_ids[0, 0].item())
         ready = seq("c", len(context), [unguessed], 4, "ids")
         ready.ready_only = True
         reply = propose(stub, ready).proposals[0]
         assert not reply.token_ids and not reply.miss and not reply.cache_rank
-        while total(scrape(metrics), "outrider_draft_speculation_cache_stand_ins_total") \
-                <= prepared:
-            assert time.monotonic() < deadline, "the miss's stand-in was never drafted"
-            time.sleep(0.05)
+        stand_ins_beyond(metrics, prepared, deadline)  # the miss's
         context.append(unguessed)
         guess = local.draft([DraftItem("g", 0, context, 1, SAMPLINGS["ids"], 3, "ids")])
         ready.new_token_ids.append(guess.token_ids[0, 0].item())
