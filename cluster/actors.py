@@ -56,7 +56,7 @@ class DraftReplica(_Replica):
     def __init__(self, runner: RunnerConfig, host: str, port: int, token: str,
                  metrics_port: int | None = None, adapt: bool = False,
                  adapt_redis: str | None = None, adapt_pair: str | None = None,
-                 target_model: str | None = None) -> None:
+                 target_model: str | None = None, speculation_cache: bool = False) -> None:
         from outrider.draft_worker.main import DraftWorkerConfig, start
 
         self.host = host
@@ -70,7 +70,8 @@ class DraftReplica(_Replica):
                                                compile=runner.compile,
                                                adapt=adapt, adapt_redis=adapt_redis,
                                                adapt_pair=adapt_pair,
-                                               target_model=target_model), token)
+                                               target_model=target_model,
+                                               speculation_cache=speculation_cache), token)
         self.service = self.running.service
 
     def busy_seconds(self) -> float:

@@ -88,6 +88,7 @@ class ModelPair(_Strict):
     prefix_caching: bool = True                       # share cached prefixes' KV
     compile: bool = False                             # compiled forwards (compiled.py)
     adapt: bool = False                               # online distillation on the drafts
+    speculation_cache: bool = False                   # drafts prepare the next round
     max_batch_tokens: Annotated[int, Field(ge=1)] = SchedulerConfig.max_batch_tokens
     max_num_seqs: Annotated[int, Field(ge=1)] = SchedulerConfig.max_num_seqs
     threads: Annotated[int, Field(ge=0)] = 0          # CPU threads per process (0: auto)

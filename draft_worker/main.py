@@ -18,7 +18,13 @@ from outrider.engine.distributed import set_cpu_threads
 from outrider.engine.drafter import Drafter
 from outrider.engine.heads import HeadRunner, TargetSide
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.flags import add_cpus_arg, add_metrics_arg, add_model_server_args, resolve_device
+from outrider.flags import (
+    add_cpus_arg,
+    add_metrics_arg,
+    add_model_server_args,
+    resolve_device,
+    unit_share,
+)
 from outrider.grpc_server import Running, build_server, serve_until_signalled
 from outrider.state import RedisStore
 from outrider.telemetry.metrics import DraftMetrics, serve_metrics
@@ -56,6 +62,12 @@ class DraftWorkerConfig:
     adapt_pair: str | None = None      # the pair's name there (default: the draft's)
     target_model: str | None = None    # a head's target (its embedding and lm_head)
     speculation_cache: bool = False    # draft the next round while the target verifies
+    cache_aware_sampling: float | None = None  # sampled rows too, q shaped (spec_cache.py)
+
+    def __post_init__(self) -> None:
+        if self.cache_aware_sampling is not None and not self.speculation_cache:
+            raise ValueError("--cache-aware-sampling prepares sampled rows in the "
+                             "speculation cache: it needs --speculation-cache")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DraftWorkerConfig:
@@ -71,7 +83,8 @@ class DraftWorkerConfig:
                    distill=DistillConfig(round_tokens=args.adapt_round_tokens,
                                          max_duty=args.adapt_max_duty),
                    adapt_redis=args.adapt_redis, adapt_pair=args.adapt_pair,
-                   target_model=args.target_model, speculation_cache=args.speculation_cache)
+                   target_model=args.target_model, speculation_cache=args.speculation_cache,
+                   cache_aware_sampling=args.cache_aware_sampling)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,6 +114,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "likely outcomes, so that a Propose that brings one is answered at "
                         "once (greedy chains of a draft model; not with --adapt; off: on "
                         "two shared cores it costs more than it saves: docs/DESIGN.md §2.6)")
+    p.add_argument("--cache-aware-sampling", type=unit_share, metavar="WEIGHT",
+                   help="the cache prepares sampled rows too, their drafts sampled from a q "
+                        "whose 4 likeliest tokens keep WEIGHT of their probability, so that "
+                        "where the target rejects a draft it mostly draws a token the cache "
+                        "prepared for (exact for any WEIGHT in (0, 1]; default: greedy rows "
+                        "only)")
     p.add_argument("--adapt", action="store_true",
                    help="online distillation: train the draft on the target's tokens of "
                         "the sequences it drafts for, and adopt the trained weights when "
@@ -163,7 +182,8 @@ def start(cfg: DraftWorkerConfig, token: str | None) -> Running:
     metrics.watch_version(lambda: drafter.version)
     service = DraftService(drafter, idle_ttl_s=cfg.idle_ttl_s, dense_channel=channel,
                            metrics=metrics, cores=cores,
-                           speculation_cache=cfg.speculation_cache and cfg.prefix_caching)
+                           speculation_cache=cfg.speculation_cache and cfg.prefix_caching,
+                           sampled_weight=cfg.cache_aware_sampling)
     if cfg.adapt:
         shared = None
         if cfg.adapt_redis:

@@ -67,7 +67,7 @@ class DraftService(worker_pb2_grpc.DraftServicer):
                  dense_channel: DenseChannel | None = None,
                  metrics: DraftMetrics | None = None,
                  cores: tuple[list[int], list[int]] | None = None,
-                 speculation_cache: bool = False) -> None:
+                 speculation_cache: bool = False, sampled_weight: float | None = None) -> None:
         self.drafter = drafter
         # (while the target waits, while it verifies): a draft on the target's machine
         # drafts on the target's idle cores when it waits, beside them when it verifies
@@ -83,7 +83,8 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         self.adapter = None  # online distillation (draft_worker/adapt.py), when on
         # drafts for the outcomes of the verification under way (spec_cache.py), drafted
         # by one background thread between Proposes; Proposes waiting for the lock
-        self.cache = SpeculationCache(drafter) if speculation_cache else None
+        self.cache = (SpeculationCache(drafter, sampled_weight=sampled_weight)
+                      if speculation_cache else None)
         self._preparing = ThreadPoolExecutor(1, "speculation-cache") if self.cache else None
         self._waiting, self._waiting_lock = 0, threading.Lock()
 

@@ -42,6 +42,7 @@ class LocalSystemConfig:
     prefix_caching: bool = True     # in every replica's KV cache
     adapt: bool = False             # online distillation on the draft replicas
     speculation_cache: bool = False  # the draft replicas' (draft_worker/spec_cache.py)
+    cache_aware_sampling: float | None = None  # their sampled rows too (draft-worker's flag)
     dtype: str = "auto"             # of both models
     compile: bool = False           # compiled forwards in every replica (--compile)
     proposer: str = TargetWorkerConfig.proposer.value  # the targets' --proposer
@@ -62,6 +63,8 @@ class LocalSystemConfig:
         if self.head_on_replicas and kind not in ("eagle3", "eagle1"):
             raise ValueError("--head-on-replicas needs an EAGLE-3 or EAGLE-1 head as --draft "
                              "(Medusa heads draft in the target's process)")
+        if self.cache_aware_sampling is not None and not self.speculation_cache:
+            raise ValueError("--cache-aware-sampling needs --speculation-cache")
         if self.tree_topk > 1 and (self.head_on_replicas or not kind):
             raise ValueError("--tree-topk > 1 needs a draft head (--draft DIR of an EAGLE "
                              "or Medusa head) in the target's process: draft replicas "
@@ -119,6 +122,8 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                            *draft_share,
                            *(("--adapt",) if cfg.adapt else ()),
                            *(("--speculation-cache",) if cfg.speculation_cache else ()),
+                           *(("--cache-aware-sampling", str(cfg.cache_aware_sampling))
+                             if cfg.cache_aware_sampling is not None else ()),
                            *(("--adapt-redis", cfg.redis_url) if cfg.adapt and cfg.redis_url
                              else ()),
                            *(("--target-cpus", cpus.target, "--threads", "1") if cpus else ()))

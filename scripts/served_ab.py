@@ -6,9 +6,10 @@
 
 Each variant is a `outrider serve`-like deployment on the demo pair (router, target and
 draft replicas as processes, every default as `outrider serve` has it, the variant's
-flags added to the target replica's, but for `--speculation-cache`, which is serve's:
-the draft replicas' cache), driven by `outrider bench`'s gRPC client (code prompts,
-greedy or --sampling, 96 tokens, EOS ignored). Rounds take the variants in turn, the order
+flags added to the target replica's, but for `--speculation-cache` and
+`--cache-aware-sampling W`, which are serve's: the draft replicas' cache), driven by
+`outrider bench`'s gRPC client (code prompts, greedy or --sampling, 96 tokens, EOS
+ignored). Rounds take the variants in turn, the order
 reversed every other round, so the machine's noise meets each alike. Per variant, mode
 and level: tok/s and TTFT p50 as the client saw them, then from the replicas' metrics the
 engine thread's step (ms, and the shares on its CPU, waiting for the proposer, waiting
@@ -57,11 +58,15 @@ def propose_seconds(metrics: str) -> tuple[float, float]:
 def measure(variant: str, plan: serving.Plan, dtype: str) -> list[dict]:
     """Every (mode, level) of the plan on a fresh deployment with the variant's flags."""
     target, draft = map(str, paths.demo_pair())
-    extra = [] if variant == "default" else shlex.split(variant)
-    cache = "--speculation-cache" in extra
-    extra = tuple(a for a in extra if a != "--speculation-cache")
-    cfg = LocalSystemConfig(target, draft, grpc_port=0, metrics=True, extra_target_args=extra,
-                            dtype=dtype, speculation_cache=cache)
+    serve_level = argparse.ArgumentParser(add_help=False)  # the draft replicas' flags
+    serve_level.add_argument("--speculation-cache", action="store_true")
+    serve_level.add_argument("--cache-aware-sampling", type=float)
+    drafts, extra = serve_level.parse_known_args([] if variant == "default"
+                                                 else shlex.split(variant))
+    cfg = LocalSystemConfig(target, draft, grpc_port=0, metrics=True,
+                            extra_target_args=tuple(extra), dtype=dtype,
+                            speculation_cache=drafts.speculation_cache,
+                            cache_aware_sampling=drafts.cache_aware_sampling)
     rows = []
     with local_system(cfg) as system, grpc.insecure_channel(system.router) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)

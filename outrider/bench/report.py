@@ -56,6 +56,7 @@ BLOCK = re.compile(r"(?P<open><!-- generated: (?P<name>[\w-]+) from (?P<files>[^
 LABELS = {"outrider-auto": "`outrider serve`, AUTO",
           "outrider-off": "`outrider serve`, speculation off",
           "outrider-compiled": "`outrider serve --compile`, AUTO",
+          "outrider-cache": "`outrider serve --speculation-cache`, AUTO",
           "outrider-fixed4": "`outrider serve`, FIXED γ 4",
           "outrider-model": "`outrider serve --proposer model`",
           "outrider-ngram": "`outrider serve --proposer ngram`",

@@ -19,6 +19,7 @@ EOS ignored, every system in --dtype (float32; bfloat16; auto: each system's def
 Systems, each measured at every concurrency level:
   outrider-auto     `outrider serve` (router + target + draft processes), the γ policy
   outrider-fixedN   the same server, FIXED γ = N (extra_body)
+  outrider-cache    `outrider serve --speculation-cache`, the γ policy
   engine-gN/-g0     Outrider's engine in this process (SpeculativeDecoder.generate, the
                     requests in batches of `concurrency`): the ceiling the serving path
                     is measured against, with the same γ and with none
@@ -63,6 +64,7 @@ from outrider.bench.tables import engine_table, sampling_pairs, versus_table
 
 # outrider-* systems that need a server of their own (the others are request modes)
 SERVER_FLAGS = {"outrider-compiled": ("--compile",),  # `outrider serve --compile`, AUTO
+                "outrider-cache": ("--speculation-cache",),  # the drafts' cache, AUTO
                 "outrider-head-replica": ("--head-on-replicas",)}
 HEADS = ("outrider-head", "outrider-head-tree", "outrider-head-replica")  # servers with
 #                                                                          the head

@@ -46,7 +46,7 @@ def cmd_router(args) -> int:
 
 
 def serve_flags(serve: argparse.ArgumentParser) -> None:
-    from outrider.flags import add_proposer_arg
+    from outrider.flags import add_proposer_arg, unit_share
     from outrider.local_system import LocalSystemConfig
     from outrider.router.main import add_public_arguments
     from outrider.target_worker.main import add_batch_arguments
@@ -64,6 +64,9 @@ def serve_flags(serve: argparse.ArgumentParser) -> None:
                        default=LocalSystemConfig.speculation_cache,
                        help="the draft replicas draft the next round for its likely "
                             "outcomes while the target verifies (draft-worker's flag)")
+    serve.add_argument("--cache-aware-sampling", type=unit_share, metavar="WEIGHT",
+                       help="with --speculation-cache: sampled rows too, drafted cache-aware "
+                            "(draft-worker's flag)")
     serve.add_argument("--adapt", action="store_true",
                        help="online distillation: the draft replicas learn from the "
                             "target's tokens while they serve (default: off); with --redis, "
@@ -124,6 +127,7 @@ def _local_system_config(args):
                              tree_tokens=args.tree_tokens,
                              head_on_replicas=args.head_on_replicas,
                              speculation_cache=args.speculation_cache,
+                             cache_aware_sampling=args.cache_aware_sampling,
                              # --gamma 0: no speculation, so nothing proposes
                              proposer=args.proposer if args.gamma else "model")
 

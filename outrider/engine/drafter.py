@@ -64,6 +64,10 @@ class Drafter:
         # draft's likeliest tokens at each position of its last chain, `runners_up` each
         self.runners_up = 0
         self.likeliest: dict[object, list[list[int]]] = {}
+        # cache-aware sampling: the sampled rows the cache prepares for (`aware_of`) draw
+        # from a q whose runners_up + 1 likeliest tokens keep `aware_weight` of their mass
+        self.aware_weight = 1.0
+        self.aware_of: Callable[[DraftItem], bool] = lambda item: False
         self.expendable: set = set()  # sequences evicted before any other: its stand-ins
         self.grammars = Grammars.for_model(runner.cfg.model_dir, runner.vocab_size,
                                            runner.model_config.eos_token_ids)
@@ -340,7 +344,8 @@ class Drafter:
                 hidden = self.runner.model.hidden_out  # [len(rows), hidden]
                 fed_back = {i: hidden[k] for k, i in enumerate(rows)}
             tokens, probs = self._pick(logits, [items[i] for i in rows],
-                                       self._histories(items, rows, drafted), j)
+                                       self._histories(items, rows, drafted), j,
+                                       self._cache_aware)
             if self.runners_up:
                 self._keep_likeliest(logits, [items[i].seq_id for i in rows], j)
             for i, token in zip(rows, tokens.tolist()):
@@ -364,6 +369,25 @@ class Drafter:
         token_ids = torch.tensor([d + [0] * (max_gamma - len(d)) for d in drafted],
                                  dtype=torch.long, device=device).view(len(items), max_gamma)
         return token_ids, probs_out
+
+    def _cache_aware(self, probs: torch.Tensor, items: list[DraftItem]) -> torch.Tensor:
+        """Saguaro's cache-aware sampling (Kumar et al. 2026), for the sampled rows the
+        cache prepares for: their runners_up + 1 likeliest tokens keep aware_weight of
+        their mass (then renormalised). Where the target rejects a draft it draws from
+        max(0, p - q), which then lies mostly on those tokens, the ones the cache's
+        stand-ins guess; a draft sampled from this q is accepted a little less often.
+        Exact for any weight: verification uses the q the draft was sampled from.
+        probs [rows, vocab]."""
+        rows = [i for i, it in enumerate(items) if not it.params.is_greedy
+                and it.q_format in SHAPEABLE_Q and self.aware_of(it)]
+        if self.aware_weight == 1.0 or not rows:
+            return probs
+        probs = probs.clone()
+        picked = probs[rows]  # [len(rows), vocab]
+        top = picked.topk(self.runners_up + 1, dim=-1).indices  # [len(rows), F]
+        picked.scatter_(-1, top, picked.gather(-1, top) * self.aware_weight)
+        probs[rows] = picked / picked.sum(-1, keepdim=True)
+        return probs
 
     # -- the drafting tree: γ levels of batched forwards (engine/tree.py) -------------------
     def _keep_likeliest(self, logits: torch.Tensor, seq_ids: list, j: int) -> None:
@@ -414,14 +438,16 @@ class Drafter:
 
     @staticmethod
     def _pick(logits: torch.Tensor, items: list[DraftItem], histories: list[History] | None,
-              j: int):
+              j: int, shape: Callable | None = None):
         """Draft tokens [num_rows] and the q rows they were sampled from (None: all greedy,
         q = one-hot, no need to build it). The request's processors shape q as they
-        shape the target's p, over the same history, drafts included."""
+        shape the target's p, over the same history, drafts included; then `shape`
+        (probs, items) may, before q is sent and sampled from."""
         params = [it.params for it in items]
         if all(p.is_greedy for p in params):
             return processed_logits(logits, params, histories).argmax(-1), None
-        probs = _as_sent(logits_to_probs(logits, params, histories),
+        probs = logits_to_probs(logits, params, histories)  # [rows, vocab]
+        probs = _as_sent(probs if shape is None else shape(probs, items),
                          [it.q_format for it in items])
         positions = [it.committed_len + len(it.new_token_ids) + j for it in items]
         uniforms = position_uniforms([it.seed for it in items], positions, STREAM_DRAFT)
@@ -607,6 +633,10 @@ def _children(processed: torch.Tensor, items: list[DraftItem], positions: list[i
         ids = [t for t in ids if t >= 0]
         children[row] = list(zip(ids, logprobs[row, ids].tolist()))
     return children, q
+
+
+# the q formats that carry a drafted row's q as it is (a point mass is its argmax's)
+SHAPEABLE_Q = ("dense", "dense_fp16", "sparse")
 
 
 def _as_sent(probs: torch.Tensor, q_formats: list[str]) -> torch.Tensor:

@@ -58,8 +58,10 @@ def cluster(tmp_path_factory, llama_dir, draft_dir, redis_url):
             env.setenv(name, value)
         ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, namespace=NAMESPACE,
                  object_store_memory=200_000_000, logging_level="ERROR")
+    # the drafts keep a speculation cache: a tp=2 target's output, and a draft killed
+    # mid-round, are exact with it too
     spec = write_spec(tmp_path_factory.mktemp("spec") / "spec.yaml", llama_dir, draft_dir,
-                      redis_url, free_port())
+                      redis_url, free_port(), speculation_cache=True)
     endpoints, seconds = launch.up(spec, None)
     controller = ray.get_actor(NAME, namespace=NAMESPACE)
     try:

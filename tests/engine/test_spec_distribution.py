@@ -256,6 +256,21 @@ def test_compiled_speculative_sampling_matches_target_distribution(samples, llam
     assert not failures(pvalues), failures(pvalues)
 
 
+@pytest.mark.slow
+def test_cache_aware_speculative_sampling_matches_target_distribution(samples, close_draft_dir):
+    """Cache-aware drafting (the speculation cache's, Drafter._cache_aware) samples drafts
+    from a q whose four likeliest tokens keep a share of their mass: verified with that q,
+    the output is the target's. The grid's γ = 4 case, the share 0.3, every row shaped."""
+    config = "truncated-penalties-bias"
+    decoder = make_decoder(samples.decoders["close", False].target, close_draft_dir, False)
+    drafter = decoder.drafter
+    drafter.runners_up, drafter.aware_weight, drafter.aware_of = 3, 0.3, lambda item: True
+    sample = generate(decoder, 4, seed_base("speculative-cache-aware", config, 4),
+                      **CONFIGS[config])
+    pvalues = comparisons(sample, samples.target_only(config))
+    assert not failures(pvalues), failures(pvalues)
+
+
 # -- model-free proposers (outrider/engine/lookup.py, mix.py) -------------------------------
 
 LOOKUP_GAMMA = 6

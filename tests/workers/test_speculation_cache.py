@@ -5,6 +5,8 @@ wrong one; two targets' sequences keep their stand-ins apart."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from outrider.draft_worker.spec_cache import SpeculationCache
@@ -52,16 +54,17 @@ def round_then_unguessed(cache: SpeculationCache) -> tuple[list[int], int]:
     return drafts, next(t for t in range(100, 200) if t not in guessed and t != drafts[0])
 
 
-@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_a_hit_answers_what_drafting_that_context_answers(draft_dir, params):
-    cache = SpeculationCache(drafter(draft_dir), sampled=True)
-    fresh = drafter(draft_dir)
+@pytest.mark.parametrize("params, weight", [(GREEDY, 1.0), (SAMPLED, 1.0), (SAMPLED, 0.5)],
+                         ids=["greedy", "sampled", "cache-aware"])
+def test_a_hit_answers_what_drafting_that_context_answers(draft_dir, params, weight):
+    cache = SpeculationCache(drafter(draft_dir), sampled_weight=weight)
+    fresh = SpeculationCache(drafter(draft_dir), sampled_weight=weight).drafter  # (shaped q)
     _, drafts = first_round(cache, "s", params)
     outcomes = list(cache._entries["s"][1])
     assert (*drafts, outcomes[0][-1]) in outcomes or any(len(o) == 5 for o in outcomes)
     assert any(len(o) < len(drafts) for o in outcomes)  # rejections too
     for outcome in (max(outcomes, key=len), min(outcomes, key=len)):  # all kept; k = 0
-        cache = SpeculationCache(drafter(draft_dir), sampled=True)
+        cache = SpeculationCache(drafter(draft_dir), sampled_weight=weight)
         _, drafts = first_round(cache, "s", params)
         [entry] = cache.take([next_item(cache, "s", drafts, outcome, params)])
         assert entry is not None and cache.hits == 1
@@ -78,6 +81,22 @@ def test_a_hit_answers_what_drafting_that_context_answers(draft_dir, params):
         assert got == fresh.draft([after]).token_ids[0].tolist()
         fresh.release("r")
         assert cache.drafter.runner.blocks.num_sequences == 1  # no stand-in left behind
+
+
+def test_cache_aware_q_moves_mass_off_the_likeliest_tokens(draft_dir):
+    """Its four likeliest tokens keep the weight's share of their mass, the rest grows in
+    proportion; greedy rows and rows the cache does not prepare keep their q."""
+    plain = SpeculationCache(drafter(draft_dir), sampled_weight=1.0).drafter
+    aware = SpeculationCache(drafter(draft_dir), sampled_weight=0.25).drafter
+    items = [DraftItem(s, 0, list(CONTEXT), 3, SAMPLED, 7, f) for s, f in
+             (("s", "dense"), ("p", "point_mass"))]
+    q, shaped = (d.draft([replace(it) for it in items]).probs[:, 0] for d in (plain, aware))
+    top = q[0].topk(4).indices  # [4]
+    assert shaped[0].sum().item() == pytest.approx(1.0, abs=1e-5)
+    mass = q[0][top].sum()
+    assert mass < 0.9  # (else the rest had nothing to take)
+    torch.testing.assert_close(shaped[0][top], q[0][top] * 0.25 / (1 - 0.75 * mass))
+    torch.testing.assert_close(shaped[1], q[1])  # a point mass is its argmax's
 
 
 def test_sampled_rows_are_not_cached_unless_asked(draft_dir):
