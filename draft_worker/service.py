@@ -229,7 +229,8 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         return DraftItem(s.seq_id, s.committed_len, list(s.new_token_ids), s.gamma, params,
                          seed, Q_FORMAT_NAMES[s.q_format], s.traceparent, s.prefill_only,
                          s.prompt_len, self._teacher(s, where, vocab),
-                         features=self._features(s, where), ready_only=s.ready_only)
+                         features=self._features(s, where), ready_only=s.ready_only,
+                         prepare=not s.unprepared)
 
     def _features(self, s: pb.ProposeSequence, where: str) -> torch.Tensor | None:
         """A head's input rows (one per new token); a head drafts nothing without them."""

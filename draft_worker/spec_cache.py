@@ -141,7 +141,7 @@ class SpeculationCache:
         alpha = counts[1] / counts[0] if counts[0] else 0.5
         plans = []
         for it, drafts in zip(items, token_ids):
-            if not self._cacheable(it):
+            if not (it.prepare and self._cacheable(it)):
                 continue
             if 0 < len(drafts) == it.gamma and it.seq_id in self.drafter.likeliest:
                 plans += self._outcomes(it, drafts, alpha)

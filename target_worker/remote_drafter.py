@@ -313,7 +313,8 @@ class RemoteDrafter:
                 sampling=sampling_to_proto(it.params, it.seed),
                 q_format=Q_FORMAT_CODES[formats[i]], traceparent=it.traceparent,
                 prefill_only=it.prefill_only, prompt_len=it.prompt_len, teacher=teacher,
-                features=features.get(i), ready_only=it.ready_only))
+                features=features.get(i), ready_only=it.ready_only,
+                unprepared=not it.prepare))
         return pb.ProposeRequest(sequences=seqs, dist_tag=self._dist_tag,
                                  beside_target=beside_target)
 

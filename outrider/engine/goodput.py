@@ -55,18 +55,32 @@ class CacheMissChoice:
 
     def __init__(self) -> None:
         self.hit_rate: float | None = None  # of the sequences a Propose asked drafts for
+        self.observed = 0  # Proposes it is the mean of, until the EWMA's own weight
         self.kept: float | None = None      # drafts a round keeps
         # the step's wait for its Proposes: asking for ready drafts only, and waiting for
         # a Propose some sequence missed in
         self.ready_wait_s: float | None = None
         self.miss_wait_s: float | None = None
         self.trials = Trials()
+        self.preparing = Trials()
+
+    def prepares(self) -> bool:
+        """Whether a step's Proposes have the replica prepare their sequences' next rounds:
+        while the cache pays (CACHE_PAYS, or before it is measured), else now and then
+        (Trials), so that the hit rate is measured again. Stand-ins nobody takes cost the
+        verification they are drafted beside (under AUTO, where lookups lead most greedy
+        rounds: 0.6-0.85x served)."""
+        return self.hit_rate is None or self.hit_rate >= CACHE_PAYS or self.preparing.pick(False)
 
     def observe(self, ready_only: bool, rows: int, hits: int, wait_s: float) -> None:
-        """A step's Propose: `rows` sequences asked for drafts, `hits` of them cached."""
+        """A step's Propose: `rows` sequences asked for drafts whose last Propose had the
+        replica prepare them, `hits` of them cached."""
         if not rows:
             return
-        self.hit_rate = ewma(self.hit_rate, hits / rows)
+        # (the mean of the first ten: the first Proposes of a sequence, its context just
+        # taken in, hit less; an EWMA that started there gated the cache off for good)
+        self.observed += 1
+        self.hit_rate = ewma(self.hit_rate, hits / rows, max(0.1, 1 / self.observed))
         if ready_only:
             self.ready_wait_s = ewma(self.ready_wait_s, wait_s)
         elif hits < rows:

@@ -52,6 +52,8 @@ class DraftItem:
     # replica's speculation cache, docs/DESIGN.md §2.6): otherwise no drafts this round,
     # and the new tokens are not taken in (the next round sends them again)
     ready_only: bool = False
+    # a speculation cache drafts its next round's stand-ins (CacheMissChoice.prepares)
+    prepare: bool = True
 
     @property
     def is_active(self) -> bool:

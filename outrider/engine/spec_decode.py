@@ -254,6 +254,9 @@ class SpeculativeDecoder:
         kv_capacity = target.blocks.num_blocks * target.blocks.block_size
         self.max_model_len = min(target.max_model_len, kv_capacity)
         self._ahead: dict[int, DraftAhead] = {}  # seq id -> drafted during its last round
+        # sequences whose last Propose had the speculation cache prepare their next round
+        # (CacheMissChoice.prepares): only their next one tells its hit rate
+        self._prepared: set[int] = set()
         # contexts the draft takes in after a step, joined when it is next asked for
         # anything: (the call, [(sequence, positions it then holds)] in the call's order)
         self._warming: list[tuple[PendingProposal, list[tuple[Sequence, int]]]] = []
@@ -349,6 +352,7 @@ class SpeculativeDecoder:
         self._join_warming()  # (a Release must not overtake the context it frees)
         self.target.blocks.free(seq.seq_id)
         self._ahead.pop(seq.seq_id, None)
+        self._prepared.discard(seq.seq_id)
         self.features.drop(seq.seq_id)
         if self.grammars is not None:
             self.grammars.release(seq.seq_id)
@@ -450,7 +454,9 @@ class SpeculativeDecoder:
         aheads = [a if g else None for a, g in zip(aheads, asked)]
         to_draft = [0 if a else g for a, g in zip(aheads, asked)]
         step.ready_only = self._ready_only(step.rows, to_draft)
-        proposal = (self._draft([r.seq for r in step.rows], to_draft, step.ready_only)
+        prepared = [r.seq.seq_id in self._prepared for r in step.rows]
+        prepare = self.cache_misses is None or self.cache_misses.prepares()
+        proposal = (self._draft([r.seq for r in step.rows], to_draft, step.ready_only, prepare)
                     if any(to_draft) else Proposal.empty(len(step.rows), self.target.device))
         if any(aheads):
             asked = [g + a.num_forced if a else g for a, g in zip(aheads, asked)]
@@ -476,10 +482,13 @@ class SpeculativeDecoder:
         step.draft_cpu_s = time.thread_time() - cpu_start
         if self.cache_misses is not None:
             # (rows whose every proposal was looked up asked the model nothing)
-            drafted = [r for r, g in zip(step.rows, to_draft) if g and not (
-                r.gamma and r.source[1] >= r.gamma)]
-            self.cache_misses.observe(step.ready_only, len(drafted),
-                                      sum(r.cache_rank > 0 for r in drafted), step.draft_s)
+            drafted = [(r, was) for r, g, was in zip(step.rows, to_draft, prepared)
+                       if g and not (r.gamma and r.source[1] >= r.gamma)]
+            measured = [r for r, was in drafted if was]
+            self.cache_misses.observe(step.ready_only, len(measured),
+                                      sum(r.cache_rank > 0 for r in measured), step.draft_s)
+            for r, _ in drafted:
+                (self._prepared.add if prepare else self._prepared.discard)(r.seq.seq_id)
         self._start_background(step)
 
     def _prepared_for(self, seq: Sequence) -> bool:
@@ -610,12 +619,12 @@ class SpeculativeDecoder:
                 stored += rows
 
     # -- propose ---------------------------------------------------------------------------
-    def _draft(self, seqs: list[Sequence], gammas: list[int], ready_only: bool = False
-               ) -> Proposal:
+    def _draft(self, seqs: list[Sequence], gammas: list[int], ready_only: bool = False,
+               prepare: bool = True) -> Proposal:
         """A fresh Propose; sequences the draft has lost resend their whole context once."""
         items = [self._draft_item(s, g) for s, g in zip(seqs, gammas)]
         for it in items:
-            it.ready_only = ready_only
+            it.ready_only, it.prepare = ready_only, prepare
         out = self.drafter.draft(items, self.target.device)
         missed = [i for i, miss in enumerate(out.is_miss) if miss]
         if missed:
@@ -623,7 +632,8 @@ class SpeculativeDecoder:
                 seqs[i].draft_len = 0
             retries = [self._draft_item(seqs[i], gammas[i]) for i in missed]
             for i, retry in zip(missed, retries):
-                retry.teacher, retry.ready_only = items[i].teacher, ready_only
+                retry.teacher, retry.ready_only, retry.prepare = (items[i].teacher, ready_only,
+                                                                  prepare)
             out = out.with_rows(missed, self.drafter.draft(retries, self.target.device))
         holds_drafts = self.reads is None and self.tree is None
         for s, g in zip(seqs, out.gammas):

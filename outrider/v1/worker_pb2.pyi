@@ -79,7 +79,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., held_back_ids: _Optional[_Iterable[int]] = ..., structured_output: _Optional[_Union[_generate_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class ProposeSequence(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "new_token_ids", "gamma", "sampling", "q_format", "traceparent", "prefill_only", "prompt_len", "teacher", "features", "ready_only")
+    __slots__ = ("seq_id", "committed_len", "new_token_ids", "gamma", "sampling", "q_format", "traceparent", "prefill_only", "prompt_len", "teacher", "features", "ready_only", "unprepared")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class ProposeSequence(_message.Message):
     TEACHER_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     READY_ONLY_FIELD_NUMBER: _ClassVar[int]
+    UNPREPARED_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     committed_len: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -104,7 +105,8 @@ class ProposeSequence(_message.Message):
     teacher: _containers.RepeatedCompositeFieldContainer[TeacherRow]
     features: Features
     ready_only: bool
-    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., q_format: _Optional[_Union[QFormat, str]] = ..., traceparent: _Optional[str] = ..., prefill_only: _Optional[bool] = ..., prompt_len: _Optional[int] = ..., teacher: _Optional[_Iterable[_Union[TeacherRow, _Mapping]]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., ready_only: _Optional[bool] = ...) -> None: ...
+    unprepared: bool
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., q_format: _Optional[_Union[QFormat, str]] = ..., traceparent: _Optional[str] = ..., prefill_only: _Optional[bool] = ..., prompt_len: _Optional[int] = ..., teacher: _Optional[_Iterable[_Union[TeacherRow, _Mapping]]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., ready_only: _Optional[bool] = ..., unprepared: _Optional[bool] = ...) -> None: ...
 
 class Features(_message.Message):
     __slots__ = ("data", "width", "dtype")

@@ -212,6 +212,25 @@ def test_a_ready_only_miss_drafts_nothing_now_and_its_next_round_is_prepared(dra
     assert hit is not None and hit.drafts == want.token_ids[0].tolist()
 
 
+def test_a_cache_that_does_not_pay_prepares_now_and_then(draft_dir):
+    """CacheMissChoice.prepares: before the hit rate is known and while it pays, every
+    Propose has the replica prepare; below CACHE_PAYS only now and then (Trials), so
+    that the rate is measured again, and every time once it pays again. An item that
+    says so gets no stand-ins."""
+    choice = CacheMissChoice()
+    assert choice.prepares()
+    for _ in range(30):
+        choice.observe(False, 4, 0, 0.01)
+    picks = [choice.prepares() for _ in range(64)]
+    assert 2 <= sum(picks) <= 4 and not any(picks[:7]), picks
+    for _ in range(30):
+        choice.observe(False, 4, 4, 0.01)
+    assert all(choice.prepares() for _ in range(16))
+    cache = SpeculationCache(drafter(draft_dir))
+    item = DraftItem("s", 0, list(CONTEXT), 4, GREEDY, 7, "dense", prepare=False)
+    assert cache.plan([item], [cache.drafter.draft([item]).token_ids[0].tolist()]) == []
+
+
 def test_misses_are_waited_for_at_one_sequence_and_left_out_in_a_batch():
     """CacheMissChoice: nothing measured, a Propose waits for its misses (as without a
     cache); once a miss's cost is known, the ready-only wait is measured; then at 8
