@@ -32,8 +32,12 @@ def cmd_demo(args) -> int:
     print("== starting router, target replica and draft replica (processes, gRPC; the "
           "draft replica with its speculation cache) ==", flush=True)
     with local_system(cfg) as system, Client(system.router, timeout_s=600) as client:
-        print(f"router listening on {system.router}\n== prompt: the head of held-out module "
-              f"{DEMO_MODULE} ==\n{prompt}", flush=True)
+        print(f"router listening on {system.router}", flush=True)
+        # first: the cache measured on the traffic it is for (under AUTO, lookups lead and
+        # a cache that does not pay prepares only now and then: DESIGN §2.6)
+        _demo_cache(client, str(target), args.gamma)
+        print(f"\n== prompt: the head of held-out module {DEMO_MODULE} ==\n{prompt}",
+              flush=True)
         print(f"== through the router: target + draft, greedy, γ = {args.gamma} ==", flush=True)
         options = dict(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         stream = client.stream(prompt, speculation="fixed", gamma_max=args.gamma, **options)
@@ -44,7 +48,6 @@ def cmd_demo(args) -> int:
         plain = client.generate(prompt, speculation="off", **options)
         print("\n" + stats_line(spec))
         _print_comparison(spec, plain)
-        _demo_cache(client, str(target), args.gamma)
         _demo_sampled(client, prompt, args.max_tokens)
     head = paths.demo_head_dir()
     if (head / "config.json").is_file():
@@ -87,7 +90,7 @@ def _demo_cache(client, target: str, gamma: int) -> None:
     from outrider.bench.prompts import heldout_prompts
     from outrider.core.tokenizer import Tokenizer
 
-    print(f"\n== {CACHE_STREAMS} streams at once (held-out modules), greedy, γ = {gamma}, "
+    print(f"== {CACHE_STREAMS} streams at once (held-out modules), greedy, γ = {gamma}, "
           f"the draft model drafting: drafts prepared in the draft replica's speculation "
           f"cache ==", flush=True)
     prompts = heldout_prompts(Tokenizer(target), CACHE_STREAMS, 128)

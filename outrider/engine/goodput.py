@@ -36,6 +36,7 @@ class Trials:
 # _draft_beside) and a Propose waits for its misses (CacheMissChoice); AUTO's lookups lead
 # most greedy rounds, and ~10 % hit
 CACHE_PAYS = 0.5
+GATE_AFTER = 32  # Proposes measured before a cache that does not pay stops preparing
 
 
 def ewma(old: float | None, new: float, weight: float = 0.1) -> float:
@@ -66,11 +67,13 @@ class CacheMissChoice:
 
     def prepares(self) -> bool:
         """Whether a step's Proposes have the replica prepare their sequences' next rounds:
-        while the cache pays (CACHE_PAYS, or before it is measured), else now and then
+        while the cache pays (CACHE_PAYS, or before GATE_AFTER Proposes measured it: the
+        first rounds of a batch hit less), else now and then
         (Trials), so that the hit rate is measured again. Stand-ins nobody takes cost the
         verification they are drafted beside (under AUTO, where lookups lead most greedy
         rounds: 0.6-0.85x served)."""
-        return self.hit_rate is None or self.hit_rate >= CACHE_PAYS or self.preparing.pick(False)
+        return (self.observed < GATE_AFTER or self.hit_rate >= CACHE_PAYS
+                or self.preparing.pick(False))
 
     def observe(self, ready_only: bool, rows: int, hits: int, wait_s: float) -> None:
         """A step's Propose: `rows` sequences asked for drafts whose last Propose had the

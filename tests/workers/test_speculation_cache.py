@@ -14,7 +14,7 @@ from outrider.draft_worker.spec_cache import SpeculationCache
 from outrider import paths
 from outrider.core.sampling import SamplingParams
 from outrider.engine.drafter import Drafter
-from outrider.engine.goodput import CacheMissChoice
+from outrider.engine.goodput import GATE_AFTER, CacheMissChoice
 from outrider.engine.proposer import DraftItem
 from outrider.engine.runner import ModelRunner, RunnerConfig
 
@@ -213,14 +213,15 @@ def test_a_ready_only_miss_drafts_nothing_now_and_its_next_round_is_prepared(dra
 
 
 def test_a_cache_that_does_not_pay_prepares_now_and_then(draft_dir):
-    """CacheMissChoice.prepares: before the hit rate is known and while it pays, every
-    Propose has the replica prepare; below CACHE_PAYS only now and then (Trials), so
-    that the rate is measured again, and every time once it pays again. An item that
-    says so gets no stand-ins."""
+    """CacheMissChoice.prepares: until GATE_AFTER Proposes measured the hit rate and
+    while it pays, every Propose has the replica prepare; below CACHE_PAYS only now and
+    then (Trials), so that the rate is measured again, and every time once it pays
+    again. An item that says so gets no stand-ins."""
     choice = CacheMissChoice()
-    assert choice.prepares()
-    for _ in range(30):
+    for _ in range(GATE_AFTER - 1):
         choice.observe(False, 4, 0, 0.01)
+    assert choice.prepares()
+    choice.observe(False, 4, 0, 0.01)
     picks = [choice.prepares() for _ in range(64)]
     assert 2 <= sum(picks) <= 4 and not any(picks[:7]), picks
     for _ in range(30):
