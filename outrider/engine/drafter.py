@@ -345,7 +345,7 @@ class Drafter:
                 fed_back = {i: hidden[k] for k, i in enumerate(rows)}
             tokens, probs = self._pick(logits, [items[i] for i in rows],
                                        self._histories(items, rows, drafted), j,
-                                       self._cache_aware)
+                                       self._cache_aware if self.aware_weight != 1.0 else None)
             if self.runners_up:
                 self._keep_likeliest(logits, [items[i].seq_id for i in rows], j)
             for i, token in zip(rows, tokens.tolist()):
@@ -380,7 +380,7 @@ class Drafter:
         probs [rows, vocab]."""
         rows = [i for i, it in enumerate(items) if not it.params.is_greedy
                 and it.q_format in SHAPEABLE_Q and self.aware_of(it)]
-        if self.aware_weight == 1.0 or not rows:
+        if not rows:
             return probs
         probs = probs.clone()
         picked = probs[rows]  # [len(rows), vocab]
