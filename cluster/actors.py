@@ -68,6 +68,7 @@ class DraftReplica(_Replica):
                                                metrics_port=metrics_port,
                                                prefix_caching=runner.prefix_caching,
                                                compile=runner.compile,
+                                               enforce_eager=runner.enforce_eager,
                                                adapt=adapt, adapt_redis=adapt_redis,
                                                adapt_pair=adapt_pair,
                                                target_model=target_model,

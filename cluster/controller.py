@@ -154,6 +154,7 @@ class Controller:
                             memory_utilization=pair.gpu_memory_utilization,
                             max_num_seqs=pair.max_num_seqs, threads=pair.threads,
                             prefix_caching=pair.prefix_caching, compile=pair.compile,
+                            enforce_eager=pair.enforce_eager,
                             prepared_rows=pair.max_batch_tokens)
 
     def _target_config(self, runner, draft_addresses: list[str]):

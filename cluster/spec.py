@@ -87,6 +87,7 @@ class ModelPair(_Strict):
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None  # RunnerConfig's
     prefix_caching: bool = True                       # share cached prefixes' KV
     compile: bool = False                             # compiled forwards (compiled.py)
+    enforce_eager: bool = False                       # GPU: no CUDA graphs (cuda_graphs.py)
     adapt: bool = False                               # online distillation on the drafts
     speculation_cache: bool = False                   # drafts prepare the next round
     max_batch_tokens: Annotated[int, Field(ge=1)] = SchedulerConfig.max_batch_tokens

@@ -54,6 +54,7 @@ class DraftWorkerConfig:
     target_cpus: str | None = None     # a co-located target's cores (overlap)
     prefix_caching: bool = RunnerConfig.prefix_caching
     compile: bool = RunnerConfig.compile
+    enforce_eager: bool = RunnerConfig.enforce_eager
     prepared_rows: int = 512           # its forwards: a row per drafting sequence, and
     #                                    the context's new tokens (RunnerConfig)
     adapt: bool = False                # online distillation on the traffic it drafts for
@@ -79,6 +80,7 @@ class DraftWorkerConfig:
                    dist_address=args.dist_address, threads=args.threads,
                    metrics_port=args.metrics_port, target_cpus=args.target_cpus,
                    prefix_caching=args.enable_prefix_caching, compile=args.compile,
+                   enforce_eager=args.enforce_eager,
                    adapt=args.adapt,
                    distill=DistillConfig(round_tokens=args.adapt_round_tokens,
                                          max_duty=args.adapt_max_duty),
@@ -166,7 +168,7 @@ def start(cfg: DraftWorkerConfig, token: str | None) -> Running:
                               kv_cache_mb=cfg.kv_cache_mb,
                               memory_utilization=cfg.memory_utilization, threads=cfg.threads,
                               prefix_caching=cfg.prefix_caching, compile=cfg.compile,
-                              prepared_rows=cfg.prepared_rows)
+                              enforce_eager=cfg.enforce_eager, prepared_rows=cfg.prepared_rows)
     set_cpu_threads(runner_cfg)
     runner = draft_runner(runner_cfg, cfg)
     channel = DenseChannel(cfg.dist_address, DRAFT_RANK) if cfg.dist_address else None

@@ -52,6 +52,9 @@ def add_compile_arg(p: argparse.ArgumentParser, default: bool = False) -> None:
                    help="run the model's forward as a compiled graph (torch.compile, "
                         "compiled at start and cached on disk; eager if compiling fails; "
                         f"default: {'on' if default else 'off'})")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on a GPU, run every step eagerly (vLLM's flag); by default steps "
+                        "of short queries replay CUDA graphs captured at start")
 
 
 def add_device_args(p: argparse.ArgumentParser, device: str = "auto",

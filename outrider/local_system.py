@@ -45,6 +45,7 @@ class LocalSystemConfig:
     cache_aware_sampling: float | None = None  # their sampled rows too (draft-worker's flag)
     dtype: str = "auto"             # of both models
     compile: bool = False           # compiled forwards in every replica (--compile)
+    enforce_eager: bool = False     # GPU: no CUDA graphs in any replica (--enforce-eager)
     proposer: str = TargetWorkerConfig.proposer.value  # the targets' --proposer
     restarts: RestartPolicy = RestartPolicy()  # of a process that dies (outrider.launch)
     max_model_len: int | None = None  # the target's and router's (None: the model's)
@@ -112,7 +113,8 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
         caching = () if cfg.prefix_caching else ("--no-enable-prefix-caching",)
         context = ("--max-model-len", str(cfg.max_model_len)) if cfg.max_model_len else ()
         model = ("--device", cfg.device, "--dtype", cfg.dtype, *caching,
-                 "--compile" if cfg.compile else "--no-compile")
+                 "--compile" if cfg.compile else "--no-compile",
+                 *(("--enforce-eager",) if cfg.enforce_eager else ()))
         head = cfg.draft if cfg.draft and head_kind(cfg.draft) else None
         num_drafts = cfg.draft_replicas if cfg.draft and (cfg.head_on_replicas or not head) \
             else 0

@@ -11,6 +11,13 @@ shipped demo pair on the device and reports, as JSON:
 - `throughput`: generated tokens/s of `SpeculativeDecoder.generate` at batch 1/8/32/64,
   γ=0 and γ=4, 64 tokens per sequence (ignore_eos), after one warm-up;
 - with --compile: the compiled forward's greedy outputs against eager's, and its speed;
+- with --mid SIZE, first: a random Llama of SIZE (1b: Llama-3.2-1B's shape) written on
+  the device with a draft of its first layer; its decode step at batch 1/32/64 from CUDA
+  graphs (and eager at 1) against the roofline (the bytes of weights and KV a step reads
+  over the device's copy bandwidth); the draft at γ 4 against speculation off; greedy
+  agreement; then transformers' generate on it at batch 1 (dynamic cache, static cache
+  compiled, assisted by the same draft) against Outrider's;
+- on CUDA every throughput also eager (--enforce-eager): graphs against eager;
 - with --served: the served system on the device (router, target and draft replicas as
   processes, as `outrider serve` starts them, the KV caches sized from GPU memory): greedy
   outputs through the router with γ=4 against speculation off, then `outrider bench`'s
@@ -40,12 +47,14 @@ if importlib.util.find_spec("outrider") is None:  # a checkout without the packa
 from outrider import paths  # noqa: E402
 from outrider.core.sampling import SamplingParams  # noqa: E402
 from outrider.core.sequence import Sequence  # noqa: E402
-from outrider.engine.kernels import use_cpu_kernels  # noqa: E402
+from outrider.engine.kernels import triton_paged, use_cpu_kernels  # noqa: E402
 from outrider.engine.local import LocalEngine, LocalEngineConfig  # noqa: E402
+from outrider.engine.model_config import ModelConfig  # noqa: E402
 from outrider.engine.runner import ModelRunner, RunnerConfig  # noqa: E402
 
 PROMPT_TOKENS, NEW_TOKENS, GAMMA = 64, 64, 4
 BATCHES = (1, 8, 32, 64)
+MID_BATCHES = (1, 32, 64)
 
 
 def code_prompts(engine: LocalEngine, count: int) -> list[list[int]]:
@@ -62,10 +71,11 @@ def code_prompts(engine: LocalEngine, count: int) -> list[list[int]]:
     return [prompts[i % len(prompts)] for i in range(count)]
 
 
-def engine_on(device: str, dtype: str, compile: bool = False) -> LocalEngine:
+def engine_on(device: str, dtype: str, compile: bool = False,
+              enforce_eager: bool = False) -> LocalEngine:
     target_dir, draft_dir = paths.demo_pair()
     target = RunnerConfig(model_dir=str(target_dir), device=device, dtype=dtype,
-                          kv_cache_mb=1024.0, compile=compile)
+                          kv_cache_mb=1024.0, compile=compile, enforce_eager=enforce_eager)
     return LocalEngine(LocalEngineConfig(target=target, draft_dir=str(draft_dir),
                                          draft_kv_cache_mb=256.0, proposer="model"))
 
@@ -126,6 +136,13 @@ def check_dtype(device: str, dtype: str, prompts: list[list[int]], cpu_ref) -> d
                                            for a, c in zip(alone, cpu_ref)]
         print(f"{dtype}: spec == target {result['spec_equals_target']}", flush=True)
         result["throughput"] = throughput(engine, prompts, device)
+        result["graph_capture_s"] = round(engine.decoder.target.graph_capture_s, 1)
+    if device.startswith("cuda"):
+        with engine_on(device, dtype, enforce_eager=True) as engine:
+            eager = ids(greedy(engine, prompts[:8], 0))
+            result["graphs_equal_eager"] = [a == e for a, e in zip(alone, eager)]
+            print(f"{dtype}: graphs == eager {result['graphs_equal_eager']}", flush=True)
+            result["eager_throughput"] = throughput(engine, prompts, device)
     return result, alone
 
 
@@ -210,6 +227,322 @@ def served_rows(rows: list[dict]) -> dict:
         for r in rows}
 
 
+def check_kernel(device: str) -> dict:
+    """The Triton kernels against the reference path on the device: a ragged batch of
+    decode rows, chains and a token tree, grouped-query heads, a sliding window, in
+    float32 and bfloat16 (the greatest absolute difference of each)."""
+    from outrider.engine import attention
+    from outrider.engine.attention import AttentionMetadata, SequenceSlice, kv_cache_shapes
+    from outrider.engine.kernels import triton_paged
+
+    gen = torch.Generator().manual_seed(0)
+    block, num_blocks, heads, kv_heads, dim = 16, 64, 32, 8, 128
+    mix = [(37, 1, None), (0, 1, None), (70, 5, None), (16, 4, [1, 3, 5, 9]), (300, 9, None)]
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    seqs = []
+    for cached, new, tree in mix:
+        blocks = -(-(cached + new) // block)
+        seqs.append(SequenceSlice(cached, new, [order.pop() for _ in range(blocks)], tree))
+    rows = sum(s.query_len for s in seqs)
+    result = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for window in (None, 64):
+            make = lambda *shape, dtype=dtype: torch.randn(  # noqa: E731
+                *shape, generator=gen).to(device, dtype)
+            caches = [make(*shape) for shape in kv_cache_shapes(num_blocks, block, kv_heads, dim)]
+            q, k, v = make(rows, heads, dim), make(rows, kv_heads, dim), make(rows, kv_heads, dim)
+            meta = AttentionMetadata.build(seqs, block, torch.device(device))
+            reference_meta = AttentionMetadata(*[getattr(meta, f) for f in (
+                "seqs", "slot_mapping", "query_start", "context_lens", "block_tables",
+                "block_size", "tree_masks")])  # (no rows: the reference path)
+            want = attention.reference_attention(q.float(), k.float(), v.float(),
+                                                 *[c.float() for c in caches], reference_meta,
+                                                 window, dim ** -0.5)
+            got = attention.paged_attention(q, k, v, *caches, meta, window, dim ** -0.5)
+            key = f"{str(dtype).removeprefix('torch.')}_window{window or 0}"
+            result[key] = round((got.float() - want).abs().max().item(), 5)
+    print("kernel against reference, max abs difference:", result, flush=True)
+    assert meta.rows is not None and triton_paged.triton_available()
+    return result
+
+
+def mid_pair(device: str, size: str) -> tuple[Path, Path]:
+    """A random Llama of `size` (scripts/random_checkpoint.py) and a draft of its first
+    layer, written on the device into a temporary folder (no hub there)."""
+    import tempfile
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import random_checkpoint
+
+    root = Path(tempfile.mkdtemp(prefix="outrider-mid-"))
+    model = random_checkpoint.write("llama", root / "target", size, device, quieter_after=1)
+    random_checkpoint.write_layer_draft(model, root / "draft", 1)
+    del model
+    return root / "target", root / "draft"
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes read and written a second by a device-to-device copy (the roofline's)."""
+    size = (1 << 30) if device.startswith("cuda") else (64 << 20)
+    src = torch.ones(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(20):
+        dst.copy_(src)
+    synchronize(device)
+    return 2 * size * 20 / (time.perf_counter() - start)
+
+
+def timed_generate(decoder, prompts: list[list[int]], new_tokens: int, gamma: int,
+                   device: str) -> tuple[float, list[Sequence]]:
+    synchronize(device)
+    start = time.perf_counter()
+    seqs = decoder.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True),
+                            gamma=gamma)
+    synchronize(device)
+    return time.perf_counter() - start, seqs
+
+
+def decode_step_s(decoder, prompts: list[list[int]], device: str) -> float:
+    """A decode step's seconds: generating NEW_TOKENS + 1 tokens less generating one (the
+    prefill), over NEW_TOKENS steps."""
+    timed_generate(decoder, prompts, 2, 0, device)  # warm-up
+    full, _ = timed_generate(decoder, prompts, NEW_TOKENS + 1, 0, device)
+    prefill, _ = timed_generate(decoder, prompts, 1, 0, device)
+    return (full - prefill) / NEW_TOKENS
+
+
+def mid_runner(device: str, model_dir: Path, enforce_eager: bool,
+               compile: bool = False) -> ModelRunner:
+    return ModelRunner(RunnerConfig(model_dir=str(model_dir), device=device, dtype="bfloat16",
+                                    kv_cache_mb=4096.0, enforce_eager=enforce_eager,
+                                    compile=compile))
+
+
+def decode_rows(runner: ModelRunner, prompts: list[list[int]], batches: tuple[int, ...],
+                bandwidth: float, device: str, label: str) -> dict:
+    """Per batch: a decode step's milliseconds, tok/s, and the roofline's share of it
+    (the weights and the KV the step reads, over the copy bandwidth)."""
+    from outrider.engine.spec_decode import SpeculativeDecoder
+
+    mc = runner.model_config
+    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.dtype.itemsize
+    decoder, rows = SpeculativeDecoder(runner), {}
+    for batch in batches:
+        step = decode_step_s(decoder, prompts[:batch], device)
+        read = runner.weight_bytes + batch * (PROMPT_TOKENS + NEW_TOKENS // 2) * kv_per_token
+        rows[f"batch{batch}"] = {"step_ms": round(step * 1e3, 3),
+                                 "tokens_per_s": round(batch / step),
+                                 "roofline_share": round(read / bandwidth / step, 3)}
+        print(f"mid {label} batch {batch}: {rows[f'batch{batch}']}", flush=True)
+    return rows
+
+
+def target_steps(runner: ModelRunner) -> list[int]:
+    """Counts the runner's forwards from now on (in its first item)."""
+    count, forward = [0], runner.forward
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return forward(*args, **kwargs)
+
+    runner.forward = counted
+    return count
+
+
+def check_spec(runner: ModelRunner, draft_dir: Path, prompts: list[list[int]],
+               device: str) -> dict:
+    """The draft at γ 4 against speculation off, at batch 1 and 8: tok/s, and tokens a
+    target forward (the prefill's included)."""
+    from outrider.engine.drafter import Drafter
+    from outrider.engine.spec_decode import SpeculativeDecoder
+
+    off, spec = SpeculativeDecoder(runner), SpeculativeDecoder(
+        runner, Drafter(mid_runner(device, draft_dir, False)))
+    result = {}
+    for batch in (1, 8):
+        off_s, _ = timed_generate(off, prompts[:batch], NEW_TOKENS, 0, device)
+        timed_generate(spec, prompts[:batch], 8, GAMMA, device)  # warm-up
+        steps = target_steps(runner)
+        spec_s, _ = timed_generate(spec, prompts[:batch], NEW_TOKENS, GAMMA, device)
+        del runner.forward
+        result[f"batch{batch}"] = {
+            "off_tokens_per_s": round(batch * NEW_TOKENS / off_s),
+            "gamma4_tokens_per_s": round(batch * NEW_TOKENS / spec_s),
+            "speedup": round(off_s / spec_s, 2),
+            "tokens_per_target_forward": round(NEW_TOKENS / steps[0], 2),
+            "off_generate_s": round(off_s, 4)}
+        print(f"mid spec batch {batch}: {result[f'batch{batch}']}", flush=True)
+    result["outputs"] = ids(timed_generate(spec, prompts[:8], NEW_TOKENS, GAMMA, device)[1])
+    return result
+
+
+def check_mid(device: str, size: str) -> tuple[dict, tuple]:
+    """The mid-size target's decode step against the roofline, from CUDA graphs and
+    eager (with profiles of its steps); the first-layer draft's γ 4 against speculation
+    off; greedy outputs of each against the graphs', with the target's margin where
+    they part."""
+    from outrider.engine.spec_decode import SpeculativeDecoder
+
+    start = time.perf_counter()
+    target_dir, draft_dir = mid_pair(device, size)
+    bandwidth = copy_bandwidth(device)
+    result = {"size": size, "write_s": round(time.perf_counter() - start, 1),
+              "copy_bandwidth_gb_s": round(bandwidth / 1e9)}
+    vocab = ModelConfig.from_dir(str(target_dir)).vocab_size
+    prompts = torch.randint(3, vocab, (max(MID_BATCHES), PROMPT_TOKENS),
+                            generator=torch.Generator().manual_seed(0)).tolist()
+    runner = mid_runner(device, target_dir, False)
+    result["graph_capture_s"] = round(runner.graph_capture_s, 1)
+    result["weight_bytes"] = runner.weight_bytes
+    result["graphs"] = decode_rows(runner, prompts, MID_BATCHES, bandwidth, device, "graphs")
+    decoder = SpeculativeDecoder(runner)
+    if device.startswith("cuda"):
+        result["profiles"] = {f"graphs_batch{b}": profile_decode(decoder, prompts[:b])
+                              for b in (1, 64)}
+    alone = decoder.generate(prompts[:8], SamplingParams(max_tokens=NEW_TOKENS,
+                                                         ignore_eos=True, logprobs=2), gamma=0)
+    spec = check_spec(runner, draft_dir, prompts, device)
+    result["spec"] = {k: v for k, v in spec.items() if k != "outputs"}
+    result["spec_splits"] = splits(alone, spec["outputs"])
+    del decoder, runner
+    empty_cache(device)
+    eager = mid_runner(device, target_dir, True)
+    result["eager"] = decode_rows(eager, prompts, (1, 64), bandwidth, device, "eager")
+    if device.startswith("cuda"):
+        result["profiles"]["eager_batch64"] = profile_decode(SpeculativeDecoder(eager),
+                                                             prompts[:64])
+    eager_ids = ids(timed_generate(SpeculativeDecoder(eager), prompts[:8], NEW_TOKENS, 0,
+                                   device)[1])
+    result["eager_splits"] = splits(alone, eager_ids)
+    print("mid splits from the graphs' greedy output: eager", result["eager_splits"],
+          "spec", result["spec_splits"], flush=True)
+    del eager
+    empty_cache(device)
+    return result, (target_dir, draft_dir)
+
+
+def check_mid_compiled(device: str, target_dir: Path) -> dict:
+    """The compiled forward inside the CUDA graphs: start-up and decode steps."""
+    start = time.perf_counter()
+    runner = mid_runner(device, target_dir, False, compile=True)
+    result = {"start_s": round(time.perf_counter() - start, 1),
+              "compile_s": round(runner.warm_up_s, 1),
+              "graph_capture_s": round(runner.graph_capture_s, 1),
+              "compiled": runner.step.is_compiled if hasattr(runner.step, "is_compiled")
+              else False}
+    vocab = runner.vocab_size
+    prompts = torch.randint(3, vocab, (max(MID_BATCHES), PROMPT_TOKENS),
+                            generator=torch.Generator().manual_seed(0)).tolist()
+    result.update(decode_rows(runner, prompts, MID_BATCHES, copy_bandwidth(device), device,
+                              "compiled graphs"))
+    del runner
+    empty_cache(device)
+    return result
+
+
+def empty_cache(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def profile_decode(decoder, prompts: list[list[int]]) -> dict:
+    """Where 16 decode steps of len(prompts) sequences go: wall time and GPU kernel time
+    a step, the top GPU kernels, and the host's top Python functions (cProfile)."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    params = SamplingParams(max_tokens=17, ignore_eos=True)
+    decoder.generate(prompts, params, gamma=0)
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        decoder.generate(prompts, params, gamma=0)
+    events = prof.key_averages()
+    kernels = sorted((e for e in events if e.device_time_total > 0 and e.cpu_time_total == 0),
+                     key=lambda e: -e.device_time_total)
+    host = cProfile.Profile()
+    start = time.perf_counter()
+    host.runcall(decoder.generate, prompts, params, gamma=0)
+    wall = time.perf_counter() - start
+    stats = pstats.Stats(host)
+    top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:15]  # by own time
+    return {"wall_ms_per_token_under_cprofile": round(wall / 17 * 1e3, 3),
+            "kernel_ms_per_token": round(sum(e.device_time_total for e in kernels)
+                                         / 17 / 1e3, 3),
+            "kernels": [{"name": e.key[:70], "calls": e.count,
+                         "ms": round(e.device_time_total / 1e3, 3)} for e in kernels[:12]],
+            "host": [{"function": f"{Path(f).name}:{line} {name}", "calls": calls,
+                      "own_ms": round(own * 1e3, 2), "cumulative_ms": round(cum * 1e3, 2)}
+                     for (f, line, name), (_, calls, own, cum, _) in top]}
+
+
+def check_transformers(device: str, target_dir: Path, draft_dir: Path,
+                       dtypes: tuple[str, ...] = ("bfloat16", "float32")) -> dict:
+    """transformers' own generation at batch 1, greedy, against Outrider's (CUDA graphs)
+    on the same prompt, in each dtype: its default (dynamic cache), a static cache (which
+    its generate compiles on a GPU) and assisted generation with the same draft; tok/s
+    of each one's second call; Outrider timed before and after them (two rounds); where
+    an output leaves Outrider's, Outrider's margin between its two likeliest tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from outrider.engine.spec_decode import SpeculativeDecoder
+
+    prompt = torch.randint(3, ModelConfig.from_dir(str(target_dir)).vocab_size,
+                           (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+    result = {}
+    for dtype in dtypes:
+        runner = ModelRunner(RunnerConfig(model_dir=str(target_dir), device=device,
+                                          dtype=dtype, kv_cache_mb=1024.0))
+        decoder = SpeculativeDecoder(runner)
+        ours = decoder.generate([prompt], params, gamma=0)[0]
+        rounds = [timed_generate(decoder, [prompt], NEW_TOKENS, 0, device)[0]]
+        model, assistant = (AutoModelForCausalLM.from_pretrained(
+            d, dtype=getattr(torch, dtype)).to(device).eval() for d in (target_dir, draft_dir))
+        rows = {}
+        for name, extra in {"dynamic_cache": {},
+                            "static_cache_compiled": {"cache_implementation": "static"},
+                            "assisted": {"assistant_model": assistant}}.items():
+            rows[name] = transformers_row(model, prompt, extra, device, ours)
+        rounds.append(timed_generate(decoder, [prompt], NEW_TOKENS, 0, device)[0])
+        for name, row in rows.items():
+            row["outrider_speedup"] = [round(row["second_s"] / r, 2) for r in rounds]
+            print(f"transformers {dtype} {name}: {row}", flush=True)
+        rows["outrider_tokens_per_s"] = [round(NEW_TOKENS / r, 1) for r in rounds]
+        result[dtype] = rows
+        del decoder, runner, model, assistant
+        empty_cache(device)
+    return result
+
+
+def transformers_row(model, prompt: list[int], extra: dict, device: str,
+                     ours: Sequence) -> dict:
+    ids_in = torch.tensor([prompt], device=device)
+    row = {}
+    for attempt in ("first", "second"):
+        synchronize(device)
+        start = time.perf_counter()
+        out = model.generate(ids_in, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             do_sample=False, pad_token_id=0, **extra)
+        synchronize(device)
+        row[f"{attempt}_s"] = round(time.perf_counter() - start, 3)
+    row["tokens_per_s"] = round(NEW_TOKENS / row["second_s"], 1)
+    theirs = out[0, len(prompt):].tolist()
+    row["agrees_with_outrider"] = round(agreement(theirs, ours.output_ids), 3)
+    row["split"] = splits([ours], [theirs])
+    return row
+
+
 def provenance(device: str) -> dict:
     """What ran, where: the commit comes from $OUTRIDER_COMMIT where the tree has no .git
     (the device tool sends the working tree alone)."""
@@ -233,29 +566,78 @@ def main() -> None:
                         help="also: the served system in these dtypes (comma-separated)")
     parser.add_argument("--profile", metavar="DTYPES",
                         help="instead: profile greedy steps in these dtypes (comma-separated)")
+    parser.add_argument("--mid", metavar="SIZE", choices=("1b", "140m", "demo"),
+                        help="first: a random Llama of this size (scripts/random_checkpoint"
+                             ".py) against the roofline and transformers' generation")
+    parser.add_argument("--budget-s", type=float, default=float("inf"),
+                        help="start no check after this many seconds (a device's lease is "
+                             "short: the JSON is written after each check)")
+    parser.add_argument("--only", metavar="CHECKS",
+                        help="run only these checks (comma-separated: mid, mid_compiled, "
+                             "float32, served_DTYPE, transformers, bfloat16, kv_from_memory, "
+                             "compiled_float32)")
     args = parser.parse_args()
     use_cpu_kernels(False)  # the CPU side is the reference path (no C++ build here)
     report = {"provenance": provenance(args.device)}
     print(report, flush=True)
+    deadline = time.monotonic() + args.budget_s
+
+    def due(name: str) -> bool:
+        if args.only and name not in args.only.split(","):
+            return False
+        if time.monotonic() < deadline:
+            return True
+        report.setdefault("skipped", []).append(name)
+        print(f"skipped {name}: past --budget-s", flush=True)
+        return False
+
+    def save() -> None:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+    if args.device.startswith("cuda"):
+        try:
+            report["kernel"] = check_kernel(args.device)
+        except Exception as exc:  # noqa: BLE001 (the rest of the run measures without it)
+            report["kernel"] = {"failed": f"{type(exc).__name__}: {exc}"[:2000]}
+            print("kernel check failed, the reference path from here:", exc, flush=True)
+            os.environ[triton_paged.DISABLE_ENV] = "1"
+            triton_paged.triton_available.cache_clear()
+        save()
+    mid = None
+    if args.mid and due("mid"):
+        report["mid"], mid = check_mid(args.device, args.mid)
+        save()
+    elif args.mid and due("transformers"):
+        mid = mid_pair(args.device, args.mid)
+        if args.compile and due("mid_compiled"):
+            report["mid_compiled"] = check_mid_compiled(args.device, mid[0])
+            save()
     with engine_on("cpu", "float32") as cpu:
         prompts = code_prompts(cpu, max(BATCHES))
         if args.profile:
             for dtype in args.profile.split(","):
                 profile(args.device, dtype, prompts)
             return
-        cpu_ref = ids(greedy(cpu, prompts[:8], 0))
-    report["float32"], eager = check_dtype(args.device, "float32", prompts, cpu_ref)
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    report["bfloat16"], _ = check_dtype(args.device, "bfloat16", prompts, None)
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    if args.device.startswith("cuda"):
-        report["kv_from_memory"] = check_kv_from_memory(args.device)
-    if args.compile:
-        report["compiled_float32"] = check_compiled(args.device, prompts, eager)
-    Path(args.out).write_text(json.dumps(report, indent=1))
+        cpu_ref = ids(greedy(cpu, prompts[:8], 0)) if due("float32") else None
+    if cpu_ref is not None:
+        report["float32"], eager = check_dtype(args.device, "float32", prompts, cpu_ref)
+        save()
     for dtype in (args.served or "").split(",") if args.served else ():
-        report[f"served_{dtype}"] = check_served(args.device, dtype, prompts, Path(args.out))
-        Path(args.out).write_text(json.dumps(report, indent=1))
+        if due(f"served_{dtype}"):
+            report[f"served_{dtype}"] = check_served(args.device, dtype, prompts,
+                                                     Path(args.out))
+            save()
+    if mid is not None and due("transformers"):
+        report["transformers"] = check_transformers(args.device, *mid[:2])
+        save()
+    if due("bfloat16"):
+        report["bfloat16"], _ = check_dtype(args.device, "bfloat16", prompts, None)
+        save()
+    if args.device.startswith("cuda") and due("kv_from_memory"):
+        report["kv_from_memory"] = check_kv_from_memory(args.device)
+    if args.compile and due("compiled_float32"):
+        report["compiled_float32"] = check_compiled(args.device, prompts, eager)
+    save()
 
 
 if __name__ == "__main__":

@@ -85,7 +85,8 @@ class TargetWorkerConfig:
                               small_step_threads=args.small_step_threads,
                               step_threads=args.step_threads,
                               prefix_caching=args.enable_prefix_caching,
-                              compile=args.compile, prepared_rows=args.max_batch_tokens)
+                              compile=args.compile, enforce_eager=args.enforce_eager,
+                              prepared_rows=args.max_batch_tokens)
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                 max_batch_tokens=args.max_batch_tokens)
         return cls(runner, sched, tuple(args.draft_address), args.gamma, args.host, args.port,

@@ -1,7 +1,14 @@
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# The GPU's Triton kernels run on CPU tensors through Triton's interpreter
+# (test_triton_attention.py). Triton reads this when it is first imported, which torch's
+# compiler may do in any test, so it is set before all of them.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from tests.checkpoints import perturbed_copy, save_random_checkpoint, train_tokenizer
 

@@ -249,7 +249,8 @@ def render_peer(runs: list[Run]) -> str:
 
 
 def render_gpu(runs: list[Run]) -> str:
-    """scripts/gpu_check.py's JSON: exactness per dtype, then tokens/s per batch."""
+    """scripts/gpu_check.py's JSON: exactness per dtype, then tokens/s per batch (from
+    CUDA graphs and eager where the run measured both)."""
     data = runs[0].data
     fp32, bf16, compiled = data["float32"], data["bfloat16"], data.get("compiled_float32")
     checks = ["| check | float32 | bfloat16 |", "|---|---|---|",
@@ -258,21 +259,68 @@ def render_gpu(runs: list[Run]) -> str:
               f"{_equal(bf16['spec_equals_target'], bf16['spec_splits'])} |",
               f"| the device's greedy tokens against the CPU reference path | "
               f"{_agreeing(fp32['device_equals_cpu'])} | – |"]
+    if "graphs_equal_eager" in fp32:
+        checks.append(f"| CUDA graphs against eager (--enforce-eager), greedy | "
+                      f"{_equal(fp32['graphs_equal_eager'], [])} | "
+                      f"{_equal(bf16['graphs_equal_eager'], [])} |")
+    if "kernel" in data and "failed" not in data["kernel"]:
+        diff = data["kernel"]
+        checks.append("| paged attention (Triton) against the reference path, greatest "
+                      f"difference | {max(diff['float32_window0'], diff['float32_window64']):g} "
+                      f"| {max(diff['bfloat16_window0'], diff['bfloat16_window64']):g} |")
     if compiled:
         checks.append(f"| compiled forward (--compile) against eager, greedy | "
                       f"{_equal(compiled['equals_eager'], [])}, first run "
                       f"{fmt(compiled['first_run_s'], 0)} s | – |")
-    modes = [("eager, float32", fp32), ("eager, bfloat16", bf16)]
-    modes += [("compiled, float32", compiled)] if compiled else []
+    step = "graphs" if "eager_throughput" in fp32 else "eager"
+    modes = [(f"{step}, float32", fp32["throughput"]), (f"{step}, bfloat16", bf16["throughput"])]
+    modes += [(f"eager, {name}", r["eager_throughput"]) for name, r in
+              (("float32", fp32), ("bfloat16", bf16)) if "eager_throughput" in r]
+    modes += [("compiled, float32", compiled["throughput"])] if compiled else []
     batches = sorted({int(k.split("batch")[1]) for k in fp32["throughput"]})
     speed = [f"| tok/s | {' | '.join(f'batch {b}' for b in batches)} |",
              "|---|" + "---|" * len(batches)]
-    for label, result in modes:
-        for gamma in sorted({int(k[5:].split("_")[0]) for k in result["throughput"]}):
-            cells = " | ".join(f"{round(result['throughput'][f'gamma{gamma}_batch{b}']):,}"
+    for label, throughput in modes:
+        for gamma in sorted({int(k[5:].split("_")[0]) for k in throughput}):
+            cells = " | ".join(f"{round(throughput[f'gamma{gamma}_batch{b}']):,}"
                                for b in batches)
             speed.append(f"| {label}, γ {gamma} | {cells} |")
     return with_provenance(runs, "\n".join(checks), "\n".join(speed))
+
+
+def render_gpu_mid(runs: list[Run]) -> str:
+    """scripts/gpu_check.py --mid: the mid-size target's decode step against the
+    roofline, then transformers' generation beside Outrider's at batch 1."""
+    data = runs[0].data
+    mid, compiled = data["mid"], data.get("mid_compiled") or {}
+    batches = sorted(int(k.removeprefix("batch")) for k in mid["graphs"])
+    steps = [f"| decode step, bfloat16 | {' | '.join(f'batch {b}' for b in batches)} |",
+             "|---|" + "---|" * len(batches)]
+    for label, rows in (("CUDA graphs", mid["graphs"]),
+                        ("compiled forward in CUDA graphs", compiled), ("eager", mid["eager"])):
+        cells = [(f"{fmt(r['step_ms'], 2)} ms, {r['tokens_per_s']:,} tok/s, "
+                  f"{r['roofline_share']:.0%}" if (r := rows.get(f"batch{b}")) else "–")
+                 for b in batches]
+        steps.append(f"| {label} | {' | '.join(cells)} |") if rows else None
+    peer = ["| batch 1, 64 tokens | float32 | bfloat16 |", "|---|---|---|"]
+    for name, label in (("static_cache_compiled", "transformers, static cache, compiled"),
+                        ("dynamic_cache", "transformers, dynamic cache"),
+                        ("assisted", "transformers, assisted by the draft")):
+        peer.append(f"| {label} | " + " | ".join(
+            _peer_cell(data["transformers"][d][name]) for d in ("float32", "bfloat16")) + " |")
+    peer.append("| Outrider, CUDA graphs [round 1 / round 2] | " + " | ".join(
+        " / ".join(f"{t:,.0f}" for t in data["transformers"][d]["outrider_tokens_per_s"])
+        + " tok/s" for d in ("float32", "bfloat16")) + " |")
+    return with_provenance(runs, "\n".join(steps), "\n".join(peer))
+
+
+def _peer_cell(row: dict) -> str:
+    split = row["split"]
+    same = ("output equal" if not split else
+            f"parts at token {split[0]['position']}, Outrider's top two "
+            f"{fmt(split[0]['top2_margin'], 3)} apart")
+    return (f"{row['tokens_per_s']:,.0f} tok/s; Outrider "
+            f"{' / '.join(fmt(x, 2) for x in row['outrider_speedup'])}x; {same}")
 
 
 GPU_GAMMA = 4  # scripts/gpu_check.py's
@@ -403,6 +451,7 @@ RENDERERS: dict[str, Callable[[list[Run]], str]] = {
     "headline": render_headline, "versus": render_versus, "proposers": render_proposers,
     "structured": render_structured, "prefix": render_prefix, "adapt": render_adapt,
     "step": render_step, "peer": render_peer, "gpu": render_gpu, "gpu_served": render_gpu_served,
+    "gpu_mid": render_gpu_mid,
     "served_ab": render_served_ab,
     "index": render_index,
     "acceptance": render_acceptance, "architectures": render_architectures}

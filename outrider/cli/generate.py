@@ -131,6 +131,7 @@ def _local_engine(args):
     target, draft = model_dirs(args)
     runner = RunnerConfig(model_dir=str(target), device=args.device, dtype=args.dtype,
                           tp=args.tp, kv_cache_mb=args.kv_cache_mb, compile=args.compile,
+                          enforce_eager=args.enforce_eager,
                           memory_utilization=args.gpu_memory_utilization,
                           max_model_len=args.max_model_len)
     draft_kv = getattr(args, "draft_kv_cache_mb", None) or args.kv_cache_mb

@@ -121,6 +121,7 @@ def _local_system_config(args):
                              target_replicas=args.target_replicas,
                              prefix_caching=args.enable_prefix_caching, adapt=args.adapt,
                              dtype=args.dtype, compile=args.compile,
+                             enforce_eager=args.enforce_eager,
                              max_model_len=args.max_model_len,
                              memory_utilization=args.gpu_memory_utilization,
                              tree_topk=tree_shape(args).topk,

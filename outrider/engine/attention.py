@@ -3,9 +3,10 @@
 Every sequence brings its own number of new positions (a prefill chunk, one decode
 token, or 1+γ verification tokens). New keys/values are written to their cache slots,
 then every query attends to its sequence's context. On CPU one C++ call per layer does
-both for the whole batch, reading the cache blocks in place (`kernels/`); elsewhere, or
-where that kernel could not be built, the reference path below groups the sequences,
-one SDPA call each:
+both for the whole batch, reading the cache blocks in place (`kernels/`); on a GPU a
+Triton kernel does for steps of short queries (`kernels/triton_paged.py`, the metadata's
+`rows`); elsewhere, or where neither runs, the reference path below groups the
+sequences, one SDPA call each:
   - every sequence with a short query (decode, verification) in one padded batch, its
     context gathered block by block from the cache;
   - each prefill chunk on its own, so a 500-token chunk never pads the decoding
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from outrider.engine.kernels import cpu_kernels_loaded
+from outrider.engine.kernels import cpu_kernels_loaded, triton_paged
 
 SHORT_QUERY = 32  # sequences with at most this many new positions share one padded batch
 
@@ -142,6 +143,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor    # [seqs, max_blocks] int32
     block_size: int
     tree_masks: torch.Tensor | None = None  # [num_tokens] int64 (-1: causal); None: no trees
+    # [2, num_tokens]: each row's sequence and its query's slot in it, for the GPU's
+    # kernel (triton_paged), which takes steps of short queries; None: the other paths
+    rows: torch.Tensor | None = None
 
     @classmethod
     def build(cls, seqs: list[SequenceSlice], block_size: int,
@@ -149,18 +153,21 @@ class AttentionMetadata:
         slots, starts = [], [0]
         for s in seqs:
             starts.append(starts[-1] + s.query_len)
-            slots += [s.block_table[p // block_size] * block_size + p % block_size
-                      for p in range(s.cached_len, s.context_len)]
+            slots += slots_of(s.block_table, s.cached_len, s.context_len, block_size)
         width = max(len(s.block_table) for s in seqs)
         as_int = functools.partial(torch.tensor, dtype=torch.int32, device=device)
         trees = None
         if any(s.tree_masks for s in seqs):
             trees = torch.tensor([m for s in seqs for m in (s.tree_masks or [-1] * s.query_len)],
                                  dtype=torch.long, device=device)
+        rows = None
+        if device.type == "cuda" and gpu_kernel_takes(seqs, block_size):
+            rows = as_int([[i for i, s in enumerate(seqs) for _ in range(s.query_len)],
+                           [p for s in seqs for p in range(s.cached_len, s.context_len)]])
         return cls(seqs, torch.tensor(slots, dtype=torch.long, device=device), as_int(starts),
                    as_int([s.context_len for s in seqs]),
                    as_int([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
-                   block_size, trees)
+                   block_size, trees, rows)
 
     @functools.cached_property
     def groups(self) -> list[AttentionGroup]:
@@ -178,6 +185,26 @@ class AttentionMetadata:
         return groups
 
 
+def slots_of(block_table: list[int], start: int, stop: int, block_size: int) -> list[int]:
+    """The cache slots of a sequence's positions start, ..., stop - 1."""
+    return [block_table[p // block_size] * block_size + p % block_size
+            for p in range(start, stop)]
+
+
+def gpu_kernel_fits(block_size: int) -> bool:
+    """Whether the GPU's kernel (triton_paged) can read this cache: Triton is there and
+    the blocks are a power of two of at least 16 keys (its tiles)."""
+    return (triton_paged.triton_available() and block_size >= triton_paged.MIN_DOT
+            and block_size & (block_size - 1) == 0)
+
+
+def gpu_kernel_takes(seqs: list[SequenceSlice], block_size: int) -> bool:
+    """Whether the GPU's kernel runs this step: it fits, and every query is short (a
+    long prefill chunk attends better with SDPA's flash kernel, which reuses each key
+    across rows)."""
+    return gpu_kernel_fits(block_size) and all(s.query_len <= SHORT_QUERY for s in seqs)
+
+
 def kv_cache_shapes(num_blocks: int, block_size: int, kv_heads: int,
                     head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """One layer's (keys, values) cache shapes."""
@@ -192,6 +219,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim]; caches as
     kv_cache_shapes gives; softcap > 0: scores become softcap * tanh(score / softcap)
     (Gemma 2). Returns [num_tokens, heads * head_dim]."""
+    if meta.rows is not None:
+        triton_paged.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return triton_paged.paged_attention(q, k_cache, v_cache, meta.block_tables,
+                                            meta.context_lens, meta.rows[0], meta.rows[1],
+                                            meta.tree_masks, window or 0, scale, softcap)
     if q.device.type == "cpu" and cpu_kernels_loaded():
         return torch.ops.outrider_cpu.paged_attention(
             q, k, v, k_cache, v_cache, meta.slot_mapping, meta.query_start, meta.context_lens,

@@ -17,9 +17,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from outrider.engine.attention import AttentionMetadata, SequenceSlice, kv_cache_shapes
+from outrider.engine.attention import (
+    AttentionMetadata,
+    SequenceSlice,
+    gpu_kernel_fits,
+    kv_cache_shapes,
+    slots_of,
+)
 from outrider.engine.block_manager import BlockManager
 from outrider.engine.compiled import CompiledForward
+from outrider.engine.cuda_graphs import GraphedSteps
 from outrider.engine.features import FeatureTap
 from outrider.engine.memory import kv_budget_from_memory
 from outrider.engine.model import CausalLM
@@ -64,6 +71,8 @@ class RunnerConfig:
     prefix_caching: bool = True  # share the KV of common prefixes (block_manager.py)
     compile: bool = False       # the forward as one compiled graph (compiled.py); off:
     #                             it measured no faster on CPU (BENCHMARKS.md)
+    enforce_eager: bool = False  # CUDA: every step eager; else steps of short queries
+    #                             replay CUDA graphs captured at start (cuda_graphs.py)
     prepared_rows: int = 0      # CPU: the linears prepared at start for every forward
     #                             of up to this many tokens (serving replicas; 0: none)
     feature_width: int = 0      # a draft head's features a position (FeatureTap.width),
@@ -124,6 +133,7 @@ class ModelRunner:
         self._check_fits(num_blocks)
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_caching)
         self.warm_up_s = 0.0  # compiling the forward at start
+        self.graph_capture_s = 0.0  # capturing its CUDA graphs at start
         self.threads = torch.get_num_threads()  # this rank's share (set_cpu_threads)
         self._set_step()
 
@@ -149,8 +159,8 @@ class ModelRunner:
     def feature_slots(self, seq_id, start: int, num_positions: int) -> list[int]:
         """The feature cache's rows of `seq_id`'s positions start, start + 1, ... (its
         KV slots)."""
-        size, table = self.cfg.block_size, self.blocks.block_table(seq_id)
-        return [table[p // size] * size + p % size for p in range(start, start + num_positions)]
+        return slots_of(self.blocks.block_table(seq_id), start, start + num_positions,
+                        self.cfg.block_size)
 
     def store_features(self, slots: list[int], rows: torch.Tensor) -> None:
         """Features of positions ([len(slots), width]) beside their KV, where a sequence
@@ -208,9 +218,24 @@ class ModelRunner:
         --no-compile and under tensor parallelism (its collectives have not been tried
         inside a compiled graph)."""
         self.step: CompiledForward | CausalLM = self.model
-        if self.cfg.compile and self.tp.size == 1 and getattr(self.model, "tap", None) is None:
+        self.graphs: GraphedSteps | None = None  # (captured after the compiler's warm-up)
+        plain = self.tp.size == 1 and getattr(self.model, "tap", None) is None
+        # (a draft head's forward reads the target's hidden states: eager)
+        graphable = plain and isinstance(self.model, CausalLM)
+        if self.cfg.compile and plain:
             self.step = CompiledForward(self.model, self.model_name)
             self.warm_up_s = self.step.warm_up(self._scratch_forward)
+        if (self.device.type == "cuda" and not self.cfg.enforce_eager and graphable
+                and gpu_kernel_fits(self.cfg.block_size)):
+            self.graphs = GraphedSteps(self.step, self.kv_caches, self.cfg.block_size,
+                                       -(-self.max_model_len // self.cfg.block_size),
+                                       self.device)
+            try:
+                self.graph_capture_s = self.graphs.capture_all()
+            except RuntimeError as exc:  # (a model whose forward syncs with the host)
+                log.warning("%s: capturing CUDA graphs failed, every step eager (%s)",
+                            self.model_name, str(exc).strip().splitlines()[0])
+                self.graphs = None
 
     def _scratch_forward(self, num_tokens: int, num_logits: int) -> None:
         """One forward of a throwaway sequence (its KV is freed at once)."""
@@ -296,6 +321,8 @@ class ModelRunner:
 
     def _forward(self, requests: list[ForwardRequest], beside_draft: bool = False
                  ) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.takes(requests):
+            return self.graphs(requests)
         self._use_threads(requests, beside_draft)
         input_ids, positions, meta, logits_rows = self._batch(requests)
         return self.step(input_ids, positions, self.kv_caches, meta, logits_rows)
