@@ -46,9 +46,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     OUTRIDER_MODELS_DIR=/app/models
 
 # wget: KubeRay's readiness/liveness probes of Ray pods call it. libjemalloc2: the router
-# runs on it (outrider/allocator.py).
+# runs on it (outrider/allocator.py). cuda: a C compiler, with which Triton builds the
+# launcher of the GPU's attention kernel on first use (engine/kernels/triton_paged.py).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends wget libjemalloc2 \
+ && if [ "${VARIANT}" = cuda ]; then apt-get install -y --no-install-recommends gcc libc6-dev; fi \
  && rm -rf /var/lib/apt/lists/*
 
 # torch first, alone and pinned, so nothing later can pull another build (roles that

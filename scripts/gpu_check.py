@@ -607,11 +607,11 @@ def main() -> None:
     if args.mid and due("mid"):
         report["mid"], mid = check_mid(args.device, args.mid)
         save()
-    elif args.mid and due("transformers"):
+    elif args.mid and (due("transformers") or due("mid_compiled")):
         mid = mid_pair(args.device, args.mid)
-        if args.compile and due("mid_compiled"):
-            report["mid_compiled"] = check_mid_compiled(args.device, mid[0])
-            save()
+    if mid is not None and args.compile and due("mid_compiled"):
+        report["mid_compiled"] = check_mid_compiled(args.device, mid[0])
+        save()
     with engine_on("cpu", "float32") as cpu:
         prompts = code_prompts(cpu, max(BATCHES))
         if args.profile:

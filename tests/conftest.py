@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 
-# The GPU's Triton kernels run on CPU tensors through Triton's interpreter
+# Without a GPU, the GPU's Triton kernels run on CPU tensors through Triton's interpreter
 # (test_triton_attention.py). Triton reads this when it is first imported, which torch's
 # compiler may do in any test, so it is set before all of them.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

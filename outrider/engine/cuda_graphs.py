@@ -49,7 +49,10 @@ class GraphedSteps:
         for name, value in PADDING.items():
             self.field(name).fill_(value)
         self.block_tables = torch.zeros(largest, max_blocks, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # [largest, vocab] fp32: every graph writes its logits here (one buffer, not one
+        # per size kept alive: 2,247 rows of a 128k vocabulary would be 1.1 GB)
+        self.logits: torch.Tensor | None = None
         self.capture_s = 0.0
 
     def field(self, name: str, size: int | None = None) -> torch.Tensor:
@@ -79,12 +82,15 @@ class GraphedSteps:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks kernels
-                self._run(size)
+                warm = self._run(size)
             torch.cuda.current_stream(self.device).wait_stream(side)
+            if self.logits is None:
+                self.logits = torch.empty_like(warm)
+            del warm
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._run(size)
-            self.graphs[size] = (graph, logits)
+                self.logits[:size].copy_(self._run(size))
+            self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - start
         log.info("captured %d CUDA graphs (1-%d tokens) in %.1f s", len(self.sizes),
@@ -93,8 +99,8 @@ class GraphedSteps:
 
     def takes(self, requests: list) -> bool:
         """Whether a step of `requests` (runner.ForwardRequest) replays a graph."""
-        return (sum(len(r.token_ids) for r in requests) <= self.sizes[-1]
-                and all(len(r.token_ids) <= SHORT_QUERY and r.features is None
+        return (0 < sum(len(r.token_ids) for r in requests) <= self.sizes[-1]
+                and all(0 < len(r.token_ids) <= SHORT_QUERY and r.features is None
                         and len(r.block_table) <= self.block_tables.shape[1]
                         for r in requests))
 
@@ -106,9 +112,8 @@ class GraphedSteps:
         logits_rows = self.field("logits_rows", sum(r.num_logits for r in requests))
         if not self.capture:
             return self._run(size).index_select(0, logits_rows)
-        graph, logits = self.graphs[size]
-        graph.replay()
-        return logits.index_select(0, logits_rows)  # a copy: the next replay overwrites
+        self.graphs[size].replay()
+        return self.logits.index_select(0, logits_rows)  # a copy: the next replay overwrites
 
     def _fill(self, requests: list, size: int) -> None:
         """Write the step into the static buffers' first `size` rows (rows past its tokens

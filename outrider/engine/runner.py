@@ -26,8 +26,10 @@ from outrider.engine.attention import (
 )
 from outrider.engine.block_manager import BlockManager
 from outrider.engine.compiled import CompiledForward
+from outrider.engine.cuda_graphs import SIZES as GRAPH_SIZES
 from outrider.engine.cuda_graphs import GraphedSteps
 from outrider.engine.features import FeatureTap
+from outrider.engine.kernels.triton_paged import runs_here
 from outrider.engine.memory import kv_budget_from_memory
 from outrider.engine.model import CausalLM
 from outrider.engine.model_config import ModelConfig, ModelConfigError, parse_dtype
@@ -124,11 +126,14 @@ class ModelRunner:
             # change every step: 5-9 ms of CPU a call on an H100 in bfloat16 (10x the
             # step); the flash and memory-efficient kernels take any shape as it comes
             torch.backends.cuda.enable_cudnn_sdp(False)
+            # Triton launches, and a CUDA graph captures, on the current device
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(cfg, self.model_config)
         self.max_model_len = context_limit(cfg, self.model_config)
         self.model = self.served(self.build_model())
         if self.device.type == "cpu" and cfg.prepared_rows:
             prepare_cpu_linears(self.model, cfg.prepared_rows)
+        self._try_gpu_kernel()
         self.kv_caches, num_blocks = self._allocate_kv()
         self._check_fits(num_blocks)
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_caching)
@@ -232,7 +237,7 @@ class ModelRunner:
                                        self.device)
             try:
                 self.graph_capture_s = self.graphs.capture_all()
-            except RuntimeError as exc:  # (a model whose forward syncs with the host)
+            except Exception as exc:  # noqa: BLE001 (a forward that syncs with the host, ...)
                 log.warning("%s: capturing CUDA graphs failed, every step eager (%s)",
                             self.model_name, str(exc).strip().splitlines()[0])
                 self.graphs = None
@@ -246,6 +251,14 @@ class ModelRunner:
                                          num_logits)])
         finally:
             self.blocks.free(seq_id)
+
+    def _try_gpu_kernel(self) -> None:
+        """On a GPU, whether the Triton attention kernel runs for this model (else the
+        reference path, and no CUDA graphs: triton_paged.runs_here)."""
+        if self.device.type == "cuda" and gpu_kernel_fits(self.cfg.block_size):
+            mc = self.model_config
+            runs_here(self.device, self.dtype, mc.num_heads // self.tp.size,
+                      mc.num_kv_heads // self.tp.size, mc.head_dim, self.cfg.block_size)
 
     def _check_fits(self, num_blocks: int) -> None:
         """A --max-model-len given must fit one sequence in the KV cache, as vLLM checks
@@ -305,8 +318,10 @@ class ModelRunner:
         free): its hidden states and MLP activations, and fp32 logits."""
         mc = self.model_config
         per_token = (3 * mc.intermediate_size // self.tp.size + 6 * mc.hidden_size)
+        graphed = self.device.type == "cuda" and not self.cfg.enforce_eager
+        logits_rows = LOGITS_ROWS + (GRAPH_SIZES[-1] if graphed else 0)  # (their logits)
         return (ACTIVATION_TOKENS * per_token * self.dtype.itemsize
-                + LOGITS_ROWS * mc.vocab_size * 4)
+                + logits_rows * mc.vocab_size * 4)
 
     @torch.inference_mode()
     def forward(self, requests: list[ForwardRequest], beside_draft: bool = False

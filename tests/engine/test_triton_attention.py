@@ -93,3 +93,23 @@ def test_a_padded_static_step_gives_the_eager_forwards_logits(tmp_path):
         torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
         cached = [c + len(t) for c, t in zip(cached, pending, strict=True)]
         pending = [[rng.randrange(VOCAB) for _ in range(width)] for _ in pending]
+
+
+def test_a_kernel_that_cannot_run_here_turns_itself_off(monkeypatch):
+    """No C compiler for Triton's launcher, an instruction the GPU lacks: one try at
+    start finds out, and attention takes the reference path from then on."""
+    cpu = torch.device("cpu")
+    assert triton_paged.runs_here(cpu, torch.float32, 4, 2, 24, BLOCK)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(triton_paged, "paged_attention", fails)
+    monkeypatch.setattr(triton_paged, "_failed", [])
+    try:
+        assert not triton_paged.runs_here(cpu, torch.float32, 4, 2, 24, BLOCK)
+        assert not attention.gpu_kernel_fits(BLOCK)
+    finally:
+        monkeypatch.undo()
+        triton_paged.triton_available.cache_clear()
+    assert attention.gpu_kernel_fits(BLOCK)

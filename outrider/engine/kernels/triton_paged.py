@@ -15,8 +15,10 @@ kernels on CPU tensors, which is how the CPU suite holds them to the reference p
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import logging
 import os
 
 import torch
@@ -25,11 +27,41 @@ MIN_DOT = 16  # tl.dot's smallest side: the query heads of a group are padded up
 
 
 DISABLE_ENV = "OUTRIDER_NO_TRITON"  # set to 1: the GPU attends by the reference path
+log = logging.getLogger(__name__)
+_failed: list[str] = []  # why the kernels did not run here (then nothing calls them)
 
 
 @functools.cache
 def triton_available() -> bool:
-    return os.environ.get(DISABLE_ENV) != "1" and importlib.util.find_spec("triton") is not None
+    return (os.environ.get(DISABLE_ENV) != "1" and not _failed
+            and importlib.util.find_spec("triton") is not None)
+
+
+def runs_here(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+              head_dim: int, block_size: int) -> bool:
+    """Whether the kernels run for a model of these shapes on `device`: tried once on a
+    tiny cache (Triton compiles its launcher with the machine's C compiler, and a GPU may
+    lack an instruction a tile needs). A failure logs one line and turns them off in this
+    process, so attention takes the reference path."""
+    if not triton_available():
+        return False
+    try:
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            cache = [torch.zeros(shape, dtype=dtype, device=device) for shape in (
+                (1, kv_heads, head_dim, block_size), (block_size, kv_heads, head_dim))]
+            k = torch.zeros(1, kv_heads, head_dim, dtype=dtype, device=device)
+            zero = torch.zeros(1, dtype=torch.int32, device=device)
+            store_kv(k, k, *cache, zero.long())
+            paged_attention(torch.zeros(1, heads, head_dim, dtype=dtype, device=device),
+                            *cache, zero.view(1, 1), zero + 1, zero, zero, None, 0, 1.0, 0.0)
+    except Exception as exc:  # noqa: BLE001 (any failure means: not here)
+        _failed.append(f"{type(exc).__name__}: {(str(exc).strip() or '-').splitlines()[0]}")
+        triton_available.cache_clear()
+        log.warning("the GPU's Triton attention kernel does not run here (%s): attention "
+                    "takes the reference path, and steps are not captured as CUDA graphs",
+                    _failed[-1])
+        return False
+    return True
 
 
 @functools.cache
