@@ -144,6 +144,10 @@ class Controller:
         self.router = ray.remote(RouterReplica).options(
             **r.resources.ray_options(), max_concurrency=4).remote(cfg, self.token)
         self.router_address = ray.get(self.router.address.remote(), timeout=START_TIMEOUT_S)
+        # the targets again: their registrations (REGISTRY_TTL_S) can expire while a router
+        # starts (on a busy machine it took longer), and a router finds replicas only there
+        for target in self.targets:
+            self._register(target.address)
 
     def _runner(self, model_dir: str, tp: int = 1):
         from outrider.engine.runner import RunnerConfig

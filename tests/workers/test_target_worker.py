@@ -328,12 +328,14 @@ def test_unseeded_sampling_differs_between_requests(cluster):
 
 def test_sigterm_with_an_open_stream_stops_the_worker(llama_dir):
     """SIGTERM drains (grpc_server.serve_until_signalled: a 5 s grace): the stream in
-    flight, which needs well under a second more, runs to its last token; then the
-    worker exits, and cleanly."""
+    flight runs to its last token; then the worker exits, and cleanly. The stream fits the
+    grace on a busy machine: its 100 tokens take 0.5 s more alone and at most 2.9 s
+    beside six busy processes on 2 cores (450 took 2 s alone, 3.5-4.7 s beside three, and
+    beside six ran past the grace and were cut)."""
     with outrider_process("target-worker", "--model", str(llama_dir), token=TOKEN) as (p, t), \
          grpc.insecure_channel(t) as chan:
         stub = worker_pb2_grpc.TargetStub(chan)
-        req = request_for(60, [5, 6, 7], gamma=0, max_tokens=450, sampled=False)
+        req = request_for(60, [5, 6, 7], gamma=0, max_tokens=100, sampled=False)
         stream = stub.Generate(req, metadata=token_metadata(TOKEN), timeout=60)
         first = next(stream)
         assert not first.finish_reason
