@@ -56,13 +56,16 @@ STALLED_CLIENTS = 3
 # caches fill (prefix index, KV block hashes, allocator pools) for about a minute at 64
 # streams: growth is measured after half the run, at most a minute
 WARMUP_S = min(60.0, SOAK_S / 2)
-# Memory after the warm-up is judged two ways. A leak climbs: the rates a process grew at
-# between each sample and the one TREND_LAG_S later (10 s in CI), taken at their 40th
-# percentile (the rate it kept up over 60 % of the window), stay under MAX_TREND_MB_PER_MIN.
+# Memory after the warm-up is judged two ways. A leak climbs, and stays up: the rates a
+# process grew at between each sample and the one TREND_LAG_S later (10 s in CI), at their
+# 40th percentile (the rate it kept up over 60 % of the window), and the rate from the
+# window's first TREND_LAG_S to its last; the smaller stays under MAX_TREND_MB_PER_MIN.
 # A step (an allocator taking a new chunk, a pool starting threads) lifts only the pairs
 # that straddle it, a fifth, and the percentile barely moves: CI's router once rose
 # 130 -> 137 MB in one step after 90 s and, measured the old way (end against warm-up),
-# failed a 5 % bound that a steady 1 MB per 15 s (3 %) would have passed. In four 120 s,
+# failed a 5 % bound that a steady 1 MB per 15 s (3 %) would have passed. A rise that fell
+# back is no leak either (beside a whole suite and three busy processes, load 17, the
+# router rose 118 -> 125 MB over a minute and ended at 122, below the warm-up). In four 120 s,
 # 32-stream soaks (two alone, two beside three busy processes), MB a minute: router at
 # most 0.0 as run, 1.4 with a 7.3 MB step added at any second, at least 3.5 with 1 MB per
 # 15 s added; draft 1.1 / 1.7 / 4.7. The target grows natively for minutes (oneDNN and
@@ -221,23 +224,28 @@ def _check(condition: bool, what: str) -> None:
 
 
 def trend_mb_per_min(samples: list[tuple[float, dict[str, int]]], name: str) -> float:
-    """How fast `name` kept growing after the warm-up (MB a minute): the rate between each
-    sample from WARMUP_S and the first one TREND_LAG_S later, at its 40th percentile."""
-    steady = [(t, sample[name]) for t, sample in samples if t >= WARMUP_S]
+    """How fast `name` kept climbing after the warm-up (MB a minute): the smaller of the
+    rate between each sample from WARMUP_S and the first one TREND_LAG_S later, at its
+    40th percentile, and the rate from the steady state's first TREND_LAG_S to its last."""
+    steady = [(t, sample[name] / 1024) for t, sample in samples if t >= WARMUP_S]
     rates = []
-    for i, (t0, kb0) in enumerate(steady):
-        later = next(((t, kb) for t, kb in steady[i:] if t >= t0 + TREND_LAG_S), None)
+    for i, (t0, mb0) in enumerate(steady):
+        later = next(((t, mb) for t, mb in steady[i:] if t >= t0 + TREND_LAG_S), None)
         if later is None:
             break
-        rates.append((later[1] - kb0) / 1024 / (later[0] - t0) * 60)
+        rates.append((later[1] - mb0) / (later[0] - t0) * 60)
     if len(rates) < 2:
         return max(rates, default=0.0)
-    return statistics.quantiles(rates, n=5, method="inclusive")[1]
+    first = statistics.median(mb for t, mb in steady if t < WARMUP_S + TREND_LAG_S)
+    last = statistics.median(mb for t, mb in steady if t >= SOAK_S - TREND_LAG_S)
+    stayed = (last - first) / (SOAK_S - WARMUP_S - TREND_LAG_S) * 60
+    return min(statistics.quantiles(rates, n=5, method="inclusive")[1], stayed)
 
 
 def test_the_memory_trend_passes_a_step_and_fails_a_steady_climb():
     """The trend bound on CI's router: flat at 130 MB after the warm-up, then one step to
-    137 MB, passes at whatever second the step comes; a climb of 1 MB per 15 s fails."""
+    137 MB, passes at whatever second the step comes, as does a rise of 7 MB over 40 s
+    that falls back; a climb of 1 MB per 15 s fails."""
     def router(extra) -> list[tuple[float, dict[str, int]]]:  # 1 Hz, +-0.5 MB of jitter
         return [(float(t), {"router": round((130 + (t % 2 - 0.5) + extra(t)) * 1024)})
                 for t in range(int(SOAK_S) + 1)]
@@ -245,6 +253,9 @@ def test_the_memory_trend_passes_a_step_and_fails_a_steady_climb():
     bound = MAX_TREND_MB_PER_MIN["router"]
     for step_at in range(int(WARMUP_S), int(SOAK_S) + 1):
         assert trend_mb_per_min(router(lambda t, at=step_at: 7 * (t >= at)), "router") < bound
+    rise = WARMUP_S + (SOAK_S - WARMUP_S) / 6
+    assert trend_mb_per_min(router(lambda t: 7 * min(1, max(0, (t - rise) / 40)) - 7 * (
+        t >= SOAK_S - (SOAK_S - WARMUP_S) / 6)), "router") < bound
     assert trend_mb_per_min(router(lambda t: t / 15), "router") >= bound
 
 
