@@ -102,7 +102,8 @@ def cmd_serve(args) -> int:
               "(Ctrl-C stops everything)", flush=True)
         for name, address in system.metrics.items():
             print(f"outrider serve: {name} metrics at http://{address}/metrics", flush=True)
-        stopping.wait()
+        while not stopping.wait(timeout=1.0):  # (timed: see grpc_server.serve_until_signalled)
+            pass
         print("outrider serve: stopping", flush=True)
     return 0
 
