@@ -28,6 +28,7 @@ shipped demo pair on the device and reports, as JSON:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -252,9 +253,7 @@ def check_kernel(device: str) -> dict:
             caches = [make(*shape) for shape in kv_cache_shapes(num_blocks, block, kv_heads, dim)]
             q, k, v = make(rows, heads, dim), make(rows, kv_heads, dim), make(rows, kv_heads, dim)
             meta = AttentionMetadata.build(seqs, block, torch.device(device))
-            reference_meta = AttentionMetadata(*[getattr(meta, f) for f in (
-                "seqs", "slot_mapping", "query_start", "context_lens", "block_tables",
-                "block_size", "tree_masks")])  # (no rows: the reference path)
+            reference_meta = dataclasses.replace(meta, rows=None)  # the reference path
             want = attention.reference_attention(q.float(), k.float(), v.float(),
                                                  *[c.float() for c in caches], reference_meta,
                                                  window, dim ** -0.5)

@@ -97,17 +97,19 @@ class GraphedSteps:
                  self.sizes[-1], self.capture_s)
         return self.capture_s
 
-    def takes(self, requests: list) -> bool:
-        """Whether a step of `requests` (runner.ForwardRequest) replays a graph."""
-        return (0 < sum(len(r.token_ids) for r in requests) <= self.sizes[-1]
-                and all(0 < len(r.token_ids) <= SHORT_QUERY and r.features is None
-                        and len(r.block_table) <= self.block_tables.shape[1]
-                        for r in requests))
-
-    def __call__(self, requests: list) -> torch.Tensor:
-        """The step's logits [sum(num_logits), vocab] in fp32."""
+    def size_for(self, requests: list) -> int | None:
+        """The graph a step of `requests` (runner.ForwardRequest) replays: its size, or
+        None where the step runs eagerly."""
         tokens = sum(len(r.token_ids) for r in requests)
-        size = next(s for s in self.sizes if s >= tokens)
+        if 0 < tokens <= self.sizes[-1] and all(
+                0 < len(r.token_ids) <= SHORT_QUERY and r.features is None
+                and len(r.block_table) <= self.block_tables.shape[1] for r in requests):
+            return next(s for s in self.sizes if s >= tokens)
+        return None
+
+    def __call__(self, requests: list, size: int) -> torch.Tensor:
+        """The step's logits [sum(num_logits), vocab] in fp32, from the graph of `size`
+        (size_for)."""
         self._fill(requests, size)
         logits_rows = self.field("logits_rows", sum(r.num_logits for r in requests))
         if not self.capture:

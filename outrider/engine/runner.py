@@ -336,8 +336,8 @@ class ModelRunner:
 
     def _forward(self, requests: list[ForwardRequest], beside_draft: bool = False
                  ) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.takes(requests):
-            return self.graphs(requests)
+        if self.graphs is not None and (size := self.graphs.size_for(requests)):
+            return self.graphs(requests, size)
         self._use_threads(requests, beside_draft)
         input_ids, positions, meta, logits_rows = self._batch(requests)
         return self.step(input_ids, positions, self.kv_caches, meta, logits_rows)

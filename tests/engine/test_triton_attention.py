@@ -83,7 +83,8 @@ def test_a_padded_static_step_gives_the_eager_forwards_logits(tmp_path):
     for width in (1, 3, 1, 4, 0):  # the prompts, then decode, verify 3, decode, verify 4
         logits = []
         for runner, step in ((eager, eager.forward),
-                             (static, steps if cached[0] else static.forward)):
+                             (static, (lambda r: steps(r, steps.size_for(r))) if cached[0]
+                              else static.forward)):
             requests = []
             for i, tokens in enumerate(pending):
                 runner.blocks.append(i, len(tokens))
