@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -166,3 +167,42 @@ def save_random_medusa(path: Path, target_dir: Path, num_heads: int = 3, num_lay
               {"architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": num_heads,
                "num_hidden_layers": num_layers, "hidden_size": hidden, "vocab_size": vocab})
     return save_head(path, config, t)
+
+
+def quantized_copy(src: Path, dst: Path, scheme: str, group_size: int | None = None) -> Path:
+    """`src` quantized by compressed-tensors into its format (scripts/quantize_checkpoint.py,
+    the repo's writer of the checkpoints llm-compressor makes)."""
+    import importlib.util
+
+    script = Path(__file__).parents[1] / "scripts" / "quantize_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("quantize_checkpoint", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.quantize(src, dst, scheme, group_size)
+    return dst
+
+
+def dequantized_copy(src: Path, dst: Path) -> Path:
+    """A float32 checkpoint of a compressed-tensors one, each module decompressed by
+    compressed-tensors itself: the reference a quantized forward is held to."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((src / "config.json").read_text())
+    quantization = QuantizationConfig.model_validate(config.pop("quantization_config"))
+    (scheme,) = quantization.config_groups.values()  # one group: what quantized_copy writes
+    compressor = BaseCompressor.get_value_from_registry(scheme.format or quantization.format)
+    tensors = load_file(src / "model.safetensors")
+    quantized = {name.rpartition(".")[0] for name in tensors if name.endswith(".weight_scale")}
+    dense = {name: t.float() if t.is_floating_point() else t for name, t in tensors.items()
+             if name.rpartition(".")[0] not in quantized or name.endswith(".bias")}
+    for prefix in quantized:
+        parts = {name.rpartition(".")[2]: t.float() if name.endswith("scale") else t
+                 for name, t in tensors.items() if name.rpartition(".")[0] == prefix}
+        dense[f"{prefix}.weight"] = compressor.decompress(parts, scheme)["weight"].float()
+    dst.mkdir(parents=True)
+    save_file(dense, dst / "model.safetensors")
+    (dst / "config.json").write_text(json.dumps(dict(config, dtype="float32")))
+    (dst / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    return dst

@@ -37,7 +37,7 @@ CASES = [("decode", 1, 1), ("decode", 8, 1), ("decode", 32, 1),
 CONTEXT = (128, 224)
 
 MATMUL_OPS = ("mkldnn::_linear_pointwise", "outrider::packed_linear", "aten::mm", "aten::addmm",
-              "aten::bmm")
+              "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm")
 ATTENTION_OPS = ("outrider_cpu::paged_attention", "aten::index_put_",
                  "aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_attention_math", "aten::index_select",
@@ -76,6 +76,17 @@ def _quartile(fn, repeats: int) -> float:
     return sorted(samples)[len(samples) // 4]
 
 
+def kv_cache_mb(target: str, dtype: str) -> float:
+    """Room for every case's sequences at once, whatever the checkpoint's size."""
+    from outrider.engine.model_config import ModelConfig
+
+    mc = ModelConfig.from_dir(target)
+    tokens = sum(batch * (CONTEXT[1] + query + 16) for _, batch, query in CASES)
+    itemsize = 4 if dtype == "float32" else 2
+    return max(64.0, 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize * tokens
+               / 2**20)
+
+
 def case_requests(runner: ModelRunner, kind: str, batch: int, query: int,
                   rng: random.Random) -> list[ForwardRequest]:
     from outrider.engine.runner import ForwardRequest
@@ -104,7 +115,8 @@ def forward_cost(runner: ModelRunner, requests: list[ForwardRequest]) -> dict:
                     * (r.cached_len + len(r.token_ids)) for r in requests) * mc.num_layers
     return {"matmul_flops": 2 * (per_token * tokens + head * rows),
             "attention_flops": attention,
-            "weight_bytes": (per_token + head) * runner.dtype.itemsize}
+            "weight_bytes": ((per_token + head) * runner.dtype.itemsize
+                             - runner.bytes_saved_by_quantization)}
 
 
 def breakdown(runner: ModelRunner, requests: list[ForwardRequest], seconds: float) -> dict:
@@ -139,7 +151,7 @@ def measure(target: str, dtype: str, compiled: bool, attention: str, limits: dic
         return []
 
     runner = ModelRunner(RunnerConfig(target, dtype=dtype, compile=compiled,
-                                      kv_cache_mb=64))
+                                      kv_cache_mb=kv_cache_mb(target, dtype)))
     warm_start = time.perf_counter()
     rng = random.Random(0)
     cases = [(kind, batch, query, case_requests(runner, kind, batch, query, rng))

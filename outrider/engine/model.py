@@ -21,11 +21,13 @@ from outrider.engine.parallel import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
     load_replicated,
 )
+from outrider.engine.quant.formats import quantized_tensor_slices
 from outrider.engine.rope import RotaryEmbedding, apply_rope
 
 
@@ -238,7 +240,8 @@ class CausalLM(nn.Module):
     def load_weights(self, model_dir: Path) -> None:
         tied = self.cfg.tie_word_embeddings
         load_checkpoint(self, model_dir, self._param_for,
-                        optional=lambda name: tied and name == "lm_head.weight")
+                        optional=lambda name: tied and name == "lm_head.weight",
+                        quantized=self.cfg.quantization is not None)
         if self.cfg.norm_offset:  # Gemma's norms scale by (1 + w): kept as the factor
             with torch.no_grad():
                 for norm in self.modules():
@@ -272,12 +275,17 @@ def fused_param(name: str) -> tuple[str, int | None]:
 
 def load_checkpoint(model: nn.Module, model_dir: Path,
                     param_for: Callable[[str], tuple[str, int | None] | None],
-                    optional: Callable[[str], bool] = lambda name: False) -> None:
+                    optional: Callable[[str], bool] = lambda name: False,
+                    quantized: bool = False) -> None:
     """Every tensor of the checkpoint into its parameter (`param_for`: None skips one);
-    each parameter but the `optional` ones must be found."""
+    each parameter but the `optional` ones must be found. A `quantized` checkpoint's
+    modules arrive as one weight each (quant/formats.py), settled once all are in."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for name, tensor_slice in iter_tensor_slices(model_dir):
+    tensors = iter_tensor_slices(model_dir)
+    if quantized:
+        tensors = quantized_tensor_slices(model_dir, tensors)
+    for name, tensor_slice in tensors:
         target = param_for(name)
         if target is None:
             continue
@@ -302,3 +310,9 @@ def load_checkpoint(model: nn.Module, model_dir: Path,
     if missing:
         raise CheckpointError(f"{model_dir}: checkpoint lacks tensors for {missing[:5]}"
                               f"{' ...' if len(missing) > 5 else ''}")
+    for name, module in model.named_modules():
+        if isinstance(module, ReplicatedLinear):
+            try:
+                module.settle_quantized()
+            except ValueError as exc:
+                raise CheckpointError(f"{model_dir}: {name}: {exc}") from exc

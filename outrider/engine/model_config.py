@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from outrider.core.hf_config import ModelConfigError, context_length, read_config
+from outrider.engine.quant.scheme import QuantizationError, QuantScheme, parse_quantization
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
@@ -96,6 +97,7 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    quantization: QuantScheme | None = None  # a quantized checkpoint's (quant/scheme.py)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -158,11 +160,7 @@ class ModelConfig:
             raise ModelConfigError(
                 f"{source}: unsupported architecture {arch!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        if raw.get("quantization_config"):  # its packed tensors would fail by name, unexplained
-            raise ModelConfigError(
-                f"{source}: a quantized checkpoint ({_quantization(raw['quantization_config'])})"
-                f" cannot be loaded yet: serve its unquantized weights (float32, bfloat16 or "
-                f"float16)")
+        quantization = _quantization(raw, arch, source)
         act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
         if act not in ACTIVATIONS:
             raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (only "
@@ -197,6 +195,7 @@ class ModelConfig:
                 sliding_windows=_sliding_windows(raw, arch, num_layers),
                 eos_token_ids=_eos_token_ids(raw, generation or {}, source),
                 bos_token_id=raw.get("bos_token_id"),
+                quantization=quantization,
                 **_moe(raw, arch, num_layers),
                 **_gemma(raw, arch, hidden, head_dim),
             )
@@ -328,22 +327,16 @@ def _token_ids(value) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _quantization(config) -> str:
-    """A quantization_config in a few words: its method and, where it says them, the
-    weights' bits and group size and its format (compressed-tensors, AWQ, GPTQ, fp8)."""
-    if not isinstance(config, dict):
-        return "quantization_config"
-    words = [str(config.get("quant_method", "unnamed method"))]
-    groups = config.get("config_groups") or {}
-    weights = next((g.get("weights") for g in groups.values()
-                    if isinstance(g, dict) and isinstance(g.get("weights"), dict)), None)
-    spec = weights or config
-    if spec.get("num_bits") or spec.get("bits"):
-        words.append(f"{spec.get('num_bits') or spec.get('bits')}-bit "
-                     f"{spec.get('type', 'int') if weights else 'int'} weights")
-    if spec.get("group_size"):
-        words.append(f"group size {spec['group_size']}")
-    if config.get("format"):
-        words.append(f"format {config['format']}")
-    return ", ".join(words)
-
+def _quantization(raw: dict, arch: str, source: str) -> QuantScheme | None:
+    """A quantized checkpoint's scheme, refused at start where it cannot be served."""
+    if not raw.get("quantization_config"):
+        return None
+    try:
+        scheme = parse_quantization(raw["quantization_config"])
+    except QuantizationError as exc:
+        raise ModelConfigError(f"{source}: a quantized checkpoint that cannot be served: "
+                               f"{exc}") from exc
+    if arch in MOE_ARCHITECTURES:
+        raise ModelConfigError(f"{source}: a quantized checkpoint ({scheme.description}) of "
+                               f"routed experts ({arch}) cannot be served yet")
+    return scheme

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from outrider.engine.compiled import onednn_linear, onednn_rows, packed_linear
+from outrider.engine.quant.weight import QuantizedWeight, cpu_kernel, stacked
 
 
 @dataclass(frozen=True)
@@ -98,11 +99,14 @@ class PackedForCPU:
 
     weight_packed: torch.Tensor | None = None
     weight_t: torch.Tensor | None = None
+    quantized_matmul = None  # a quantized weight's CPU kernel (quant/weight.py)
     out_features: int = 0
 
     def pack_for_cpu(self) -> None:
         weight = self.weight.data
         self.out_features = weight.shape[0]
+        if self.quantized_matmul is not None:
+            return
         if _has_onednn_linear(weight.dtype):
             self.weight_packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         if self.weight_packed is None or (weight.numel() <= SMALL_LAYER
@@ -111,6 +115,8 @@ class PackedForCPU:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_rows, in] -> [num_rows, out]
+        if self.quantized_matmul is not None:
+            return self.quantized_matmul(x)
         if self.weight_packed is not None and (x.shape[0] > 1 or self.weight_t is None):
             return packed_linear(x, self.weight_packed, self.out_features)
         return x @ self.weight_t if self.weight_t is not None else F.linear(x, self.weight)
@@ -158,8 +164,35 @@ class ReplicatedLinear(PackedForCPU, nn.Module):
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.quantized_parts: list[tuple[int, QuantizedWeight]] = []  # (first row, part)
+        self.quantized_bits = 0  # a quantized checkpoint's weight bits, once settled
 
-    weight_loader = staticmethod(load_replicated)
+    def weight_loader(self, param: nn.Parameter, tensor_slice, shard_id=None) -> None:
+        _check_shape(tensor_slice, tuple(param.shape))
+        self._store(param, 0, _full(tensor_slice))
+
+    def _store(self, param: nn.Parameter, first_row: int, value) -> None:
+        """This rank's rows `value` of `param` from `first_row` on (a quantized weight's
+        part is kept until every part is in: settle_quantized)."""
+        if isinstance(value, QuantizedWeight):
+            self.quantized_parts.append((first_row, value))
+        else:
+            param.data.narrow(0, first_row, value.shape[0]).copy_(value)
+
+    def settle_quantized(self) -> None:
+        """Once loaded: a quantized weight multiplied by a CPU kernel where one takes it,
+        else dequantized into `weight` (another device, a shape no kernel takes)."""
+        if not self.quantized_parts:
+            return
+        weight = stacked(self.quantized_parts)
+        self.quantized_parts, self.quantized_bits = [], weight.bits
+        if tuple(weight.shape) != tuple(self.weight.shape):
+            raise ValueError(f"quantized weight of shape {weight.shape}, the layer's is "
+                             f"{tuple(self.weight.shape)}")
+        if self.weight.device.type == "cpu":
+            self.quantized_matmul = cpu_kernel(weight, self.weight.dtype)
+        if self.quantized_matmul is None:
+            self.weight.data.copy_(weight.dequantized(self.weight.dtype))
 
     def pack_for_cpu(self) -> None:
         super().pack_for_cpu()
@@ -180,7 +213,7 @@ class ColumnParallelLinear(ReplicatedLinear):
     def weight_loader(self, param: nn.Parameter, tensor_slice, shard_id=None) -> None:
         _check_shape(tensor_slice, _full_shape(param, 0, self.shard_size * self.tp.size))
         start = self.tp.rank * self.shard_size
-        param.data.copy_(_rows(tensor_slice, start, start + self.shard_size))
+        self._store(param, 0, _rows(tensor_slice, start, start + self.shard_size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -202,15 +235,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         local = self.local_sizes[shard_id]
         _check_shape(tensor_slice, _full_shape(param, 0, local * self.tp.size))
         start = self.tp.rank * local
-        param.data.narrow(0, offset, local).copy_(_rows(tensor_slice, start, start + local))
+        self._store(param, offset, _rows(tensor_slice, start, start + local))
 
     def _load_stacked(self, param: nn.Parameter, tensor_slice) -> None:
         full = [local * self.tp.size for local in self.local_sizes]
         _check_shape(tensor_slice, _full_shape(param, 0, sum(full)))
         for i, local in enumerate(self.local_sizes):
             start = sum(full[:i]) + self.tp.rank * local
-            param.data.narrow(0, sum(self.local_sizes[:i]), local).copy_(
-                _rows(tensor_slice, start, start + local))
+            self._store(param, sum(self.local_sizes[:i]), _rows(tensor_slice, start,
+                                                                 start + local))
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -235,7 +268,7 @@ class RowParallelLinear(ReplicatedLinear):
             return
         _check_shape(tensor_slice, _full_shape(param, 1, self.shard_size * self.tp.size))
         start = self.tp.rank * self.shard_size
-        param.data.copy_(_cols(tensor_slice, start, start + self.shard_size))
+        self._store(param, 0, _cols(tensor_slice, start, start + self.shard_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.tp.all_reduce(self.matmul(x))

@@ -8,6 +8,7 @@ process boundaries.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import sys
@@ -131,6 +132,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg, self.model_config)
         self.max_model_len = context_limit(cfg, self.model_config)
         self.model = self.served(self.build_model())
+        if self.model_config.quantization is not None:
+            log_quantized(self.model_name, self.model, self.model_config.quantization,
+                          self.dtype)
         if self.device.type == "cpu" and cfg.prepared_rows:
             prepare_cpu_linears(self.model, cfg.prepared_rows)
         self._try_gpu_kernel()
@@ -384,8 +388,17 @@ class ModelRunner:
     @functools.cached_property
     def weight_bytes(self) -> int:
         """This rank's share of the model's weights, in bytes (from its shapes: CPU layers
-        keep theirs prepacked, outside the module's parameters)."""
-        return self.model_config.num_params * self.dtype.itemsize // self.tp.size
+        keep theirs prepacked, outside the module's parameters; quantized ones multiplied
+        packed count their packed bytes)."""
+        return (self.model_config.num_params * self.dtype.itemsize // self.tp.size
+                - self.bytes_saved_by_quantization)
+
+    @functools.cached_property
+    def bytes_saved_by_quantization(self) -> int:
+        """What this rank's quantized layers multiplied packed read less than in its dtype."""
+        kernels = [m.quantized_matmul for m in self.model.modules()
+                   if getattr(m, "quantized_matmul", None) is not None]
+        return sum(k.numel * self.dtype.itemsize - k.nbytes for k in kernels)
 
     def _use_threads(self, requests: list[ForwardRequest], beside_draft: bool) -> None:
         """A small forward on `small_step_threads`, any other on every thread of this
@@ -449,6 +462,17 @@ def context_limit(cfg: RunnerConfig, mc: ModelConfig) -> int:
         raise ModelConfigError(f"--max-model-len {cfg.max_model_len} exceeds the model's "
                                f"context of {mc.max_position_embeddings} tokens")
     return cfg.max_model_len
+
+
+def log_quantized(name: str, model: torch.nn.Module, scheme, dtype: torch.dtype) -> None:
+    """How a quantized checkpoint's linears run: which packed kernel, or dequantized (in
+    float32, say, where no kernel is fast: quant/weight.cpu_kernel)."""
+    kinds = collections.Counter(
+        type(m.quantized_matmul).__name__ if m.quantized_matmul is not None
+        else f"dense {str(dtype).removeprefix('torch.')}"
+        for m in model.modules() if getattr(m, "quantized_bits", 0))
+    log.info("%s: quantized (%s), linears: %s", name, scheme.description,
+             ", ".join(f"{n} {kind}" for kind, n in kinds.items()) or "dequantized at load")
 
 
 def resolve_dtype(cfg: RunnerConfig, mc: ModelConfig) -> torch.dtype:

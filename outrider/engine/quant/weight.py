@@ -1,0 +1,183 @@
+"""A linear's quantized weight as the loaders cut it, and the matmul that serves it.
+
+One form for every integer format read (formats.py): signed levels q, a scale and an
+optional zero point per (output row, group of input columns), so that w = (q - zero) *
+scale. Tensor-parallel loaders slice it like a dense weight (rows for column-parallel
+layers, whole groups of columns for row-parallel ones) and a fused layer's parts are
+stacked by row; once loaded, a CPU layer multiplies with torch's int4 or int8
+weight-packed kernels (never a float weight in memory) where their shapes allow, and
+anything else (another device, another shape, act-order) with the weight dequantized
+once at load."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+INT4_GROUPS = (256, 128, 64, 32)  # the group sizes torch's CPU int4 kernel takes
+INT4_ROWS = 16                    # its output features come in multiples of this
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """w [out, in] = (q - zero) * scale, group by group along the input features."""
+
+    q: torch.Tensor             # [out, in] int8: signed levels (4-bit: -8..7)
+    scale: torch.Tensor         # [out, groups] float32
+    zero: torch.Tensor | None   # [out, groups] int8 signed levels, None: symmetric
+    bits: int
+    group_of_column: torch.Tensor | None = None  # [in] long: act-order's groups
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @property
+    def group_size(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+    def __getitem__(self, index) -> QuantizedWeight:
+        """Rows `w[a:b]`, columns `w[:, a:b]` (whole groups only) or all `w[:]`."""
+        rows, cols = (index, slice(None)) if not isinstance(index, tuple) else index
+        part = replace(self, q=self.q[rows], scale=self.scale[rows],
+                       zero=None if self.zero is None else self.zero[rows])
+        if cols == slice(None):
+            return part
+        start, stop = cols.start or 0, cols.stop
+        if part.group_of_column is not None:  # act-order: groups are looked up per column
+            return replace(part, q=part.q[:, start:stop],
+                           group_of_column=part.group_of_column[start:stop])
+        size = self.group_size
+        if part.scale.shape[1] == 1:  # one group per row (per-channel)
+            return replace(part, q=part.q[:, start:stop])
+        if start % size or stop % size:
+            raise ValueError(f"a shard of input features {start}:{stop} cuts groups of "
+                             f"{size}: choose a tensor-parallel size that divides them")
+        return replace(part, q=part.q[:, start:stop], scale=part.scale[:, start // size:
+                                                                       stop // size],
+                       zero=None if part.zero is None else part.zero[:, start // size:
+                                                                     stop // size])
+
+    def columns_groups(self) -> torch.Tensor:
+        """[in] the group of each input feature."""
+        if self.group_of_column is not None:
+            return self.group_of_column
+        return torch.arange(self.q.shape[1]) // self.group_size
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """[out, in] in `dtype`."""
+        groups = self.columns_groups()
+        levels = self.q.float()
+        if self.zero is not None:
+            levels = levels - self.zero.float()[:, groups]
+        return (levels * self.scale[:, groups]).to(dtype)
+
+
+def stacked(parts: list[tuple[int, QuantizedWeight]]) -> QuantizedWeight:
+    """A fused layer's parts (row offset, part) as one weight, its rows in offset order."""
+    parts = [part for _, part in sorted(parts, key=lambda item: item[0])]
+    if len(parts) == 1:
+        return parts[0]
+    if len({(p.bits, p.scale.shape[1], p.zero is None) for p in parts}) > 1:
+        raise ValueError("the parts of a fused layer are quantized differently")
+    zeros = None if parts[0].zero is None else torch.cat([p.zero for p in parts])
+    orders = [p.group_of_column for p in parts]
+    if any(o is not None for o in orders) and not all(
+            o is not None and torch.equal(o, orders[0]) for o in orders):
+        raise ValueError("the parts of a fused layer have different act-orders")
+    return QuantizedWeight(torch.cat([p.q for p in parts]),
+                           torch.cat([p.scale for p in parts]), zeros, parts[0].bits,
+                           orders[0])
+
+
+class Int4Linear:
+    """x [rows, in] @ a 4-bit weight, by torch's CPU int4 weight-packed kernel: w = (u -
+    8) * scale + offset per group, u the unsigned level (q + 8), offset = -zero * scale."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, group: int) -> None:
+        out_features, in_features = weight.shape
+        scale = weight.scale  # [out, in / group]
+        if scale.shape[1] == 1:  # per-channel: the same scale for every group
+            scale = scale.expand(out_features, in_features // group)
+        offset = torch.zeros_like(scale) if weight.zero is None else (
+            -weight.zero.float().expand_as(scale) * scale)
+        self.group, self.numel = group, weight.q.numel()
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            (weight.q.int() + 8).contiguous(), 2)
+        # [in / group, out, 2]: each group's scale and offset, as the kernel reads them
+        self.scales_and_offsets = torch.stack([scale.t(), offset.t()], -1).to(dtype).contiguous()
+        self.nbytes = _nbytes(self.packed, self.scales_and_offsets)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [rows, in] -> [rows, out]
+        matmul = _int4_matmul if torch.compiler.is_compiling() else _int4_matmul_eager
+        return matmul(x, self.packed, self.group, self.scales_and_offsets)
+
+
+class Int8Linear:
+    """x [rows, in] @ a symmetric per-channel 8-bit weight, by torch's CPU int8
+    weight-packed kernel (activations stay in the model's dtype)."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        # a copy of its own: the checkpoint's bytes may sit unaligned, and the kernel's
+        # vector loads then fault
+        self.q, self.numel = weight.q.clone(memory_format=torch.contiguous_format), weight.q.numel()
+        self.scale = weight.scale[:, 0].to(dtype).contiguous()
+        self.nbytes = _nbytes(self.q, self.scale)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [rows, in] -> [rows, out]
+        matmul = _int8_matmul if torch.compiler.is_compiling() else _int8_matmul_eager
+        return matmul(x, self.q, self.scale)
+
+
+_int4_matmul_eager = torch.ops.aten._weight_int4pack_mm_for_cpu
+_int8_matmul_eager = torch.ops.aten._weight_int8pack_mm
+
+
+# Opaque custom ops inside a compiled graph, as the dense prepacked linear is
+# (compiled.packed_linear); called directly in eager mode (a custom op's dispatch costs
+# ~10 µs a call)
+@torch.library.custom_op("outrider::int4_matmul", mutates_args=())
+def _int4_matmul(x: torch.Tensor, packed: torch.Tensor, group: int,
+                 scales_and_offsets: torch.Tensor) -> torch.Tensor:
+    return _int4_matmul_eager(x, packed, group, scales_and_offsets)
+
+
+@_int4_matmul.register_fake
+def _(x, packed, group, scales_and_offsets):
+    return x.new_empty(x.shape[0], scales_and_offsets.shape[1])
+
+
+@torch.library.custom_op("outrider::int8_matmul", mutates_args=())
+def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return _int8_matmul_eager(x, q, scale)
+
+
+@_int8_matmul.register_fake
+def _(x, q, scale):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def cpu_kernel(weight: QuantizedWeight, dtype: torch.dtype) -> Int4Linear | Int8Linear | None:
+    """The weight-packed CPU matmul for `weight`, or None where none takes it: it is then
+    dequantized. Only bfloat16 activations: in float32 and float16 both kernels take a
+    scalar path here (one core, 1,024 x 5,632: 38 and 22 ms a row against 0.5 and 1.0 in
+    bf16, where fp32's dense GEMM takes 2). Nor act-order's scattered groups, a group size
+    or row count the int4 kernel lacks, asymmetric or grouped 8-bit."""
+    if weight.group_of_column is not None or dtype != torch.bfloat16:
+        return None
+    out_features, in_features = weight.shape
+    per_channel = weight.scale.shape[1] == 1
+    if weight.bits == 4 and out_features % INT4_ROWS == 0:
+        fits = [g for g in INT4_GROUPS if in_features % g == 0
+                and (per_channel or g == weight.group_size)]
+        return Int4Linear(weight, dtype, fits[0]) if fits else None
+    if weight.bits == 8 and per_channel and weight.zero is None:
+        return Int8Linear(weight, dtype)
+    return None

@@ -1,0 +1,126 @@
+"""Quantized checkpoints as compressed-tensors writes them (the format llm-compressor
+saves): each scheme's forward held to compressed-tensors' own decompression of the same
+checkpoint, on the packed CPU kernel where the scheme has one; speculation over a
+quantized target, alone and over two tensor-parallel ranks, is its greedy output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from outrider.core.sampling import SamplingParams
+from outrider.engine.checkpoint import CheckpointError
+from outrider.engine.distributed import TPRunnerGroup
+from outrider.engine.drafter import Drafter
+from outrider.engine.model_config import ModelConfigError
+from outrider.engine.parallel import RowParallelLinear, TPGroup
+from outrider.engine.quant.weight import Int4Linear, Int8Linear, QuantizedWeight
+from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
+from outrider.engine.spec_decode import SpeculativeDecoder
+from tests.checkpoints import dequantized_copy, quantized_copy, save_random_checkpoint
+from tests.engine.test_bad_input import edit_config
+
+# scheme (a compressed-tensors preset, its group size) -> the matmul its linears run in
+# bf16 (in fp32 every one is dequantized)
+SCHEMES = {
+    "W4A16": (32, Int4Linear),          # 4-bit groups, symmetric: the int4 kernel
+    "W4A16_ASYM": (64, Int4Linear),     # with packed zero points
+    "W8A16": (32, None),                # 8-bit groups: dequantized at load
+    "W8A8": (None, Int8Linear),         # 8-bit per channel (activations kept in fp32)
+    "FP8_DYNAMIC": (None, None),        # FP8 per channel: dequantized
+    "FP8": (None, None),                # FP8 per tensor (its static input scales unused)
+}
+PROMPT = [5, 17, 33, 2, 90, 64, 11, 250, 7, 41, 19, 3]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, tokenizer_dir):
+    return save_random_checkpoint(tmp_path_factory.mktemp("quant") / "base", seed=5,
+                                  tokenizer_from=tokenizer_dir, initializer_range=0.1)
+
+
+def logits(model_dir, prompt: list[int], dtype: str = "float32") -> torch.Tensor:
+    """[len(prompt), vocab] fp32 logits of a prefill."""
+    runner = ModelRunner(RunnerConfig(str(model_dir), kv_cache_mb=8, dtype=dtype))
+    runner.blocks.append("p", len(prompt))
+    return runner.forward([ForwardRequest(prompt, 0, runner.blocks.block_table("p"),
+                                          len(prompt))])
+
+
+def matmuls(runner: ModelRunner) -> set:
+    return {type(m.quantized_matmul) if m.quantized_matmul is not None else None
+            for m in runner.model.modules() if hasattr(m, "quantized_parts")}
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_scheme_computes_what_compressed_tensors_decompresses(base, tmp_path, scheme):
+    group, kernel = SCHEMES[scheme]
+    quantized = quantized_copy(base, tmp_path / scheme, scheme, group)
+    reference = dequantized_copy(quantized, tmp_path / "reference")
+    ours, theirs = logits(quantized, PROMPT), logits(reference, PROMPT)
+    assert (ours - theirs).abs().max().item() < 1e-4  # fp32: read exactly
+    assert (ours - logits(base, PROMPT)).abs().max().item() > 1e-3  # it is quantized
+    runner = ModelRunner(RunnerConfig(str(quantized), kv_cache_mb=8, dtype="bfloat16"))
+    assert matmuls(runner) == {kernel}  # every linear on its kernel (None: dequantized)
+    # bf16: the kernels no farther from the fp32 reference than bf16's dense path is
+    dense_error = (logits(reference, PROMPT, "bfloat16") - theirs).abs().max().item()
+    error = (logits(quantized, PROMPT, "bfloat16") - theirs).abs().max().item()
+    assert error < 2 * dense_error + 1e-3, (error, dense_error)
+
+
+@pytest.mark.slow
+def test_speculation_over_a_quantized_target_is_its_greedy_output(base, tmp_path):
+    """The unquantized model drafts for its 4-bit self in bf16 (the int4 kernel's dtype),
+    alone and over two ranks (each cutting its shard of packed groups): the output is the
+    target's own greedy decoding on as many ranks (bf16 partial sums reduced across ranks
+    round differently from one rank's)."""
+    target = quantized_copy(base, tmp_path / "w4", "W4A16", 32)
+    prompts = [PROMPT, PROMPT[3:], [9, 8, 7, 6, 5]]
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    config = dict(kv_cache_mb=8, dtype="bfloat16")
+    for tp in (1, 2):
+        group = TPRunnerGroup(RunnerConfig(str(target), tp=tp, **config))
+        try:
+            alone = SpeculativeDecoder(group.runner).generate(prompts, greedy, 0)
+            drafter = Drafter(ModelRunner(RunnerConfig(str(base), **config)))
+            seqs = SpeculativeDecoder(group.runner, drafter).generate(prompts, greedy, gamma=4)
+        finally:
+            group.close()
+        assert [s.output_ids for s in seqs] == [s.output_ids for s in alone], f"tp={tp}"
+        assert sum(s.stats.num_accepted_tokens for s in seqs) > 0
+
+
+def test_a_shard_that_cuts_quantization_groups_is_refused():
+    layer = RowParallelLinear(128, 16, False, TPGroup(rank=1, size=4))  # 32 columns a rank
+    weight = QuantizedWeight(torch.zeros(16, 128, dtype=torch.int8), torch.ones(16, 2), None,
+                             4)  # groups of 64
+    with pytest.raises(ValueError, match="cuts groups of 64"):
+        layer.weight_loader(layer.weight, weight)
+
+
+@pytest.mark.parametrize("quantization, refused", [
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"},
+     "awq, 4-bit int weights, group size 128: awq checkpoints are not loaded yet"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 3, "type": "int"}}}},
+     "3-bit int weights are not supported"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float"}}}},
+     "format 'nvfp4-pack-quantized' is not supported")])
+def test_a_scheme_that_cannot_be_served_is_refused_naming_it(base, tmp_path, quantization,
+                                                             refused):
+    copy = quantized_copy(base, tmp_path / "q", "W4A16", 32)
+    edit_config(copy, quantization_config=quantization)
+    with pytest.raises(ModelConfigError, match=refused):
+        ModelRunner(RunnerConfig(str(copy), kv_cache_mb=8))
+
+
+def test_a_quantized_module_missing_a_part_is_named(base, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    copy = quantized_copy(base, tmp_path / "q", "W4A16", 32)
+    tensors = load_file(copy / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight_shape"]
+    save_file(tensors, copy / "model.safetensors")
+    with pytest.raises(CheckpointError, match="quantized module 'model.layers.1.mlp.down_proj'"):
+        ModelRunner(RunnerConfig(str(copy), kv_cache_mb=8))
