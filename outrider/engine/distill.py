@@ -262,6 +262,9 @@ class Distiller:
     beat `serving`'s on the held-out traffic, else None (the serving draft stays)."""
 
     def __init__(self, runner: ModelRunner, cfg: DistillConfig, seed: int = 0) -> None:
+        if runner.model_config.quantization is not None:  # its packed layers are frozen
+            raise ValueError(f"{runner.model_name}: a quantized draft cannot learn while it "
+                             f"serves: serve its unquantized weights to adapt it")
         self.runner, self.cfg = runner, cfg
         self.rng = random.Random(seed)
         self.num_steps = 0

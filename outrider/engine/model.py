@@ -28,6 +28,8 @@ from outrider.engine.parallel import (
     load_replicated,
 )
 from outrider.engine.quant.formats import quantized_tensor_slices
+from outrider.engine.quant.scheme import QuantScheme
+from outrider.engine.quant.weight import QuantizedWeight
 from outrider.engine.rope import RotaryEmbedding, apply_rope
 
 
@@ -241,7 +243,7 @@ class CausalLM(nn.Module):
         tied = self.cfg.tie_word_embeddings
         load_checkpoint(self, model_dir, self._param_for,
                         optional=lambda name: tied and name == "lm_head.weight",
-                        quantized=self.cfg.quantization is not None)
+                        quantization=self.cfg.quantization)
         if self.cfg.norm_offset:  # Gemma's norms scale by (1 + w): kept as the factor
             with torch.no_grad():
                 for norm in self.modules():
@@ -276,15 +278,17 @@ def fused_param(name: str) -> tuple[str, int | None]:
 def load_checkpoint(model: nn.Module, model_dir: Path,
                     param_for: Callable[[str], tuple[str, int | None] | None],
                     optional: Callable[[str], bool] = lambda name: False,
-                    quantized: bool = False) -> None:
+                    quantization: QuantScheme | None = None) -> None:
     """Every tensor of the checkpoint into its parameter (`param_for`: None skips one);
-    each parameter but the `optional` ones must be found. A `quantized` checkpoint's
-    modules arrive as one weight each (quant/formats.py), settled once all are in."""
+    each parameter but the `optional` ones must be found. A quantized checkpoint's modules
+    arrive as one weight each (quant/formats.py): a linear keeps it until the checkpoint
+    is read (settle_quantized), any other layer (an embedding, a head) takes it
+    dequantized."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     tensors = iter_tensor_slices(model_dir)
-    if quantized:
-        tensors = quantized_tensor_slices(model_dir, tensors)
+    if quantization is not None:
+        tensors = quantized_tensor_slices(model_dir, tensors, quantization)
     for name, tensor_slice in tensors:
         target = param_for(name)
         if target is None:
@@ -294,7 +298,11 @@ def load_checkpoint(model: nn.Module, model_dir: Path,
             raise CheckpointError(f"{model_dir}: unexpected tensor {name!r} for "
                                   f"{type(model).__name__}")
         owner, _, _ = param_name.rpartition(".")
-        loader = getattr(model.get_submodule(owner), "weight_loader", load_replicated)
+        module = model.get_submodule(owner)
+        if isinstance(tensor_slice, QuantizedWeight) and not isinstance(module,
+                                                                        ReplicatedLinear):
+            tensor_slice = tensor_slice.dequantized(params[param_name].dtype)
+        loader = getattr(module, "weight_loader", load_replicated)
         try:
             loader(params[param_name], tensor_slice, shard_id)
         except ValueError as exc:

@@ -187,8 +187,9 @@ class ReplicatedLinear(PackedForCPU, nn.Module):
         weight = stacked(self.quantized_parts)
         self.quantized_parts, self.quantized_bits = [], weight.bits
         if tuple(weight.shape) != tuple(self.weight.shape):
-            raise ValueError(f"quantized weight of shape {weight.shape}, the layer's is "
-                             f"{tuple(self.weight.shape)}")
+            raise ValueError(f"quantized parts of {weight.shape[0]} rows for a layer of "
+                             f"{self.weight.shape[0]}: a fused layer (q/k/v, gate/up) whose "
+                             f"parts are not all quantized is not supported")
         if self.weight.device.type == "cpu":
             self.quantized_matmul = cpu_kernel(weight, self.weight.dtype)
         if self.quantized_matmul is None:

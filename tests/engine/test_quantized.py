@@ -70,24 +70,31 @@ def test_a_scheme_computes_what_compressed_tensors_decompresses(base, tmp_path, 
 
 @pytest.mark.slow
 def test_speculation_over_a_quantized_target_is_its_greedy_output(base, tmp_path):
-    """The unquantized model drafts for its 4-bit self in bf16 (the int4 kernel's dtype),
-    alone and over two ranks (each cutting its shard of packed groups): the output is the
-    target's own greedy decoding on as many ranks (bf16 partial sums reduced across ranks
-    round differently from one rank's)."""
+    """The unquantized model drafts for its 4-bit self. In bf16 (the int4 kernel's dtype),
+    alone and over two ranks, the output is the target's own greedy decoding on as many
+    ranks (bf16 partial sums reduced across ranks round differently from one rank's); in
+    fp32 over two ranks, each cutting its shard of packed groups, it is the greedy
+    decoding of compressed-tensors' dequantized copy on one."""
     target = quantized_copy(base, tmp_path / "w4", "W4A16", 32)
+    reference = dequantized_copy(target, tmp_path / "reference")
     prompts = [PROMPT, PROMPT[3:], [9, 8, 7, 6, 5]]
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
-    config = dict(kv_cache_mb=8, dtype="bfloat16")
-    for tp in (1, 2):
+    dequantized = [s.output_ids for s in SpeculativeDecoder(ModelRunner(RunnerConfig(
+        str(reference), kv_cache_mb=8))).generate(prompts, greedy, 0)]
+    for dtype, tp in (("bfloat16", 1), ("bfloat16", 2), ("float32", 2)):
+        config = dict(kv_cache_mb=8, dtype=dtype)
         group = TPRunnerGroup(RunnerConfig(str(target), tp=tp, **config))
         try:
-            alone = SpeculativeDecoder(group.runner).generate(prompts, greedy, 0)
+            alone = [s.output_ids for s in
+                     SpeculativeDecoder(group.runner).generate(prompts, greedy, 0)]
             drafter = Drafter(ModelRunner(RunnerConfig(str(base), **config)))
             seqs = SpeculativeDecoder(group.runner, drafter).generate(prompts, greedy, gamma=4)
         finally:
             group.close()
-        assert [s.output_ids for s in seqs] == [s.output_ids for s in alone], f"tp={tp}"
+        assert [s.output_ids for s in seqs] == alone, f"{dtype}, tp={tp}"
         assert sum(s.stats.num_accepted_tokens for s in seqs) > 0
+        if dtype == "float32":
+            assert alone == dequantized
 
 
 def test_a_shard_that_cuts_quantization_groups_is_refused():
@@ -115,6 +122,15 @@ def test_a_scheme_that_cannot_be_served_is_refused_naming_it(base, tmp_path, qua
         ModelRunner(RunnerConfig(str(copy), kv_cache_mb=8))
 
 
+def test_a_quantized_draft_does_not_learn_while_it_serves(base, tmp_path):
+    from outrider.engine.distill import DistillConfig, Distiller
+
+    draft = ModelRunner(RunnerConfig(str(quantized_copy(base, tmp_path / "q", "W4A16", 32)),
+                                     kv_cache_mb=8))
+    with pytest.raises(ValueError, match="a quantized draft cannot learn while it serves"):
+        Distiller(draft, DistillConfig())
+
+
 def test_a_quantized_module_missing_a_part_is_named(base, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -122,5 +138,19 @@ def test_a_quantized_module_missing_a_part_is_named(base, tmp_path):
     tensors = load_file(copy / "model.safetensors")
     del tensors["model.layers.1.mlp.down_proj.weight_shape"]
     save_file(tensors, copy / "model.safetensors")
-    with pytest.raises(CheckpointError, match="quantized module 'model.layers.1.mlp.down_proj'"):
+    with pytest.raises(CheckpointError, match="quantized module 'model.layers.1.mlp.down_proj' "
+                                              "lacks its 'weight_shape' tensor"):
         ModelRunner(RunnerConfig(str(copy), kv_cache_mb=8))
+
+
+def test_block_fp8_scales_cover_short_last_blocks():
+    """A block-wise FP8 weight whose shape the 128 x 128 blocks do not divide (as
+    compressed-tensors pads them): each weight takes its own block's scale."""
+    from outrider.engine.quant.formats import read_module
+
+    weight = torch.randn(300, 200).to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 2) + 0.5
+    dense = read_module({"weight": weight, "weight_scale": scale}, block=(128, 128))
+    for row, col in ((0, 0), (127, 127), (128, 128), (255, 199), (256, 0), (299, 199)):
+        expected = weight[row, col].float() * scale[row // 128, col // 128]
+        assert dense[row, col] == expected

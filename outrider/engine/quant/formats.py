@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from outrider.engine.checkpoint import CheckpointError, tensor_names
+from outrider.engine.quant.scheme import QuantScheme
 from outrider.engine.quant.weight import QuantizedWeight
 
 # the tensors a quantized module may have besides its bias
@@ -22,8 +23,8 @@ PARTS = frozenset({"weight", "weight_packed", "weight_scale", "weight_zero_point
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def quantized_tensor_slices(model_dir: Path,
-                            slices: Iterator[tuple[str, object]]) -> Iterator[tuple[str, object]]:
+def quantized_tensor_slices(model_dir: Path, slices: Iterator[tuple[str, object]],
+                            scheme: QuantScheme) -> Iterator[tuple[str, object]]:
     """`slices` with each quantized module's parts replaced by one `PREFIX.weight`: a
     QuantizedWeight, or a dense float tensor (FP8), yielded once its last part is read."""
     names = tensor_names(model_dir)
@@ -45,24 +46,29 @@ def quantized_tensor_slices(model_dir: Path,
         read.setdefault(prefix, {})[part] = tensor_slice[:]
         if len(read[prefix]) == len(parts_of[prefix]):
             try:
-                yield f"{prefix}.weight", read_module(read.pop(prefix))
-            except (KeyError, ValueError, RuntimeError) as exc:
+                yield f"{prefix}.weight", read_module(read.pop(prefix), scheme.block)
+            except KeyError as exc:
+                raise CheckpointError(f"{model_dir}: quantized module {prefix!r} lacks its "
+                                      f"{exc} tensor") from exc
+            except (ValueError, RuntimeError) as exc:
                 raise CheckpointError(f"{model_dir}: quantized module {prefix!r}: "
                                       f"{exc}") from exc
 
 
-def read_module(tensors: dict[str, torch.Tensor]) -> QuantizedWeight | torch.Tensor:
-    """One module's parts -> its QuantizedWeight (integer levels) or dense weight (FP8)."""
+def read_module(tensors: dict[str, torch.Tensor],
+                block: tuple[int, int] | None = None) -> QuantizedWeight | torch.Tensor:
+    """One module's parts -> its QuantizedWeight (integer levels) or dense weight (FP8;
+    `block`: its scales' [rows, columns] where block-wise)."""
     if "weight_packed" in tensors:
         out_features, in_features = (int(n) for n in tensors["weight_shape"].tolist())
         bits = _packed_bits(tensors["weight_packed"], in_features)
         q = _signed(unpack(tensors["weight_packed"], bits, in_features), bits)
         zero = tensors.get("weight_zero_point")
-        if zero is not None:  # packed along the output rows
+        if zero is not None and zero.dtype == torch.int32:  # packed along the output rows
             zero = _signed(unpack(zero.t(), bits, out_features), bits).t()
     elif "weight" in tensors and tensors["weight"].dtype in FP8:
         weight = tensors["weight"]
-        return weight.float() * _spread(tensors["weight_scale"].float(), weight.shape)
+        return weight.float() * _spread(tensors["weight_scale"].float(), weight.shape, block)
     elif "weight" in tensors and tensors["weight"].dtype == torch.int8:
         q, bits, zero = tensors["weight"], 8, tensors.get("weight_zero_point")
     else:
@@ -104,13 +110,18 @@ def _per_row(values: torch.Tensor, rows: int) -> torch.Tensor:
     return values.reshape(rows, -1)
 
 
-def _spread(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """An FP8 weight's scale per tensor, channel or block -> one per weight (shape)."""
-    if scale.numel() == 1 or scale.shape[0] == shape[0] and scale.numel() == shape[0]:
+def _spread(scale: torch.Tensor, shape: torch.Size,
+            block: tuple[int, int] | None) -> torch.Tensor:
+    """An FP8 weight's scale per tensor, channel or block -> one per weight (shape). The
+    last blocks of a dimension the block does not divide are short."""
+    if scale.numel() == 1 or scale.numel() == shape[0]:
         return scale.reshape(-1, 1)
-    rows, cols = -(-shape[0] // scale.shape[0]), -(-shape[1] // scale.shape[1])
-    full = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
-    return full[: shape[0], : shape[1]]
+    if block is None:
+        raise ValueError(f"weight_scale of shape {tuple(scale.shape)} for a weight of "
+                         f"{tuple(shape)}, and no block_structure in the config")
+    rows = torch.arange(shape[0]) // block[0]
+    cols = torch.arange(shape[1]) // block[1]
+    return scale[rows][:, cols]
 
 
 def _act_order(group_of_column: torch.Tensor | None, in_features: int,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 COMPRESSED_TENSORS_FORMATS = ("pack-quantized", "int-quantized", "float-quantized",
-                              "naive-quantized", "dense")
+                              "naive-quantized")
 INT_BITS = (4, 8)  # packed along 32-bit words without straddling; 4-bit: CPU kernels too
 
 
@@ -25,6 +25,7 @@ class QuantScheme:
     method: str                    # "compressed-tensors"
     description: str               # e.g. "4-bit int weights, group size 128, pack-quantized"
     ignore: tuple[str, ...] = ()   # modules left unquantized (lm_head, ...)
+    block: tuple[int, int] | None = None  # block-wise FP8's [rows, columns] per scale
 
 
 def parse_quantization(config) -> QuantScheme:
@@ -45,8 +46,12 @@ def parse_quantization(config) -> QuantScheme:
     for unsupported in ("kv_cache_scheme", "transform_config", "sparsity_config"):
         if config.get(unsupported):
             raise QuantizationError(f"{describe(config)}: {unsupported} is not supported")
+    blocks = {tuple(g["weights"]["block_structure"]) for g in groups.values()
+              if g["weights"].get("block_structure")}
+    if len(blocks) > 1:
+        raise QuantizationError(f"{describe(config)}: several block structures")
     return QuantScheme(method, describe(config).removeprefix(f"{method}, "),
-                       tuple(config.get("ignore") or ()))
+                       tuple(config.get("ignore") or ()), next(iter(blocks), None))
 
 
 def _check_group(name: str, group, config: dict) -> None:

@@ -38,8 +38,18 @@ class QuantizedWeight:
         return self.q.shape[1] // self.scale.shape[1]
 
     def __getitem__(self, index) -> QuantizedWeight:
-        """Rows `w[a:b]`, columns `w[:, a:b]` (whole groups only) or all `w[:]`."""
+        """Rows `w[a:b]`, columns `w[:, a:b]` (whole groups only) or all `w[:]`: a shard
+        of its own, not a view that keeps the whole layer's levels alive on every rank."""
         rows, cols = (index, slice(None)) if not isinstance(index, tuple) else index
+        if rows == slice(None) and cols == slice(None):
+            return self
+        return self._cut(rows, cols).cloned()
+
+    def cloned(self) -> QuantizedWeight:
+        return replace(self, q=self.q.clone(), scale=self.scale.clone(),
+                       zero=None if self.zero is None else self.zero.clone())
+
+    def _cut(self, rows: slice, cols: slice) -> QuantizedWeight:
         part = replace(self, q=self.q[rows], scale=self.scale[rows],
                        zero=None if self.zero is None else self.zero[rows])
         if cols == slice(None):
@@ -79,9 +89,11 @@ def stacked(parts: list[tuple[int, QuantizedWeight]]) -> QuantizedWeight:
     parts = [part for _, part in sorted(parts, key=lambda item: item[0])]
     if len(parts) == 1:
         return parts[0]
-    if len({(p.bits, p.scale.shape[1], p.zero is None) for p in parts}) > 1:
+    if len({(p.bits, p.scale.shape[1]) for p in parts}) > 1:
         raise ValueError("the parts of a fused layer are quantized differently")
-    zeros = None if parts[0].zero is None else torch.cat([p.zero for p in parts])
+    zeros = None if all(p.zero is None for p in parts) else torch.cat(
+        [torch.zeros_like(p.q[:, :p.scale.shape[1]]) if p.zero is None else p.zero
+         for p in parts])
     orders = [p.group_of_column for p in parts]
     if any(o is not None for o in orders) and not all(
             o is not None and torch.equal(o, orders[0]) for o in orders):
