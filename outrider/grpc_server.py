@@ -93,12 +93,17 @@ def serve_until_signalled(running: Running, name: str, grace_s: float = 5.0) -> 
     if threading.current_thread() is threading.main_thread():  # Python's rule for handlers
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stopping.set())
-    # A timed wait: a signal the kernel hands to another thread only flags the handler,
-    # which the main thread runs when it next runs Python code; blocked in an untimed
-    # wait it never does (a SIGTERMed worker kept serving, 1 run in 30 on a busy machine)
-    while not stopping.wait(timeout=1.0):
-        pass
+    wait_until_set(stopping)
     running.stop(grace_s)
+
+
+def wait_until_set(event: threading.Event) -> None:
+    """Block until `event` is set (by a signal handler), in timed waits: a signal the
+    kernel hands to another thread only flags the handler, which the main thread runs when
+    it next runs Python code; blocked in an untimed wait it never does (a SIGTERMed worker
+    kept serving, 1 run in 30 on a busy machine)."""
+    while not event.wait(timeout=1.0):
+        pass
 
 
 def remaining_timeout(context) -> float | None:

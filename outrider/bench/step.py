@@ -76,15 +76,14 @@ def _quartile(fn, repeats: int) -> float:
     return sorted(samples)[len(samples) // 4]
 
 
-def kv_cache_mb(target: str, dtype: str) -> float:
-    """Room for every case's sequences at once, whatever the checkpoint's size."""
+def kv_cache_mb(target: str) -> float:
+    """Room for every case's sequences at once, whatever the checkpoint's size (in fp32,
+    the widest dtype measured; `--dtypes auto` may be either)."""
     from outrider.engine.model_config import ModelConfig
 
     mc = ModelConfig.from_dir(target)
     tokens = sum(batch * (CONTEXT[1] + query + 16) for _, batch, query in CASES)
-    itemsize = 4 if dtype == "float32" else 2
-    return max(64.0, 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize * tokens
-               / 2**20)
+    return max(64.0, 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4 * tokens / 2**20)
 
 
 def case_requests(runner: ModelRunner, kind: str, batch: int, query: int,
@@ -151,7 +150,7 @@ def measure(target: str, dtype: str, compiled: bool, attention: str, limits: dic
         return []
 
     runner = ModelRunner(RunnerConfig(target, dtype=dtype, compile=compiled,
-                                      kv_cache_mb=kv_cache_mb(target, dtype)))
+                                      kv_cache_mb=kv_cache_mb(target)))
     warm_start = time.perf_counter()
     rng = random.Random(0)
     cases = [(kind, batch, query, case_requests(runner, kind, batch, query, rng))

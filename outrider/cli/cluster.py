@@ -34,9 +34,9 @@ def cmd_up(args) -> int:
     endpoints, seconds = launch.up(args.file, args.address)
     print(f"outrider up: {_where(endpoints)} ({seconds:.1f} s)", flush=True)
     if args.wait:
-        stopping = stop_on_signals()
-        while not stopping.wait(timeout=1.0):  # (timed: see grpc_server.serve_until_signalled)
-            pass
+        from outrider.grpc_server import wait_until_set
+
+        wait_until_set(stop_on_signals())
         launch.down(args.address)
         print("outrider up: brought down", flush=True)
     return 0

@@ -91,6 +91,7 @@ def serve_flags(serve: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args) -> int:
+    from outrider.grpc_server import wait_until_set
     from outrider.local_system import local_system
 
     cfg = _local_system_config(args)
@@ -102,8 +103,7 @@ def cmd_serve(args) -> int:
               "(Ctrl-C stops everything)", flush=True)
         for name, address in system.metrics.items():
             print(f"outrider serve: {name} metrics at http://{address}/metrics", flush=True)
-        while not stopping.wait(timeout=1.0):  # (timed: see grpc_server.serve_until_signalled)
-            pass
+        wait_until_set(stopping)
         print("outrider serve: stopping", flush=True)
     return 0
 

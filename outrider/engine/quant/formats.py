@@ -27,13 +27,12 @@ def quantized_tensor_slices(model_dir: Path, slices: Iterator[tuple[str, object]
                             scheme: QuantScheme) -> Iterator[tuple[str, object]]:
     """`slices` with each quantized module's parts replaced by one `PREFIX.weight`: a
     QuantizedWeight, or a dense float tensor (FP8), yielded once its last part is read."""
-    names = tensor_names(model_dir)
-    parts_of = {}  # quantized module prefix -> the names of its parts
-    for name in names:
-        if name.endswith(".weight_scale"):
-            prefix = name.removesuffix(".weight_scale")
-            parts_of[prefix] = {n for n in names if n.rpartition(".")[0] == prefix
-                                and not n.endswith(".bias")}
+    names_of: dict[str, set[str]] = {}  # module prefix -> its tensors' names, bias aside
+    for name in tensor_names(model_dir):
+        if not name.endswith(".bias"):
+            names_of.setdefault(name.rpartition(".")[0], set()).add(name)
+    parts_of = {prefix: names for prefix, names in names_of.items()
+                if f"{prefix}.weight_scale" in names}  # the quantized modules'
     read: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor_slice in slices:
         prefix, _, part = name.rpartition(".")

@@ -22,9 +22,7 @@ class QuantizationError(ValueError):
 class QuantScheme:
     """A checkpoint's quantization, in the few words a log line and an error need."""
 
-    method: str                    # "compressed-tensors"
     description: str               # e.g. "4-bit int weights, group size 128, pack-quantized"
-    ignore: tuple[str, ...] = ()   # modules left unquantized (lm_head, ...)
     block: tuple[int, int] | None = None  # block-wise FP8's [rows, columns] per scale
 
 
@@ -50,8 +48,7 @@ def parse_quantization(config) -> QuantScheme:
               if g["weights"].get("block_structure")}
     if len(blocks) > 1:
         raise QuantizationError(f"{describe(config)}: several block structures")
-    return QuantScheme(method, describe(config).removeprefix(f"{method}, "),
-                       tuple(config.get("ignore") or ()), next(iter(blocks), None))
+    return QuantScheme(describe(config).removeprefix(f"{method}, "), next(iter(blocks), None))
 
 
 def _check_group(name: str, group, config: dict) -> None:
