@@ -206,3 +206,122 @@ def dequantized_copy(src: Path, dst: Path) -> Path:
     (dst / "config.json").write_text(json.dumps(dict(config, dtype="float32")))
     (dst / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
     return dst
+
+
+# AutoAWQ's packing order: the output column (of each eight) in a word's i-th 4 bits
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def gptq_copy(src: Path, dst: Path, bits: int = 4, group_size: int = 32, sym: bool = True,
+              act_order: bool = False, checkpoint_format: str = "gptq") -> tuple[Path, Path]:
+    """`src` with every decoder linear rounded to the nearest level (min-max per group, as
+    GPTQ's quantizer sets its grid) and packed as GPTQ (AutoGPTQ's layout: pack_gptq,
+    held bit for bit to AutoGPTQ by the golden test); act_order scatters the groups over
+    the input features by a seeded permutation (g_idx). Returns the copy and, beside it,
+    the same levels dequantized in float32: the reference it is held to."""
+    config = {"quant_method": "gptq", "bits": bits, "group_size": group_size,
+              "desc_act": act_order, "sym": sym, "checkpoint_format": checkpoint_format}
+
+    def pack(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        size = weight.shape[1] if group_size == -1 else group_size
+        order = (torch.randperm(weight.shape[1], generator=torch.Generator().manual_seed(0))
+                 if act_order else torch.arange(weight.shape[1]))
+        group_of_column = torch.empty_like(order)
+        group_of_column[order] = torch.arange(weight.shape[1]) // size
+        levels, zeros, scales = _rounded(weight, group_of_column, bits, sym)
+        qweight, qzeros = pack_gptq(levels, zeros, bits, int(checkpoint_format == "gptq"))
+        return ({"qweight": qweight, "qzeros": qzeros, "scales": scales.t().contiguous(),
+                 "g_idx": group_of_column.int()},
+                _dequantized(levels, zeros, scales, group_of_column))
+
+    return _packed_copy(src, dst, config, pack)
+
+
+def awq_copy(src: Path, dst: Path, group_size: int = 32) -> tuple[Path, Path]:
+    """`src` with every decoder linear rounded (min-max per group, AutoAWQ's grid without
+    its search for scales) and packed as AutoAWQ's GEMM layout (pack_awq); the copy and its
+    float32 reference, as gptq_copy."""
+    config = {"quant_method": "awq", "bits": 4, "group_size": group_size,
+              "zero_point": True, "version": "gemm"}
+
+    def pack(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        group_of_column = torch.arange(weight.shape[1]) // group_size
+        levels, zeros, scales = _rounded(weight, group_of_column, 4, sym=False)
+        qweight, qzeros = pack_awq(levels, zeros)
+        return ({"qweight": qweight, "qzeros": qzeros, "scales": scales.t().contiguous()},
+                _dequantized(levels, zeros, scales, group_of_column))
+
+    return _packed_copy(src, dst, config, pack)
+
+
+def pack_words(levels: torch.Tensor, bits: int) -> torch.Tensor:
+    """[rows, count] unsigned levels -> [rows, count * bits / 32] int32 words, each
+    holding 32 / bits consecutive levels from its lowest bits up."""
+    per_word = 32 // bits
+    words = levels.long().view(levels.shape[0], -1, per_word)
+    shifts = torch.arange(0, 32, bits)
+    packed = (words << shifts).sum(-1)  # [rows, words] in 0 .. 2^32 - 1
+    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
+
+
+def pack_gptq(levels: torch.Tensor, zeros: torch.Tensor, bits: int,
+              zero_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Levels [out, in] and zero points [out, groups] -> qweight [in * bits / 32, out]
+    (packed along the input rows), qzeros [groups, out * bits / 32] (along the output
+    columns, each less zero_offset: v1's one)."""
+    return pack_words(levels, bits).t().contiguous(), pack_words((zeros - zero_offset).t(), bits)
+
+
+def pack_awq(levels: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Levels [out, in] and zero points [out, groups] -> qweight [in, out / 8] and qzeros
+    [groups, out / 8], 4-bit, each word's output columns in AWQ_ORDER."""
+    def interleaved(columns: torch.Tensor) -> torch.Tensor:  # [rows, out]
+        rows = columns.shape[0]
+        return columns.reshape(rows, -1, 8)[:, :, AWQ_ORDER].reshape(rows, -1)
+
+    return pack_words(interleaved(levels.t()), 4), pack_words(interleaved(zeros.t()), 4)
+
+
+def _rounded(weight: torch.Tensor, group_of_column: torch.Tensor, bits: int, sym: bool):
+    """weight [out, in] -> unsigned levels [out, in], zero points [out, groups] (2^(bits-1)
+    when symmetric) and fp16 scales [out, groups], from each group's min and max."""
+    maxq, groups = 2 ** bits - 1, int(group_of_column.max()) + 1
+    lows = torch.stack([weight[:, group_of_column == g].amin(1) for g in range(groups)], 1)
+    highs = torch.stack([weight[:, group_of_column == g].amax(1) for g in range(groups)], 1)
+    lows, highs = lows.clamp(max=0), highs.clamp(min=0)  # the grid holds zero
+    if sym:
+        highs = torch.maximum(highs, -lows)
+        lows = -highs
+    scales = ((highs - lows) / maxq).half().float()
+    zeros = (torch.full_like(scales, 2 ** (bits - 1)) if sym
+             else torch.round(-lows / scales).clamp(1, maxq))  # v1 stores zero - 1
+    levels = torch.round(weight / scales[:, group_of_column]) + zeros[:, group_of_column]
+    return levels.clamp(0, maxq).to(torch.uint8), zeros.to(torch.uint8), scales
+
+
+def _dequantized(levels, zeros, scales, group_of_column) -> torch.Tensor:
+    return (levels.float() - zeros.float()[:, group_of_column]) * scales[:, group_of_column]
+
+
+def _packed_copy(src: Path, dst: Path, quantization: dict, pack) -> tuple[Path, Path]:
+    """`src` with each decoder linear's weight replaced by pack(weight)'s parts, and
+    beside it DST-reference with it replaced by pack's dequantized weight."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((src / "config.json").read_text())
+    quantized, dense = {}, {}
+    for name, tensor in load_file(src / "model.safetensors").items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            prefix = name.removesuffix(".weight")
+            parts, dense[name] = pack(tensor.float())
+            quantized |= {f"{prefix}.{part}": t for part, t in parts.items()}
+        else:
+            quantized[name] = dense[name] = tensor
+    reference = dst.with_name(f"{dst.name}-reference")
+    for folder, tensors, extra in ((dst, quantized, {"quantization_config": quantization}),
+                                   (reference, dense, {})):
+        folder.mkdir(parents=True)
+        save_file(tensors, folder / "model.safetensors")
+        (folder / "config.json").write_text(json.dumps(config | extra))
+        (folder / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    return dst, reference

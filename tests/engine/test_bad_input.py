@@ -49,8 +49,8 @@ def test_unknown_architecture(model_copy):
       "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
           "num_bits": 2, "type": "int", "group_size": 128, "symmetric": True}}}},
      "compressed-tensors, 2-bit int weights, group size 128, format pack-quantized"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"},
-     "awq, 4-bit int weights, group size 128"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+     "awq, 4-bit int weights, group size 128, format gemv"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8")])
 def test_a_quantized_checkpoint_is_refused_by_its_scheme(model_copy, quantization, named):
     """Not a packed tensor's name the model does not know: the checkpoint's scheme."""

@@ -1,9 +1,15 @@
 """Quantized checkpoints as compressed-tensors writes them (the format llm-compressor
 saves): each scheme's forward held to compressed-tensors' own decompression of the same
 checkpoint, on the packed CPU kernel where the scheme has one; speculation over a
-quantized target, alone and over two tensor-parallel ranks, is its greedy output."""
+quantized target, alone and over two tensor-parallel ranks, is its greedy output.
+
+GPTQ and AWQ: the readers held to AutoGPTQ's and AutoAWQ's own dequantization of small
+linears they packed (data/gptq_awq_golden.safetensors), the tests' packers to their
+words bit for bit, and a model packed so to its dequantized copy, on its kernel."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,11 +19,21 @@ from outrider.engine.checkpoint import CheckpointError
 from outrider.engine.distributed import TPRunnerGroup
 from outrider.engine.drafter import Drafter
 from outrider.engine.model_config import ModelConfigError
-from outrider.engine.parallel import RowParallelLinear, TPGroup
+from outrider.engine.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
+from outrider.engine.quant.formats import FORMATS, read_compressed_tensors
+from outrider.engine.quant.scheme import QuantScheme
 from outrider.engine.quant.weight import Int4Linear, Int8Linear, QuantizedWeight
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
-from tests.checkpoints import dequantized_copy, quantized_copy, save_random_checkpoint
+from tests.checkpoints import (
+    awq_copy,
+    dequantized_copy,
+    gptq_copy,
+    pack_awq,
+    pack_gptq,
+    quantized_copy,
+    save_random_checkpoint,
+)
 from tests.engine.test_bad_input import edit_config
 
 # scheme (a compressed-tensors preset, its group size) -> the matmul its linears run in
@@ -30,6 +46,19 @@ SCHEMES = {
     "FP8_DYNAMIC": (None, None),        # FP8 per channel: dequantized
     "FP8": (None, None),                # FP8 per tensor (its static input scales unused)
 }
+# a GPTQ or AWQ copy (tests/checkpoints.py's writer, its arguments) -> its linears' matmul
+# in bf16
+PACKED = {
+    "gptq4_sym": (gptq_copy, dict(bits=4, group_size=32), Int4Linear),
+    "gptq4_asym": (gptq_copy, dict(bits=4, group_size=64, sym=False), Int4Linear),
+    "gptq4_v2": (gptq_copy, dict(sym=False, checkpoint_format="gptq_v2"), Int4Linear),
+    "gptq4_act_order": (gptq_copy, dict(sym=False, act_order=True), None),  # dequantized
+    "gptq8_channel": (gptq_copy, dict(bits=8, group_size=-1), Int8Linear),
+    "awq4": (awq_copy, dict(group_size=32), Int4Linear),
+}
+# golden variant (data/make_gptq_awq_golden.py) -> (format, bits)
+GOLDEN = {"gptq4_sym": ("gptq", 4), "gptq4_asym_act": ("gptq", 4),
+          "gptq8_asym_channel": ("gptq", 8), "gptq8_sym": ("gptq", 8), "awq4": ("awq", 4)}
 PROMPT = [5, 17, 33, 2, 90, 64, 11, 250, 7, 41, 19, 3]
 
 
@@ -56,7 +85,20 @@ def matmuls(runner: ModelRunner) -> set:
 def test_a_scheme_computes_what_compressed_tensors_decompresses(base, tmp_path, scheme):
     group, kernel = SCHEMES[scheme]
     quantized = quantized_copy(base, tmp_path / scheme, scheme, group)
-    reference = dequantized_copy(quantized, tmp_path / "reference")
+    computes_its_reference(quantized, dequantized_copy(quantized, tmp_path / "reference"),
+                           base, kernel)
+
+
+@pytest.mark.parametrize("case", PACKED)
+def test_a_gptq_or_awq_checkpoint_computes_its_dequantized_copy(base, tmp_path, case):
+    write, options, kernel = PACKED[case]
+    computes_its_reference(*write(base, tmp_path / case, **options), base, kernel)
+
+
+def computes_its_reference(quantized, reference, base, kernel) -> None:
+    """fp32: the quantized checkpoint's logits are its reference's; bf16: every linear on
+    `kernel` (None: dequantized), no farther from the fp32 reference than bf16's dense
+    path is."""
     ours, theirs = logits(quantized, PROMPT), logits(reference, PROMPT)
     assert (ours - theirs).abs().max().item() < 1e-4  # fp32: read exactly
     assert (ours - logits(base, PROMPT)).abs().max().item() > 1e-3  # it is quantized
@@ -97,6 +139,49 @@ def test_speculation_over_a_quantized_target_is_its_greedy_output(base, tmp_path
             assert alone == dequantized
 
 
+def golden(variant: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors = load_file(Path(__file__).parent / "data" / "gptq_awq_golden.safetensors")
+    return {name.removeprefix(f"{variant}."): t for name, t in tensors.items()
+            if name.startswith(f"{variant}.")}
+
+
+def read_golden(variant: str) -> QuantizedWeight:
+    fmt, bits = GOLDEN[variant]
+    parts = {part: t for part, t in golden(variant).items() if part in FORMATS[fmt].parts}
+    return FORMATS[fmt].read(parts, QuantScheme(variant, format=fmt, bits=bits))
+
+
+@pytest.mark.parametrize("variant", GOLDEN)
+def test_gptq_and_awq_read_as_their_writers_dequantize(variant):
+    """The reader's weight is the writer's own dequantization (AutoGPTQ's, AutoAWQ's),
+    and the tests' packer packs the writer's levels into its very words."""
+    tensors = golden(variant)
+    assert torch.equal(read_golden(variant).dequantized(torch.float32), tensors["dequantized"])
+    levels, zeros = tensors["levels"], tensors["zeros"]
+    fmt, bits = GOLDEN[variant]
+    packed = (pack_gptq(levels, zeros, bits, zero_offset=1) if fmt == "gptq"
+              else pack_awq(levels, zeros))
+    assert torch.equal(packed[0], tensors["qweight"]) and torch.equal(packed[1], tensors["qzeros"])
+
+
+@pytest.mark.parametrize("variant", ["gptq4_asym_act", "awq4"])
+def test_each_rank_holds_its_shard_of_a_gptq_or_awq_weight(variant):
+    """Over two ranks, column-parallel rows and row-parallel whole groups of columns
+    (act-order's scattered ones too) of the weight as read."""
+    weight = read_golden(variant)
+    dense = weight.dequantized(torch.float32)  # [32, 32]
+    for layer_type, dim in ((ColumnParallelLinear, 0), (RowParallelLinear, 1)):
+        shards = []
+        for rank in range(2):
+            layer = layer_type(32, 32, False, TPGroup(rank=rank, size=2))
+            layer.weight_loader(layer.weight, weight)
+            layer.settle_quantized()  # fp32: dequantized into layer.weight
+            shards.append(layer.weight.data)
+        assert torch.equal(torch.cat(shards, dim), dense), layer_type.__name__
+
+
 def test_a_shard_that_cuts_quantization_groups_is_refused():
     layer = RowParallelLinear(128, 16, False, TPGroup(rank=1, size=4))  # 32 columns a rank
     weight = QuantizedWeight(torch.zeros(16, 128, dtype=torch.int8), torch.ones(16, 2), None,
@@ -106,8 +191,24 @@ def test_a_shard_that_cuts_quantization_groups_is_refused():
 
 
 @pytest.mark.parametrize("quantization, refused", [
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"},
-     "awq, 4-bit int weights, group size 128: awq checkpoints are not loaded yet"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+     "awq, 4-bit int weights, group size 128, format gemv: version 'gemv' is not supported "
+     r"\(only gemm\)"),
+    ({"quant_method": "awq", "bits": 8, "group_size": 128, "version": "gemm"},
+     r"8-bit weights are not supported \(only 4-bit\)"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False},
+     "zero_point false is not supported"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128, "desc_act": False},
+     r"gptq, 3-bit int weights, group size 128: 3-bit weights are not supported \(only 4 "
+     r"and 8-bit\)"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
+     "checkpoint format 'marlin' is not supported"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "is_marlin_format": True},
+     "checkpoint format 'marlin' is not supported"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128,
+      "dynamic": {"-:.*down_proj.*": {}}}, "dynamic \\(per-module\\) overrides"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True},
+     "bitsandbytes checkpoints are not loaded yet"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
         "group_0": {"targets": ["Linear"], "weights": {"num_bits": 3, "type": "int"}}}},
      "3-bit int weights are not supported"),
@@ -146,11 +247,10 @@ def test_a_quantized_module_missing_a_part_is_named(base, tmp_path):
 def test_block_fp8_scales_cover_short_last_blocks():
     """A block-wise FP8 weight whose shape the 128 x 128 blocks do not divide (as
     compressed-tensors pads them): each weight takes its own block's scale."""
-    from outrider.engine.quant.formats import read_module
-
     weight = torch.randn(300, 200).to(torch.float8_e4m3fn)
     scale = torch.rand(3, 2) + 0.5
-    dense = read_module({"weight": weight, "weight_scale": scale}, block=(128, 128))
+    dense = read_compressed_tensors({"weight": weight, "weight_scale": scale},
+                                    QuantScheme("FP8 block", block=(128, 128)))
     for row, col in ((0, 0), (127, 127), (128, 128), (255, 199), (256, 0), (299, 199)):
         expected = weight[row, col].float() * scale[row // 128, col // 128]
         assert dense[row, col] == expected

@@ -1,14 +1,29 @@
-"""Reading a quantized module's tensors, as compressed-tensors writes them, into the
-weight the loaders cut: pack-quantized (4- or 8-bit levels packed in int32 words, with
-`weight_shape`, a scale per group, channel or tensor, a packed zero point when
-asymmetric, `weight_g_idx` under act-order), int-quantized (int8 levels in `weight`) and
-float-quantized (FP8 `weight` with a scale per tensor, channel or block: dequantized
-here, since no CPU computes in FP8). Static activation scales (`input_scale`) are read
-and not used: activations stay in the model's dtype (weight-only compute)."""
+"""Reading a quantized module's tensors into the one weight the loaders cut, by the
+format the scheme names (FORMATS: the part that marks a quantized module, the parts it
+may have, and its reader):
+
+- compressed-tensors: pack-quantized (4- or 8-bit levels packed in int32 words, with
+  `weight_shape`, a scale per group, channel or tensor, a packed zero point when
+  asymmetric, `weight_g_idx` under act-order), int-quantized (int8 levels in `weight`)
+  and float-quantized (FP8 `weight` with a scale per tensor, channel or block:
+  dequantized here, since no CPU computes in FP8). Static activation scales
+  (`input_scale`) are read and not used: activations stay in the model's dtype.
+- GPTQ (AutoGPTQ, GPTQModel, optimum): `qweight` [in * bits / 32, out] int32, levels
+  packed along the input rows; `qzeros` [groups, out * bits / 32], packed along the
+  output columns, each stored less one by v1 (`checkpoint_format` gptq) and as it is by
+  gptq_v2; `scales` [groups, out]; `g_idx` [in], each input feature's group (act-order).
+- AWQ (AutoAWQ's GEMM layout): `qweight` [in, out / 8] int32 and `qzeros` [groups, out /
+  8], 4-bit levels packed along the output columns in AWQ's interleaved order;
+  `scales` [groups, out].
+
+Every word holds 32 / bits levels from its lowest bits up, unsigned; w = (level - zero) *
+scale (compressed-tensors' symmetric levels are offset by 2^(bits-1) instead)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -17,35 +32,44 @@ from outrider.engine.checkpoint import CheckpointError, tensor_names
 from outrider.engine.quant.scheme import QuantScheme
 from outrider.engine.quant.weight import QuantizedWeight
 
-# the tensors a quantized module may have besides its bias
-PARTS = frozenset({"weight", "weight_packed", "weight_scale", "weight_zero_point",
-                   "weight_shape", "weight_g_idx", "input_scale", "input_zero_point"})
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# AutoAWQ's packing order: the output column (of each eight) in a word's i-th 4 bits
+AWQ_ORDER = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])
+
+
+@dataclass(frozen=True)
+class ModuleFormat:
+    """How one format stores a quantized module."""
+
+    marker: str             # the part only a quantized module has
+    parts: frozenset[str]   # every part it may have, its bias aside
+    read: Callable[[dict[str, torch.Tensor], QuantScheme], QuantizedWeight | torch.Tensor]
 
 
 def quantized_tensor_slices(model_dir: Path, slices: Iterator[tuple[str, object]],
                             scheme: QuantScheme) -> Iterator[tuple[str, object]]:
     """`slices` with each quantized module's parts replaced by one `PREFIX.weight`: a
     QuantizedWeight, or a dense float tensor (FP8), yielded once its last part is read."""
+    fmt = FORMATS[scheme.format]
     names_of: dict[str, set[str]] = {}  # module prefix -> its tensors' names, bias aside
     for name in tensor_names(model_dir):
         if not name.endswith(".bias"):
             names_of.setdefault(name.rpartition(".")[0], set()).add(name)
     parts_of = {prefix: names for prefix, names in names_of.items()
-                if f"{prefix}.weight_scale" in names}  # the quantized modules'
+                if f"{prefix}.{fmt.marker}" in names}  # the quantized modules'
     read: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor_slice in slices:
         prefix, _, part = name.rpartition(".")
         if prefix not in parts_of or part == "bias":
             yield name, tensor_slice
             continue
-        if part not in PARTS:
+        if part not in fmt.parts:
             raise CheckpointError(f"{model_dir}: unexpected tensor {name!r} of a quantized "
                                   f"module (a format this loader does not know)")
         read.setdefault(prefix, {})[part] = tensor_slice[:]
         if len(read[prefix]) == len(parts_of[prefix]):
             try:
-                yield f"{prefix}.weight", read_module(read.pop(prefix), scheme.block)
+                yield f"{prefix}.weight", fmt.read(read.pop(prefix), scheme)
             except KeyError as exc:
                 raise CheckpointError(f"{model_dir}: quantized module {prefix!r} lacks its "
                                       f"{exc} tensor") from exc
@@ -54,10 +78,10 @@ def quantized_tensor_slices(model_dir: Path, slices: Iterator[tuple[str, object]
                                       f"{exc}") from exc
 
 
-def read_module(tensors: dict[str, torch.Tensor],
-                block: tuple[int, int] | None = None) -> QuantizedWeight | torch.Tensor:
-    """One module's parts -> its QuantizedWeight (integer levels) or dense weight (FP8;
-    `block`: its scales' [rows, columns] where block-wise)."""
+def read_compressed_tensors(tensors: dict[str, torch.Tensor],
+                            scheme: QuantScheme) -> QuantizedWeight | torch.Tensor:
+    """One module's parts -> its QuantizedWeight (integer levels) or dense weight (FP8,
+    block-wise by the scheme's block)."""
     if "weight_packed" in tensors:
         out_features, in_features = (int(n) for n in tensors["weight_shape"].tolist())
         bits = _packed_bits(tensors["weight_packed"], in_features)
@@ -67,17 +91,63 @@ def read_module(tensors: dict[str, torch.Tensor],
             zero = _signed(unpack(zero.t(), bits, out_features), bits).t()
     elif "weight" in tensors and tensors["weight"].dtype in FP8:
         weight = tensors["weight"]
-        return weight.float() * _spread(tensors["weight_scale"].float(), weight.shape, block)
+        return weight.float() * _spread(tensors["weight_scale"].float(), weight.shape,
+                                        scheme.block)
     elif "weight" in tensors and tensors["weight"].dtype == torch.int8:
         q, bits, zero = tensors["weight"], 8, tensors.get("weight_zero_point")
     else:
         raise ValueError(f"neither packed, int8 nor FP8 weights among {sorted(tensors)}")
-    scale = _per_row(tensors["weight_scale"].float(), q.shape[0])
+    return _levels_weight(q, tensors["weight_scale"], zero, bits, tensors.get("weight_g_idx"))
+
+
+def read_gptq(tensors: dict[str, torch.Tensor], scheme: QuantScheme,
+              zero_offset: int) -> QuantizedWeight:
+    """GPTQ's parts -> its QuantizedWeight; `zero_offset`: what the format took from each
+    stored zero point (v1: one)."""
+    bits, qweight = scheme.bits, tensors["qweight"]  # [in * bits / 32, out]
+    in_features = qweight.shape[0] * 32 // bits
+    group_of_column = tensors.get("g_idx")  # [in]
+    if group_of_column is not None and group_of_column.shape[0] != in_features:
+        raise ValueError(f"qweight has {qweight.shape[0]} words a column for "
+                         f"{group_of_column.shape[0]} input features (g_idx): not {bits}-bit "
+                         f"levels")
+    q = unpack(qweight.t(), bits, in_features)  # [out, in]
+    scale = tensors["scales"].t()  # [out, groups]
+    # v1's zero points are one more than stored, unmasked as its writers read them back
+    # (only a zero of 0 would wrap, and v1's packers spoil that one's word anyway)
+    zero = unpack(tensors["qzeros"], bits, scale.shape[0]).t() + zero_offset  # [out, groups]
+    return _levels_weight(_signed(q, bits), scale, _signed(zero, bits), bits, group_of_column)
+
+
+def read_awq(tensors: dict[str, torch.Tensor], scheme: QuantScheme) -> QuantizedWeight:
+    """AWQ's GEMM parts -> its QuantizedWeight (groups in column order: no act-order)."""
+    bits, qweight = scheme.bits, tensors["qweight"]  # [in, out * bits / 32]
+    out_features = qweight.shape[1] * 32 // bits
+    q = _awq_columns(unpack(qweight, bits, out_features)).t()  # [out, in]
+    zero = _awq_columns(unpack(tensors["qzeros"], bits, out_features)).t()  # [out, groups]
+    return _levels_weight(_signed(q, bits), tensors["scales"].t(), _signed(zero, bits), bits)
+
+
+def _awq_columns(levels: torch.Tensor) -> torch.Tensor:
+    """[rows, out] levels in AWQ's packing order -> in output-column order."""
+    rows, columns = levels.shape
+    words = levels.view(rows, columns // len(AWQ_ORDER), len(AWQ_ORDER))
+    ordered = torch.empty_like(words)
+    ordered[:, :, AWQ_ORDER] = words  # the i-th levels of a word are column AWQ_ORDER[i]
+    return ordered.view(rows, columns)
+
+
+def _levels_weight(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                   bits: int, group_of_column: torch.Tensor | None = None) -> QuantizedWeight:
+    """Signed levels q [out, in], a scale and signed zero point per tensor, channel or
+    group, act-order's group per column -> one QuantizedWeight (an all-zero zero point is
+    none: symmetric)."""
+    scale = _per_row(scale.float(), q.shape[0])
     if zero is not None:
         zero = _per_row(zero, q.shape[0]).to(torch.int8)
-        zero = None if not zero.any() else zero
-    return QuantizedWeight(q, scale, zero, bits, _act_order(tensors.get("weight_g_idx"),
-                                                            q.shape[1], scale.shape[1]))
+        zero = None if not zero.any() else zero.contiguous()
+    return QuantizedWeight(q.contiguous(), scale.contiguous(), zero, bits,
+                           _act_order(group_of_column, q.shape[1], scale.shape[1]))
 
 
 def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
@@ -133,3 +203,17 @@ def _act_order(group_of_column: torch.Tensor | None, in_features: int,
         return None
     plain = torch.arange(in_features) // (in_features // groups)
     return None if torch.equal(group_of_column, plain) else group_of_column
+
+
+# the tensors a compressed-tensors quantized module may have besides its bias
+COMPRESSED_TENSORS_PARTS = frozenset({
+    "weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape",
+    "weight_g_idx", "input_scale", "input_zero_point"})
+GPTQ_PARTS = frozenset({"qweight", "qzeros", "scales", "g_idx"})
+FORMATS = {
+    "compressed-tensors": ModuleFormat("weight_scale", COMPRESSED_TENSORS_PARTS,
+                                       read_compressed_tensors),
+    "gptq": ModuleFormat("qweight", GPTQ_PARTS, partial(read_gptq, zero_offset=1)),
+    "gptq_v2": ModuleFormat("qweight", GPTQ_PARTS, partial(read_gptq, zero_offset=0)),
+    "awq": ModuleFormat("qweight", frozenset({"qweight", "qzeros", "scales"}), read_awq),
+}

@@ -1,9 +1,11 @@
 """What a checkpoint's `quantization_config` says, and whether it can be served.
 
-The tensors themselves say most of a compressed-tensors module's scheme (bits from the
-packed width, group size from the scale's, a zero point by its presence: formats.py), so
-mixed schemes load as one; this file refuses, at start and naming it, what no reader here
-understands."""
+Three methods load: compressed-tensors (llm-compressor's), GPTQ (AutoGPTQ's, GPTQModel's,
+optimum's) and AWQ (AutoAWQ's GEMM layout). The scheme names the format whose reader
+turns each module's tensors into one weight (formats.py); the tensors say the rest of a
+compressed-tensors module's scheme (bits from the packed width, group size from the
+scale's, a zero point by its presence), so mixed schemes load as one. This file refuses,
+at start and naming it, what no reader here understands."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 COMPRESSED_TENSORS_FORMATS = ("pack-quantized", "int-quantized", "float-quantized",
                               "naive-quantized")
 INT_BITS = (4, 8)  # packed along 32-bit words without straddling; 4-bit: CPU kernels too
+GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores each zero point less one; v2 as it is
+AWQ_BITS = (4,)   # AutoAWQ's GEMM layout interleaves 4-bit levels only
 
 
 class QuantizationError(ValueError):
@@ -24,6 +28,8 @@ class QuantScheme:
 
     description: str               # e.g. "4-bit int weights, group size 128, pack-quantized"
     block: tuple[int, int] | None = None  # block-wise FP8's [rows, columns] per scale
+    format: str = "compressed-tensors"  # whose reader (formats.FORMATS): or gptq, gptq_v2, awq
+    bits: int | None = None        # GPTQ's and AWQ's, which their packed tensors do not say
 
 
 def parse_quantization(config) -> QuantScheme:
@@ -32,10 +38,14 @@ def parse_quantization(config) -> QuantScheme:
     if not isinstance(config, dict):
         raise QuantizationError("quantization_config is not an object")
     method = str(config.get("quant_method", "unnamed method"))
+    if method == "gptq":
+        return _parse_gptq(config)
+    if method == "awq":
+        return _parse_awq(config)
     if method != "compressed-tensors":
         raise QuantizationError(
             f"{describe(config)}: {method} checkpoints are not loaded yet (compressed-tensors "
-            f"ones are: llm-compressor's W4A16, W8A16, W8A8 and FP8)")
+            f"ones are: llm-compressor's W4A16, W8A16, W8A8 and FP8; and GPTQ and AWQ)")
     groups = config.get("config_groups") or {}
     if not isinstance(groups, dict) or not groups:
         raise QuantizationError(f"{describe(config)}: no config_groups")
@@ -68,6 +78,45 @@ def _check_group(name: str, group, config: dict) -> None:
         raise QuantizationError(f"{describe(config)}: block-wise int weights are not supported")
 
 
+def _parse_gptq(config: dict) -> QuantScheme:
+    """GPTQ as AutoGPTQ, GPTQModel and optimum write it: levels packed along the input
+    rows, its own bits for every module (a `dynamic` override per module is refused)."""
+    fmt = ("marlin" if config.get("is_marlin_format")  # AutoGPTQ's older word for it
+           else str(config.get("checkpoint_format") or config.get("format") or "gptq"))
+    if fmt not in GPTQ_FORMATS:
+        raise QuantizationError(f"{describe(config)}: checkpoint format {fmt!r} is not "
+                                f"supported (only {', '.join(GPTQ_FORMATS)})")
+    _check_bits(config, INT_BITS)
+    if config.get("pack_dtype", "int32") != "int32":
+        raise QuantizationError(f"{describe(config)}: pack_dtype {config['pack_dtype']!r} is "
+                                f"not supported (only int32)")
+    if config.get("dynamic"):
+        raise QuantizationError(f"{describe(config)}: dynamic (per-module) overrides are not "
+                                f"supported")
+    return QuantScheme(describe(config).removeprefix("gptq, "), format=fmt,
+                       bits=config["bits"])
+
+
+def _parse_awq(config: dict) -> QuantScheme:
+    """AWQ as AutoAWQ writes it for its GEMM kernel (what vLLM's `awq` reads)."""
+    version = str(config.get("version") or config.get("format") or "gemm").lower()
+    if version != "gemm":
+        raise QuantizationError(f"{describe(config)}: version {version!r} is not supported "
+                                f"(only gemm)")
+    _check_bits(config, AWQ_BITS)
+    if config.get("zero_point") is False:
+        raise QuantizationError(f"{describe(config)}: zero_point false is not supported")
+    return QuantScheme(describe(config).removeprefix("awq, "), format="awq",
+                       bits=config["bits"])
+
+
+def _check_bits(config: dict, supported: tuple[int, ...]) -> None:
+    if config.get("bits") not in supported:
+        raise QuantizationError(
+            f"{describe(config)}: {config.get('bits')}-bit weights are not supported (only "
+            f"{' and '.join(str(b) for b in supported)}-bit)")
+
+
 def describe(config) -> str:
     """A quantization_config in a few words: its method and, where it says them, the
     weights' bits and group size and its format (compressed-tensors, AWQ, GPTQ, fp8)."""
@@ -81,8 +130,13 @@ def describe(config) -> str:
     if spec.get("num_bits") or spec.get("bits"):
         words.append(f"{spec.get('num_bits') or spec.get('bits')}-bit "
                      f"{spec.get('type', 'int') if weights else 'int'} weights")
-    if spec.get("group_size"):
+    if spec.get("group_size") == -1:  # GPTQ's word for a scale per channel
+        words.append("per channel")
+    elif spec.get("group_size"):
         words.append(f"group size {spec['group_size']}")
-    if config.get("format"):
-        words.append(f"format {config['format']}")
+    for key in ("format", "checkpoint_format", "version"):
+        if config.get(key) and f"format {config[key]}" not in words:
+            words.append(f"format {config[key]}")
+    if config.get("desc_act"):
+        words.append("act-order")
     return ", ".join(words)
