@@ -254,6 +254,65 @@ def awq_copy(src: Path, dst: Path, group_size: int = 32) -> tuple[Path, Path]:
     return _packed_copy(src, dst, config, pack)
 
 
+def fp8_copy(src: Path, dst: Path, block: tuple[int, int] | None = None,
+             scale_name: str | None = None, not_converted: tuple[str, ...] = ("lm_head",),
+             static: bool = False) -> tuple[Path, Path]:
+    """`src` with every linear but the `not_converted` ones (its modules_to_not_convert)
+    cast to float8_e4m3fn as DeepSeek-V3 does: each block of `block` [rows, columns]
+    (short where it does not divide the weight) over its absolute maximum / 448, the scale
+    kept as weight_scale_inv; without a block one scale a tensor, kept as weight_scale
+    (AutoFP8's name; `scale_name` overrides it: transformers' is weight_scale_inv). static:
+    activation_scheme static, an input_scale a module. Returns the copy and, beside it,
+    the copy dequantized by fp8_dequantized: the reference it is held to."""
+    config = {"quant_method": "fp8", "fmt": "e4m3",
+              "activation_scheme": "static" if static else "dynamic",
+              "weight_block_size": list(block) if block else None,
+              "modules_to_not_convert": list(not_converted)}
+    scale_name = scale_name or ("weight_scale_inv" if block else "weight_scale")
+
+    def quantize(weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        scale = torch.empty(_fp8_grid(weight.shape, block))
+        q = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
+        for (i, j), tile in _fp8_tiles(weight.shape, block):
+            scale[i, j] = weight[tile].abs().amax().clamp(min=1e-12) / 448  # e4m3's largest
+            q[tile] = (weight[tile] / scale[i, j]).to(torch.float8_e4m3fn)
+        scale = scale if block else scale.reshape(())  # [] a tensor, as AutoFP8 keeps it
+        parts = {"weight": q, scale_name: scale}
+        if static:
+            parts["input_scale"] = torch.tensor(0.02)
+        return parts, fp8_dequantized(q, scale, block)
+
+    def converted(name: str, tensor: torch.Tensor) -> bool:
+        return (tensor.dim() == 2 and "embed_tokens" not in name
+                and name.removesuffix(".weight") not in not_converted)
+
+    return _packed_copy(src, dst, config, quantize, converted)
+
+
+def fp8_dequantized(q: torch.Tensor, scale: torch.Tensor,
+                    block: tuple[int, int] | None) -> torch.Tensor:
+    """DeepSeek-V3's weight_dequant written out, tile by tile: each block's float8 values
+    [rows, columns] times that block's scale (scale_inv multiplies), the last ones short;
+    without a block, the whole tensor times its one scale."""
+    dense = torch.empty(q.shape)
+    grid = scale.reshape(_fp8_grid(q.shape, block))
+    for (i, j), tile in _fp8_tiles(q.shape, block):
+        dense[tile] = q[tile].float() * grid[i, j]
+    return dense
+
+
+def _fp8_grid(shape, block) -> tuple[int, int]:
+    return (1, 1) if block is None else (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+
+
+def _fp8_tiles(shape, block):
+    """((block row, block column), the weight's slices it covers) over a weight."""
+    (rows, cols), (grid_rows, grid_cols) = block or shape, _fp8_grid(shape, block)
+    for i in range(grid_rows):
+        for j in range(grid_cols):
+            yield (i, j), (slice(i * rows, (i + 1) * rows), slice(j * cols, (j + 1) * cols))
+
+
 def pack_words(levels: torch.Tensor, bits: int) -> torch.Tensor:
     """[rows, count] unsigned levels -> [rows, count * bits / 32] int32 words, each
     holding 32 / bits consecutive levels from its lowest bits up."""
@@ -303,15 +362,21 @@ def _dequantized(levels, zeros, scales, group_of_column) -> torch.Tensor:
     return (levels.float() - zeros.float()[:, group_of_column]) * scales[:, group_of_column]
 
 
-def _packed_copy(src: Path, dst: Path, quantization: dict, pack) -> tuple[Path, Path]:
-    """`src` with each decoder linear's weight replaced by pack(weight)'s parts, and
-    beside it DST-reference with it replaced by pack's dequantized weight."""
+def _is_decoder_linear(name: str, tensor: torch.Tensor) -> bool:
+    return name.startswith("model.layers.") and name.endswith("_proj.weight")
+
+
+def _packed_copy(src: Path, dst: Path, quantization: dict, pack,
+                 converted=_is_decoder_linear) -> tuple[Path, Path]:
+    """`src` with each `converted` weight (by default the decoder linears') replaced by
+    pack(weight)'s parts, and beside it DST-reference with it replaced by pack's
+    dequantized weight."""
     from safetensors.torch import load_file, save_file
 
     config = json.loads((src / "config.json").read_text())
     quantized, dense = {}, {}
     for name, tensor in load_file(src / "model.safetensors").items():
-        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+        if converted(name, tensor):
             prefix = name.removesuffix(".weight")
             parts, dense[name] = pack(tensor.float())
             quantized |= {f"{prefix}.{part}": t for part, t in parts.items()}

@@ -5,10 +5,15 @@ quantized target, alone and over two tensor-parallel ranks, is its greedy output
 
 GPTQ and AWQ: the readers held to AutoGPTQ's and AutoAWQ's own dequantization of small
 linears they packed (data/gptq_awq_golden.safetensors), the tests' packers to their
-words bit for bit, and a model packed so to its dequantized copy, on its kernel."""
+words bit for bit, and a model packed so to its dequantized copy, on its kernel.
+
+fp8 (DeepSeek-V3's, vLLM's `fp8` method): a model cast so held to transformers'
+FineGrainedFP8 dequantizing it, and where the blocks are short (which transformers
+refuses) to DeepSeek-V3's weight_dequant written out (tests/checkpoints.py)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -20,7 +25,7 @@ from outrider.engine.distributed import TPRunnerGroup
 from outrider.engine.drafter import Drafter
 from outrider.engine.model_config import ModelConfigError
 from outrider.engine.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
-from outrider.engine.quant.formats import FORMATS, read_compressed_tensors
+from outrider.engine.quant.formats import FORMATS, read_compressed_tensors, read_fp8
 from outrider.engine.quant.scheme import QuantScheme
 from outrider.engine.quant.weight import Int4Linear, Int8Linear, QuantizedWeight
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
@@ -28,6 +33,8 @@ from outrider.engine.spec_decode import SpeculativeDecoder
 from tests.checkpoints import (
     awq_copy,
     dequantized_copy,
+    fp8_copy,
+    fp8_dequantized,
     gptq_copy,
     pack_awq,
     pack_gptq,
@@ -55,6 +62,12 @@ PACKED = {
     "gptq4_act_order": (gptq_copy, dict(sym=False, act_order=True), None),  # dequantized
     "gptq8_channel": (gptq_copy, dict(bits=8, group_size=-1), Int8Linear),
     "awq4": (awq_copy, dict(group_size=32), Int4Linear),
+}
+# fp8 case -> fp8_copy's options (a model ours reads, and transformers' copy of it)
+FP8_CASES = {
+    "blocks_16": dict(block=(16, 16)),      # weight_scale_inv a block, lm_head dense
+    "per_tensor_static": dict(static=True),  # weight_scale a tensor, input_scale unused
+    "head_quantized": dict(block=(16, 16), not_converted=("model.layers.0.mlp.down_proj",)),
 }
 # golden variant (data/make_gptq_awq_golden.py) -> (format, bits)
 GOLDEN = {"gptq4_sym": ("gptq", 4), "gptq4_asym_act": ("gptq", 4),
@@ -207,6 +220,16 @@ def test_a_shard_that_cuts_quantization_groups_is_refused():
      "checkpoint format 'marlin' is not supported"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128,
       "dynamic": {"-:.*down_proj.*": {}}}, "dynamic \\(per-module\\) overrides"),
+    ({"quant_method": "fp8", "fmt": "e5m2", "activation_scheme": "dynamic"},
+     r"fp8, e5m2 weights, dynamic activations: fmt 'e5m2' is not supported \(only e4m3\)"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128]},
+     r"weight_block_size \[128\] is not two positive integers"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 0]},
+     r"weight_block_size \[128, 0\] is not two positive integers"),
+    ({"quant_method": "fp8", "weight_block_size": [128.0, 128]},
+     r"weight_block_size \[128.0, 128\] is not two positive integers"),
+    ({"quant_method": "fp8", "activation_scheme": "none"},
+     r"activation_scheme 'none' is not supported \(only dynamic, static\)"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True},
      "bitsandbytes checkpoints are not loaded yet"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
@@ -254,3 +277,94 @@ def test_block_fp8_scales_cover_short_last_blocks():
     for row, col in ((0, 0), (127, 127), (128, 128), (255, 199), (256, 0), (299, 199)):
         expected = weight[row, col].float() * scale[row // 128, col // 128]
         assert dense[row, col] == expected
+
+
+def transformers_logits(model_dir, prompt: list[int], monkeypatch) -> torch.Tensor:
+    """[len(prompt), vocab] fp32 logits of transformers' model, whose FineGrainedFP8
+    dequantizes an fp8 checkpoint as it loads on a CPU. It asks that accelerate be
+    installed, which that path does not use."""
+    import transformers.quantizers.quantizer_finegrained_fp8 as fp8_quantizer
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(fp8_quantizer, "is_accelerate_available", lambda: True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # dequantized
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0]
+
+
+@pytest.mark.parametrize("case", FP8_CASES)
+def test_an_fp8_checkpoint_computes_what_transformers_dequantizes(base, tmp_path, monkeypatch,
+                                                                 case):
+    """Ours reads a per-tensor scale as AutoFP8 and vLLM name it (weight_scale),
+    transformers the same values as it names them (weight_scale_inv)."""
+    ours = logits(fp8_copy(base, tmp_path / "ours", **FP8_CASES[case])[0], PROMPT)
+    theirs_dir = fp8_copy(base, tmp_path / "theirs", scale_name="weight_scale_inv",
+                          **FP8_CASES[case])[0]
+    assert (ours - transformers_logits(theirs_dir, PROMPT, monkeypatch)).abs().max() < 1e-4
+    assert (ours - logits(base, PROMPT)).abs().max() > 1e-3  # it is quantized
+
+
+def test_fp8_short_blocks_compute_deepseeks_dequantization(base, tmp_path):
+    """Blocks of 24 x 40 leave every weight's last ones short (64 rows: 24, 24, 16)."""
+    quantized, reference = fp8_copy(base, tmp_path / "fp8", block=(24, 40))
+    ours = logits(quantized, PROMPT)
+    assert (ours - logits(reference, PROMPT)).abs().max() < 1e-4
+    assert (ours - logits(base, PROMPT)).abs().max() > 1e-3
+
+
+def test_fp8_modules_not_converted_stay_dense(base, tmp_path, monkeypatch):
+    """modules_to_not_convert's lm_head and one down_proj, dense beside fp8 modules, as
+    transformers reads them."""
+    from safetensors.torch import load_file
+
+    dense = ("lm_head", "model.layers.1.mlp.down_proj")
+    quantized = fp8_copy(base, tmp_path / "fp8", block=(16, 16), not_converted=dense)[0]
+    tensors = load_file(quantized / "model.safetensors")
+    assert tensors["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    for module in dense:
+        assert tensors[f"{module}.weight"].dtype == torch.float32
+        assert f"{module}.weight_scale_inv" not in tensors
+    theirs = transformers_logits(quantized, PROMPT, monkeypatch)
+    assert (logits(quantized, PROMPT) - theirs).abs().max() < 1e-4
+
+
+def test_fp8_block_scales_as_many_as_rows_are_blocks():
+    """[2, 16] scales for [32, 256] in blocks of 16: as many as rows, and still blocks."""
+    weight = (torch.randn(32, 256) * 3).to(torch.float8_e4m3fn)
+    scale = torch.rand(2, 16) + 0.5
+    dense = read_fp8({"weight": weight, "weight_scale_inv": scale},
+                     QuantScheme("fp8", block=(16, 16), format="fp8"))
+    assert torch.equal(dense, fp8_dequantized(weight, scale, (16, 16)))
+
+
+def test_fp8_tensors_the_config_does_not_describe_are_named(base, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    copy = fp8_copy(base, tmp_path / "fp8", block=(16, 16))[0]
+    edit_config(copy, quantization_config=dict(
+        json.loads((copy / "config.json").read_text())["quantization_config"],
+        weight_block_size=[32, 32]))
+    with pytest.raises(CheckpointError, match=r"a weight scale of shape \(\d, \d\) for a "
+                                              r"weight of \(\d+, \d+\): not one a tensor, a "
+                                              r"channel or a block of 32 x 32"):
+        ModelRunner(RunnerConfig(str(copy), kv_cache_mb=8))
+    tensors = load_file(copy / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = tensors[name].float().to(torch.float8_e5m2)
+    save_file(tensors, copy / "model.safetensors")
+    edit_config(copy, quantization_config=dict(
+        json.loads((copy / "config.json").read_text())["quantization_config"],
+        weight_block_size=[16, 16]))
+    with pytest.raises(CheckpointError, match="'model.layers.0.self_attn.q_proj': weight is "
+                                              "torch.float8_e5m2, not the float8_e4m3fn"):
+        ModelRunner(RunnerConfig(str(copy), kv_cache_mb=8))
+
+
+def test_a_quantized_routed_experts_checkpoint_is_refused(base, tmp_path):
+    copy = fp8_copy(base, tmp_path / "fp8", block=(16, 16))[0]
+    edit_config(copy, architectures=["Qwen3MoeForCausalLM"])
+    with pytest.raises(ModelConfigError, match=r"\(e4m3 weights, weight_block_size \[16, 16\], "
+                                               r"dynamic activations\) of routed experts "
+                                               r"\(Qwen3MoeForCausalLM\) cannot be served yet"):
+        ModelRunner(RunnerConfig(str(copy), kv_cache_mb=8))

@@ -1,5 +1,5 @@
 """Reading a quantized module's tensors into the one weight the loaders cut, by the
-format the scheme names (FORMATS: the part that marks a quantized module, the parts it
+format the scheme names (FORMATS: the parts that mark a quantized module, the parts it
 may have, and its reader):
 
 - compressed-tensors: pack-quantized (4- or 8-bit levels packed in int32 words, with
@@ -15,6 +15,11 @@ may have, and its reader):
 - AWQ (AutoAWQ's GEMM layout): `qweight` [in, out / 8] int32 and `qzeros` [groups, out /
   8], 4-bit levels packed along the output columns in AWQ's interleaved order;
   `scales` [groups, out].
+- fp8 (DeepSeek-V3, Qwen3-*-FP8; vLLM's `fp8` method): `weight` [out, in]
+  float8_e4m3fn with `weight_scale_inv` [ceil(out / rows), ceil(in / columns)] float32,
+  a scale per block of the config's `weight_block_size`, which multiplies despite its
+  name (DeepSeek-V3's weight_dequant), or `weight_scale`, one a tensor (AutoFP8's);
+  dequantized here, `input_scale` (static activations) read and not used.
 
 Every word holds 32 / bits levels from its lowest bits up, unsigned; w = (level - zero) *
 scale (compressed-tensors' symmetric levels are offset by 2^(bits-1) instead)."""
@@ -41,7 +46,7 @@ AWQ_ORDER = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])
 class ModuleFormat:
     """How one format stores a quantized module."""
 
-    marker: str             # the part only a quantized module has
+    markers: tuple[str, ...]  # the parts only a quantized module has (any one of them)
     parts: frozenset[str]   # every part it may have, its bias aside
     read: Callable[[dict[str, torch.Tensor], QuantScheme], QuantizedWeight | torch.Tensor]
 
@@ -56,7 +61,7 @@ def quantized_tensor_slices(model_dir: Path, slices: Iterator[tuple[str, object]
         if not name.endswith(".bias"):
             names_of.setdefault(name.rpartition(".")[0], set()).add(name)
     parts_of = {prefix: names for prefix, names in names_of.items()
-                if f"{prefix}.{fmt.marker}" in names}  # the quantized modules'
+                if any(f"{prefix}.{marker}" in names for marker in fmt.markers)}
     read: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor_slice in slices:
         prefix, _, part = name.rpartition(".")
@@ -66,7 +71,7 @@ def quantized_tensor_slices(model_dir: Path, slices: Iterator[tuple[str, object]
         if part not in fmt.parts:
             raise CheckpointError(f"{model_dir}: unexpected tensor {name!r} of a quantized "
                                   f"module (a format this loader does not know)")
-        read.setdefault(prefix, {})[part] = tensor_slice[:]
+        read.setdefault(prefix, {})[part] = tensor_slice[...]  # whole, a 0-dim scale too
         if len(read[prefix]) == len(parts_of[prefix]):
             try:
                 yield f"{prefix}.weight", fmt.read(read.pop(prefix), scheme)
@@ -90,14 +95,34 @@ def read_compressed_tensors(tensors: dict[str, torch.Tensor],
         if zero is not None and zero.dtype == torch.int32:  # packed along the output rows
             zero = _signed(unpack(zero.t(), bits, out_features), bits).t()
     elif "weight" in tensors and tensors["weight"].dtype in FP8:
-        weight = tensors["weight"]
-        return weight.float() * _spread(tensors["weight_scale"].float(), weight.shape,
-                                        scheme.block)
+        return _fp8_dequantized(tensors["weight"], tensors["weight_scale"], scheme.block)
     elif "weight" in tensors and tensors["weight"].dtype == torch.int8:
         q, bits, zero = tensors["weight"], 8, tensors.get("weight_zero_point")
     else:
         raise ValueError(f"neither packed, int8 nor FP8 weights among {sorted(tensors)}")
     return _levels_weight(q, tensors["weight_scale"], zero, bits, tensors.get("weight_g_idx"))
+
+
+def read_fp8(tensors: dict[str, torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
+    """fp8's parts -> the dense weight: float8_e4m3fn values times their block's
+    `weight_scale_inv` (a multiplier: DeepSeek-V3 divided by it to quantize) or the
+    tensor's `weight_scale`."""
+    weight = tensors["weight"]  # [out, in]
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"weight is {weight.dtype}, not the float8_e4m3fn the config's "
+                         f"fmt e4m3 says")
+    scales = [tensors[part] for part in FP8_SCALES if part in tensors]
+    if len(scales) != 1:
+        raise ValueError("both weight_scale_inv and weight_scale: which one scales it?")
+    if not scales[0].is_floating_point():  # e.g. MXFP8's exponent bytes
+        raise ValueError(f"a weight scale of {scales[0].dtype} is not supported (only float)")
+    return _fp8_dequantized(weight, scales[0], scheme.block)
+
+
+def _fp8_dequantized(weight: torch.Tensor, scale: torch.Tensor,
+                     block: tuple[int, int] | None) -> torch.Tensor:
+    """FP8 values [out, in] and their scale per tensor, channel or block -> float32."""
+    return weight.float() * _spread(scale.float(), weight.shape, block)
 
 
 def read_gptq(tensors: dict[str, torch.Tensor], scheme: QuantScheme,
@@ -181,16 +206,23 @@ def _per_row(values: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _spread(scale: torch.Tensor, shape: torch.Size,
             block: tuple[int, int] | None) -> torch.Tensor:
-    """An FP8 weight's scale per tensor, channel or block -> one per weight (shape). The
+    """An FP8 weight's scale per tensor, block or channel -> one per weight (shape). The
     last blocks of a dimension the block does not divide are short."""
-    if scale.numel() == 1 or scale.numel() == shape[0]:
+    if scale.numel() == 1:
+        return scale.reshape(1, 1)
+    # blocks first: a grid of as many scales as rows (e.g. [2, 16] for [32, 256] in
+    # blocks of 16) is no scale a channel
+    grid = None if block is None else (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+    if grid is not None and tuple(scale.shape) == grid:
+        rows = torch.arange(shape[0]) // block[0]
+        cols = torch.arange(shape[1]) // block[1]
+        return scale[rows][:, cols]
+    if scale.numel() == shape[0]:
         return scale.reshape(-1, 1)
-    if block is None:
-        raise ValueError(f"weight_scale of shape {tuple(scale.shape)} for a weight of "
-                         f"{tuple(shape)}, and no block_structure in the config")
-    rows = torch.arange(shape[0]) // block[0]
-    cols = torch.arange(shape[1]) // block[1]
-    return scale[rows][:, cols]
+    raise ValueError(f"a weight scale of shape {tuple(scale.shape)} for a weight of "
+                     f"{tuple(shape)}: not one a tensor, a channel"
+                     + (f" or a block of {block[0]} x {block[1]} ({grid[0]} x {grid[1]})"
+                        if block else " (and the config gives no block size)"))
 
 
 def _act_order(group_of_column: torch.Tensor | None, in_features: int,
@@ -210,10 +242,13 @@ COMPRESSED_TENSORS_PARTS = frozenset({
     "weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape",
     "weight_g_idx", "input_scale", "input_zero_point"})
 GPTQ_PARTS = frozenset({"qweight", "qzeros", "scales", "g_idx"})
+FP8_SCALES = ("weight_scale_inv", "weight_scale")  # per block (DeepSeek's), per tensor
 FORMATS = {
-    "compressed-tensors": ModuleFormat("weight_scale", COMPRESSED_TENSORS_PARTS,
+    "compressed-tensors": ModuleFormat(("weight_scale",), COMPRESSED_TENSORS_PARTS,
                                        read_compressed_tensors),
-    "gptq": ModuleFormat("qweight", GPTQ_PARTS, partial(read_gptq, zero_offset=1)),
-    "gptq_v2": ModuleFormat("qweight", GPTQ_PARTS, partial(read_gptq, zero_offset=0)),
-    "awq": ModuleFormat("qweight", frozenset({"qweight", "qzeros", "scales"}), read_awq),
+    "gptq": ModuleFormat(("qweight",), GPTQ_PARTS, partial(read_gptq, zero_offset=1)),
+    "gptq_v2": ModuleFormat(("qweight",), GPTQ_PARTS, partial(read_gptq, zero_offset=0)),
+    "awq": ModuleFormat(("qweight",), frozenset({"qweight", "qzeros", "scales"}), read_awq),
+    "fp8": ModuleFormat(FP8_SCALES, frozenset({"weight", *FP8_SCALES, "input_scale"}),
+                        read_fp8),
 }

@@ -1,11 +1,12 @@
 """What a checkpoint's `quantization_config` says, and whether it can be served.
 
-Three methods load: compressed-tensors (llm-compressor's), GPTQ (AutoGPTQ's, GPTQModel's,
-optimum's) and AWQ (AutoAWQ's GEMM layout). The scheme names the format whose reader
-turns each module's tensors into one weight (formats.py); the tensors say the rest of a
-compressed-tensors module's scheme (bits from the packed width, group size from the
-scale's, a zero point by its presence), so mixed schemes load as one. This file refuses,
-at start and naming it, what no reader here understands."""
+Four methods load: compressed-tensors (llm-compressor's), GPTQ (AutoGPTQ's, GPTQModel's,
+optimum's), AWQ (AutoAWQ's GEMM layout) and fp8 (DeepSeek-V3's, Qwen3-*-FP8's: what
+vLLM's `fp8` method and transformers' FineGrainedFP8 read). The scheme names the format
+whose reader turns each module's tensors into one weight (formats.py); the tensors say
+the rest of a compressed-tensors module's scheme (bits from the packed width, group size
+from the scale's, a zero point by its presence), so mixed schemes load as one. This file
+refuses, at start and naming it, what no reader here understands."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ COMPRESSED_TENSORS_FORMATS = ("pack-quantized", "int-quantized", "float-quantize
 INT_BITS = (4, 8)  # packed along 32-bit words without straddling; 4-bit: CPU kernels too
 GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores each zero point less one; v2 as it is
 AWQ_BITS = (4,)   # AutoAWQ's GEMM layout interleaves 4-bit levels only
+FP8_FORMATS = ("e4m3",)  # float8_e4m3fn, what vLLM's fp8 method reads too
+FP8_ACTIVATION_SCHEMES = ("dynamic", "static")  # activations stay in the model's dtype
 
 
 class QuantizationError(ValueError):
@@ -28,7 +31,7 @@ class QuantScheme:
 
     description: str               # e.g. "4-bit int weights, group size 128, pack-quantized"
     block: tuple[int, int] | None = None  # block-wise FP8's [rows, columns] per scale
-    format: str = "compressed-tensors"  # whose reader (formats.FORMATS): or gptq, gptq_v2, awq
+    format: str = "compressed-tensors"  # its reader (formats.FORMATS), or gptq, awq, fp8, ...
     bits: int | None = None        # GPTQ's and AWQ's, which their packed tensors do not say
 
 
@@ -42,10 +45,12 @@ def parse_quantization(config) -> QuantScheme:
         return _parse_gptq(config)
     if method == "awq":
         return _parse_awq(config)
+    if method == "fp8":
+        return _parse_fp8(config)
     if method != "compressed-tensors":
         raise QuantizationError(
             f"{describe(config)}: {method} checkpoints are not loaded yet (compressed-tensors "
-            f"ones are: llm-compressor's W4A16, W8A16, W8A8 and FP8; and GPTQ and AWQ)")
+            f"ones are: llm-compressor's W4A16, W8A16, W8A8 and FP8; and GPTQ, AWQ and fp8)")
     groups = config.get("config_groups") or {}
     if not isinstance(groups, dict) or not groups:
         raise QuantizationError(f"{describe(config)}: no config_groups")
@@ -110,6 +115,34 @@ def _parse_awq(config: dict) -> QuantScheme:
                        bits=config["bits"])
 
 
+def _parse_fp8(config: dict) -> QuantScheme:
+    """fp8 as DeepSeek-V3 and Qwen3-*-FP8 ship it: float8_e4m3fn weights, a scale per
+    block of `weight_block_size` or, without one, per tensor. Which modules stay dense
+    (`modules_to_not_convert`, `ignored_layers`) their tensors say: no scale."""
+    fmt = config.get("fmt", "e4m3")
+    if fmt not in FP8_FORMATS:
+        raise QuantizationError(f"{describe(config)}: fmt {fmt!r} is not supported (only "
+                                f"{', '.join(FP8_FORMATS)})")
+    activations = config.get("activation_scheme", "dynamic")
+    if activations not in FP8_ACTIVATION_SCHEMES:
+        raise QuantizationError(f"{describe(config)}: activation_scheme {activations!r} is "
+                                f"not supported (only {', '.join(FP8_ACTIVATION_SCHEMES)})")
+    return QuantScheme(describe(config).removeprefix("fp8, "),
+                       _fp8_block(config), format="fp8")
+
+
+def _fp8_block(config: dict) -> tuple[int, int] | None:
+    """weight_block_size [rows, columns] a scale covers, or None: one scale a tensor."""
+    block = config.get("weight_block_size")
+    if block is None:
+        return None
+    if not (isinstance(block, list | tuple) and len(block) == 2
+            and all(type(n) is int and n > 0 for n in block)):  # (a bool is no size)
+        raise QuantizationError(f"{describe(config)}: weight_block_size {block!r} is not two "
+                                f"positive integers")
+    return block[0], block[1]
+
+
 def _check_bits(config: dict, supported: tuple[int, ...]) -> None:
     if config.get("bits") not in supported:
         raise QuantizationError(
@@ -119,7 +152,8 @@ def _check_bits(config: dict, supported: tuple[int, ...]) -> None:
 
 def describe(config) -> str:
     """A quantization_config in a few words: its method and, where it says them, the
-    weights' bits and group size and its format (compressed-tensors, AWQ, GPTQ, fp8)."""
+    weights' bits and group size and its format (compressed-tensors, AWQ, GPTQ), fp8's
+    weight format, blocks and activation scheme."""
     if not isinstance(config, dict):
         return "quantization_config"
     words = [str(config.get("quant_method", "unnamed method"))]
@@ -139,4 +173,10 @@ def describe(config) -> str:
             words.append(f"format {config[key]}")
     if config.get("desc_act"):
         words.append("act-order")
+    if config.get("fmt"):  # fp8's
+        words.append(f"{config['fmt']} weights")
+    if config.get("weight_block_size"):
+        words.append(f"weight_block_size {config['weight_block_size']}")
+    if config.get("activation_scheme"):
+        words.append(f"{config['activation_scheme']} activations")
     return ", ".join(words)
