@@ -24,9 +24,9 @@ def measure_cost_model(target: ModelRunner, drafter, max_batch_tokens: int,
     # each 5-token row takes a KV block: measure only what the cache holds
     sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)
              if n <= max_batch_tokens and n // 5 < target.blocks.num_free_blocks]
-    times = {n: _verify_seconds(target, n, repeats) for n in sizes}
-    base, top = times[1], sizes[-1]
-    mid = sizes[max(0, len(sizes) - 2)]
+    top, mid = sizes[-1], sizes[max(0, len(sizes) - 2)]  # the slope's two ends, and 1
+    times = {n: _verify_seconds(target, n, repeats) for n in sorted({1, mid, top})}
+    base = times[1]
     slope = max(0.0, (times[top] - times[mid]) / (top - mid)) if top > mid else 0.0
     knee = int(max(0, min(top, top - (times[top] - base) / slope))) if slope else top
     per_position, per_token, rtt = (_draft_seconds(drafter, target.device, repeats,

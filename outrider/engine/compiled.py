@@ -74,24 +74,43 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     return paged_attention(q, k, v, k_cache, v_cache, meta, window, scale, softcap)
 
 
+# oneDNN multiplies at most this many rows at once: a larger product (a prefill chunk, a
+# wide verification) runs as even pieces of it, so every shape it ever builds is among the
+# 96 a replica prepares at start whatever its batch budget. Preparing every row count up to
+# 2,048 took 11-14 s on a 140M checkpoint (the vocabulary's head dominates, minutes for a
+# 128k one), up to 512 rows ~4 s; the five linears of that checkpoint on one core, pieced
+# against whole, best of 9: 195 / 196 ms at 640 rows, 894 / 871 at 2,048 (within noise)
+ONEDNN_MAX_ROWS = 512
+
+
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] @ a weight prepacked by torch.ops.mkldnn._reorder_linear_weight, as
-    onednn_rows(rows) rows (zeros after x's; their outputs are dropped)."""
+    """x [rows, in] @ a weight prepacked by torch.ops.mkldnn._reorder_linear_weight, in
+    pieces of at most ONEDNN_MAX_ROWS rows, each multiplied as onednn_rows(rows) rows."""
+    rows = x.shape[0]
+    if rows > ONEDNN_MAX_ROWS:  # even pieces: no small last one, which multiplies slowest
+        pieces = -(-rows // ONEDNN_MAX_ROWS)
+        return torch.cat([_onednn_product(piece, packed)
+                          for piece in x.split(-(-rows // pieces))])
+    return _onednn_product(x, packed)
+
+
+def _onednn_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]
     padded = onednn_rows(rows)
-    if padded > rows:
+    if padded > rows:  # zero rows after x's: their outputs are dropped
         x = F.pad(x, (0, 0, 0, padded - rows))  # [padded, in]
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")[:rows]
 
 
 def onednn_rows(rows: int) -> int:
-    """How many rows oneDNN multiplies for `rows`: exact up to 32, then rounded up to a
-    16th of their power of two (at most 6 % more, measured no slower up to 320 rows).
-    oneDNN and PyTorch's ideep build and keep a primitive for every shape they see (~0.6 MB
-    each here, 1,024 kept), and a server's steps see every row count up to its budget: a
-    64-stream soak grew the target's memory ~3 MB per new row count for minutes, and each
-    first sight cost its step ~0.5 ms per layer shape. Rounded, a 512-row budget has 96
-    row counts, which a replica prepares at start (parallel.prepare_cpu_linears)."""
+    """How many rows oneDNN multiplies for `rows` (at most ONEDNN_MAX_ROWS): exact up to
+    32, then rounded up to a 16th of their power of two (at most 6 % more, measured no
+    slower up to 320 rows). oneDNN and PyTorch's ideep build and keep a primitive for every
+    shape they see (~0.6 MB each here, 1,024 kept), and a server's steps see every row
+    count up to its budget: a 64-stream soak grew the target's memory ~3 MB per new row
+    count for minutes, and each first sight cost its step ~0.5 ms per layer shape. Rounded
+    and pieced, any budget has 96 row counts, which a replica prepares at start
+    (parallel.prepare_cpu_linears)."""
     step = 1 << max(0, rows.bit_length() - 5)
     return -(-rows // step) * step
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from outrider.engine.compiled import onednn_linear, onednn_rows, packed_linear
+from outrider.engine.compiled import ONEDNN_MAX_ROWS, onednn_linear, onednn_rows, packed_linear
 from outrider.engine.quant.weight import QuantizedWeight, cpu_kernel, stacked
 
 
@@ -123,13 +123,15 @@ class PackedForCPU:
 
 
 def prepare_cpu_linears(model: nn.Module, max_rows: int) -> None:
-    """Multiply each prepacked weight shape once at every row count oneDNN will see up to
-    `max_rows` (onednn_rows), so that a serving replica builds its primitives at start:
-    its memory is then flat whatever the load, and no step pays for building one."""
+    """Multiply each prepacked weight shape once at every row count oneDNN will see for
+    forwards of up to `max_rows` rows (onednn_rows; larger ones run in pieces of
+    ONEDNN_MAX_ROWS), so that a serving replica builds its primitives at start: its memory
+    is then flat whatever the load, and no step pays for building one."""
     packed = {(tuple(m.weight_packed.shape), m.weight_packed.dtype): m.weight_packed
               for m in model.modules()
               if isinstance(m, PackedForCPU) and m.weight_packed is not None}
-    row_counts = sorted({onednn_rows(rows) for rows in range(1, max_rows + 1)})
+    row_counts = sorted({onednn_rows(rows)
+                         for rows in range(1, min(max_rows, ONEDNN_MAX_ROWS) + 1)})
     with torch.no_grad():
         for (shape, dtype), weight in packed.items():  # shape: [out, in]
             for rows in row_counts:

@@ -79,7 +79,11 @@ PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 61], [11, 12, 13, 14], [200, 2, 9, 77, 41]
            [31, 41, 59, 26, 53, 58, 97], [8, 6, 7, 5, 3, 0, 9], [120, 121, 122],
            [1, 100, 10, 100], [64, 128, 192, 256]]
 MAX_TOKENS = 64
-CONTEXT = 512  # the test checkpoints' (tests/checkpoints.py)
+# the served copy's context, longer than the test checkpoints' 512 (tests/checkpoints.py) so
+# that a stalled client's stream outlasts the unread bound at any pace: a 500-token one,
+# generated in under 5 s on a quiet machine, was served whole into the buffers and ended
+# by length before the router could see its client had read nothing
+CONTEXT = 4096
 
 
 class Soak:
@@ -266,6 +270,8 @@ def test_soak_many_streams_no_errors_no_growth_nothing_held(llama_dir, draft_dir
     # the served model's id is its folder's name
     model = tmp_path / "soak-target"
     shutil.copytree(llama_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
     expected = reference_greedy(model, PROMPTS, MAX_TOKENS)
     http_port = free_port()
     store = RedisServer(free_port(), tmp_path).start() if WITH_REDIS else None
