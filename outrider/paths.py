@@ -20,6 +20,8 @@ MODELS_ENV = "OUTRIDER_MODELS_DIR"
 DEMO_TARGET = "demo-target"
 DEMO_DRAFT = "demo-draft"
 DEMO_HEAD = "demo-eagle3"  # an EAGLE-3 head for the demo target (engine/heads.py)
+# the demo target in 4-bit weights (W4A16, groups of 32: scripts/quantize_checkpoint.py)
+DEMO_TARGET_W4A16 = "demo-target-w4a16"
 
 
 class DemoModelsNotFound(FileNotFoundError):
@@ -46,6 +48,10 @@ def demo_draft_dir(*, must_exist: bool = False) -> Path:
 
 def demo_head_dir(*, must_exist: bool = False) -> Path:
     return _demo_dir(DEMO_HEAD, must_exist)
+
+
+def demo_w4a16_target_dir(*, must_exist: bool = False) -> Path:
+    return _demo_dir(DEMO_TARGET_W4A16, must_exist)
 
 
 def demo_pair() -> tuple[Path, Path]:

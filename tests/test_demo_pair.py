@@ -13,8 +13,10 @@ from outrider.core.tokenizer import Tokenizer
 from outrider.engine.drafter import Drafter
 from outrider.engine.local import check_pair_compatible
 from outrider.engine.model_config import ModelConfig
+from outrider.engine.quant.weight import Int4Linear
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
+from tests.engine.test_quantized import matmuls
 
 NEW_TOKENS = 48
 
@@ -66,6 +68,26 @@ def test_speculation_is_exact_and_accepted(decoder, prompts):
     accepted = sum(s.stats.num_accepted_tokens for s in spec)
     drafted = sum(s.stats.num_draft_tokens for s in spec)
     assert accepted / drafted > 0.5  # a trained pair, not two random models
+
+
+def test_the_4_bit_demo_target_keeps_the_drafts_acceptance(prompts):
+    """The shipped W4A16 copy of the demo target, in bf16 on the int4 kernel: speculation
+    gives its own greedy output, and it keeps the demo draft's tokens at least 0.9x as
+    often as the target it was quantized from (issue 61's bound)."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    acceptance = {}
+    for name, model_dir in (("bf16", paths.demo_target_dir()),
+                            ("w4a16", paths.demo_w4a16_target_dir())):
+        target = ModelRunner(RunnerConfig(str(model_dir), dtype="bfloat16"))
+        decoder = SpeculativeDecoder(target, Drafter(ModelRunner(RunnerConfig(
+            str(paths.demo_draft_dir()), dtype="bfloat16"))))
+        plain = [s.output_ids for s in decoder.generate(prompts, params, gamma=0)]
+        spec = decoder.generate(prompts, params, gamma=4)
+        assert [s.output_ids for s in spec] == plain, name
+        acceptance[name] = (sum(s.stats.num_accepted_tokens for s in spec)
+                            / sum(s.stats.num_draft_tokens for s in spec))
+    assert matmuls(target) == {Int4Linear}  # every linear on the int4 kernel
+    assert acceptance["w4a16"] >= 0.9 * acceptance["bf16"], acceptance
 
 
 def test_sampled_text_looks_like_python(decoder, prompts):
