@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from outrider import paths
 from outrider.launch import free_port
 from tests.cli_utils import generate_json, run_cli
 from tests.scraping import scrape
@@ -319,3 +320,27 @@ def test_serve_puts_an_eagle_head_on_draft_replicas_when_asked():
         rounds = total(scrape(system.metrics["target"]), "vllm:spec_decode_num_drafts_total",
                        method="eagle3")
         assert rounds >= drafting_rounds
+
+
+def test_quantization_names_the_checkpoints_method_as_vllm_takes_it(tmp_path):
+    """vLLM's --quantization, checked against the checkpoint's quantization_config: its own
+    method (or the method's Marlin name) serves; another, or a checkpoint that is not
+    quantized, is a usage error naming what the checkpoint says."""
+    from outrider.cli import build_parser
+    from outrider.cli.common import UsageError, model_dirs
+
+    def check(*argv):
+        return model_dirs(build_parser("serve").parse_args(["serve", *argv]))
+
+    w4a16 = str(paths.demo_w4a16_target_dir())
+    assert check(w4a16, "-q", "compressed-tensors")[0] == Path(w4a16)
+    awq = tmp_path / "awq"
+    awq.mkdir()
+    (awq / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq"}}))
+    assert check(str(awq), "--quantization", "awq_marlin", "--draft", "")[0] == awq
+    with pytest.raises(UsageError, match="quant_method 'compressed-tensors'"):
+        check(w4a16, "--quantization", "awq")
+    with pytest.raises(UsageError, match="is not quantized"):
+        check("--quantization", "fp8")  # the demo target, in bf16
+    with pytest.raises(SystemExit):  # argparse names the choices
+        check(w4a16, "--quantization", "bitsandbytes")

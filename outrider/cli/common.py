@@ -42,6 +42,10 @@ def add_model_args(p: argparse.ArgumentParser, model_positional: bool = False) -
                         "--gamma and --proposer")
     p.add_argument("--tp", "--tensor-parallel-size", type=int, default=1,
                    help="tensor-parallel degree of the target")
+    p.add_argument("-q", "--quantization", choices=sorted(QUANTIZATION_METHODS), default=None,
+                   help="vLLM's: the method the target's checkpoint is quantized with, "
+                        "checked against its config.json, which alone decides how it loads "
+                        "(default: None)")
     add_device_args(p)
     add_kv_cache_args(p)
     add_max_model_len_arg(p)
@@ -79,6 +83,7 @@ def model_dirs(args) -> tuple[Path, str | None]:
         draft = str(paths.demo_draft_dir(must_exist=True))
     if not (target / "config.json").is_file():
         raise UsageError(f"no model at {target} (pass MODEL or --target DIR)")
+    _check_quantization(getattr(args, "quantization", None), target)
     draft = draft or None
     if args.gamma is None:
         from outrider.target_worker.main import TargetWorkerConfig
@@ -88,6 +93,30 @@ def model_dirs(args) -> tuple[Path, str | None]:
         raise UsageError(f"--gamma must be >= 0, got {args.gamma}")
     args.device = resolve_device(args.device)
     return target, draft
+
+
+# vLLM's --quantization names -> the quant_method of the checkpoints each reads (its
+# Marlin kernels' names read the same checkpoints as their methods)
+QUANTIZATION_METHODS = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq",
+                        "gptq_marlin": "gptq", "compressed-tensors": "compressed-tensors",
+                        "fp8": "fp8"}
+
+
+def _check_quantization(method: str | None, target: Path) -> None:
+    """--quantization as vLLM takes it: the checkpoint's own method, named again. What the
+    checkpoint says decides; a different name, or one for a checkpoint that is not
+    quantized (vLLM would quantize it as it loads), is a usage error saying so."""
+    if method is None:
+        return
+    config = json.loads((target / "config.json").read_text())
+    stored = (config.get("quantization_config") or {}).get("quant_method")
+    if stored is None:
+        raise UsageError(f"--quantization {method}: {target} is not quantized, and quantizing "
+                         f"while loading is not supported (write a quantized copy with "
+                         f"scripts/quantize_checkpoint.py, e.g. --scheme FP8_DYNAMIC)")
+    if QUANTIZATION_METHODS[method] != stored:
+        raise UsageError(f"--quantization {method} does not match {target}'s quantization_config "
+                         f"(quant_method {stored!r})")
 
 
 SPECULATIVE_METHODS = {"draft_model": "model", "ngram": "ngram", "suffix": "suffix",
