@@ -51,7 +51,9 @@ def test_unknown_architecture(model_copy):
      "compressed-tensors, 2-bit int weights, group size 128, format pack-quantized"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
      "awq, 4-bit int weights, group size 128, format gemv"),
-    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8")])
+    ({"quant_method": "fp8", "fmt": "e5m2", "activation_scheme": "dynamic"},
+     "fp8, e5m2 weights, dynamic activations"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes")])
 def test_a_quantized_checkpoint_is_refused_by_its_scheme(model_copy, quantization, named):
     """Not a packed tensor's name the model does not know: the checkpoint's scheme."""
     edit_config(model_copy, quantization_config=quantization)

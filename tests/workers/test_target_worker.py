@@ -258,8 +258,13 @@ def test_draft_killed_and_restarted_mid_generation(tmp_path, tokenizer_dir):
                 if is_gap_seen:
                     rounds_after_gap.extend(chunk.rounds)
                 is_gap_seen = is_gap_seen or any(r.gamma == 0 for r in chunk.rounds)
-                if drafts_accepted(rounds_after_gap):  # the draft is back: enough seen
-                    break
+                if drafts_accepted(rounds_after_gap):  # the draft is back, if it drafted
+                    proposals = total(scrape(metrics), "outrider_draft_proposals_total")
+                    if proposals > 0:
+                        break
+                    # the gap came before the kill (a round that drafted nothing for
+                    # another reason) and so did these drafts: wait for the kill's gap
+                    is_gap_seen, rounds_after_gap = False, []
             stream.cancel()
             for call in company:
                 call.cancel()
