@@ -59,6 +59,12 @@ def save_random_checkpoint(path: Path, arch: str = "llama", seed: int = 0,
     return path
 
 
+def edit_config(model_dir: Path, **changes) -> None:
+    """Change a checkpoint's config.json in place."""
+    path = model_dir / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
 def perturbed_copy(src: Path, dst: Path, noise: float, seed: int = 1) -> Path:
     """A 'draft' that mostly agrees with `src`: its weights plus Gaussian noise."""
     from transformers import AutoModelForCausalLM

@@ -18,7 +18,7 @@ from outrider.engine.memory import ram_bytes
 from outrider.engine.model_config import ModelConfigError
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import RequestError, SpeculativeDecoder
-from tests.checkpoints import save_random_checkpoint
+from tests.checkpoints import edit_config, save_random_checkpoint
 from tests.cli_utils import run_cli
 
 
@@ -29,13 +29,6 @@ def model_copy(tmp_path, llama_dir):
 
 def load(model_dir, **kwargs):
     return ModelRunner(RunnerConfig(str(model_dir), **kwargs))
-
-
-def edit_config(model_dir, **changes):
-    path = model_dir / "config.json"
-    cfg = json.loads(path.read_text())
-    cfg.update(changes)
-    path.write_text(json.dumps(cfg))
 
 
 def test_unknown_architecture(model_copy):

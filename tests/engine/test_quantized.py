@@ -33,6 +33,7 @@ from outrider.engine.spec_decode import SpeculativeDecoder
 from tests.checkpoints import (
     awq_copy,
     dequantized_copy,
+    edit_config,
     fp8_copy,
     fp8_dequantized,
     gptq_copy,
@@ -41,7 +42,6 @@ from tests.checkpoints import (
     quantized_copy,
     save_random_checkpoint,
 )
-from tests.engine.test_bad_input import edit_config
 
 # scheme (a compressed-tensors preset, its group size) -> the matmul its linears run in
 # bf16 (in fp32 every one is dequantized)

@@ -33,6 +33,7 @@ from outrider.router.target_link import UNREAD, UNREAD_TIMEOUT_S
 from outrider.client import Client, InvalidRequestError
 from outrider.core.tokenizer import Tokenizer
 from outrider.launch import free_port, process_group
+from tests.checkpoints import edit_config
 from tests.reliability._support import RedisServer, Workers, record, reference_greedy, rss_kb
 
 pytestmark = pytest.mark.slow
@@ -270,8 +271,7 @@ def test_soak_many_streams_no_errors_no_growth_nothing_held(llama_dir, draft_dir
     # the served model's id is its folder's name
     model = tmp_path / "soak-target"
     shutil.copytree(llama_dir, model)
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
+    edit_config(model, max_position_embeddings=CONTEXT)
     expected = reference_greedy(model, PROMPTS, MAX_TOKENS)
     http_port = free_port()
     store = RedisServer(free_port(), tmp_path).start() if WITH_REDIS else None
