@@ -139,6 +139,17 @@ def _use_inductor_cache_dir() -> None:
     path.mkdir(parents=True, exist_ok=True)
 
 
+def _compile_in_process_on_few_cores() -> None:
+    """On at most two cores, the compiler's pool of worker processes (each importing
+    torch) costs more than compiling in turn: a cold compile of the test target took
+    61-62 CPU s with the pool and 47-49 without (52-54 s -> 47-49 s on 2 cores).
+    $TORCHINDUCTOR_COMPILE_THREADS, when set, decides."""
+    import torch._inductor.config as inductor_config
+
+    if len(os.sched_getaffinity(0)) <= 2 and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        inductor_config.compile_threads = 1
+
+
 # The shapes of forwards a model sees: (new tokens, logits rows). One token and one
 # logits row are specialised by the compiler (its 0/1 rule), so each gets a graph of its
 # own; every larger count shares the dynamic one. Warming these up compiles them all.
@@ -152,6 +163,7 @@ class CompiledForward:
 
     def __init__(self, model: torch.nn.Module, label: str) -> None:
         _use_inductor_cache_dir()
+        _compile_in_process_on_few_cores()
         # duck sizing would tie the token count to any weight dimension it happened to
         # equal (4096 tokens to a 4096 vocabulary) and recompile when they part
         torch.fx.experimental._config.use_duck_shape = False
