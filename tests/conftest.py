@@ -59,25 +59,24 @@ def redis_url(tmp_path_factory):
 
 # -- parallel workers (make test: pytest-xdist, -n WORKERS) -----------------------------------
 
-# A worker takes a whole module, so a module-scoped system starts once; modules that must
-# not run beside each other share a group, which one worker runs in turn: the Ray tests
-# each start and stop a local Ray, and `down` must find none left; the soak's 64 streams
-# beside the Ray cluster's seven processes starve both on 2 cores (its tp=2 test took
-# 312 s there, past the timeout, against 30 s alone).
-SHARED_GROUPS = {"tests/cluster/test_ray_cluster.py": "ray",
-                 "tests/cluster/test_up_down_cli.py": "ray",
-                 "tests/reliability/test_soak.py": "ray",
-                 "tests/engine/test_compiled.py": "compiled"}
-# Tests of one module that run apart from the rest of it (by the start of their node id):
-# the chi-square module alone would be the suite's longest worker (~650 s of a cold
-# 19-minute run), so its proposers' runs go to a second worker; its compiled case runs
-# after test_compiled.py, whose graphs, the same, it then finds in the compiler's disk
-# cache (23 s instead of ~130 s on a machine that never compiled them).
-SPLIT_TESTS = {f"tests/engine/test_spec_distribution.py::test_{name}_": group
-               for name, group in [("compiled", "compiled"), ("head", "chi2-proposers"),
-                                   ("tree", "chi2-proposers"), ("lookup", "chi2-proposers"),
-                                   ("constrained", "chi2-proposers"),
-                                   ("cache_aware", "chi2-proposers")]}
+# A worker takes a whole group: by default a module, so a module-scoped system starts
+# once. GROUPS names other groups by the start of their tests' node ids. Modules that must
+# not run beside each other share one, which one worker runs in turn: the Ray tests each
+# start and stop a local Ray, and `down` must find none left; the soak's 64 streams beside
+# the Ray cluster's seven processes starve both on 2 cores (its tp=2 test took 312 s there,
+# past the timeout, against 30 s alone). The chi-square module alone would be the suite's
+# longest worker (~650 s of a cold 19-minute run), so its proposers' runs go to a second
+# worker; its compiled case runs after test_compiled.py, whose graphs, the same, it then
+# finds in the compiler's disk cache (23-34 s instead of 130-213 s on a machine that never
+# compiled them). The first matching start wins.
+CHI2 = "tests/engine/test_spec_distribution.py::test_"
+GROUPS = {"tests/cluster/test_ray_cluster.py": "ray",
+          "tests/cluster/test_up_down_cli.py": "ray",
+          "tests/reliability/test_soak.py": "ray",
+          "tests/engine/test_compiled.py": "compiled",
+          f"{CHI2}compiled_": "compiled",
+          **{f"{CHI2}{name}_": "chi2-proposers"
+             for name in ("head", "tree", "lookup", "constrained", "cache_aware")}}
 
 
 # The longest groups (seconds of a cold run's worker), handed out first in this order:
@@ -90,10 +89,10 @@ LONGEST_FIRST = ("ray", "tests/engine/test_spec_distribution.py", "chi2-proposer
 
 
 def work_group(nodeid: str) -> str:
-    """The group a test runs in: its module's, a shared group's, or its own split's."""
-    split = [group for start, group in SPLIT_TESTS.items() if nodeid.startswith(start)]
-    module = nodeid.split("::", 1)[0]
-    return split[0] if split else SHARED_GROUPS.get(module, module)
+    """The group a test runs in: the first of GROUPS its node id starts with, else its
+    module."""
+    return next((group for start, group in GROUPS.items() if nodeid.startswith(start)),
+                nodeid.split("::", 1)[0])
 
 
 def pytest_xdist_make_scheduler(config, log):
