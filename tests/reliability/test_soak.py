@@ -17,11 +17,14 @@ block is free, no sequence runs or waits and the draft holds no sequence."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import random
 import socket
 import statistics
+import struct
+import termios
 import threading
 import time
 from collections import Counter
@@ -85,6 +88,25 @@ MAX_TOKENS = 64
 # generated in under 5 s on a quiet machine, was served whole into the buffers and ended
 # by length before the router could see its client had read nothing
 CONTEXT = 4096
+
+
+def _wait_unread(sock: socket.socket, limit_s: float = 120.0) -> None:
+    """Read nothing until the router must have seen it: what waits in the socket's receive
+    queue (FIONREAD, not read) stayed the same for longer than the unread bound, so the
+    queue is full and the router's bytes wait. A fixed sleep from connecting was paced by
+    the machine: on a loaded one the queue was not full yet when it ended, and the stream
+    was read whole (CI, twice)."""
+    queued, since = -1, time.monotonic()
+    deadline = since + limit_s
+    while time.monotonic() < deadline:
+        now_queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD,
+                                                    b"\0" * 4))[0]
+        if now_queued != queued or now_queued == 0:
+            queued, since = now_queued, time.monotonic()
+        elif time.monotonic() - since > UNREAD_TIMEOUT_S + 3:
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"stalled: the receive queue never filled in {limit_s} s")
 
 
 class Soak:
@@ -168,7 +190,7 @@ class Soak:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
                          b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
                          % len(body) + body)
-            time.sleep(UNREAD_TIMEOUT_S + 3)  # reading nothing
+            _wait_unread(sock)
             received = b""
             while chunk := sock.recv(65536):
                 received += chunk
