@@ -3,10 +3,14 @@ redis-server, reference outputs and timing records."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+import socket
+import struct
 import subprocess
+import termios
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +33,11 @@ def record(name: str, **figures) -> None:
     if FIGURES_FILE:
         with open(FIGURES_FILE, "a") as out:
             out.write(line + "\n")
+
+
+def queued_bytes(sock: socket.socket) -> int:
+    """Bytes the client's kernel holds that the client has not read (FIONREAD)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
 
 
 def rss_kb(pid: int) -> int:

@@ -17,14 +17,11 @@ block is free, no sequence runs or waits and the draft holds no sequence."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import random
 import socket
 import statistics
-import struct
-import termios
 import threading
 import time
 from collections import Counter
@@ -37,7 +34,14 @@ from outrider.client import Client, InvalidRequestError
 from outrider.core.tokenizer import Tokenizer
 from outrider.launch import free_port, process_group
 from tests.checkpoints import edit_config
-from tests.reliability._support import RedisServer, Workers, record, reference_greedy, rss_kb
+from tests.reliability._support import (
+    RedisServer,
+    Workers,
+    queued_bytes,
+    record,
+    reference_greedy,
+    rss_kb,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -99,8 +103,7 @@ def _wait_unread(sock: socket.socket, limit_s: float = 120.0) -> None:
     queued, since = -1, time.monotonic()
     deadline = since + limit_s
     while time.monotonic() < deadline:
-        now_queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD,
-                                                    b"\0" * 4))[0]
+        now_queued = queued_bytes(sock)
         if now_queued != queued or now_queued == 0:
             queued, since = now_queued, time.monotonic()
         elif time.monotonic() - since > UNREAD_TIMEOUT_S + 3:

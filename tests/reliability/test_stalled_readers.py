@@ -5,11 +5,8 @@ event a second is never cancelled."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import socket
-import struct
-import termios
 import time
 
 import pytest
@@ -17,7 +14,7 @@ from outrider.router.target_link import UNREAD, UNREAD_TIMEOUT_S
 
 from outrider import paths
 from outrider.local_system import LocalSystemConfig, local_system
-from tests.reliability._support import record
+from tests.reliability._support import queued_bytes, record
 from tests.scraping import scrape, total
 
 pytestmark = pytest.mark.slow
@@ -76,11 +73,6 @@ def events(received: bytes) -> list[dict]:
     """The whole events received (a reader that stopped may hold half of the next)."""
     whole = received.rsplit(b"\n\n", 1)[0]
     return [json.loads(line[6:]) for line in whole.split(b"\n") if line.startswith(b"data: {")]
-
-
-def queued_bytes(sock: socket.socket) -> int:
-    """Bytes the client's kernel holds that the client has not read (FIONREAD)."""
-    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
 
 
 def test_many_stalled_readers_stop_costing_tokens_within_seconds(system):
