@@ -173,7 +173,8 @@ class Controller:
             overlap_max_seqs=policy.overlap_max_seqs, hot_heat=policy.hot_heat,
             cool_heat=policy.cool_heat, metrics_port=pair.target_metrics_port,
             auto_gamma_max=pair.auto_gamma_max, proposer=pair.proposer,
-            draft_head=pair.draft if pair.draft_is_head else None)  # (its features to send)
+            draft_head=pair.draft if pair.draft_is_head else None,  # (its features to send)
+            self_draft_layers=pair.self_draft_layers)
 
     def _register(self, address: str) -> None:
         """Into the shared registry: routers find the replica there and keep it alive."""

@@ -81,6 +81,8 @@ class ModelPair(_Strict):
     auto_gamma_max: Annotated[int, Field(ge=0, le=MAX_GAMMA)] = (  # AUTO requests' γ cap
         TargetWorkerConfig.auto_gamma_max)
     proposer: ProposerKind = TargetWorkerConfig.proposer  # requests that name none
+    # self-speculation: the target's own layers draft ("auto" or "0,1,5"; no draft model)
+    self_draft_layers: Annotated[str, Field(pattern=r"^(auto|\d+(,\d+)*)$")] | None = None
     device: str = "cpu"                               # "cuda" on GPU clusters
     dtype: str = "auto"
     kv_cache_mb: Annotated[float, Field(gt=0)] | None = None  # None: sized from memory
@@ -105,6 +107,12 @@ class ModelPair(_Strict):
             raise ValueError("drafts_per_target must be >= 1 when a draft model is given")
         if not self.draft and self.drafts_per_target:
             raise ValueError("drafts_per_target needs a draft model")
+        if self.draft and self.self_draft_layers:
+            raise ValueError("self_draft_layers: the target drafts with its own layers; "
+                             "give no draft")
+        if self.self_draft_layers and self.tp > 1:
+            raise ValueError("self_draft_layers needs tp 1: the target's layers would be "
+                             "split over other ranks' processes")
         if self.draft and head_kind(self.draft) == "medusa":
             raise ValueError("draft: Medusa heads draft in the target's process; a "
                              "cluster's drafts run on draft replicas (EAGLE-3, EAGLE-1 heads "

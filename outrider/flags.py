@@ -136,3 +136,12 @@ def add_proposer_arg(p: argparse.ArgumentParser, default: str = "auto") -> None:
                         "the lookups alone), model (the draft model), ngram (prompt lookup "
                         "over the request's own tokens) or suffix (suffix match over the "
                         "request and recently served sequences); default: " + default)
+
+
+def add_self_draft_arg(p: argparse.ArgumentParser) -> None:
+    """--self-draft-layers: self-speculation (outrider/engine/layer_skip.py)."""
+    p.add_argument("--self-draft-layers", metavar="auto|I,J,...", default=None,
+                   help="self-speculation with no draft model: the target drafts through "
+                        "these of its layers (layer skip), in its own process; auto: the "
+                        "subset measured best for this checkpoint (searched once, kept in "
+                        "~/.cache/outrider/layer_skip) (default: None, off)")

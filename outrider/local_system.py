@@ -52,6 +52,7 @@ class LocalSystemConfig:
     tree_topk: int = 1                # token trees (with a head: engine/tree.py)
     tree_tokens: int = 0
     head_on_replicas: bool = False    # a head drafts on draft replicas, not in the target
+    self_draft_layers: str | None = None  # the targets' own layers draft (layer_skip.py)
     memory_utilization: float | None = None  # --gpu-memory-utilization: all replicas'
     #                                          share of the GPU, split (gpu_shares)
 
@@ -66,10 +67,14 @@ class LocalSystemConfig:
                              "(Medusa heads draft in the target's process)")
         if self.cache_aware_sampling is not None and not self.speculation_cache:
             raise ValueError("--cache-aware-sampling needs --speculation-cache")
-        if self.tree_topk > 1 and (self.head_on_replicas or not kind):
+        if self.self_draft_layers and self.draft:
+            raise ValueError("--self-draft-layers: the target drafts with its own layers, "
+                             "give no draft model (--draft)")
+        if self.tree_topk > 1 and (self.head_on_replicas
+                                   or not (kind or self.self_draft_layers)):
             raise ValueError("--tree-topk > 1 needs a draft head (--draft DIR of an EAGLE "
-                             "or Medusa head) in the target's process: draft replicas "
-                             "propose chains")
+                             "or Medusa head) in the target's process, or "
+                             "--self-draft-layers: draft replicas propose chains")
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,8 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                             "--max-num-seqs", str(cfg.max_num_seqs),
                             *[a for d in drafts for a in ("--draft-address", d)],
                             *(("--draft-head", head) if head else ()),
+                            *(("--self-draft-layers", cfg.self_draft_layers)
+                              if cfg.self_draft_layers else ()),
                             "--tree-topk", str(cfg.tree_topk),
                             "--tree-tokens", str(cfg.tree_tokens),
                             *(("--small-step-threads", str(cpus.small_step_threads))

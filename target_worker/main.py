@@ -20,6 +20,7 @@ from outrider.flags import (
     add_metrics_arg,
     add_model_server_args,
     add_proposer_arg,
+    add_self_draft_arg,
     add_tree_args,
     resolve_device,
 )
@@ -53,6 +54,8 @@ class TargetWorkerConfig:
     #                                or on the draft replicas when they are given
     tree_topk: int = 1             # token trees (engine/tree.py; 1: chains)
     tree_tokens: int = 0
+    # self-speculation: the target's own layers draft ("auto" or "0,1,5"; layer_skip.py)
+    self_draft_layers: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("gamma", "auto_gamma_max"):
@@ -62,9 +65,13 @@ class TargetWorkerConfig:
         if self.overlap_max_seqs < 0:
             raise ValueError("overlap_max_seqs must be >= 0")
         PolicyConfig(MAX_GAMMA, self.hot_heat, self.cool_heat)  # validates the heats
-        if self.tree.topk > 1 and (self.draft_addresses or not self.draft_head):
-            raise ValueError("--tree-topk > 1 needs --draft-head without --draft-address: "
-                             "draft replicas propose chains")
+        if self.self_draft_layers and (self.draft_addresses or self.draft_head):
+            raise ValueError("--self-draft-layers drafts with the target's own layers: "
+                             "give it without --draft-address and --draft-head")
+        if self.tree.topk > 1 and (self.draft_addresses
+                                   or not (self.draft_head or self.self_draft_layers)):
+            raise ValueError("--tree-topk > 1 needs --draft-head without --draft-address, or "
+                             "--self-draft-layers: draft replicas propose chains")
 
     @property
     def tree(self):
@@ -93,7 +100,7 @@ class TargetWorkerConfig:
                    args.draft_dist_address, args.overlap_max_seqs, args.hot_heat,
                    args.cool_heat, args.metrics_port, args.auto_gamma_max,
                    ProposerKind.parse(args.proposer, "--proposer"), args.draft_head,
-                   args.tree_topk, args.tree_tokens)
+                   args.tree_topk, args.tree_tokens, args.self_draft_layers)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -125,6 +132,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft round r+1 while round r verifies when at most this many "
                         "sequences speculate (0: never; it pays in small batches)")
     add_proposer_arg(p)
+    add_self_draft_arg(p)
     add_tree_args(p)
     p.add_argument("--tp", "--tensor-parallel-size", type=int, default=RunnerConfig.tp,
                    help="tensor-parallel degree (ranks, one process each)")
@@ -224,6 +232,10 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
         drafter = head_proposer(replace(cfg.runner, model_dir=cfg.draft_head,
                                         kv_cache_mb=group.runner.kv_cache_mb * share,
                                         prepared_rows=0), group.runner)
+    if cfg.self_draft_layers:
+        from outrider.engine.layer_skip import layer_skip_proposer
+
+        drafter = layer_skip_proposer(cfg.runner, group.runner, cfg.self_draft_layers)
     proposer = ProposerMix(drafter, group.runner.vocab_size, cfg.proposer)
     decoder = SpeculativeDecoder(group.runner, proposer, overlap_max_seqs=cfg.overlap_max_seqs,
                                  tree=cfg.tree)

@@ -38,8 +38,9 @@ def add_model_args(p: argparse.ArgumentParser, model_positional: bool = False) -
                    help="draft tokens per round (0: no speculation; default 4)")
     p.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
                    help="vLLM's: {\"model\": DIR, \"num_speculative_tokens\": N, "
-                        "\"method\": \"draft_model\"|\"ngram\"|\"suffix\"} for --draft, "
-                        "--gamma and --proposer")
+                        "\"method\": \"draft_model\"|\"ngram\"|\"suffix\"|\"eagle3\"|...} "
+                        "for --draft, --gamma and --proposer; {\"method\": \"layer_skip\", "
+                        "\"draft_layers\": \"auto\"|[I, J, ...]} for --self-draft-layers")
     p.add_argument("--tp", "--tensor-parallel-size", type=int, default=1,
                    help="tensor-parallel degree of the target")
     p.add_argument("-q", "--quantization", choices=sorted(QUANTIZATION_METHODS), default=None,
@@ -79,7 +80,8 @@ def model_dirs(args) -> tuple[Path, str | None]:
                          "--target/--model, once")
     target = Path(given.pop()) if given else paths.demo_target_dir(must_exist=True)
     draft = args.draft
-    if draft is None and target.resolve() == paths.demo_target_dir().resolve():
+    if draft is None and not getattr(args, "self_draft_layers", None) \
+            and target.resolve() == paths.demo_target_dir().resolve():
         draft = str(paths.demo_draft_dir(must_exist=True))
     if not (target / "config.json").is_file():
         raise UsageError(f"no model at {target} (pass MODEL or --target DIR)")
@@ -120,7 +122,8 @@ def _check_quantization(method: str | None, target: Path) -> None:
 
 
 SPECULATIVE_METHODS = {"draft_model": "model", "ngram": "ngram", "suffix": "suffix",
-                       "eagle3": "model", "eagle": "model", "medusa": "model"}
+                       "eagle3": "model", "eagle": "model", "medusa": "model",
+                       "layer_skip": "model"}
 # method -> the head kind it names
 HEAD_METHODS = {"eagle3": "eagle3", "eagle": "eagle1", "medusa": "medusa"}
 
@@ -133,15 +136,22 @@ def speculative_config(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
     if not isinstance(config, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
-    unknown = sorted(set(config) - {"model", "num_speculative_tokens", "method"})
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"{', '.join(unknown)}: not taken (Outrider takes model, num_speculative_tokens "
-            "and method)")
     method = config.get("method", "draft_model")
     if method not in SPECULATIVE_METHODS:
         raise argparse.ArgumentTypeError(
             f"method {method!r}: choose from {', '.join(SPECULATIVE_METHODS)}")
+    taken = {"model", "num_speculative_tokens", "method"} if method != "layer_skip" else \
+        {"num_speculative_tokens", "method", "draft_layers"}
+    unknown = sorted(set(config) - taken)
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(unknown)}: not taken (with method {method!r} Outrider takes "
+            f"{', '.join(sorted(taken))})")
+    layers = config.get("draft_layers", "auto")
+    if layers != "auto" and not (isinstance(layers, list) and layers
+                                 and all(isinstance(i, int) for i in layers)):
+        raise argparse.ArgumentTypeError(f"draft_layers {layers!r}: \"auto\" or a list of the "
+                                         "target's layer numbers")
     if method in HEAD_METHODS and not config.get("model"):
         raise argparse.ArgumentTypeError(f"method {method!r} needs a model: the head's "
                                          f"checkpoint dir")
@@ -157,11 +167,19 @@ def _apply_speculative_config(args) -> None:
     config = getattr(args, "speculative_config", None)
     if not config:
         return
-    if args.draft is not None or args.gamma is not None:
-        raise UsageError("--speculative-config says what --draft and --gamma say: give one")
-    proposer = SPECULATIVE_METHODS[config.get("method", "draft_model")]
-    # a lookup method names no model: none runs ("" keeps the demo draft away)
-    args.draft = config.get("model", "" if proposer != "model" else None)
+    if args.draft is not None or args.gamma is not None \
+            or getattr(args, "self_draft_layers", None):
+        raise UsageError("--speculative-config says what --draft, --gamma and "
+                         "--self-draft-layers say: give one")
+    method = config.get("method", "draft_model")
+    proposer = SPECULATIVE_METHODS[method]
+    # a lookup method names no model: none runs ("" keeps the demo draft away); layer
+    # skip's draft is the target itself
+    args.draft = config.get("model", "" if proposer != "model" or method == "layer_skip"
+                            else None)
+    if method == "layer_skip":
+        layers = config.get("draft_layers", "auto")
+        args.self_draft_layers = layers if layers == "auto" else ",".join(map(str, layers))
     args.gamma = config.get("num_speculative_tokens")
     if hasattr(args, "proposer"):
         args.proposer = proposer

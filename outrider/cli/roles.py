@@ -46,7 +46,7 @@ def cmd_router(args) -> int:
 
 
 def serve_flags(serve: argparse.ArgumentParser) -> None:
-    from outrider.flags import add_proposer_arg, unit_share
+    from outrider.flags import add_proposer_arg, add_self_draft_arg, unit_share
     from outrider.local_system import LocalSystemConfig
     from outrider.router.main import add_public_arguments
     from outrider.target_worker.main import add_batch_arguments
@@ -81,6 +81,7 @@ def serve_flags(serve: argparse.ArgumentParser) -> None:
                             "added to $OUTRIDER_API_KEYS, which the router reads)")
     add_batch_arguments(serve)
     add_proposer_arg(serve)
+    add_self_draft_arg(serve)
     serve.add_argument("--no-cpu-pinning", action="store_true",
                        help="let the processes share every core (default on a CPU: the "
                             "target gets cores of its own, drafts and router the rest; "
@@ -130,6 +131,7 @@ def _local_system_config(args):
                              head_on_replicas=args.head_on_replicas,
                              speculation_cache=args.speculation_cache,
                              cache_aware_sampling=args.cache_aware_sampling,
+                             self_draft_layers=args.self_draft_layers if args.gamma else None,
                              # --gamma 0: no speculation, so nothing proposes
                              proposer=args.proposer if args.gamma else "model")
 

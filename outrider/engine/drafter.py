@@ -17,7 +17,6 @@ import torch
 
 from outrider.core.grammar import Grammars
 from outrider.core.sampling import History
-from outrider.core.stats import HEAD_METHODS, MODEL_METHOD
 from outrider.engine.features import FeatureTap
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal
 from outrider.engine.runner import ForwardRequest, ModelRunner
@@ -94,8 +93,7 @@ class Drafter:
 
     @property
     def method(self) -> str:
-        head = getattr(self.runner, "head", None)  # a HeadRunner's
-        return HEAD_METHODS[head.kind] if head is not None else MODEL_METHOD
+        return self.runner.method
 
     @property
     def reads_target(self) -> FeatureTap | None:

@@ -317,6 +317,10 @@ class HeadRunner(ModelRunner):
                                  device=target.device, max_model_len=target.context,
                                  dtype=str(target.dtype).removeprefix("torch.")))
 
+    @property
+    def method(self) -> str:
+        return HEAD_METHODS[self.head.kind]
+
     def read_model_config(self) -> ModelConfig:
         return replace(self.head.layer, max_position_embeddings=max(
             self.head.layer.max_position_embeddings, self.target.context))

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from outrider.core.stats import MODEL_METHOD
 from outrider.engine.attention import (
     AttentionMetadata,
     SequenceSlice,
@@ -114,6 +115,8 @@ class ForwardRequest:
 
 
 class ModelRunner:
+    method = MODEL_METHOD  # what its proposals count as when it drafts (core/stats.py)
+
     def __init__(self, cfg: RunnerConfig, tp: TPGroup | None = None) -> None:
         self.cfg = cfg
         self.tp = tp or TPGroup()

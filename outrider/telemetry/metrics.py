@@ -38,10 +38,10 @@ ENGINE = ["model_name", "engine"]
 MODEL = ["model_name"]
 
 # -- target replicas (vLLM's engine metrics) ----------------------------------------------
-# by proposer: method "draft_model" (or a head's "eagle3", "eagle", "medusa", bound when
-# it first drafts), "ngram", "suffix" or "grammar" (tokens a grammar forced) (a round's
-# first proposal's, for num_drafts; a round whose looked-up or forced tokens the model
-# continued counts its tokens under both)
+# by proposer: method "draft_model" (or a head's "eagle3", "eagle", "medusa", or the
+# target's own layers' "layer_skip", bound when it first drafts), "ngram", "suffix" or
+# "grammar" (tokens a grammar forced) (a round's first proposal's, for num_drafts; a
+# round whose looked-up or forced tokens the model continued counts its tokens under both)
 METHODS = ("draft_model", "ngram", "suffix", "grammar")
 SPEC_DRAFTS = Counter("vllm:spec_decode_num_drafts", "Speculative rounds verified",
                       [*ENGINE, "method"])

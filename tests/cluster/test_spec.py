@@ -37,3 +37,14 @@ def test_an_eagle_head_drafts_on_the_replicas_and_medusa_is_refused(tmp_path, ll
     medusa = save_random_medusa(tmp_path / "medusa", llama_dir)
     with pytest.raises(SpecError, match="Medusa heads draft in the target's process"):
         parse_spec(spec_with(draft=str(medusa), drafts_per_target=1))
+
+
+def test_a_pair_with_no_draft_may_draft_with_its_targets_own_layers():
+    assert parse_spec(spec_with(self_draft_layers="auto")).pair.self_draft_layers == "auto"
+    assert parse_spec(spec_with(self_draft_layers="0,3")).pair.self_draft_layers == "0,3"
+    for bad, why in [(dict(self_draft_layers="first"), r"models\.0\.self_draft_layers"),
+                     (dict(self_draft_layers="auto", draft="models/demo-draft",
+                           drafts_per_target=1), "give no draft"),
+                     (dict(self_draft_layers="auto", tp=2), "needs tp 1")]:
+        with pytest.raises(SpecError, match=why):
+            parse_spec(spec_with(**bad))

@@ -47,6 +47,7 @@ from outrider.core.structured import StructuredOutput
 from outrider.core.tokenizer import Tokenizer
 from outrider.engine.drafter import Drafter
 from outrider.engine.heads import head_proposer
+from outrider.engine.layer_skip import LAYER_SKIP_METHOD, layer_skip_proposer
 from outrider.engine.mix import ProposerMix
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
@@ -432,6 +433,25 @@ def test_head_speculative_sampling_matches_target_distribution(samples, llama_di
     # (a head made of the target's own rows is no draft model: its third drafts are kept
     # less often, ~1 % of rounds)
     assert min(stats.accepted_per_position[:HEAD_GAMMA]) >= NUM_SAMPLES // 200, stats
+    pvalues = comparisons([tuple(s.output_ids) for s in seqs], samples.target_only(config))
+    assert not failures(pvalues), failures(pvalues)
+
+
+# -- self-speculation (outrider/engine/layer_skip.py) ---------------------------------------
+
+@pytest.mark.slow
+def test_layer_skip_speculative_sampling_matches_target_distribution(samples):
+    """The target's first layer alone drafts (its q the skip path's, penalties applied),
+    drafting ahead beside the verification that runs the same modules: exact."""
+    target = samples.decoders["far", False].target
+    decoder = SpeculativeDecoder(target, layer_skip_proposer(RunnerConfig(
+        target.cfg.model_dir), target, "0"), overlap_max_seqs=ALL, overlap_sampled=True)
+    config = "full-vocab-penalties"
+    seqs, stats = sampled_run(decoder, HEAD_GAMMA, config, "layer-skip")
+    assert decoder.drafter.runner.blocks.num_used_blocks == 0
+    assert stats.drafted_per_position[HEAD_GAMMA - 1] >= NUM_SAMPLES
+    assert min(stats.accepted_per_position[:HEAD_GAMMA]) >= NUM_SAMPLES // 100, stats
+    assert set(stats.by_proposer) == {LAYER_SKIP_METHOD}, stats.by_proposer
     pvalues = comparisons([tuple(s.output_ids) for s in seqs], samples.target_only(config))
     assert not failures(pvalues), failures(pvalues)
 

@@ -545,3 +545,32 @@ def test_a_head_on_a_draft_replica_drafts_from_the_features_sent_with_propose():
     head_rounds = [r for r in rounds if r.model_method == "eagle3" and r.gamma]
     accepted = sum(r.num_accepted for r in head_rounds)
     assert accepted > len(head_rounds), (accepted, len(head_rounds))  # > 1 a round
+
+
+def test_a_replica_with_no_draft_speculates_with_its_own_layers(llama_dir, tmp_path,
+                                                                monkeypatch):
+    """--self-draft-layers auto: the replica searches its layers (once, kept on disk) and
+    drafts through the best subset in its process; FIXED and AUTO requests, greedy, give
+    the target's output alone, their rounds and /metrics count the drafts as layer_skip."""
+    from outrider.target_worker.main import TargetWorkerConfig, start
+
+    monkeypatch.setenv("OUTRIDER_LAYER_SKIP_CACHE", str(tmp_path))
+    reqs = [request_for(i, p, gamma=3, max_tokens=24, sampled=False)
+            for i, p in enumerate(prompts(4))]
+    reqs[0].spec_mode = reqs[2].spec_mode = pb.SPEC_MODE_AUTO
+    drafted = lambda: REGISTRY.get_sample_value(  # noqa: E731
+        "vllm:spec_decode_num_draft_tokens_total",
+        {"model_name": llama_dir.name, "engine": "0", "method": "layer_skip"}) or 0
+    before = drafted()
+    running = start(TargetWorkerConfig(RunnerConfig(str(llama_dir), dtype="float32",
+                                                    threads=1), self_draft_layers="auto"),
+                    TOKEN)
+    try:
+        chunks = generate_at_once(running.address, reqs)
+    finally:
+        running.stop(0)
+    assert len(list(tmp_path.glob("*.json"))) == 1  # the search's choice, kept
+    rounds = [r for cs in chunks for c in cs for r in c.rounds if r.gamma > r.num_free]
+    assert rounds and {r.model_method for r in rounds} == {"layer_skip"}
+    assert drafted() > before
+    assert outputs_of(chunks) == greedy_alone(llama_dir, reqs)
