@@ -46,6 +46,9 @@ class DraftReplicaError(RuntimeError):
 
 
 class RemoteDrafter:
+    def takes_guesses(self, kind: str) -> bool:
+        return False  # (a Proposer's: no lookahead)
+
     def __init__(self, addresses: list[str], token: str | None, seq_prefix: str,
                  timeout_s: float = 10.0, retry_after_s: float = 2.0,
                  dense_channel: DenseChannel | None = None,

@@ -123,7 +123,7 @@ def _check_quantization(method: str | None, target: Path) -> None:
 
 SPECULATIVE_METHODS = {"draft_model": "model", "ngram": "ngram", "suffix": "suffix",
                        "eagle3": "model", "eagle": "model", "medusa": "model",
-                       "layer_skip": "model"}
+                       "layer_skip": "model", "lookahead": "lookahead"}
 # method -> the head kind it names
 HEAD_METHODS = {"eagle3": "eagle3", "eagle": "eagle1", "medusa": "medusa"}
 

@@ -29,7 +29,7 @@ def build_request(prompt: str | list[int], *, max_tokens: int | None = None,
     """A GenerateRequest; options left None take the router's defaults (16 tokens,
     temperature 1, no top-k/top-p/min-p, no penalties, a random seed, no logprobs).
     logprobs=k returns each token's log-probability and its k likeliest alternatives.
-    proposer: "auto", "model", "ngram" or "suffix" ("": the replica's choice).
+    proposer: "auto", "model", "ngram", "suffix" or "lookahead" ("": the replica's choice).
     tree_topk, tree_tokens: this request's token tree within the replica's (tree_topk 1:
     chains; 0: the replica's shape).
     At most one constraint on the output (docs/API.md "Structured outputs"): json_schema

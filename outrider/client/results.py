@@ -17,7 +17,7 @@ class Round:
     num_accepted: int
     heat: float           # the replica's batch heat when γ was chosen
     draft_version: int = 0  # the draft weights' version that drafted (online distillation)
-    # the first num_free were looked up ("ngram", "suffix") or forced by the grammar
+    # the first num_free were looked up ("ngram", "suffix", "lookahead") or forced by the grammar
     free_kind: str = ""   # ("grammar"), the rest drafted by the model:
     num_free: int = 0
     model_method: str = "draft_model"  # a draft model, or a head: "eagle3", "eagle", "medusa"
@@ -57,7 +57,8 @@ class SpeculationStats:
     mean_accepted_len: float        # tokens per round (accepted + 1)
     drafted_per_position: tuple[int, ...]
     accepted_per_position: tuple[int, ...]
-    # method ("draft_model", "ngram", "suffix", "grammar") -> (draft tokens, accepted tokens)
+    # method ("draft_model", "ngram", "suffix", "lookahead", "grammar", a head's, ...)
+    # -> (draft tokens, accepted tokens)
     by_proposer: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     @classmethod

@@ -75,7 +75,7 @@ class Client:
 
     Options are build_request's (max_tokens, temperature, top_k, top_p, seed, stop,
     stop_token_ids, ignore_eos, speculation="auto"|"off"|"fixed", gamma_max, request_id,
-    tag, include_rounds, proposer="auto"|"model"|"ngram"|"suffix", tree_topk and
+    tag, include_rounds, proposer="auto"|"model"|"ngram"|"suffix"|"lookahead", tree_topk and
     tree_tokens (its token tree within the replica's; 1: chains), and one output
     constraint: json_schema, json_object, regex, choice or grammar). The API key defaults
     to $OUTRIDER_API_KEY.

@@ -36,10 +36,12 @@ class ProposerKind(StrEnum):
     MODEL = "model"    # the draft model (draft replicas, or one in process)
     NGRAM = "ngram"    # prompt lookup over the request's own tokens
     SUFFIX = "suffix"  # suffix match over the request and recently served sequences
+    # Jacobi guesses from the target's own verification rows, and an n-gram pool of them
+    LOOKAHEAD = "lookahead"
 
     @property
     def is_model_free(self) -> bool:
-        return self in (ProposerKind.NGRAM, ProposerKind.SUFFIX)
+        return self in (ProposerKind.NGRAM, ProposerKind.SUFFIX, ProposerKind.LOOKAHEAD)
 
     @classmethod
     def parse(cls, value: str, what: str = "proposer") -> ProposerKind:
@@ -94,6 +96,9 @@ class Sequence:      # tests compared all fields pairwise (3 % of a 32-stream st
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if asked
     num_cached_tokens: int | None = None  # prompt positions the prefix cache gave it, once known
     teacher: list[TeacherRow] = field(default_factory=list)  # top-k rows not yet sent to the draft
+    # the target's argmax at its last round's verification rows past the committed tokens
+    # (Jacobi's next guesses, engine/lookahead.py), for its next proposal
+    guesses: list[int] = field(default_factory=list)
     proposer: str = ""  # its ProposerKind ("": the replica's default)
     # this round's proposer where the γ policy chose it ("": `proposer`): the model for
     # its probe, the suffix lookup for its lookup rounds (§4.4)

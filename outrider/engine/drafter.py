@@ -41,6 +41,9 @@ Q_FORMATS = ("dense", "ids", "point_mass", "sparse", "dense_fp16", "dense_dist")
 class Drafter:
     """A draft model that proposes (a Proposer)."""
 
+    def takes_guesses(self, kind: str) -> bool:
+        return False  # (no lookahead)
+
     def __init__(self, runner: ModelRunner, evict_lru: bool = False) -> None:
         self.runner = runner
         self.evict_lru = evict_lru

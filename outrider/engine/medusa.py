@@ -51,6 +51,9 @@ class MedusaProposer:
     only for the sampling processors that read the history; a drafted token's q is its
     head's distribution, whatever was drafted before it."""
 
+    def takes_guesses(self, kind: str) -> bool:
+        return False  # (no lookahead)
+
     def __init__(self, model_dir: str, target: ModelRunner) -> None:
         raw = read_config(model_dir)
         if head_kind(model_dir) != "medusa":

@@ -28,6 +28,7 @@ from outrider.core.sampling import SamplingParams
 from outrider.core.sequence import ProposerKind, TeacherRow
 from outrider.core.stats import GRAMMAR_METHOD, MODEL_METHOD
 from outrider.engine.features import FeatureLog
+from outrider.engine.lookahead import Lookahead
 from outrider.engine.lookup import Lookup, SuffixCorpus, prompt_lookup, suffix_lookup
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal, Proposer, dense_q
 from outrider.engine.tree import chain, first_path
@@ -86,6 +87,7 @@ class _Held:
     teacher: list[TeacherRow] = field(default_factory=list)  # for the model's next call
     acceptance: _Acceptance = field(default_factory=_Acceptance)
     num_weighed: int = 0   # AUTO rounds that had a lookup and the model to choose from
+    lookahead: Lookahead = field(default_factory=Lookahead)  # LOOKAHEAD's guesses, pool
 
     def take(self, item: DraftItem, learn: bool, replica: _Acceptance | None) -> None:
         """The loop's view: tokens[:committed_len] + the item's new tokens; first learn
@@ -202,6 +204,9 @@ class ProposerMix:
     def version_of(self, seq_id) -> int:
         return self.model.version_of(seq_id) if self.model is not None else 0
 
+    def takes_guesses(self, kind: str) -> bool:
+        return (ProposerKind(kind) if kind else self.default) is ProposerKind.LOOKAHEAD
+
     def draft(self, items: list[DraftItem], device: torch.device) -> Proposal:
         return self.submit(items, device).result()
 
@@ -288,6 +293,11 @@ class ProposerMix:
         kind, gamma, held = plan.kind, plan.item.gamma, plan.held
         if plan.item.forced:
             plan.free, plan.free_kind = list(plan.item.forced), GRAMMAR_METHOD
+        elif kind is ProposerKind.LOOKAHEAD:
+            plan.free, plan.free_match = held.lookahead.propose(held.tokens,
+                                                                plan.item.guesses, gamma)
+            plan.free = self._within_grammar(plan.item, held.tokens, plan.free)
+            plan.free_kind = kind.value if plan.free else ""
         elif kind is not ProposerKind.MODEL:
             lookup = ProposerKind.NGRAM if kind is ProposerKind.NGRAM else ProposerKind.SUFFIX
             plan.free, plan.free_match = self._look_up(lookup, held.tokens, gamma,

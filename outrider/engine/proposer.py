@@ -54,6 +54,9 @@ class DraftItem:
     ready_only: bool = False
     # a speculation cache drafts its next round's stand-ins (CacheMissChoice.prepares)
     prepare: bool = True
+    # the target's argmax at the last round's verification rows past the committed tokens
+    # (Proposer.takes_guesses: lookahead's Jacobi guesses for the positions that follow)
+    guesses: list[int] = field(default_factory=list)
 
     @property
     def is_active(self) -> bool:
@@ -189,6 +192,11 @@ class Proposer(Protocol):
     @property
     def target_topk(self) -> int:
         """k of the target's top-k rows it wants with each sequence (0: none)."""
+
+    def takes_guesses(self, kind: str) -> bool:
+        """Whether it wants, for requests of `kind` (a ProposerKind's value, "": its
+        default), the target's argmax at the verification rows past each round's
+        committed tokens with the sequence's next item (DraftItem.guesses)."""
 
     @property
     def reads_target(self) -> FeatureTap | None:

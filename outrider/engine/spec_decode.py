@@ -597,6 +597,7 @@ class SpeculativeDecoder:
             r.committed = self._commit_row(r, k, tokens)
         self._note_logprobs(ready, processed)
         self._note_teacher(ready, step.logits)
+        self._note_guesses(ready, step.logits)
         begun = time.perf_counter()
         for r in ready:
             self._end_complete_grammar(r)
@@ -673,15 +674,17 @@ class SpeculativeDecoder:
             features = self._head_features(seq, start, len(new))
             if features is None:  # lost (a proposer that missed): no head drafts for it
                 gamma = 0
+        guesses: list[int] = []
         if gamma:  # the target's top-k rows go with the sequence's next Propose
             teacher, seq.teacher = seq.teacher, []
+            guesses, seq.guesses = seq.guesses, []
             forced = self._forced(seq, gamma, drafts)
         return DraftItem(seq.seq_id, start, new if gamma else [], gamma, seq.params, seq.seed,
                          traceparent=seq.traceparent if start == 0 else "",
                          prompt_len=seq.prompt_len, teacher=teacher,
                          proposer=seq.round_proposer or seq.proposer,
                          forced=forced, features=features,
-                         tree=self._tree_for(seq))
+                         tree=self._tree_for(seq), guesses=guesses)
 
     def _head_features(self, seq: Sequence, first_token: int,
                        num_tokens: int) -> torch.Tensor | None:
@@ -1012,6 +1015,20 @@ class SpeculativeDecoder:
             first = len(r.seq.token_ids) - len(r.committed)
             r.seq.teacher += [(first + j, tuple(next(ids)), tuple(next(logprobs)))
                               for j in range(len(r.committed))]
+
+    def _note_guesses(self, ready: list[Row], logits: torch.Tensor) -> None:
+        """The target's argmax at each chain's verification rows past its committed
+        tokens: predictions for the positions after them, made beside drafts it
+        rejected (Jacobi iteration's next guesses), for a proposer that takes them."""
+        if self.drafter is None:
+            return
+        offsets = itertools.accumulate((r.gamma + 1 for r in ready), initial=0)
+        for r, start in zip(ready, offsets):
+            if not self.drafter.takes_guesses(r.seq.proposer):
+                continue
+            first = start + len(r.committed)  # the row after the last committed token's
+            r.seq.guesses = (logits[first:start + r.gamma + 1].argmax(-1).tolist()
+                             if r.path is None and not r.seq.is_finished else [])
 
 
 def _sample_tree(row: Row, drafts: list[int], target_probs: torch.Tensor,

@@ -39,10 +39,10 @@ MODEL = ["model_name"]
 
 # -- target replicas (vLLM's engine metrics) ----------------------------------------------
 # by proposer: method "draft_model" (or a head's "eagle3", "eagle", "medusa", or the
-# target's own layers' "layer_skip", bound when it first drafts), "ngram", "suffix" or
-# "grammar" (tokens a grammar forced) (a round's first proposal's, for num_drafts; a
+# target's own layers' "layer_skip", bound when it first drafts), "ngram", "suffix",
+# "lookahead" or "grammar" (tokens a grammar forced) (a round's first proposal's, for num_drafts; a
 # round whose looked-up or forced tokens the model continued counts its tokens under both)
-METHODS = ("draft_model", "ngram", "suffix", "grammar")
+METHODS = ("draft_model", "ngram", "suffix", "lookahead", "grammar")
 SPEC_DRAFTS = Counter("vllm:spec_decode_num_drafts", "Speculative rounds verified",
                       [*ENGINE, "method"])
 SPEC_DRAFT_TOKENS = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed",
