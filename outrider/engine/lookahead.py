@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from outrider.engine.lookup import prompt_lookup
+from outrider.engine.lookup import Lookup, prompt_lookup
 
 NGRAM = 4           # pool entries: the N - 1 tokens guessed after a token
 POOL_ENTRIES = 512  # per sequence, least recently used dropped
@@ -40,8 +40,7 @@ class Lookahead:
 
     pool: OrderedDict[int, list[int]] = field(default_factory=OrderedDict)
 
-    def propose(self, context: list[int], guesses: list[int], gamma: int
-                ) -> tuple[list[int], int]:
+    def propose(self, context: list[int], guesses: list[int], gamma: int) -> Lookup:
         """Up to γ tokens to follow `context` (the text now), and the match length they
         count as; `guesses`: the target's for the positions after it, pooled."""
         trajectory = context[-1:] + list(guesses)
@@ -51,8 +50,8 @@ class Lookahead:
         if looked_up.tokens:  # the text's own continuation: better evidence than a guess
             return looked_up
         if guesses:
-            return list(guesses[:gamma]), GUESS_MATCH
-        return list(self.pool.get(context[-1], [])[:gamma]), GUESS_MATCH
+            return Lookup(list(guesses[:gamma]), GUESS_MATCH)
+        return Lookup(list(self.pool.get(context[-1], [])[:gamma]), GUESS_MATCH)
 
     def _pool(self, first: int, followers: list[int]) -> None:
         self.pool[first] = followers
