@@ -38,7 +38,7 @@ from outrider.bench.servers import speed_ratio
 from outrider.bench.tables import proposers_table
 
 DEFAULT_OUT = "results/proposers.json"
-OUTRIDER_KINDS = ("auto", "model", "ngram", "suffix")
+OUTRIDER_KINDS = ("auto", "model", "ngram", "suffix", "lookahead")
 VLLM_NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 PLAIN_LEVELS = (1, 8, 32)
 

@@ -61,6 +61,7 @@ LABELS = {"outrider-auto": "`outrider serve`, AUTO",
           "outrider-model": "`outrider serve --proposer model`",
           "outrider-ngram": "`outrider serve --proposer ngram`",
           "outrider-suffix": "`outrider serve --proposer suffix`",
+          "outrider-lookahead": "`outrider serve --proposer lookahead`",
           "outrider-head": "`outrider serve --draft HEAD` (EAGLE-3), AUTO",
           "outrider-head-tree": "`outrider serve --draft HEAD --tree-topk K --tree-tokens N`, AUTO",
           "outrider-head-replica":
