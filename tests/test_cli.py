@@ -270,7 +270,7 @@ def test_a_speculative_config_stands_for_draft_gamma_and_proposer(capsys):
     assert (got, args.gamma, args.proposer) == (head, 5, "model")
     for config, says in (({"method": "eagle3"}, "needs a model"),
                          ({"method": "medusa", "model": head}, "holds no medusa head"),
-                         ({"method": "lookahead"}, "choose from"),
+                         ({"method": "mtp"}, "choose from"),
                          ({"method": "eagle3", "model": draft}, "holds no eagle3 head"),
                          ({"method": "eagle", "model": head}, "holds no eagle1 head")):
         with pytest.raises(SystemExit) as stop:

@@ -18,7 +18,7 @@ def test_a_pair_names_its_proposer_and_auto_is_the_default():
     assert parse_spec(spec_with()).pair.proposer is ProposerKind.AUTO
     assert parse_spec(spec_with(proposer="suffix")).pair.proposer is ProposerKind.SUFFIX
     with pytest.raises(SpecError, match=r"models\.0\.proposer"):
-        parse_spec(spec_with(proposer="lookahead"))
+        parse_spec(spec_with(proposer="bigram"))
 
 
 def test_the_shipped_cpu_spec_loads():

@@ -156,7 +156,7 @@ BAD = [
     (dict(extra_body={"top_k": -2}), openai.BadRequestError, "top_k"),
     (dict(echo=True, logprobs=2), openai.BadRequestError, "logprobs"),
     (dict(extra_body={"gamma": 99}), openai.BadRequestError, "gamma"),
-    (dict(extra_body={"proposer": "lookahead"}), openai.BadRequestError, "proposer"),
+    (dict(extra_body={"proposer": "bigram"}), openai.BadRequestError, "proposer"),
     (dict(extra_body={"tree_tokens": 70}), openai.BadRequestError, "tree_tokens"),
     (dict(extra_body={"tree_topk": 3}), openai.BadRequestError, "tree_topk"),  # (chains there)
     (dict(stop=["x"] * 1000), openai.BadRequestError, "stop"),

@@ -170,7 +170,7 @@ BAD_INPUTS = [
     (dict(request_id="bad id with spaces"), "INVALID_ARGUMENT", "request_id"),
     (dict(tag="no/slashes"), "INVALID_ARGUMENT", "tag"),
     (dict(gamma_max=99), "INVALID_ARGUMENT", "speculation.gamma_max"),
-    (dict(proposer="lookahead"), "INVALID_ARGUMENT", "proposer"),
+    (dict(proposer="bigram"), "INVALID_ARGUMENT", "proposer"),
     (dict(tree_tokens=64), "INVALID_ARGUMENT", "speculation.tree_tokens"),
     # (the replica's: it verifies chains)
     (dict(tree_topk=2), "INVALID_ARGUMENT", "tree_topk 2, tree_tokens 0: the replica"),
