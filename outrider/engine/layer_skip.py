@@ -58,14 +58,8 @@ class SkipModel(nn.Module):
         self.__dict__["layers"] = [target.layers[i] for i in kept]
         self.tap = None  # (reads no features)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                meta, logits_rows: torch.Tensor) -> torch.Tensor:
-        # input_ids, positions: [num_tokens]; kv_caches: the kept layers' -> [rows, vocab]
-        x = self.embed(input_ids)
-        for layer, cos_sin, kv_cache in zip(self.layers, self.rotations(positions, x.dtype),
-                                            kv_caches, strict=True):
-            x = layer(x, cos_sin, kv_cache, meta)
-        return self.logits(self.norm(x.index_select(0, logits_rows)))
+    # the target's own forward over this interface (kv_caches: the kept layers')
+    forward = CausalLM.forward
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.target.embed(input_ids)
@@ -198,14 +192,26 @@ def calibration_text(model: CausalLM, bos: int) -> torch.Tensor:
     return ids
 
 
+@dataclass(frozen=True)
+class Reference:
+    """The target's own predictions on the calibration text, computed once per search."""
+
+    argmax: torch.Tensor  # [n]
+    probs: torch.Tensor   # [n, vocab] at SAMPLED_T
+
+    @classmethod
+    def of(cls, logits: torch.Tensor) -> Reference:  # logits: [n, vocab]
+        return cls(logits.argmax(-1), (logits / SAMPLED_T).softmax(-1))
+
+
 @torch.no_grad()
 def measure(target: CausalLM, text: torch.Tensor, kept: tuple[int, ...], cost: float,
-            reference: torch.Tensor) -> SkipChoice:
-    """`kept` as a draft against the target's logits `reference` [n, vocab] on `text`."""
+            reference: Reference) -> SkipChoice:
+    """`kept` as a draft against the target's own predictions on `text`."""
     logits = causal_logits(SkipModel(target, kept), text).flatten(0, 1)  # [n, vocab]
-    greedy = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    p, q = ((x / SAMPLED_T).softmax(-1) for x in (reference, logits))
-    sampled = torch.minimum(p, q).sum(-1).mean().item()
+    greedy = (logits.argmax(-1) == reference.argmax).float().mean().item()
+    q = (logits / SAMPLED_T).softmax(-1)
+    sampled = torch.minimum(reference.probs, q).sum(-1).mean().item()
     speedup, gamma = promised_speedup(sampled, cost)
     return SkipChoice(kept, cost, greedy, sampled, speedup, gamma)
 
@@ -217,7 +223,7 @@ def choose_layers(target: ModelRunner) -> tuple[SkipChoice, list[SkipChoice]]:
     bos = mc.bos_token_id if mc.bos_token_id is not None else 0
     text = calibration_text(model, bos)
     with torch.no_grad():
-        reference = causal_logits(model, text).flatten(0, 1)
+        reference = Reference.of(causal_logits(model, text).flatten(0, 1))
     everything = mc.num_params
 
     def of(kept: tuple[int, ...]) -> SkipChoice:

@@ -1026,9 +1026,11 @@ class SpeculativeDecoder:
         for r, start in zip(ready, offsets):
             if not self.drafter.takes_guesses(r.seq.proposer):
                 continue
-            first = start + len(r.committed)  # the row after the last committed token's
-            r.seq.guesses = (logits[first:start + r.gamma + 1].argmax(-1).tolist()
-                             if r.path is None and not r.seq.is_finished else [])
+            first, end = start + len(r.committed), start + r.gamma + 1  # past the last
+            # committed token's row, to the row's last
+            r.seq.guesses = (logits[first:end].argmax(-1).tolist()
+                             if first < end and r.path is None and not r.seq.is_finished
+                             else [])
 
 
 def _sample_tree(row: Row, drafts: list[int], target_probs: torch.Tensor,
