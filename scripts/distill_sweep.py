@@ -56,7 +56,7 @@ def served_stream(num: int) -> list[tuple[Served, dict]]:
     """(sequence, its top-k rows by position) for `num` prompts, answered greedily."""
     engine = LocalEngine(LocalEngineConfig(RunnerConfig(str(paths.demo_target_dir()))))
     windows = [w for w in (engine.tokenizer.encode(t)[:PROMPT]
-                           for t in prompts(engine.tokenizer, PROMPT)[:num]) if len(w) == PROMPT]
+                           for t in prompts(engine.tokenizer, PROMPT, num)) if len(w) == PROMPT]
     params = SamplingParams(max_tokens=OUTPUT, ignore_eos=True)
     seqs = [s.token_ids for b in range(0, len(windows), 128)
             for s in engine.decoder.generate(windows[b:b + 128], params, 0)]

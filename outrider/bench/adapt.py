@@ -99,18 +99,24 @@ def _gauge(text: str, name: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def prompts(tokenizer, prompt_tokens: int, seed: int = 0) -> list[str]:
-    """Every non-overlapping window of `prompt_tokens` tokens, at most 8 per file, of
-    third-party package files, shuffled: new code at every request, none repeated."""
+def prompts(tokenizer, prompt_tokens: int, limit: int, seed: int = 0) -> list[str]:
+    """Non-overlapping windows of `prompt_tokens` tokens, at most 8 per file, of
+    third-party package files taken in a shuffled order until there are `limit`,
+    shuffled: new code at every request, none repeated. (Tokenizing every file took
+    ~10 s, where a short run needs a few dozen windows.)"""
     rng = random.Random(seed)
+    files = package_sources()
+    rng.shuffle(files)
     out = []
-    for f in package_sources():
+    for f in files:
+        if len(out) >= limit:
+            break
         ids = tokenizer.encode(f.read_text(encoding="utf-8", errors="replace"))
         stride = max(2 * prompt_tokens, len(ids) // 8)
         out += [tokenizer.decode(ids[s:s + prompt_tokens])
                 for s in range(0, len(ids) - 2 * prompt_tokens, stride)]
     rng.shuffle(out)
-    return out
+    return out[:limit]
 
 
 def serve_stream(client, watch: DraftWatch, texts: list[str], args, log,
@@ -242,7 +248,9 @@ def run(args) -> int:
     started = common.provenance()  # the commit and date the run began with
     log = lambda text: print(f"[adapt] {text}", file=sys.stderr, flush=True)  # noqa: E731
     tokenizer = Tokenizer(args.target)
-    texts = prompts(tokenizer, args.prompt_tokens)
+    # every request serves max_tokens (EOS ignored): the stream needs served/max of them
+    texts = prompts(tokenizer, args.prompt_tokens,
+                    -(-args.served_tokens // args.max_tokens) + args.probe)
     texts, probe = texts[:-args.probe], texts[-args.probe:]
     with tempfile.TemporaryDirectory() as redis_dir, redis_server(redis_dir) as redis_url:
         results, learnt = serve_system(args, texts, True, log, args.served_tokens, redis_url)

@@ -28,12 +28,12 @@ NUM_PROMPTS = 24
 ALL = 1 << 30
 
 
-def prompts(tokenizer: Tokenizer) -> list[list[int]]:
+def prompts(tokenizer: Tokenizer, num_prompts: int = NUM_PROMPTS) -> list[list[int]]:
     """Openings of standard-library functions (source the pair may have seen)."""
     sources = [inspect.getsource(f) for m in (json, textwrap, shlex, fnmatch, base64)
                for f in vars(m).values()
                if inspect.isfunction(f) and f.__module__.startswith(m.__name__)]
-    return [tokenizer.encode(s)[:40] for s in sources[:NUM_PROMPTS]]
+    return [tokenizer.encode(s)[:40] for s in sources[:num_prompts]]
 
 
 def load_pair(dtype: str = "float32"):
@@ -60,13 +60,15 @@ def test_greedy_output_is_the_targets_but_for_near_ties(pair, gamma, overlap):
 @pytest.mark.slow
 def test_bfloat16_greedy_output_is_the_targets_but_for_near_ties():
     """bf16 (oneDNN's bf16 linears accumulate in fp32 and round each output): logits
-    move by up to ~1e-2 with the batch's shapes, so the near-tie margin is wider."""
-    check_near_ties(*load_pair("bfloat16"), 4, False, "bfloat16")
+    move by up to ~1e-2 with the batch's shapes, so the near-tie margin is wider. Half
+    the prompts: a bf16 step costs ~4x an fp32 one on a CPU without bf16 instructions."""
+    check_near_ties(*load_pair("bfloat16"), 4, False, "bfloat16", NUM_PROMPTS // 2)
 
 
-def check_near_ties(target, draft, tokenizer, gamma: int, overlap: bool, dtype: str) -> None:
+def check_near_ties(target, draft, tokenizer, gamma: int, overlap: bool, dtype: str,
+                    num_prompts: int = NUM_PROMPTS) -> None:
     alone = SpeculativeDecoder(target)
-    batch = prompts(tokenizer)
+    batch = prompts(tokenizer, num_prompts)
     reference = [alone.generate([p], greedy(), gamma=0)[0] for p in batch]
     decoder = SpeculativeDecoder(target, Drafter(draft), overlap_max_seqs=ALL if overlap else 0)
     speculative = decoder.generate(batch, greedy(), gamma=gamma)
@@ -80,6 +82,6 @@ def check_near_ties(target, draft, tokenizer, gamma: int, overlap: bool, dtype: 
             continue
         (_, best), (_, second) = ref.logprobs[first_difference].top
         assert best - second < NEAR_TIE[dtype], (first_difference, best, second)
-    assert len(batch) == NUM_PROMPTS
+    assert len(batch) == num_prompts
     assert num_equal >= len(batch) - 2  # near-ties are rare
     assert sum(s.stats.num_accepted_tokens for s in speculative) > 0
