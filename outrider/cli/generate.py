@@ -13,7 +13,7 @@ from outrider.cli.common import (
     client_tls,
     model_dirs,
 )
-from outrider.flags import PROPOSERS, tree_shape
+from outrider.flags import PROPOSERS, add_self_draft_arg, tree_shape
 
 
 def generate_flags(gen: argparse.ArgumentParser) -> None:
@@ -34,6 +34,7 @@ def generate_flags(gen: argparse.ArgumentParser) -> None:
     add_model_args(gen)
     gen.add_argument("--draft-kv-cache-mb", type=float, default=None,
                      help="KV budget of the draft with --local (default: --kv-cache-mb)")
+    add_self_draft_arg(gen)
     _add_sampling_args(gen)
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (token_ids, text, stats) instead of streaming")
@@ -138,7 +139,9 @@ def _local_engine(args):
     return LocalEngine(LocalEngineConfig(target=runner, draft_dir=draft if args.gamma else None,
                                          draft_kv_cache_mb=draft_kv,
                                          proposer=args.proposer or "auto",
-                                         tree=tree_shape(args)))
+                                         tree=tree_shape(args),
+                                         self_draft_layers=args.self_draft_layers
+                                         if args.gamma else None))
 
 
 def _sampling_params(args):

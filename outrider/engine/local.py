@@ -26,6 +26,13 @@ class LocalEngineConfig:
     draft_kv_cache_mb: float | None = 64.0  # None: sized from memory (RunnerConfig)
     proposer: str = "auto"  # ProposerKind: what proposes (no draft_dir: only the lookups)
     tree: TreeShape | None = None  # draft token trees of this shape (None: chains)
+    # self-speculation: the target's own layers draft ("auto" or "0,1,5"; layer_skip.py)
+    self_draft_layers: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.self_draft_layers and self.draft_dir:
+            raise ValueError("--self-draft-layers drafts with the target's own layers: "
+                             "give it without --draft")
 
 
 class LocalEngine:
@@ -42,6 +49,10 @@ class LocalEngine:
                                 kv_cache_mb=cfg.draft_kv_cache_mb)
             draft = (head_proposer(draft_cfg, target) if is_head
                      else Drafter(ModelRunner(draft_cfg)))
+        elif cfg.self_draft_layers:
+            from outrider.engine.layer_skip import layer_skip_proposer
+
+            draft = layer_skip_proposer(cfg.target, target, cfg.self_draft_layers)
         self.decoder = SpeculativeDecoder(target, ProposerMix(
             draft, target.vocab_size, ProposerKind.parse(cfg.proposer, "proposer")),
             tree=cfg.tree if draft is not None else None)

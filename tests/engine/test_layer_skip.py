@@ -111,3 +111,29 @@ def test_the_speculative_config_names_layer_skip_as_vllm_names_its_methods():
                      ('{"method": "layer_skips"}', "choose from")]:
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             speculative_config(bad)
+
+
+def test_generate_local_drafts_with_the_targets_layers_when_asked(four_layers, capsys):
+    """`outrider generate --local` takes --self-draft-layers, and the layer_skip method of
+    --speculative-config: its rounds draft through the target's layers (counted as
+    layer_skip), its output the target's alone; with --draft as well, refused."""
+    from outrider.cli import build_parser
+    from outrider.cli.generate import _generate_local
+
+    def run(*flags: str):
+        args = build_parser("generate").parse_args(
+            ["generate", "--local", "--json", "--target", str(four_layers), "--max-tokens",
+             "24", "--ignore-eos", *flags, "def main():"])
+        return _generate_local(args, args.prompt)
+
+    alone = run("--gamma", "0")
+    config = {"method": "layer_skip", "draft_layers": [0, 2], "num_speculative_tokens": 3}
+    for flags in (("--self-draft-layers", "0,2", "--gamma", "3"),
+                  ("--speculative-config", json.dumps(config))):
+        result = run(*flags)
+        assert result.token_ids == alone.token_ids, flags
+        drafted, _ = result.speculation.by_proposer[LAYER_SKIP_METHOD]
+        assert drafted > 0, result.speculation
+    with pytest.raises(ValueError, match="without --draft"):
+        run("--self-draft-layers", "0", "--draft", str(four_layers))
+    capsys.readouterr()
