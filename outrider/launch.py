@@ -4,6 +4,7 @@ benchmarks and system tests use it. `Supervisor` keeps them running (`outrider s
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
 import socket
@@ -16,11 +17,12 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 LISTENING = re.compile(r"listening on (\S+:\d+)")
-START_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 120.0  # of silence before a process says it listens
 
 
 class NotListening(RuntimeError):
-    """A server process that exited, or ran out of time, before saying it listens."""
+    """A server process that exited, or printed nothing for too long, before saying it
+    listens."""
 
     def __init__(self, output: list[str]) -> None:
         super().__init__("server did not start:\n" + "".join(output[-20:]))
@@ -276,29 +278,40 @@ def _spawn(args: tuple[str, ...], token: str | None,
 
 
 def _await_listening(proc: subprocess.Popen, timeout: float, echo: str | None) -> str:
-    """Its address once it says it listens; then its output goes to _drain."""
+    """Its address once it says it listens (NotListening, the process stopped, if it
+    exits first or prints nothing for `timeout` s: a start that keeps saying what it does,
+    a long load or a layer search, is given the time it takes; a silent hang is not)."""
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=_read_output, args=(proc, lines, echo), daemon=True).start()
     try:
-        address = _wait_listening(proc, timeout)
+        return _wait_listening(lines, timeout)
     except BaseException:
         stop_process(proc)
         raise
-    threading.Thread(target=_drain, args=(proc, echo), daemon=True).start()
-    return address
 
 
-def _drain(proc: subprocess.Popen, echo: str | None) -> None:
+def _read_output(proc: subprocess.Popen, lines: queue.Queue, echo: str | None) -> None:
+    """Every line it prints: into `lines` until it says it listens (None at its end),
+    then printed with the prefix `echo`, or dropped (never left to fill the pipe)."""
+    listening = False
     for line in proc.stdout:
-        if echo is not None:
+        if not listening:
+            lines.put(line)
+            listening = LISTENING.search(line) is not None
+        elif echo is not None:
             print(f"{echo}{line}", end="", flush=True)
+    lines.put(None)
 
 
-def _wait_listening(proc: subprocess.Popen, timeout: float) -> str:
-    deadline, seen = time.monotonic() + timeout, []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
+def _wait_listening(lines: queue.Queue, timeout: float) -> str:
+    seen: list[str] = []
+    while True:
+        try:
+            line = lines.get(timeout=timeout)
+        except queue.Empty:
+            raise NotListening([*seen, f"nothing printed for {timeout:.0f} s\n"]) from None
+        if line is None:
+            raise NotListening(seen)
         seen.append(line)
         if match := LISTENING.search(line):
             return match.group(1)
-    raise NotListening(seen)

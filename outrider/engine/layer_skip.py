@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -221,6 +222,8 @@ def choose_layers(target: ModelRunner) -> tuple[SkipChoice, list[SkipChoice]]:
     keeps the most sampled acceptance), and every subset the search kept on its way."""
     model, mc = target.model, target.model_config
     bos = mc.bos_token_id if mc.bos_token_id is not None else 0
+    print(f"layer skip search ({mc.num_layers} layers, once per checkpoint): sampling "
+          f"calibration text", file=sys.stderr, flush=True)
     text = calibration_text(model, bos)
     with torch.no_grad():
         reference = Reference.of(causal_logits(model, text).flatten(0, 1))
@@ -236,6 +239,10 @@ def choose_layers(target: ModelRunner) -> tuple[SkipChoice, list[SkipChoice]]:
                    key=lambda c: c.sampled_alpha)
         path.append(step)
         kept = step.kept
+        # a line a step: a replica searching before it listens is seen to progress
+        print(f"layer skip search ({mc.num_layers} layers, once per checkpoint): "
+              f"{len(kept)} kept, sampled α {step.sampled_alpha:.2f}", file=sys.stderr,
+              flush=True)
     return max(path, key=lambda c: c.speedup), path
 
 
@@ -263,9 +270,9 @@ def cached_choice(target: ModelRunner) -> SkipChoice:
     except (OSError, ValueError, KeyError, TypeError):
         pass  # (not searched yet, or written by another version: searched again)
     choice, searched = choose_layers(target)
-    log.info("layer skip: kept %s of %d layers (sampled α %.2f, c %.2f, promised %.2fx)",
-             choice.kept, target.model_config.num_layers, choice.sampled_alpha, choice.cost,
-             choice.speedup)
+    print(f"layer skip: kept {list(choice.kept)} of {target.model_config.num_layers} layers "
+          f"(sampled α {choice.sampled_alpha:.2f}, c {choice.cost:.2f}, promised "
+          f"{choice.speedup:.2f}x), kept in {path}", file=sys.stderr, flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"model": target.cfg.model_dir, "choice": choice.as_json(),

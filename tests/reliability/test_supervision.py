@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from outrider import paths
+from outrider import launch, paths
 from outrider.client import Client, OutriderError
 from outrider.core.stats import MODEL_METHOD
 from outrider.launch import RestartPolicy, free_port
@@ -128,6 +128,29 @@ def serve(tmp_path_factory):
 def test_restart_delays_double_to_a_cap():
     policy = RestartPolicy(first_delay_s=0.5, max_delay_s=8.0)
     assert [policy.delay_s(n) for n in range(1, 8)] == [0.5, 1, 2, 4, 8, 8, 8]
+
+
+def starting(script: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_start_that_reports_progress_is_waited_for_and_a_silent_one_is_not():
+    """The start timeout bounds silence, not the start: a process that prints a line a
+    second for three times the timeout (a long load, a layer search) is waited for; one
+    that prints nothing is stopped after the timeout, though its pipe stays open."""
+    progressing = starting("import time\nfor i in range(6): print(i, flush=True); "
+                           "time.sleep(0.5)\nprint('listening on 127.0.0.1:5', flush=True)\n"
+                           "time.sleep(30)")
+    start = time.monotonic()
+    assert launch._await_listening(progressing, 1.0, None) == "127.0.0.1:5"
+    assert time.monotonic() - start > 2.5
+    launch.stop_process(progressing)
+    silent = starting("import time; time.sleep(30)")
+    start = time.monotonic()
+    with pytest.raises(launch.NotListening, match="nothing printed for 1 s"):
+        launch._await_listening(silent, 1.0, None)
+    assert time.monotonic() - start < 10 and silent.poll() is not None
 
 
 @pytest.mark.slow
