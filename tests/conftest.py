@@ -76,7 +76,7 @@ GROUPS = {"tests/cluster/test_ray_cluster.py": "ray",
           "tests/engine/test_compiled.py": "compiled",
           f"{CHI2}compiled_": "compiled",
           **{f"{CHI2}{name}_": "chi2-proposers"
-             for name in ("head", "tree", "lookup", "constrained", "cache_aware",
+             for name in ("head", "tree", "lookup", "mixed", "constrained", "cache_aware",
                           "layer_skip")}}
 
 

@@ -42,7 +42,7 @@ from scipy.stats import chi2_contingency
 import outrider.engine.spec_decode as spec_decode_module
 from outrider.core.sampling import History, SamplingParams
 from outrider.core.sequence import ProposerKind
-from outrider.core.stats import SpecStats
+from outrider.core.stats import MODEL_METHOD, SpecStats
 from outrider.core.structured import StructuredOutput
 from outrider.core.tokenizer import Tokenizer
 from outrider.engine.drafter import Drafter
@@ -307,6 +307,43 @@ def test_lookup_speculative_sampling_matches_target_distribution(samples, kind):
     assert looked_up[0] >= NUM_SAMPLES and 0 < looked_up[1] < looked_up[0], stats.by_proposer
     reference = samples.target_only_with(LOOKUP_CONFIG)
     pvalues = comparisons([tuple(s.output_ids) for s in seqs], reference)
+    assert not failures(pvalues), failures(pvalues)
+
+
+MIXED_KINDS = (ProposerKind.MODEL, ProposerKind.NGRAM, ProposerKind.SUFFIX,
+               ProposerKind.LOOKAHEAD)
+
+
+@pytest.mark.slow
+def test_mixed_speculative_sampling_matches_target_distribution(samples, close_draft_dir):
+    """One batch whose requests each name their proposer (the draft model, n-gram,
+    suffix, lookahead in turn), the model's rows drafting ahead beside the others'
+    lookups: each request's rounds are drafted by its own kind alone, verification keeps
+    and rejects every kind's tokens, and the batch's output is the target's."""
+    target = samples.decoders["far", False].target
+    mix = ProposerMix(Drafter(ModelRunner(RunnerConfig(str(close_draft_dir), kv_cache_mb=64))),
+                      target.vocab_size, ProposerKind.AUTO)
+    decoder = SpeculativeDecoder(target, mix, overlap_max_seqs=ALL, overlap_sampled=True)
+    seqs = [decoder.new_sequence(PROMPT, SamplingParams(
+        max_tokens=MAX_TOKENS, seed=seed_base("mixed") + i, ignore_eos=True, **LOOKUP_CONFIG))
+        for i in range(NUM_SAMPLES)]
+    for i, seq in enumerate(seqs):
+        seq.proposer = MIXED_KINDS[i % len(MIXED_KINDS)].value
+    running = list(seqs)
+    while running:
+        decoder.step(running, [LOOKUP_GAMMA] * len(running))
+        running = [s for s in running if not s.is_finished]
+    assert target.blocks.num_used_blocks == 0 and not mix._held
+    for k, kind in enumerate(MIXED_KINDS):
+        stats = SpecStats()
+        for seq in seqs[k::len(MIXED_KINDS)]:
+            stats.merge(seq.stats)
+        method = MODEL_METHOD if kind is ProposerKind.MODEL else kind.value
+        assert set(stats.by_proposer) == {method}, (kind, stats.by_proposer)
+        drafted, kept = stats.by_proposer[method]
+        assert 0 < kept < drafted, (kind, stats.by_proposer)
+    pvalues = comparisons([tuple(s.output_ids) for s in seqs],
+                          samples.target_only_with(LOOKUP_CONFIG))
     assert not failures(pvalues), failures(pvalues)
 
 
