@@ -145,3 +145,11 @@ def add_self_draft_arg(p: argparse.ArgumentParser) -> None:
                         "these of its layers (layer skip), in its own process; auto: the "
                         "subset measured best for this checkpoint (searched once, kept in "
                         "~/.cache/outrider/layer_skip) (default: None, off)")
+
+
+def check_self_draft(layers: str | None, flags: str, *drafts: object) -> None:
+    """--self-draft-layers is the draft: refused beside another one (`drafts`, given by
+    `flags`)."""
+    if layers and any(drafts):
+        raise ValueError(f"--self-draft-layers drafts with the target's own layers: give it "
+                         f"without {flags}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from outrider.core.hf_config import head_kind
 from outrider.cpus import plan_cpus
-from outrider.flags import resolve_device
+from outrider.flags import check_self_draft, resolve_device
 from outrider.launch import RestartPolicy, free_port, supervised_group
 from outrider.target_worker.main import TargetWorkerConfig
 from outrider.target_worker.scheduler import SchedulerConfig
@@ -67,9 +67,7 @@ class LocalSystemConfig:
                              "(Medusa heads draft in the target's process)")
         if self.cache_aware_sampling is not None and not self.speculation_cache:
             raise ValueError("--cache-aware-sampling needs --speculation-cache")
-        if self.self_draft_layers and self.draft:
-            raise ValueError("--self-draft-layers: the target drafts with its own layers, "
-                             "give no draft model (--draft)")
+        check_self_draft(self.self_draft_layers, "--draft", self.draft)
         if self.tree_topk > 1 and (self.head_on_replicas
                                    or not (kind or self.self_draft_layers)):
             raise ValueError("--tree-topk > 1 needs a draft head (--draft DIR of an EAGLE "

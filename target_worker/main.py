@@ -22,6 +22,7 @@ from outrider.flags import (
     add_proposer_arg,
     add_self_draft_arg,
     add_tree_args,
+    check_self_draft,
     resolve_device,
 )
 from outrider.v1.worker_pb2 import DESCRIPTOR
@@ -65,9 +66,8 @@ class TargetWorkerConfig:
         if self.overlap_max_seqs < 0:
             raise ValueError("overlap_max_seqs must be >= 0")
         PolicyConfig(MAX_GAMMA, self.hot_heat, self.cool_heat)  # validates the heats
-        if self.self_draft_layers and (self.draft_addresses or self.draft_head):
-            raise ValueError("--self-draft-layers drafts with the target's own layers: "
-                             "give it without --draft-address and --draft-head")
+        check_self_draft(self.self_draft_layers, "--draft-address and --draft-head",
+                         self.draft_addresses, self.draft_head)
         if self.tree.topk > 1 and (self.draft_addresses
                                    or not (self.draft_head or self.self_draft_layers)):
             raise ValueError("--tree-topk > 1 needs --draft-head without --draft-address, or "

@@ -222,8 +222,12 @@ def choose_layers(target: ModelRunner) -> tuple[SkipChoice, list[SkipChoice]]:
     keeps the most sampled acceptance), and every subset the search kept on its way."""
     model, mc = target.model, target.model_config
     bos = mc.bos_token_id if mc.bos_token_id is not None else 0
-    print(f"layer skip search ({mc.num_layers} layers, once per checkpoint): sampling "
-          f"calibration text", file=sys.stderr, flush=True)
+    # a line a step: a replica searching before it listens is seen to progress
+    def report(what: str) -> None:
+        print(f"layer skip search ({mc.num_layers} layers, once per checkpoint): {what}",
+              file=sys.stderr, flush=True)
+
+    report("sampling calibration text")
     text = calibration_text(model, bos)
     with torch.no_grad():
         reference = Reference.of(causal_logits(model, text).flatten(0, 1))
@@ -239,10 +243,7 @@ def choose_layers(target: ModelRunner) -> tuple[SkipChoice, list[SkipChoice]]:
                    key=lambda c: c.sampled_alpha)
         path.append(step)
         kept = step.kept
-        # a line a step: a replica searching before it listens is seen to progress
-        print(f"layer skip search ({mc.num_layers} layers, once per checkpoint): "
-              f"{len(kept)} kept, sampled α {step.sampled_alpha:.2f}", file=sys.stderr,
-              flush=True)
+        report(f"{len(kept)} kept, sampled α {step.sampled_alpha:.2f}")
     return max(path, key=lambda c: c.speedup), path
 
 

@@ -17,6 +17,7 @@ from outrider.engine.model_config import ModelConfig
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import RequestError, SpeculativeDecoder
 from outrider.engine.tree import TreeShape
+from outrider.flags import check_self_draft
 
 
 @dataclass(frozen=True)
@@ -30,9 +31,7 @@ class LocalEngineConfig:
     self_draft_layers: str | None = None
 
     def __post_init__(self) -> None:
-        if self.self_draft_layers and self.draft_dir:
-            raise ValueError("--self-draft-layers drafts with the target's own layers: "
-                             "give it without --draft")
+        check_self_draft(self.self_draft_layers, "--draft", self.draft_dir)
 
 
 class LocalEngine:
