@@ -71,7 +71,8 @@ class DraftReplica(_Replica):
                                                enforce_eager=runner.enforce_eager,
                                                adapt=adapt, adapt_redis=adapt_redis,
                                                adapt_pair=adapt_pair,
-                                               target_model=target_model,
+                                               target_models=(target_model,) if target_model
+                                               else (),
                                                speculation_cache=speculation_cache), token)
         self.service = self.running.service
 

@@ -100,7 +100,7 @@ class Controller:
             self._runner(pair.draft), self.spec.worker_host, draft.port, self.token,
             pair.draft_metrics_port, pair.adapt, self.spec.redis_url,
             f"{self.spec.name}-{pair.name}",  # adapting drafts share versions in Redis
-            pair.target if pair.draft_is_head else None,  # a head's: the target's embedding
+            pair.target,  # a head's embedding; a draft of another vocabulary's tokenizer
             pair.speculation_cache)
         draft.address = ray.get(draft.actor.address.remote(), timeout=START_TIMEOUT_S)
         draft.port = int(draft.address.rsplit(":", 1)[1])

@@ -13,11 +13,14 @@ from outrider import cluster_tls
 from outrider.core.hf_config import ModelConfigError, head_kind
 from outrider.cpus import available_cpus, parse_cpus
 from outrider.dense_channel import DRAFT_RANK, DenseChannel
+from outrider.engine.cross_vocab import across_vocabularies, vocab_fingerprint
 from outrider.engine.distill import DistillConfig
 from outrider.engine.distributed import set_cpu_threads
 from outrider.engine.drafter import Drafter
 from outrider.engine.heads import HeadRunner, TargetSide
+from outrider.engine.model_config import ModelConfig
 from outrider.engine.runner import ModelRunner, RunnerConfig
+from outrider.engine.spec_decode import RequestError
 from outrider.flags import (
     add_cpus_arg,
     add_metrics_arg,
@@ -61,9 +64,15 @@ class DraftWorkerConfig:
     distill: DistillConfig = DistillConfig()
     adapt_redis: str | None = None     # share versions: one replica of the pair trains
     adapt_pair: str | None = None      # the pair's name there (default: the draft's)
-    target_model: str | None = None    # a head's target (its embedding and lm_head)
+    # the targets it drafts for: a head's (its embedding and lm_head); targets of another
+    # vocabulary than the draft's get the target's tokens through text (cross_vocab.py)
+    target_models: tuple[str, ...] = ()
     speculation_cache: bool = False    # draft the next round while the target verifies
     cache_aware_sampling: float | None = None  # sampled rows too, q shaped (spec_cache.py)
+
+    @property
+    def target_model(self) -> str | None:
+        return self.target_models[0] if self.target_models else None
 
     def __post_init__(self) -> None:
         if self.cache_aware_sampling is not None and not self.speculation_cache:
@@ -85,7 +94,8 @@ class DraftWorkerConfig:
                    distill=DistillConfig(round_tokens=args.adapt_round_tokens,
                                          max_duty=args.adapt_max_duty),
                    adapt_redis=args.adapt_redis, adapt_pair=args.adapt_pair,
-                   target_model=args.target_model, speculation_cache=args.speculation_cache,
+                   target_models=tuple(args.target_model or ()),
+                   speculation_cache=args.speculation_cache,
                    cache_aware_sampling=args.cache_aware_sampling)
 
 
@@ -94,9 +104,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="draft checkpoint dir: a draft model, or an EAGLE-3 / EAGLE-1 head "
                         "(the target sends its features with each Propose)")
-    p.add_argument("--target-model", metavar="DIR",
-                   help="with a head: the target's checkpoint dir, for its embedding (and "
-                        "lm_head where the head has none); nothing else of it is loaded")
+    p.add_argument("--target-model", metavar="DIR", action="append",
+                   help="a target's checkpoint dir: a head's embedding (and lm_head where "
+                        "the head has none); a draft model proposes in the ids of each "
+                        "target named (repeat the flag), through text for one of another "
+                        "tokenizer; nothing else of it is loaded")
     cfg = DraftWorkerConfig
     add_model_server_args(p, host=cfg.host, port=cfg.port, device="auto", dtype=cfg.dtype,
                           threads=cfg.threads,
@@ -144,6 +156,28 @@ def serve(cfg: DraftWorkerConfig, token: str | None) -> None:
     serve_until_signalled(start(cfg, token), "draft worker")
 
 
+def proposers_of(drafter: Drafter, cfg: DraftWorkerConfig) -> dict:
+    """The proposer for each target's vocabulary (vocab_fingerprint; "": the first
+    target's, for a target that does not say): the drafter where the vocabulary is its
+    own, the drafter proposing through text where it is not (engine/cross_vocab.py).
+    Without --target-model, or for a head, the drafter for every target."""
+    if not cfg.target_models or head_kind(cfg.model_dir):
+        return {"": drafter}
+    proposers = {}
+    for target in cfg.target_models:
+        try:
+            proposer = across_vocabularies(drafter, target, cfg.model_dir,
+                                           ModelConfig.from_dir(target).vocab_size)
+        except RequestError as exc:
+            raise ModelConfigError(str(exc)) from None
+        if proposer is not drafter and (cfg.speculation_cache or cfg.adapt):
+            raise ModelConfigError(f"{cfg.model_dir} has another vocabulary than {target}: "
+                                   f"it proposes through text, without --speculation-cache "
+                                   f"or --adapt")
+        proposers[vocab_fingerprint(target)] = proposer
+    return {"": next(iter(proposers.values())), **proposers}
+
+
 def draft_runner(runner_cfg: RunnerConfig, cfg: DraftWorkerConfig) -> ModelRunner:
     """The draft model's runner, or a head's beside its target's embedding and lm_head."""
     kind = head_kind(cfg.model_dir)
@@ -182,7 +216,8 @@ def start(cfg: DraftWorkerConfig, token: str | None) -> Running:
         cores = (shared, [c for c in available_cpus() if c not in shared] or shared)
     drafter = Drafter(runner, evict_lru=True)
     metrics.watch_version(lambda: drafter.version)
-    service = DraftService(drafter, idle_ttl_s=cfg.idle_ttl_s, dense_channel=channel,
+    service = DraftService(drafter, proposers_of(drafter, cfg), idle_ttl_s=cfg.idle_ttl_s,
+                           dense_channel=channel,
                            metrics=metrics, cores=cores,
                            speculation_cache=cfg.speculation_cache and cfg.prefix_caching,
                            sampled_weight=cfg.cache_aware_sampling)

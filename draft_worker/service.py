@@ -63,12 +63,16 @@ class SequenceSpans:
 
 
 class DraftService(worker_pb2_grpc.DraftServicer):
-    def __init__(self, drafter: Drafter, idle_ttl_s: float = 300.0,
+    def __init__(self, drafter: Drafter, proposers: dict | None = None,
+                 idle_ttl_s: float = 300.0,
                  dense_channel: DenseChannel | None = None,
                  metrics: DraftMetrics | None = None,
                  cores: tuple[list[int], list[int]] | None = None,
                  speculation_cache: bool = False, sampled_weight: float | None = None) -> None:
         self.drafter = drafter
+        # what proposes for each target vocabulary (draft_worker/main.proposers_of): the
+        # drafter, or the drafter through text for a target of another tokenizer
+        self.proposers = proposers or {"": drafter}
         # (while the target waits, while it verifies): a draft on the target's machine
         # drafts on the target's idle cores when it waits, beside them when it verifies
         self.cores = cores
@@ -89,8 +93,9 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         self._waiting, self._waiting_lock = 0, threading.Lock()
 
     def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
+        proposer = self._proposer(request.target_vocab, context)
         try:
-            items = [self._item(s) for s in request.sequences]
+            items = [self._item(s, proposer.vocab_size) for s in request.sequences]
         except (SamplingError, WireError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         is_dist = [it.q_format == "dense_dist" for it in items]
@@ -103,14 +108,14 @@ class DraftService(worker_pb2_grpc.DraftServicer):
             self._wait(-1)
             if self.cores is not None:  # this thread drafts: move it where it belongs
                 os.sched_setaffinity(0, self.cores[request.beside_target])
-            if self.drafter.evict_idle(self.idle_ttl_s):
+            if sum(p.evict_idle(self.idle_ttl_s) for p in self._distinct):
                 self.spans.close_evicted(self.drafter.runner.blocks.has)
             cached = self.cache.take(items) if self._caching else [None] * len(items)
             # a miss that asked for ready drafts only is answered at once, with none
             waits = [it.ready_only and it.gamma > 0 and self._caching for it in items]
             asked = [it for it, entry, w in zip(items, cached, waits) if entry is None and not w]
-            out = self.drafter.draft(asked, torch.device("cpu")) if asked else None
-            rows = _rows(items, cached, waits, out, self.drafter.holds)
+            out = proposer.draft(asked, torch.device("cpu")) if asked else None
+            rows = _rows(items, cached, waits, out, proposer.holds)
             if any(is_dist):  # (a dense_dist row is never cached: all of them were asked)
                 try:
                     self._send_dense(out, [it.q_format == "dense_dist" for it in asked],
@@ -132,6 +137,22 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         self._observe(items, rows, cached, seconds)
         return pb.ProposeResponse(proposals=proposals, draft_seconds=seconds,
                                   draft_version=version, target_topk=self.drafter.target_topk)
+
+    def _proposer(self, target_vocab: str, context):
+        """The proposer for the calling target's vocabulary; a replica started for no
+        target in particular drafts in its own for any."""
+        if target_vocab in self.proposers:
+            return self.proposers[target_vocab]
+        if len(self.proposers) == 1:
+            return self.drafter
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"this draft replica drafts for {len(self.proposers) - 1} target "
+                      f"vocabularies (its --target-model), not {target_vocab!r}: start it "
+                      f"with this target's folder as --target-model too")
+
+    @property
+    def _distinct(self) -> list:
+        return list({id(p): p for p in self.proposers.values()}.values())
 
     def _wait(self, change: int) -> None:
         with self._waiting_lock:
@@ -188,18 +209,20 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         with self.lock:
             if self.cache is not None:
                 self.cache.forget(request.seq_ids)
-            released = sum(self.drafter.release(seq_id) for seq_id in request.seq_ids)
+            released = sum(any([p.release(seq_id) for p in self._distinct])
+                           for seq_id in request.seq_ids)
             self.spans.close(request.seq_ids)
         return pb.ReleaseResponse(num_released=released)
 
     def Stats(self, request, context) -> pb.DraftStats:
         blocks = self.drafter.runner.blocks
+        proposer = self._proposer(request.target_vocab, context)
         return pb.DraftStats(num_sequences=blocks.num_sequences,
                              num_used_blocks=blocks.num_used_blocks,
                              num_total_blocks=blocks.num_blocks,
                              num_evicted=self.drafter.num_evicted,
                              num_misses=self.drafter.num_misses,
-                             vocab_size=self.drafter.vocab_size,
+                             vocab_size=proposer.vocab_size,
                              max_model_len=self.drafter.max_model_len,
                              num_dense_sends=self.num_dense_sends,
                              model_name=self.drafter.model_name,
@@ -212,7 +235,7 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         """A head's (HeadRunner.feature_width); 0 for a draft model."""
         return getattr(self.drafter.runner, "feature_width", 0)
 
-    def _item(self, s: pb.ProposeSequence) -> DraftItem:
+    def _item(self, s: pb.ProposeSequence, vocab: int) -> DraftItem:
         where = f"sequences[{s.seq_id!r}]"
         if not s.seq_id:
             raise WireError("sequences[].seq_id is empty")
@@ -220,7 +243,6 @@ class DraftService(worker_pb2_grpc.DraftServicer):
             raise WireError(f"{where}.gamma={s.gamma} exceeds {MAX_GAMMA}")
         if s.q_format not in Q_FORMAT_NAMES:
             raise WireError(f"{where}.q_format is not set")
-        vocab = self.drafter.vocab_size
         if any(not 0 <= t < vocab for t in s.new_token_ids):
             raise WireError(f"{where}.new_token_ids holds ids outside [0, {vocab})")
         if s.committed_len + len(s.new_token_ids) == 0 and s.gamma:

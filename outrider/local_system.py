@@ -123,7 +123,7 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
             else 0
         draft_share, target_share = gpu_shares(cfg, num_drafts)
         drafts = tuple(run(f"draft-{i}", "draft-worker", "--model", cfg.draft, *model,
-                           *(("--target-model", cfg.target) if head else ()),
+                           "--target-model", cfg.target,  # (a head's, another vocabulary's)
                            *draft_share,
                            *(("--adapt",) if cfg.adapt else ()),
                            *(("--speculation-cache",) if cfg.speculation_cache else ()),

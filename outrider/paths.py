@@ -22,6 +22,9 @@ DEMO_DRAFT = "demo-draft"
 DEMO_HEAD = "demo-eagle3"  # an EAGLE-3 head for the demo target (engine/heads.py)
 # the demo target in 4-bit weights (W4A16, groups of 32: scripts/quantize_checkpoint.py)
 DEMO_TARGET_W4A16 = "demo-target-w4a16"
+# a draft with its own tokenizer (a 2,048-token BPE), distilled from the demo target's text
+# (scripts/train_cross_draft.py; engine/cross_vocab.py)
+DEMO_CROSS_DRAFT = "demo-draft-bpe2k"
 
 
 class DemoModelsNotFound(FileNotFoundError):
@@ -52,6 +55,10 @@ def demo_head_dir(*, must_exist: bool = False) -> Path:
 
 def demo_w4a16_target_dir(*, must_exist: bool = False) -> Path:
     return _demo_dir(DEMO_TARGET_W4A16, must_exist)
+
+
+def demo_cross_draft_dir(*, must_exist: bool = False) -> Path:
+    return _demo_dir(DEMO_CROSS_DRAFT, must_exist)
 
 
 def demo_pair() -> tuple[Path, Path]:

@@ -6,8 +6,9 @@
 
 Each variant is a `outrider serve`-like deployment on the demo pair (router, target and
 draft replicas as processes, every default as `outrider serve` has it, the variant's
-flags added to the target replica's, but for `--speculation-cache` and
-`--cache-aware-sampling W`, which are serve's: the draft replicas' cache), driven by
+flags added to the target replica's, but for `--speculation-cache`,
+`--cache-aware-sampling W` (the draft replicas' cache) and `--draft DIR` (another draft:
+one of its own tokenizer proposes through text), which are serve's), driven by
 `outrider bench`'s gRPC client (code prompts, greedy or --sampling, 96 tokens, EOS
 ignored). Rounds take the variants in turn, the order
 reversed every other round, so the machine's noise meets each alike. Per variant, mode
@@ -61,9 +62,10 @@ def measure(variant: str, plan: serving.Plan, dtype: str) -> list[dict]:
     serve_level = argparse.ArgumentParser(add_help=False)  # the draft replicas' flags
     serve_level.add_argument("--speculation-cache", action="store_true")
     serve_level.add_argument("--cache-aware-sampling", type=float)
+    serve_level.add_argument("--draft", default=draft)
     drafts, extra = serve_level.parse_known_args([] if variant == "default"
                                                  else shlex.split(variant))
-    cfg = LocalSystemConfig(target, draft, grpc_port=0, metrics=True,
+    cfg = LocalSystemConfig(target, drafts.draft, grpc_port=0, metrics=True,
                             extra_target_args=tuple(extra), dtype=dtype,
                             speculation_cache=drafts.speculation_cache,
                             cache_aware_sampling=drafts.cache_aware_sampling)

@@ -205,6 +205,7 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
 
     from outrider import cluster_tls
     from outrider.dense_channel import TARGET_RANK, DenseChannel
+    from outrider.engine.cross_vocab import vocab_fingerprint
     from outrider.engine.distributed import TPRunnerGroup
     from outrider.engine.mix import ProposerMix
     from outrider.engine.spec_decode import SpeculativeDecoder
@@ -222,7 +223,8 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
               file=sys.stderr, flush=True)
     drafter = (RemoteDrafter(list(cfg.draft_addresses), token,
                              seq_prefix=f"{uuid.uuid4().hex[:8]}:", dense_channel=channel,
-                             head=remote_head(cfg, group.runner))
+                             head=remote_head(cfg, group.runner),
+                             target_vocab=vocab_fingerprint(cfg.runner.model_dir))
                if cfg.draft_addresses else None)
     if cfg.draft_head and not cfg.draft_addresses:
         from outrider.engine.heads import head_proposer

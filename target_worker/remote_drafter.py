@@ -52,11 +52,14 @@ class RemoteDrafter:
     def __init__(self, addresses: list[str], token: str | None, seq_prefix: str,
                  timeout_s: float = 10.0, retry_after_s: float = 2.0,
                  dense_channel: DenseChannel | None = None,
-                 head: RemoteHead | None = None) -> None:
+                 head: RemoteHead | None = None, target_vocab: str = "") -> None:
+        """target_vocab: this target's vocabulary (cross_vocab.vocab_fingerprint), so that
+        a replica drafting for targets of several proposes in its ids."""
         if not addresses:
             raise DraftReplicaError("no draft replica addresses given")
         self.addresses = addresses
         self.seq_prefix = seq_prefix  # keeps ids unique when targets share a draft replica
+        self.target_vocab = target_vocab
         self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
         self._metadata = token_metadata(token)
         self._channels = [_channel(a) for a in addresses]
@@ -95,9 +98,11 @@ class RemoteDrafter:
     def _describe(self) -> pb.DraftStats:
         for stub in self._stubs:
             try:
-                return stub.Stats(pb.DraftStatsRequest(), metadata=self._metadata,
-                                  timeout=self.timeout_s)
-            except grpc.RpcError:
+                return stub.Stats(pb.DraftStatsRequest(target_vocab=self.target_vocab),
+                                  metadata=self._metadata, timeout=self.timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # (not for this target)
+                    raise DraftReplicaError(exc.details()) from None
                 continue
         raise DraftReplicaError(f"no draft replica answers at {', '.join(self.addresses)}")
 
@@ -319,7 +324,7 @@ class RemoteDrafter:
                 features=features.get(i), ready_only=it.ready_only,
                 unprepared=not it.prepare))
         return pb.ProposeRequest(sequences=seqs, dist_tag=self._dist_tag,
-                                 beside_target=beside_target)
+                                 beside_target=beside_target, target_vocab=self.target_vocab)
 
     def _read(self, item: DraftItem, proposal: pb.Proposal, q_format: str, i: int, gammas,
               is_miss, token_rows, q_rows) -> None:

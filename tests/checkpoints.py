@@ -79,8 +79,36 @@ def perturbed_copy(src: Path, dst: Path, noise: float, seed: int = 1) -> Path:
     return dst
 
 
-def train_tokenizer(path: Path) -> Path:
-    """A byte-level BPE with fewer ids than VOCAB, trained on a little Python source."""
+def permuted_vocab_copy(src: Path, dst: Path, seed: int = 2) -> Path:
+    """`src` over another vocabulary: its tokenizer's ids shuffled (special tokens kept),
+    its embedding and output rows moved with them, so it models the same text; a draft
+    that proposes through text (outrider/engine/cross_vocab.py)."""
+    from transformers import AutoModelForCausalLM
+
+    tok = json.loads((src / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    special = {t["id"] for t in tok["added_tokens"]}
+    ids = sorted(i for i in vocab.values() if i not in special)
+    shuffled = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed))
+    new_id = {old: ids[k] for old, k in zip(ids, shuffled.tolist())}
+    tok["model"]["vocab"] = {piece: new_id.get(i, i) for piece, i in vocab.items()}
+    model = AutoModelForCausalLM.from_pretrained(src)
+    rows = torch.arange(model.config.vocab_size)  # new id -> the row of the old one
+    for old, new in new_id.items():
+        rows[new] = old
+    with torch.no_grad():
+        weights = {id(m.weight): m.weight  # (once, when tied)
+                   for m in (model.get_input_embeddings(), model.get_output_embeddings())}
+        for weight in weights.values():
+            weight.copy_(weight[rows])
+    model.save_pretrained(dst)
+    (dst / "tokenizer.json").write_text(json.dumps(tok))
+    return dst
+
+
+def train_tokenizer(path: Path, vocab_size: int = 300, module=None) -> Path:
+    """A byte-level BPE with fewer ids than VOCAB, trained on a little Python source
+    (json's, or `module`'s)."""
     import inspect
     import json as json_module
 
@@ -89,9 +117,10 @@ def train_tokenizer(path: Path) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=["<pad>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([inspect.getsource(json_module)], trainer)
+    tok.train_from_iterator([inspect.getsource(module or json_module)], trainer)
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     return path

@@ -41,6 +41,7 @@ from outrider.core.hf_config import head_kind
 from outrider.core.sampling import SamplingParams
 from outrider.core.stats import SpecStats
 from outrider.core.tokenizer import Tokenizer
+from outrider.engine.cross_vocab import across_vocabularies
 from outrider.engine.drafter import Drafter
 from outrider.engine.heads import HeadRunner, TargetSide
 from outrider.engine.runner import ModelRunner, RunnerConfig
@@ -141,7 +142,9 @@ def main() -> None:
              if head_kind(args.draft)
              else ModelRunner(RunnerConfig(args.draft)))
     # trees on every round (TreeChoice would keep greedy steps on the faster kind)
-    decoder = SpeculativeDecoder(target, Drafter(draft), tree=tree, choose_trees=False)
+    proposer = (across_vocabularies(Drafter(draft), args.target, args.draft, target.vocab_size)
+                if not head_kind(args.draft) else Drafter(draft))
+    decoder = SpeculativeDecoder(target, proposer, tree=tree, choose_trees=False)
     prompts = heldout_prompts(Tokenizer(args.target), args.prompts, args.prompt_tokens)
     report = {"provenance": provenance(),
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "

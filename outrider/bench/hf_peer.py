@@ -47,10 +47,13 @@ def load_hf(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def hf_runner(model, assistant=None, num_assistant_tokens: int | None = None) -> Runner:
+def hf_runner(model, assistant=None, num_assistant_tokens: int | None = None,
+              tokenizers: dict | None = None) -> Runner:
     """transformers greedy `generate`, exactly max_tokens new tokens (EOS suppressed as
     Outrider's ignore_eos does). With num_assistant_tokens: a constant γ and no
-    confidence threshold; without: the assistant's defaults."""
+    confidence threshold; without: the assistant's defaults. `tokenizers` (tokenizer,
+    assistant_tokenizer): an assistant of another vocabulary, transformers' universal
+    assisted generation."""
     def run(prompt: list[int], max_tokens: int) -> list[int]:
         if assistant is not None and num_assistant_tokens is not None:
             config = assistant.generation_config
@@ -62,7 +65,7 @@ def hf_runner(model, assistant=None, num_assistant_tokens: int | None = None) ->
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                                  pad_token_id=model.config.pad_token_id or 0,
-                                 assistant_model=assistant)
+                                 assistant_model=assistant, **(tokenizers or {}))
         return out[0, len(prompt):].tolist()
 
     return run
@@ -99,17 +102,26 @@ def deployment_runners(stub, gamma: int, workload: str, metadata=()) -> dict[str
 
 def build_runners(target_dir: str, draft_dir: str, gamma: int) -> dict[str, Runner]:
     """transformers and Outrider's in-process engine, on the same checkpoints."""
+    from outrider.engine.cross_vocab import CrossVocabDrafter, across_vocabularies
     from outrider.engine.drafter import Drafter
     from outrider.engine.runner import ModelRunner, RunnerConfig
     from outrider.engine.spec_decode import SpeculativeDecoder
 
     target, draft = load_hf(target_dir), load_hf(draft_dir)
     # float32 as transformers runs here, whatever `auto` would choose
-    decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(target_dir, dtype="float32")),
-                                 Drafter(ModelRunner(RunnerConfig(draft_dir, dtype="float32"))))
+    target_runner = ModelRunner(RunnerConfig(target_dir, dtype="float32"))
+    proposer = across_vocabularies(Drafter(ModelRunner(RunnerConfig(draft_dir, dtype="float32"))),
+                                   target_dir, draft_dir, target_runner.vocab_size)
+    decoder = SpeculativeDecoder(target_runner, proposer)
+    tokenizers = None
+    if isinstance(proposer, CrossVocabDrafter):
+        from transformers import AutoTokenizer
+
+        tokenizers = {"tokenizer": AutoTokenizer.from_pretrained(target_dir),
+                      "assistant_tokenizer": AutoTokenizer.from_pretrained(draft_dir)}
     return {"transformers": hf_runner(target),
-            "transformers_assisted": hf_runner(target, draft),
-            f"transformers_assisted_g{gamma}": hf_runner(target, draft, gamma),
+            "transformers_assisted": hf_runner(target, draft, tokenizers=tokenizers),
+            f"transformers_assisted_g{gamma}": hf_runner(target, draft, gamma, tokenizers),
             "outrider_engine_off": engine_runner(decoder, 0),
             f"outrider_engine_g{gamma}": engine_runner(decoder, gamma)}
 

@@ -49,35 +49,47 @@ def cmd_demo(args) -> int:
         print("\n" + stats_line(spec))
         _print_comparison(spec, plain)
         _demo_sampled(client, prompt, args.max_tokens)
-    head = paths.demo_head_dir()
-    if (head / "config.json").is_file():
-        _demo_head(str(target), str(head), prompt, options, args.gamma, spec, plain)
+    drafted = {"draft model": spec}
+    for name, (folder, where) in OTHER_DRAFTS.items():
+        if (folder() / "config.json").is_file():
+            drafted[name] = _demo_other_draft(str(target), str(folder()), where, prompt,
+                                              options, args.gamma, plain)
+    print("acceptance per proposer (α = accepted / drafted; tokens per round):")
+    for name, result in drafted.items():
+        s = result.speculation
+        print(f"  {name:15} α {s.acceptance_rate:.2f}, {s.mean_accepted_len:.2f} tokens/round, "
+              f"{result.timings.tokens_per_s:.1f} tok/s")
     return 0
 
 
-def _demo_head(target: str, head: str, prompt: str, options: dict, gamma: int, spec,
-               plain) -> None:
-    """The same generation drafted by the demo EAGLE-3 head, which reads the target's
-    hidden states and runs in the target's process (no draft replica)."""
+# the drafts shown after the draft model: (their folder, where and how they draft)
+OTHER_DRAFTS = {
+    "EAGLE-3 head": (paths.demo_head_dir, "a draft head: EAGLE-3 ({name}), in the target "
+                                          "replica's process"),
+    "own tokenizer": (paths.demo_cross_draft_dir, "a draft with its own tokenizer ({name}, a "
+                                                  "2,048-token BPE) on a draft replica, "
+                                                  "proposing the target's tokens through text"),
+}
+
+
+def _demo_other_draft(target: str, draft: str, where: str, prompt: str, options: dict,
+                      gamma: int, plain):
+    """The same generation drafted another way, in a system of its own."""
     from outrider.client import Client
     from outrider.local_system import LocalSystemConfig, local_system
 
-    print(f"\n== the same through a draft head: EAGLE-3 ({Path(head).name}), in the target "
-          f"replica's process, greedy, γ = {gamma} ==", flush=True)
-    with local_system(LocalSystemConfig(target, head, grpc_port=0)) as system, \
+    print(f"\n== the same through {where.format(name=Path(draft).name)}, greedy, "
+          f"γ = {gamma} ==", flush=True)
+    with local_system(LocalSystemConfig(target, draft, grpc_port=0)) as system, \
             Client(system.router, timeout_s=600) as client:
         stream = client.stream(prompt, speculation="fixed", gamma_max=gamma, **options)
         for delta in stream:
             sys.stdout.write(delta.text)
             sys.stdout.flush()
-        by_head = stream.result()
-    print("\n" + stats_line(by_head))
-    _print_comparison(by_head, plain)
-    print("acceptance per proposer (α = accepted / drafted; tokens per round):")
-    for name, result in (("draft model", spec), ("EAGLE-3 head", by_head)):
-        s = result.speculation
-        print(f"  {name:13} α {s.acceptance_rate:.2f}, {s.mean_accepted_len:.2f} tokens/round, "
-              f"{result.timings.tokens_per_s:.1f} tok/s")
+        result = stream.result()
+    print("\n" + stats_line(result))
+    _print_comparison(result, plain)
+    return result
 
 
 CACHE_STREAMS = 8  # beyond the 2 that draft ahead instead (docs/DESIGN.md §2.5-2.6)

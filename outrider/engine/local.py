@@ -8,14 +8,14 @@ from dataclasses import dataclass, replace
 
 from outrider.core.hf_config import head_kind
 from outrider.core.sequence import ProposerKind
-from outrider.core.tokenizer import Tokenizer, TokenizerError
+from outrider.core.tokenizer import Tokenizer
+from outrider.engine.cross_vocab import across_vocabularies
 from outrider.engine.distributed import TPRunnerGroup
 from outrider.engine.drafter import Drafter
 from outrider.engine.heads import head_proposer
 from outrider.engine.mix import ProposerMix
-from outrider.engine.model_config import ModelConfig
 from outrider.engine.runner import ModelRunner, RunnerConfig
-from outrider.engine.spec_decode import RequestError, SpeculativeDecoder
+from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.engine.tree import TreeShape
 from outrider.flags import check_self_draft
 
@@ -38,8 +38,6 @@ class LocalEngine:
     def __init__(self, cfg: LocalEngineConfig) -> None:
         self.tokenizer = Tokenizer(cfg.target.model_dir)
         is_head = cfg.draft_dir is not None and head_kind(cfg.draft_dir) is not None
-        if cfg.draft_dir is not None and not is_head:
-            check_pair_compatible(cfg.target.model_dir, cfg.draft_dir)
         self._target_group = TPRunnerGroup(cfg.target)
         target = self._target_group.runner
         draft = None
@@ -47,7 +45,9 @@ class LocalEngine:
             draft_cfg = replace(cfg.target, model_dir=cfg.draft_dir, tp=1,
                                 kv_cache_mb=cfg.draft_kv_cache_mb)
             draft = (head_proposer(draft_cfg, target) if is_head
-                     else Drafter(ModelRunner(draft_cfg)))
+                     else across_vocabularies(Drafter(ModelRunner(draft_cfg)),
+                                              cfg.target.model_dir, cfg.draft_dir,
+                                              target.vocab_size))
         elif cfg.self_draft_layers:
             from outrider.engine.layer_skip import layer_skip_proposer
 
@@ -64,18 +64,3 @@ class LocalEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def check_pair_compatible(target_dir: str, draft_dir: str) -> None:
-    """Draft and target must share one vocabulary (same ids for the same tokens)."""
-    target_cfg, draft_cfg = ModelConfig.from_dir(target_dir), ModelConfig.from_dir(draft_dir)
-    if target_cfg.vocab_size != draft_cfg.vocab_size:
-        raise RequestError(f"draft and target have different vocabularies: "
-                           f"{draft_cfg.vocab_size} vs {target_cfg.vocab_size} tokens")
-    try:
-        same = Tokenizer(target_dir).vocab == Tokenizer(draft_dir).vocab
-    except TokenizerError:
-        return  # a draft without its own tokenizer.json uses the target's
-    if not same:
-        raise RequestError("draft and target have different vocabularies: "
-                           "their tokenizer.json files map tokens to different ids")

@@ -129,14 +129,16 @@ class TeacherRow(_message.Message):
     def __init__(self, position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("sequences", "dist_tag", "beside_target")
+    __slots__ = ("sequences", "dist_tag", "beside_target", "target_vocab")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     DIST_TAG_FIELD_NUMBER: _ClassVar[int]
     BESIDE_TARGET_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VOCAB_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[ProposeSequence]
     dist_tag: int
     beside_target: bool
-    def __init__(self, sequences: _Optional[_Iterable[_Union[ProposeSequence, _Mapping]]] = ..., dist_tag: _Optional[int] = ..., beside_target: _Optional[bool] = ...) -> None: ...
+    target_vocab: str
+    def __init__(self, sequences: _Optional[_Iterable[_Union[ProposeSequence, _Mapping]]] = ..., dist_tag: _Optional[int] = ..., beside_target: _Optional[bool] = ..., target_vocab: _Optional[str] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("seq_id", "miss", "token_ids", "support_lens", "support_ids", "support_probs", "dense_q", "vocab_size", "cache_rank")
@@ -185,8 +187,10 @@ class ReleaseResponse(_message.Message):
     def __init__(self, num_released: _Optional[int] = ...) -> None: ...
 
 class DraftStatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("target_vocab",)
+    TARGET_VOCAB_FIELD_NUMBER: _ClassVar[int]
+    target_vocab: str
+    def __init__(self, target_vocab: _Optional[str] = ...) -> None: ...
 
 class DraftStats(_message.Message):
     __slots__ = ("num_sequences", "num_used_blocks", "num_total_blocks", "num_evicted", "num_misses", "vocab_size", "max_model_len", "num_dense_sends", "model_name", "method", "feature_width", "speculation_cache")

@@ -12,8 +12,8 @@ from outrider import paths
 from outrider.core.sampling import SamplingParams
 from outrider.core.structured import StructuredOutput
 from outrider.engine.checkpoint import CheckpointError
+from outrider.engine.cross_vocab import pair_bridge
 from outrider.engine.drafter import Drafter
-from outrider.engine.local import check_pair_compatible
 from outrider.engine.memory import ram_bytes
 from outrider.engine.model_config import ModelConfigError
 from outrider.engine.runner import ModelRunner, RunnerConfig
@@ -112,22 +112,28 @@ def test_missing_shard(tmp_path):
 
 
 def test_draft_with_different_vocabulary(tmp_path, llama_dir, tokenizer_dir):
+    """A draft of another size proposes through text (cross_vocab.py) when it has a
+    tokenizer.json; without one it cannot, and is refused saying why."""
     other = save_random_checkpoint(tmp_path / "other", vocab_size=400,
                                    tokenizer_from=tokenizer_dir)
-    with pytest.raises(RequestError, match="different vocabularies: 400 vs 320"):
-        check_pair_compatible(str(llama_dir), str(other))
+    assert pair_bridge(str(llama_dir), str(other)) is not None
+    (other / "tokenizer.json").unlink()
+    with pytest.raises(RequestError, match="different vocabularies: 400 vs 320 tokens, and "
+                                           "the draft has no tokenizer.json"):
+        pair_bridge(str(llama_dir), str(other))
     with pytest.raises(RequestError, match="different vocabularies"):
         SpeculativeDecoder(load(llama_dir), Drafter(load(other)))
 
 
 def test_draft_with_different_tokenizer(model_copy, llama_dir):
+    """Two ids swapped: the same tokens under other ids, bridged id for id."""
     tok = json.loads((model_copy / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
     first, second = sorted(vocab, key=vocab.get)[10:12]
     vocab[first], vocab[second] = vocab[second], vocab[first]
     (model_copy / "tokenizer.json").write_text(json.dumps(tok))
-    with pytest.raises(RequestError, match="tokenizer.json files map tokens to different ids"):
-        check_pair_compatible(str(llama_dir), str(model_copy))
+    bridge = pair_bridge(str(llama_dir), str(model_copy))
+    assert bridge.shared[10] == 11 and bridge.shared[11] == 10 and bridge.shared[12] == 12
 
 
 @pytest.mark.parametrize("bad", [{"tp": 3}, {"device": "tpu"}, {"kv_cache_mb": 0},

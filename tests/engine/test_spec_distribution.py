@@ -45,6 +45,7 @@ from outrider.core.sequence import ProposerKind
 from outrider.core.stats import MODEL_METHOD, SpecStats
 from outrider.core.structured import StructuredOutput
 from outrider.core.tokenizer import Tokenizer
+from outrider.engine.cross_vocab import CrossVocabDrafter, pair_bridge
 from outrider.engine.drafter import Drafter
 from outrider.engine.heads import head_proposer
 from outrider.engine.layer_skip import LAYER_SKIP_METHOD, layer_skip_proposer
@@ -52,7 +53,12 @@ from outrider.engine.mix import ProposerMix
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.engine.tree import TreeShape, first_path
-from tests.checkpoints import perturbed_copy, save_random_head, save_random_medusa
+from tests.checkpoints import (
+    permuted_vocab_copy,
+    perturbed_copy,
+    save_random_head,
+    save_random_medusa,
+)
 from tests.toolchain import needs_compiler
 
 NUM_SAMPLES = 2000  # per run; all of a run's requests are one generate() batch
@@ -491,6 +497,30 @@ def test_layer_skip_speculative_sampling_matches_target_distribution(samples):
     assert stats.drafted_per_position[HEAD_GAMMA - 1] >= NUM_SAMPLES
     assert min(stats.accepted_per_position[:HEAD_GAMMA]) >= NUM_SAMPLES // 100, stats
     assert set(stats.by_proposer) == {LAYER_SKIP_METHOD}, stats.by_proposer
+    pvalues = comparisons([tuple(s.output_ids) for s in seqs], samples.target_only(config))
+    assert not failures(pvalues), failures(pvalues)
+
+
+# -- drafts of another vocabulary (outrider/engine/cross_vocab.py) --------------------------
+
+@pytest.mark.slow
+def test_cross_vocab_speculative_sampling_matches_target_distribution(samples, close_draft_dir,
+                                                                      tmp_path_factory):
+    """The close draft over shuffled ids, its own tokenizer.json, proposes through text: its
+    context the committed text re-encoded, a sampled row drawn from the tokens the target
+    has too (each one target token), its q moved over to the target's ids; truncation,
+    penalties and a bias act on p alone (the draft reads none). Exact."""
+    config = "truncated-penalties-bias"
+    target = samples.decoders["far", False].target
+    draft_dir = permuted_vocab_copy(close_draft_dir, tmp_path_factory.mktemp("cross_vocab"))
+    drafter = CrossVocabDrafter(Drafter(ModelRunner(RunnerConfig(str(draft_dir),
+                                                                 kv_cache_mb=64))),
+                                pair_bridge(str(target.cfg.model_dir), str(draft_dir)),
+                                target.vocab_size)
+    seqs, stats = sampled_run(SpeculativeDecoder(target, drafter), 4, config, "cross-vocab")
+    assert drafter.inner.runner.blocks.num_used_blocks == 0
+    assert min(stats.accepted_per_position[:4]) >= NUM_SAMPLES // 100, stats
+    assert stats.num_accepted_tokens < stats.num_draft_tokens
     pvalues = comparisons([tuple(s.output_ids) for s in seqs], samples.target_only(config))
     assert not failures(pvalues), failures(pvalues)
 

@@ -1,0 +1,147 @@
+#!/usr/bin/env python
+"""Distil a draft with a tokenizer of its own from the demo target (issue 65).
+
+The draft's vocabulary is not the target's, so the target's distribution cannot be
+matched token by token (the KL of scripts/train_demo_pair.py); it is matched on text
+instead (sequence-level distillation): the draft learns next-token prediction, in its own
+tokens, on the target's own continuations (greedy and sampled at T 0.7, top-p 0.9) and on
+the corpus, half and half.
+
+  1. the target's continuations of training prompts, decoded to text
+  2. the draft's tokenizer: byte-level BPE of its own size, trained on every other corpus
+     file (other data, other merges), lossless on every held-out module
+  3. the draft (the demo draft's shape in its vocabulary), next-token CE, cosine lr
+
+Writes an HF folder (safetensors, bfloat16, tokenizer) and its train_record.json.
+
+Example (the shipped models/demo-draft-bpe2k):
+  .venv/bin/python scripts/train_cross_draft.py --out models/demo-draft-bpe2k --vocab 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_demo_pair import (  # noqa: E402
+    EOS,
+    REPO,
+    WindowSampler,
+    bf16_roundtrip_,
+    build,
+    collect_corpus,
+    draft_config,
+    encode_stream,
+    eval_loss,
+    gen_greedy,
+    lr_at,
+    make_opt,
+    read_heldout,
+    save_model,
+    train_tokenizer,
+)
+
+
+def continuations(target, stream, minutes: float, temperature: float, seed: int) -> torch.Tensor:
+    """The target's continuations [n, 96 + 160] of prompts from `stream` (gen_greedy's)."""
+    args = SimpleNamespace(seed=seed, gen_prompt=96, gen_new=160, gen_batch=32,
+                           gen_minutes=minutes, gen_temperature=temperature, gen_top_p=0.9)
+    return gen_greedy(target, stream, args, {})
+
+
+def train(draft, samplers, args) -> dict:
+    """Next-token CE on each sampler's windows in turn until the time budget is spent."""
+    opt = make_opt(draft, args.lr, wd=0.0)
+    draft.train()
+    t0, step, ema = time.time(), 0, None
+    while (frac := (time.time() - t0) / (args.draft_minutes * 60)) < 1.0:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(frac, args.lr, 0.03)
+        batch = samplers[step % len(samplers)].batch(args.batch)
+        logits = draft(input_ids=batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        step += 1
+        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        if step % 50 == 0:
+            print(f"  draft step {step} loss {ema:.3f} {time.time() - t0:.0f} s", flush=True)
+    return dict(steps=step, seconds=round(time.time() - t0), final_train_loss_ema=ema)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(REPO / "models" / "demo-target"))
+    ap.add_argument("--out", default=str(REPO / "models" / "demo-draft-bpe2k"))
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--heldout", default=str(REPO / "outrider" / "bench" / "data"
+                                             / "heldout_modules.txt"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=4321)
+    ap.add_argument("--gen-minutes", type=float, default=2.0,
+                    help="for each of the greedy and the sampled continuations")
+    ap.add_argument("--draft-minutes", type=float, default=15.0)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    train_files, held_files = collect_corpus(read_heldout(Path(args.heldout)))
+    target_tok = AutoTokenizer.from_pretrained(args.target)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32,
+                                                  attn_implementation="sdpa").eval()
+    corpus_target = encode_stream(target_tok, [t for _, t in train_files])
+    with torch.no_grad():
+        generated = torch.cat([continuations(target, corpus_target, args.gen_minutes, t,
+                                             args.seed + i) for i, t in enumerate((0.0, 0.7))])
+    texts = target_tok.batch_decode(generated, skip_special_tokens=True,
+                                    clean_up_tokenization_spaces=False)
+
+    tok = train_tokenizer([t for _, t in train_files[::2]], args.vocab, model_max_length=2048)
+    for rel, text in held_files:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids, clean_up_tokenization_spaces=False) == text, rel
+    assert tok.get_vocab() != target_tok.get_vocab()
+    corpus = encode_stream(tok, [t for _, t in train_files])
+    target_text = encode_stream(tok, texts)
+    held = encode_stream(tok, [t for _, t in held_files])
+    print(f"[data] {len(corpus)} corpus tokens, {len(target_text)} of the target's "
+          f"({len(texts)} continuations), vocab {len(tok)}", flush=True)
+
+    draft = build(draft_config(len(tok), tok.convert_tokens_to_ids(EOS)))
+    record = train(draft, [WindowSampler(corpus, args.seq, args.seed),
+                           WindowSampler(target_text, args.seq, args.seed + 1)], args)
+    out = Path(args.out)
+    save_model(draft, tok, out)
+    bf16_roundtrip_(draft)
+    held_bytes = sum(len(t.encode()) for _, t in held_files)
+    record.update(
+        command="python " + " ".join(shlex.quote(a) for a in
+                                     ["scripts/train_cross_draft.py"] + sys.argv[1:]),
+        vocab=len(tok), params=sum(p.numel() for p in draft.parameters()),
+        continuations=len(texts), corpus_tokens=len(corpus), target_text_tokens=len(target_text),
+        heldout_loss=eval_loss(draft, held, args.seq),
+        heldout_bytes_per_token=held_bytes / len(held))
+    (out / "train_record.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps(record, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()
