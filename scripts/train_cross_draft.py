@@ -11,11 +11,18 @@ the corpus, half and half.
   2. the draft's tokenizer: byte-level BPE of its own size, trained on every other corpus
      file (other data, other merges), lossless on every held-out module
   3. the draft (the demo draft's shape in its vocabulary), next-token CE, cosine lr
+  4. with --fine-tune (from the draft in --out): for sampling, the KL of the target's
+     next-token distribution against the draft's over the tokens both vocabularies share
+     (what a sampled row drafts from, DESIGN §2.9), at T 1 and 0.7, where both
+     tokenizations end a token at one byte, in turn with CE on the corpus
 
 Writes an HF folder (safetensors, bfloat16, tokenizer) and its train_record.json.
 
-Example (the shipped models/demo-draft-bpe2k):
-  .venv/bin/python scripts/train_cross_draft.py --out models/demo-draft-bpe2k --vocab 2048
+The shipped models/demo-draft-bpe2k (models/TRAINING.md):
+  .venv/bin/python scripts/train_cross_draft.py --out models/demo-draft-bpe2k --vocab 2048 \
+      --gen-minutes 2.5 --draft-minutes 20
+  .venv/bin/python scripts/train_cross_draft.py --out models/demo-draft-bpe2k --fine-tune \
+      --gen-minutes 2 --draft-minutes 15 --lr 1e-3
 """
 
 from __future__ import annotations
@@ -81,6 +88,83 @@ def train(draft, samplers, args) -> dict:
     return dict(steps=step, seconds=round(time.time() - t0), final_train_loss_ema=ema)
 
 
+def aligned_batches(generated: torch.Tensor, bridge, seq: int):
+    """Each target continuation [n, L] as (its target ids, its draft ids [<= seq + 1], and
+    the (draft position, target position) pairs where both tokenizations end a token at
+    one byte: there the next token's distributions, restricted to the tokens both
+    vocabularies share, are comparable."""
+    from outrider.engine.cross_vocab import _encode
+
+    out = []
+    for ids in generated.tolist():
+        ends, text = {}, bytearray()
+        for j, t in enumerate(ids):
+            text += bridge._target_bytes[t]
+            ends[len(text)] = j
+        own = _encode(bridge.draft, bridge._draft_byte_ids, bytes(text))[:seq + 1]
+        pairs, offset = [], 0
+        for i, d in enumerate(own[:-1]):
+            offset += len(bridge._draft_bytes[d])
+            if offset in ends and ends[offset] < len(ids) - 1:
+                pairs.append((i, ends[offset]))
+        out.append((ids, own, pairs))
+    return out
+
+
+def shared_kl(draft, target, examples, shared, temperatures) -> torch.Tensor:
+    """KL(target || draft) of the next-token distributions at aligned positions, over the
+    tokens both vocabularies share (what a sampled row drafts from, DESIGN §2.9), at each
+    temperature, averaged."""
+    own_ids = torch.nn.utils.rnn.pad_sequence(
+        [torch.tensor(o) for _, o, _ in examples], batch_first=True)
+    with torch.no_grad():
+        t_logits = target(input_ids=torch.tensor([t for t, _, _ in examples])).logits
+    d_logits = draft(input_ids=own_ids).logits
+    rows = [(b, i, j) for b, (_, _, pairs) in enumerate(examples) for i, j in pairs]
+    b, i, j = (torch.tensor(x) for x in zip(*rows))
+    own_shared = (shared >= 0).nonzero().squeeze(-1)  # draft ids [S]
+    t_rows = t_logits[b, j]  # [P, target vocab]
+    d_rows = d_logits[b, i][:, own_shared]  # [P, S]
+    loss = 0.0
+    for tau in temperatures:
+        p = torch.softmax(t_rows / tau, -1)[:, shared[own_shared]]
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+        loss = loss + (p * (p.clamp_min(1e-12).log()
+                            - torch.log_softmax(d_rows / tau, -1))).sum(-1).mean()
+    return loss / len(temperatures)
+
+
+def fine_tune(draft, target, corpus_sampler, examples, shared, args) -> dict:
+    """CE on corpus windows (greedy drafting keeps its text) and the shared-token KL on
+    the target's continuations, in turn."""
+    opt = make_opt(draft, args.lr, wd=0.0)
+    draft.train()
+    g = torch.Generator().manual_seed(args.seed)
+    t0, step, ema = time.time(), 0, {}
+    while (frac := (time.time() - t0) / (args.draft_minutes * 60)) < 1.0:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(frac, args.lr, 0.03)
+        if step % 2 == 0:
+            batch = corpus_sampler.batch(args.batch)
+            logits = draft(input_ids=batch[:, :-1]).logits
+            kind = "ce"
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                   batch[:, 1:].reshape(-1))
+        else:
+            picked = torch.randint(len(examples), (args.batch,), generator=g).tolist()
+            kind = "kl"
+            loss = shared_kl(draft, target, [examples[k] for k in picked], shared, (1.0, 0.7))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        step += 1
+        ema[kind] = loss.item() if kind not in ema else 0.98 * ema[kind] + 0.02 * loss.item()
+        if step % 50 == 0:
+            print(f"  fine-tune step {step} {ema} {time.time() - t0:.0f} s", flush=True)
+    return dict(steps=step, seconds=round(time.time() - t0), final_ema=ema)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,6 +181,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--fine-tune", action="store_true",
+                    help="start from the draft in --out and its tokenizer, and train the "
+                         "tokens both vocabularies share against the target's distribution "
+                         "(at T 1 and 0.7) beside CE on the corpus")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -114,6 +202,8 @@ def main() -> None:
     texts = target_tok.batch_decode(generated, skip_special_tokens=True,
                                     clean_up_tokenization_spaces=False)
 
+    if args.fine_tune:
+        return fine_tune_main(args, target, target_tok, generated, train_files, held_files)
     tok = train_tokenizer([t for _, t in train_files[::2]], args.vocab, model_max_length=2048)
     for rel, text in held_files:
         ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -141,6 +231,35 @@ def main() -> None:
         heldout_bytes_per_token=held_bytes / len(held))
     (out / "train_record.json").write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record, indent=1), flush=True)
+
+
+def fine_tune_main(args, target, target_tok, generated, train_files, held_files) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from outrider.engine.cross_vocab import pair_bridge
+
+    out = Path(args.out)
+    tok = AutoTokenizer.from_pretrained(out)
+    draft = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                 attn_implementation="sdpa")
+    bridge = pair_bridge(args.target, str(out))
+    examples = [e for e in aligned_batches(generated, bridge, args.seq) if e[2]]
+    corpus = encode_stream(tok, [t for _, t in train_files])
+    print(f"[fine-tune] {len(examples)} continuations, "
+          f"{sum(len(e[2]) for e in examples)} aligned positions", flush=True)
+    record = fine_tune(draft, target, WindowSampler(corpus, args.seq, args.seed), examples,
+                       bridge.shared, args)
+    save_model(draft, tok, out)
+    bf16_roundtrip_(draft)
+    held = encode_stream(tok, [t for _, t in held_files])
+    path = out / "train_record.json"
+    first = json.loads(path.read_text())
+    first["fine_tune"] = dict(record, heldout_loss=eval_loss(draft, held, args.seq),
+                              command="python " + " ".join(shlex.quote(a) for a in
+                                                           ["scripts/train_cross_draft.py"]
+                                                           + sys.argv[1:]))
+    path.write_text(json.dumps(first, indent=1) + "\n")
+    print(json.dumps(first["fine_tune"], indent=1), flush=True)
 
 
 if __name__ == "__main__":

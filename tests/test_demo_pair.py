@@ -93,7 +93,7 @@ def test_the_4_bit_demo_target_keeps_the_drafts_acceptance(prompts):
 def test_the_draft_of_its_own_tokenizer_is_kept_as_often(decoder, prompts):
     """The shipped demo-draft-bpe2k (its own 2,048-token BPE) proposes through text: greedy
     output is the target's, and it gives at least 0.8x the target tokens a round the
-    same-tokenizer demo draft does (issue 65's bound; 0.97x measured)."""
+    same-tokenizer demo draft does (issue 65's bound; 0.92x measured)."""
     target_dir, draft_dir = str(paths.demo_target_dir()), str(paths.demo_cross_draft_dir())
     assert Tokenizer(draft_dir).vocab_size == 2048 != Tokenizer(target_dir).vocab_size
     cross = SpeculativeDecoder(decoder.target, across_vocabularies(
