@@ -73,6 +73,7 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         # what proposes for each target vocabulary (draft_worker/main.proposers_of): the
         # drafter, or the drafter through text for a target of another tokenizer
         self.proposers = proposers or {"": drafter}
+        self._distinct = list({id(p): p for p in self.proposers.values()}.values())
         # (while the target waits, while it verifies): a draft on the target's machine
         # drafts on the target's idle cores when it waits, beside them when it verifies
         self.cores = cores
@@ -149,10 +150,6 @@ class DraftService(worker_pb2_grpc.DraftServicer):
                       f"this draft replica drafts for {len(self.proposers) - 1} target "
                       f"vocabularies (its --target-model), not {target_vocab!r}: start it "
                       f"with this target's folder as --target-model too")
-
-    @property
-    def _distinct(self) -> list:
-        return list({id(p): p for p in self.proposers.values()}.values())
 
     def _wait(self, change: int) -> None:
         with self._waiting_lock:

@@ -33,6 +33,7 @@ import random
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -66,29 +67,37 @@ def continuations(target, stream, minutes: float, temperature: float, seed: int)
     return gen_greedy(target, stream, args, {})
 
 
-def train(draft, samplers, args) -> dict:
-    """Next-token CE on each sampler's windows in turn until the time budget is spent."""
+def next_token_ce(draft, sampler: WindowSampler, batch: int) -> torch.Tensor:
+    """Next-token CE on a batch of the sampler's windows."""
+    tokens = sampler.batch(batch)
+    logits = draft(input_ids=tokens[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+
+
+def train(draft, losses: dict[str, Callable[[], torch.Tensor]], args) -> dict:
+    """A step on each loss in turn, cosine lr, until the time budget is spent."""
     opt = make_opt(draft, args.lr, wd=0.0)
     draft.train()
-    t0, step, ema = time.time(), 0, None
+    names, ema = list(losses), {}
+    t0, step = time.time(), 0
     while (frac := (time.time() - t0) / (args.draft_minutes * 60)) < 1.0:
         for group in opt.param_groups:
             group["lr"] = lr_at(frac, args.lr, 0.03)
-        batch = samplers[step % len(samplers)].batch(args.batch)
-        logits = draft(input_ids=batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+        name = names[step % len(names)]
+        loss = losses[name]()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
         step += 1
-        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        ema[name] = loss.item() if name not in ema else 0.98 * ema[name] + 0.02 * loss.item()
         if step % 50 == 0:
-            print(f"  draft step {step} loss {ema:.3f} {time.time() - t0:.0f} s", flush=True)
-    return dict(steps=step, seconds=round(time.time() - t0), final_train_loss_ema=ema)
+            shown = ", ".join(f"{n} {v:.3f}" for n, v in ema.items())
+            print(f"  draft step {step}: {shown}; {time.time() - t0:.0f} s", flush=True)
+    return dict(steps=step, seconds=round(time.time() - t0), final_ema=ema)
 
 
-def aligned_batches(generated: torch.Tensor, bridge, seq: int):
+def aligned_examples(generated: torch.Tensor, bridge, seq: int):
     """Each target continuation [n, L] as (its target ids, its draft ids [<= seq + 1], and
     the (draft position, target position) pairs where both tokenizations end a token at
     one byte: there the next token's distributions, restricted to the tokens both
@@ -132,37 +141,6 @@ def shared_kl(draft, target, examples, shared, temperatures) -> torch.Tensor:
         loss = loss + (p * (p.clamp_min(1e-12).log()
                             - torch.log_softmax(d_rows / tau, -1))).sum(-1).mean()
     return loss / len(temperatures)
-
-
-def fine_tune(draft, target, corpus_sampler, examples, shared, args) -> dict:
-    """CE on corpus windows (greedy drafting keeps its text) and the shared-token KL on
-    the target's continuations, in turn."""
-    opt = make_opt(draft, args.lr, wd=0.0)
-    draft.train()
-    g = torch.Generator().manual_seed(args.seed)
-    t0, step, ema = time.time(), 0, {}
-    while (frac := (time.time() - t0) / (args.draft_minutes * 60)) < 1.0:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(frac, args.lr, 0.03)
-        if step % 2 == 0:
-            batch = corpus_sampler.batch(args.batch)
-            logits = draft(input_ids=batch[:, :-1]).logits
-            kind = "ce"
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)),
-                                   batch[:, 1:].reshape(-1))
-        else:
-            picked = torch.randint(len(examples), (args.batch,), generator=g).tolist()
-            kind = "kl"
-            loss = shared_kl(draft, target, [examples[k] for k in picked], shared, (1.0, 0.7))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        step += 1
-        ema[kind] = loss.item() if kind not in ema else 0.98 * ema[kind] + 0.02 * loss.item()
-        if step % 50 == 0:
-            print(f"  fine-tune step {step} {ema} {time.time() - t0:.0f} s", flush=True)
-    return dict(steps=step, seconds=round(time.time() - t0), final_ema=ema)
 
 
 def main() -> None:
@@ -216,8 +194,11 @@ def main() -> None:
           f"({len(texts)} continuations), vocab {len(tok)}", flush=True)
 
     draft = build(draft_config(len(tok), tok.convert_tokens_to_ids(EOS)))
-    record = train(draft, [WindowSampler(corpus, args.seq, args.seed),
-                           WindowSampler(target_text, args.seq, args.seed + 1)], args)
+    corpus_windows = WindowSampler(corpus, args.seq, args.seed)
+    target_windows = WindowSampler(target_text, args.seq, args.seed + 1)
+    record = train(draft, {"corpus": lambda: next_token_ce(draft, corpus_windows, args.batch),
+                           "target's": lambda: next_token_ce(draft, target_windows,
+                                                             args.batch)}, args)
     out = Path(args.out)
     save_model(draft, tok, out)
     bf16_roundtrip_(draft)
@@ -243,12 +224,20 @@ def fine_tune_main(args, target, target_tok, generated, train_files, held_files)
     draft = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
                                                  attn_implementation="sdpa")
     bridge = pair_bridge(args.target, str(out))
-    examples = [e for e in aligned_batches(generated, bridge, args.seq) if e[2]]
+    examples = [e for e in aligned_examples(generated, bridge, args.seq) if e[2]]
     corpus = encode_stream(tok, [t for _, t in train_files])
     print(f"[fine-tune] {len(examples)} continuations, "
           f"{sum(len(e[2]) for e in examples)} aligned positions", flush=True)
-    record = fine_tune(draft, target, WindowSampler(corpus, args.seq, args.seed), examples,
-                       bridge.shared, args)
+    # CE on corpus windows (greedy drafting keeps its text), in turn with the shared-token
+    # KL on the target's continuations
+    corpus_windows = WindowSampler(corpus, args.seq, args.seed)
+    picks = torch.Generator().manual_seed(args.seed)
+
+    def kl() -> torch.Tensor:
+        picked = torch.randint(len(examples), (args.batch,), generator=picks).tolist()
+        return shared_kl(draft, target, [examples[k] for k in picked], bridge.shared, (1.0, 0.7))
+    record = train(draft, {"ce": lambda: next_token_ce(draft, corpus_windows, args.batch),
+                           "kl": kl}, args)
     save_model(draft, tok, out)
     bf16_roundtrip_(draft)
     held = encode_stream(tok, [t for _, t in held_files])

@@ -81,6 +81,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def special_tokens(self) -> dict[int, str]:
+        """The special (added) tokens, id -> text."""
+        return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()
+                if t.special}
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
             return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

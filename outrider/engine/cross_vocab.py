@@ -1,13 +1,14 @@
 """Drafts with a tokenizer of their own (docs/DESIGN.md §2.9): a draft model whose
 vocabulary is not the target's proposes through text.
 
-Each round the target's committed tokens become bytes, the bytes the draft's tokens
-(re-encoded from the last place both tokenizations agree, not from the start), the draft
-drafts greedily in its vocabulary, and its text becomes the target's tokens again. They
-are proposed as point masses (q = one-hot), as the n-gram lookups' are: rejection
-sampling keeps a point-mass draft d with probability p(d) and otherwise samples from p
-with d removed, which yields exactly p whatever chose d, so output is the target's alone
-under greedy and sampling alike, with no q to map between vocabularies.
+Each round the target's committed tokens become bytes and the bytes the draft's tokens
+(re-encoded from the last place both tokenizations agree, not from the start). Greedy
+rows: the draft drafts text in its vocabulary, which becomes the target's tokens again,
+proposed as point masses (q = one-hot), as the n-gram lookups' are: verification keeps
+exactly the target's argmax. Sampled rows: the draft samples only tokens whose bytes are
+one target token (token-level intersection), so each draft is a target token and its q
+moves over to the target's ids unchanged: rejection sampling is exact for the q a token
+was drawn from.
 
 Where the two tokenizations cut the text differently nothing is lost or duplicated: the
 draft's context is the committed text up to its last whole UTF-8 character, and the
@@ -56,6 +57,7 @@ class _Context:
     # (target tokens, draft tokens) covering the same bytes, in order: re-encoding
     # starts at the last one inside the committed tokens
     anchors: list[tuple[int, int]] = field(default_factory=lambda: [(0, 0)])
+    kept: int = 0  # draft tokens the last re-encoding left as they were
 
     def truncate(self, num_target: int) -> None:
         del self.target[num_target:], self.target_ends[num_target:]
@@ -73,14 +75,14 @@ class TextBridge:
         self.target, self.draft = target, draft
         self._target_bytes = [target.token_bytes(i) for i in range(target_vocab)]
         self._draft_bytes = [draft.token_bytes(i) for i in range(draft_vocab)]
-        self.draft_special = dict(_added(draft))  # id -> text
+        self.draft_special = draft.special_tokens  # id -> text
         self._target_byte_ids = _single_bytes(self._target_bytes)
         self._draft_byte_ids = _single_bytes(self._draft_bytes)
         self.check()
         # each draft token's one target token of the same bytes (special ones by their
         # text), -1: none [draft vocab]
         target_of = {raw: i for i, raw in reversed(list(enumerate(self._target_bytes))) if raw}
-        target_of.update((text.encode(), i) for i, text in _added(target))
+        target_of.update((text.encode(), i) for i, text in target.special_tokens.items())
         self.shared = torch.tensor([
             target_of.get(self.draft_special[d].encode() if d in self.draft_special else raw, -1)
             for d, raw in enumerate(self._draft_bytes)], dtype=torch.long)
@@ -114,6 +116,7 @@ class TextBridge:
         anchors then added where both tokenizations cut the new part at one byte, up to
         SETTLED draft tokens before its end."""
         num_target, num_draft = ctx.anchors[-1]
+        ctx.kept = num_draft
         start = ctx.target_ends[num_target - 1] if num_target else 0
         tail = _whole_characters(bytes(ctx.text[start:]))
         new = _encode(self.draft, self._draft_byte_ids, tail)
@@ -152,7 +155,8 @@ class CrossVocabDrafter:
         self._vocab_size = target_vocab
         self._contexts: dict[object, _Context] = {}
         self._ends = tuple(sorted(bridge.draft_special))
-        self._shared_mask = (bridge.shared >= 0).to(inner.runner.device)  # [draft vocab]
+        self._shared = bridge.shared.to(inner.runner.device)  # [draft vocab]
+        self._shared_mask = self._shared >= 0  # what a sampled row may draft [draft vocab]
 
     # -- Proposer --------------------------------------------------------------------------
     vocab_size = property(lambda self: self._vocab_size)
@@ -205,13 +209,7 @@ class CrossVocabDrafter:
         inner = [self._inner_item(it) if it.is_active and not miss else None
                  for it, miss in zip(items, is_miss)]
         asked = [x for x in inner if x is not None]
-        drafted = None
-        if asked:  # (the draft model may also draft for targets of other vocabularies)
-            self.inner.sampled_only = self._shared_mask
-            try:
-                drafted = self.inner.draft(asked, device)
-            finally:
-                self.inner.sampled_only = None
+        drafted = self.inner.draft(asked, device) if asked else None
         rows, k = [], 0
         for i, (it, x) in enumerate(zip(items, inner)):
             row: tuple[list[int], torch.Tensor | None] = ([], None)
@@ -243,10 +241,11 @@ class CrossVocabDrafter:
         longest prefix it holds, and enough drafts to cover γ of the target's."""
         ctx = self._contexts[item.seq_id]
         held = self.inner.token_ids.get(item.seq_id, [])
-        common = 0
-        for a, b in zip(held, ctx.draft[:-1]):  # (a context is sent with a token at least)
-            if a != b:
-                break
+        # the draft holds what it was sent (and its drafts): ctx.draft up to what the
+        # re-encoding kept, so only the tail is compared; a context goes with a token
+        limit = min(len(held), len(ctx.draft) - 1)
+        common = min(ctx.kept, limit)
+        while common < limit and held[common] == ctx.draft[common]:
             common += 1
         blocks = self.inner.runner.blocks
         if not (blocks.has(item.seq_id) and blocks.sealed_len(item.seq_id) <= common):
@@ -257,7 +256,7 @@ class CrossVocabDrafter:
             gamma = min(3 * gamma, int(gamma * per_token + 0.999) + 2)
         return DraftItem(item.seq_id, common, ctx.draft[common:], gamma,
                          self._draft_params(item.params), item.seed, item.q_format,
-                         prefill_only=item.prefill_only)
+                         prefill_only=item.prefill_only, allowed=self._shared_mask)
 
     def _draft_params(self, params: SamplingParams) -> SamplingParams:
         """The request's sampling as the draft can do it: its temperature and truncation
@@ -280,12 +279,10 @@ class CrossVocabDrafter:
             ids, q = self.bridge.to_target(ctx, own.tolist(), item.gamma), None
         else:
             n = min(item.gamma, len(own))
-            shared = self.bridge.shared.to(own.device)
-            ids = shared[own[:n]].tolist()
+            ids = self._shared[own[:n]].tolist()
             q_own = drafted.probs[k, :n]  # [n, draft vocab]
-            q = q_own.new_zeros(n, self._vocab_size)
-            kept = shared >= 0
-            q[:, shared[kept]] = q_own[:, kept]
+            q = q_own.new_zeros(n, self._vocab_size)  # [n, target vocab]
+            q[:, self._shared[self._shared_mask]] = q_own[:, self._shared_mask]
         self.bridge.extend(ctx, ids)
         return ids, q
 
@@ -312,22 +309,20 @@ def pair_bridge(target_dir: str, draft_dir: str) -> TextBridge | None:
     """None when draft and target share one vocabulary (same ids for the same tokens);
     otherwise the text bridge a draft of its own tokenizer proposes through (§2.9). A
     draft of another vocabulary size without a tokenizer.json cannot propose."""
+    target_size, draft_size = (ModelConfig.from_dir(d).vocab_size for d in (target_dir, draft_dir))
     try:
         draft_tok = Tokenizer(draft_dir)
     except TokenizerError:
-        target_cfg, draft_cfg = ModelConfig.from_dir(target_dir), ModelConfig.from_dir(draft_dir)
-        if target_cfg.vocab_size != draft_cfg.vocab_size:
+        if target_size != draft_size:
             raise RequestError(f"draft and target have different vocabularies: "
-                               f"{draft_cfg.vocab_size} vs {target_cfg.vocab_size} tokens, "
-                               f"and the draft has no tokenizer.json to propose through "
-                               f"text") from None
+                               f"{draft_size} vs {target_size} tokens, and the draft has no "
+                               f"tokenizer.json to propose through text") from None
         return None  # a draft without its own tokenizer.json uses the target's
     target_tok = Tokenizer(target_dir)
-    sizes = [ModelConfig.from_dir(d).vocab_size for d in (target_dir, draft_dir)]
-    if target_tok.vocab == draft_tok.vocab and sizes[0] == sizes[1]:
+    if target_tok.vocab == draft_tok.vocab and target_size == draft_size:
         return None
     try:
-        return TextBridge(target_tok, draft_tok, *sizes)
+        return TextBridge(target_tok, draft_tok, target_size, draft_size)
     except VocabularyError as exc:
         raise RequestError(str(exc)) from None
 
@@ -353,9 +348,3 @@ def _encode(tok: Tokenizer, single_bytes: dict[int, int], raw: bytes) -> list[in
 def _single_bytes(token_bytes: list[bytes]) -> dict[int, int]:
     """byte value -> the id of the token of that one byte."""
     return {raw[0]: i for i, raw in reversed(list(enumerate(token_bytes))) if len(raw) == 1}
-
-
-def _added(tok: Tokenizer) -> list[tuple[int, str]]:
-    """The tokenizer's special tokens (id, text)."""
-    decoder = tok._tok.get_added_tokens_decoder()
-    return [(i, t.content) for i, t in decoder.items() if t.special]

@@ -71,10 +71,6 @@ class Drafter:
         self.aware_weight = 1.0
         self.aware_of: Callable[[DraftItem], bool] = lambda item: False
         self.expendable: set = set()  # sequences evicted before any other: its stand-ins
-        # the tokens sampled rows may draft [vocab] bool (None: all): a draft of another
-        # vocabulary samples only those the target has too (cross_vocab.py sets it for
-        # its calls)
-        self.sampled_only: torch.Tensor | None = None
         self.grammars = Grammars.for_model(runner.cfg.model_dir, runner.vocab_size,
                                            runner.model_config.eos_token_ids)
 
@@ -345,8 +341,7 @@ class Drafter:
                 requests.append(ForwardRequest(new, cached, blocks.block_table(it.seq_id), 1,
                                                features))
             logits = self.runner.forward(requests + (prefills if j == 0 else []))  # [len(rows), V]
-            if self.sampled_only is not None:
-                logits = self._restricted(logits, [items[i] for i in rows])
+            logits = _restricted(logits, [items[i] for i in rows])
             if reads:
                 hidden = self.runner.model.hidden_out  # [len(rows), hidden]
                 fed_back = {i: hidden[k] for k, i in enumerate(rows)}
@@ -376,15 +371,6 @@ class Drafter:
         token_ids = torch.tensor([d + [0] * (max_gamma - len(d)) for d in drafted],
                                  dtype=torch.long, device=device).view(len(items), max_gamma)
         return token_ids, probs_out
-
-    def _restricted(self, logits: torch.Tensor, items: list[DraftItem]) -> torch.Tensor:
-        """logits [rows, vocab] with the sampled rows' tokens outside `sampled_only` out."""
-        sampled = [k for k, it in enumerate(items) if not it.params.is_greedy]
-        if not sampled:
-            return logits
-        logits = logits.clone()
-        logits[sampled] = logits[sampled].masked_fill(~self.sampled_only, float("-inf"))
-        return logits
 
     def _cache_aware(self, probs: torch.Tensor, items: list[DraftItem]) -> torch.Tensor:
         """Saguaro's cache-aware sampling (Kumar et al. 2026), for the sampled rows the
@@ -468,6 +454,17 @@ class Drafter:
         positions = [it.committed_len + len(it.new_token_ids) + j for it in items]
         uniforms = position_uniforms([it.seed for it in items], positions, STREAM_DRAFT)
         return sample_from_probs(probs, uniforms), probs
+
+
+def _restricted(logits: torch.Tensor, items: list[DraftItem]) -> torch.Tensor:
+    """logits [rows, vocab] with each sampled row's tokens outside its `allowed` out."""
+    rows = [k for k, it in enumerate(items) if it.allowed is not None and not it.params.is_greedy]
+    if not rows:
+        return logits
+    allowed = torch.stack([items[k].allowed for k in rows])  # [len(rows), vocab]
+    logits = logits.clone()
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits
 
 
 def is_tree(item: DraftItem) -> bool:

@@ -57,6 +57,9 @@ class DraftItem:
     # the target's argmax at the last round's verification rows past the committed tokens
     # (Proposer.takes_guesses: lookahead's Jacobi guesses for the positions that follow)
     guesses: list[int] = field(default_factory=list)
+    # the tokens a sampled row may draft [vocab] bool (None: all): a draft of another
+    # vocabulary samples only those the target has too (cross_vocab.py)
+    allowed: torch.Tensor | None = None
 
     @property
     def is_active(self) -> bool:
