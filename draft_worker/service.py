@@ -6,6 +6,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import timedelta
 
 import grpc
@@ -104,6 +105,9 @@ class DraftService(worker_pb2_grpc.DraftServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "Q_FORMAT_DENSE_DIST needs a dense channel (--dist-address)")
         start = time.perf_counter()
+        delivers = self._caching and any(it.deliver for it in items)
+        if delivers:  # what earlier Proposes had the cache prepare is drafted first
+            self._preparing.submit(lambda: None).result()
         self._wait(+1)
         with self.lock:
             self._wait(-1)
@@ -114,7 +118,8 @@ class DraftService(worker_pb2_grpc.DraftServicer):
             cached = self.cache.take(items) if self._caching else [None] * len(items)
             # a miss that asked for ready drafts only is answered at once, with none
             waits = [it.ready_only and it.gamma > 0 and self._caching for it in items]
-            asked = [it for it, entry, w in zip(items, cached, waits) if entry is None and not w]
+            asked = [it for it, entry, w in zip(items, cached, waits)
+                     if entry is None and not w and not it.collects]
             out = proposer.draft(asked, torch.device("cpu")) if asked else None
             rows = _rows(items, cached, waits, out, proposer.holds)
             if any(is_dist):  # (a dense_dist row is never cached: all of them were asked)
@@ -126,13 +131,24 @@ class DraftService(worker_pb2_grpc.DraftServicer):
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"dense q channel broken: {exc}")
             version = self.drafter.version  # the weights that drafted (swaps hold the lock)
-            if self._caching and not request.beside_target:
-                plans = self.cache.plan(items, [row[0] for row in rows])
-                self._preparing.submit(self._prepare, plans)
+            if self._caching and (delivers or not request.beside_target):
+                # (drafting ahead's items beside the target are not planned for)
+                plans = self.cache.plan(
+                    [it if it.deliver or not request.beside_target else replace(it, prepare=False)
+                     for it in items], [row[0] for row in rows])
+                if delivers:  # the target collects them with this answer
+                    self._fill(plans)
+                else:
+                    self._preparing.submit(self._prepare, plans)
+            delivered = [[pb.PreparedOutcome(outcome=outcome, token_ids=entry.drafts,
+                                             rank=entry.rank)
+                          for outcome, entry in self.cache.prepared(it.seq_id)]
+                         if it.deliver and delivers else [] for it in items]
         proposals = []
-        for it, (ids, q_rows, miss, rank) in zip(items, rows):
+        for it, (ids, q_rows, miss, rank), outcomes in zip(items, rows, delivered):
             msg = encode_proposal(it.seq_id, ids, q_rows, it.q_format)
             msg.miss, msg.cache_rank = miss, rank
+            msg.prepared.extend(outcomes)
             proposals.append(msg)
         seconds = time.perf_counter() - start
         self._observe(items, rows, cached, seconds)
@@ -169,9 +185,14 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         with self.lock:
             if self._waiting:
                 return
-            if self.cores is not None:
-                os.sched_setaffinity(0, self.cores[True])
-            drafted = self.cache.fill(plans, interrupted=lambda: self._waiting > 0)
+            self._fill(plans)
+
+    def _fill(self, plans) -> None:
+        """Draft the stand-ins beside the target's verification (the caller holds the
+        lock), until a Propose waits for the model."""
+        if self.cores is not None:
+            os.sched_setaffinity(0, self.cores[True])
+        drafted = self.cache.fill(plans, interrupted=lambda: self._waiting > 0)
         if self.metrics:
             self.metrics.stand_ins.inc(drafted)
 
@@ -249,7 +270,7 @@ class DraftService(worker_pb2_grpc.DraftServicer):
                          seed, Q_FORMAT_NAMES[s.q_format], s.traceparent, s.prefill_only,
                          s.prompt_len, self._teacher(s, where, vocab),
                          features=self._features(s, where), ready_only=s.ready_only,
-                         prepare=not s.unprepared)
+                         prepare=not s.unprepared, deliver=s.deliver)
 
     def _features(self, s: pb.ProposeSequence, where: str) -> torch.Tensor | None:
         """A head's input rows (one per new token); a head drafts nothing without them."""
@@ -287,6 +308,8 @@ def _rows(items: list[DraftItem], cached: list[Entry | None], waits: list[bool],
     for it, entry, waits_a_round in zip(items, cached, waits):
         if entry is not None:
             rows.append((entry.drafts, entry.q, False, entry.rank))
+        elif it.collects:  # (what it prepared comes with the answer: Proposal.prepared)
+            rows.append(([], None, False, 0))
         elif waits_a_round:
             rows.append(([], None, not holds(it), 0))
         else:

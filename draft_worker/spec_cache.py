@@ -89,6 +89,9 @@ class SpeculationCache:
         (None: a miss); every other stand-in of these sequences goes."""
         found = []
         for it in items:
+            if it.collects:  # (it takes nothing: its entries are delivered as they are)
+                found.append(None)
+                continue
             context, entries = self._entries.pop(it.seq_id, (None, {}))
             outcome = self._outcome(it, context)
             entry = entries.get(outcome) if outcome else None
@@ -126,6 +129,13 @@ class SpeculationCache:
         entry.drafts = entry.drafts[:item.gamma]
         entry.q = None if entry.q is None else entry.q[:item.gamma]
         return self.drafter.take_over(item, entry.stand_in, entry.drafts)
+
+    def prepared(self, seq_id: str) -> list[tuple[tuple[int, ...], Entry]]:
+        """The sequence's entries to deliver: (outcome, entry), likeliest first; point
+        masses only (a sampled row's q would have to travel too)."""
+        entries = self._entries.get(seq_id, (None, {}))[1]
+        return sorted(((o, e) for o, e in entries.items() if e.q is None),
+                      key=lambda oe: oe[1].rank)
 
     def forget(self, seq_ids) -> None:
         """Released sequences: their stand-ins go too."""

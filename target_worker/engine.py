@@ -198,7 +198,7 @@ class TargetEngine:
             self.metrics.record_step(step_s, time.thread_time() - cpu,
                                      timing.draft_wait_s if ran else 0.0,
                                      *((timing.tree_rounds, timing.tree_nodes,
-                                        timing.ready_only) if ran else ()))
+                                        timing.ready_only, timing.delivered) if ran else ()))
         return True
 
     def _step(self) -> bool:

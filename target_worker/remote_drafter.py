@@ -208,6 +208,7 @@ class RemoteDrafter:
         # whose call failed, or that went nowhere, must not count as held
         is_miss = [it.prefill_only and it.is_active for it in items]
         ranks = [0] * len(items)
+        prepared: list[dict] = [{} for _ in items]
         token_rows: list[list[int]] = [[] for _ in items]
         q_rows: dict[int, torch.Tensor] = {}
         for replica, call in calls.items():
@@ -220,10 +221,12 @@ class RemoteDrafter:
             self._reported[self.addresses[replica]] = (reply.draft_version, reply.target_topk)
             for i, proposal in zip(groups[replica], reply.proposals):
                 is_miss[i], ranks[i] = proposal.miss, proposal.cache_rank
+                prepared[i] = _prepared(proposal, self.vocab_size)
                 self._read(items[i], proposal, formats[i], i, gammas, is_miss, token_rows, q_rows)
             self._receive_dense(groups[replica], reply, formats, gammas, token_rows, q_rows)
         out = _pack(items, gammas, is_miss, token_rows, q_rows, self.vocab_size, device)
         out.cache_ranks = ranks if any(ranks) else []
+        out.prepared = prepared if any(prepared) else []
         return out
 
     def _deadline(self, num_new_tokens: int) -> float:
@@ -322,7 +325,7 @@ class RemoteDrafter:
                 q_format=Q_FORMAT_CODES[formats[i]], traceparent=it.traceparent,
                 prefill_only=it.prefill_only, prompt_len=it.prompt_len, teacher=teacher,
                 features=features.get(i), ready_only=it.ready_only,
-                unprepared=not it.prepare))
+                unprepared=not it.prepare, deliver=it.deliver))
         return pb.ProposeRequest(sequences=seqs, dist_tag=self._dist_tag,
                                  beside_target=beside_target, target_vocab=self.target_vocab)
 
@@ -342,6 +345,13 @@ class RemoteDrafter:
         except WireError:
             return  # a malformed proposal is simply not used: γ = 0 this round
         gammas[i], token_rows[i] = gamma, list(proposal.token_ids)
+
+
+def _prepared(proposal: pb.Proposal, vocab: int) -> dict[tuple[int, ...], tuple[list[int], int]]:
+    """A delivery's outcomes (Proposal.prepared); one with an id outside the vocabulary
+    is not used (it could never be verified)."""
+    return {tuple(p.outcome): (list(p.token_ids), p.rank) for p in proposal.prepared
+            if all(0 <= t < vocab for t in (*p.outcome, *p.token_ids))}
 
 
 def _checked_or_none(q: torch.Tensor, token_ids: list[int]) -> torch.Tensor | None:

@@ -261,6 +261,10 @@ class ProposerMix:
                 plans.append(_Plan(item, None))
                 is_miss.append(False)
                 continue
+            if item.collects:  # the model's prepared outcomes: nothing taken, nothing drafted
+                plans.append(_Plan(item, None, model_item=item if self._has_model(item) else None))
+                is_miss.append(False)
+                continue
             held = self._held.get(item.seq_id)
             if held is None:
                 held = self._held[item.seq_id] = _Held(acceptance=self.acceptance.copy())
@@ -272,8 +276,9 @@ class ProposerMix:
                 continue
             # a constrained request's lookups are cut by its grammar: their outcomes
             # would teach other requests what only holds under it
-            held.take(item, learn, None if item.params.structured_output is not None
-                      else self.acceptance)
+            # (a delivery's new tokens are committed, as a Propose's)
+            held.take(item, learn or item.deliver, None if item.params.structured_output
+                      is not None else self.acceptance)
             if item.features is not None:  # row i: the feature before new token i
                 self.features.add(item.seq_id, item.committed_len - 1, item.features)
             if self.model is not None and not plan.kind.is_model_free:
@@ -357,6 +362,11 @@ class ProposerMix:
                     continue
                 p.held.teacher = []
 
+    def _has_model(self, item: DraftItem) -> bool:
+        """Whether the model holds the sequence (was ever sent it)."""
+        held = self._held.get(item.seq_id)
+        return self.model is not None and held is not None and held.has_model
+
     def _warm_item(self, plan: _Plan) -> DraftItem | None:
         """A prefill for the model: AUTO and MODEL requests draft from it next round."""
         if self.model is None or plan.kind.is_model_free:
@@ -387,6 +397,12 @@ class ProposerMix:
         for i, p in enumerate(plans):
             k = by_plan.get(id(p))
             model_ids, model_q = [], None
+            if p.item.collects:  # (its outcomes come below: Proposal.prepared)
+                rows.append(([], None))
+                sources.append(("", 0))
+                trees.append([])
+                ranks.append(0)
+                continue
             if k is not None:
                 p.held.has_model = True
                 model_ids, model_q = self._model_part(p, drafted, k)
@@ -416,6 +432,9 @@ class ProposerMix:
             ids for ids, _ in rows) else Proposal.empty(len(plans), device)
         out.is_miss = is_miss
         out.cache_ranks = ranks if any(ranks) else []
+        if drafted is not None and drafted.prepared:
+            out.prepared = [drafted.prepared_for(by_plan[id(p)]) if id(p) in by_plan else {}
+                            for p in plans]
         return out
 
     def _model_part(self, p: _Plan, drafted: Proposal, k: int

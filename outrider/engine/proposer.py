@@ -60,11 +60,21 @@ class DraftItem:
     # the tokens a sampled row may draft [vocab] bool (None: all): a draft of another
     # vocabulary samples only those the target has too (cross_vocab.py)
     allowed: torch.Tensor | None = None
+    # sent beside verification to a speculation cache: answered once the likely outcomes
+    # of this round are drafted, with them (Proposal.prepared); gamma 0: collect those its
+    # last Propose had prepared (docs/DESIGN.md §2.6, delivery)
+    deliver: bool = False
 
     @property
     def is_active(self) -> bool:
-        """Whether the proposer has work for this item: drafting, or a prefill."""
-        return bool(self.gamma or (self.prefill_only and self.new_token_ids))
+        """Whether the proposer has work for this item: drafting, a prefill, or a
+        delivery of what it prepared."""
+        return bool(self.gamma or (self.prefill_only and self.new_token_ids) or self.deliver)
+
+    @property
+    def collects(self) -> bool:
+        """It asks only for the outcomes its sequence's last Propose had prepared."""
+        return self.deliver and not self.gamma
 
 
 @dataclass
@@ -87,6 +97,10 @@ class Proposal:
     # per item, the rank of the speculation-cache outcome its drafts were prepared for
     # (1: the likeliest), 0: drafted for this call; empty: none came from a cache
     cache_ranks: list[int] = field(default_factory=list)
+    # per item (DraftItem.deliver), the outcomes of the round under verification a
+    # speculation cache drafted: the tokens the target commits -> (the next round's
+    # drafts, the outcome's rank); empty: none delivered
+    prepared: list[dict[tuple[int, ...], tuple[list[int], int]]] = field(default_factory=list)
 
     def parents_of(self, k: int) -> list[int]:
         """Item k's tree (a chain's parents for a chain)."""
@@ -94,6 +108,9 @@ class Proposal:
 
     def cache_rank(self, k: int) -> int:
         return self.cache_ranks[k] if self.cache_ranks else 0
+
+    def prepared_for(self, k: int) -> dict[tuple[int, ...], tuple[list[int], int]]:
+        return self.prepared[k] if self.prepared else {}
 
     def source(self, k: int) -> tuple[str, int]:
         """(the model-free kind, how many of item k's proposals it gave: they come first)."""
@@ -145,17 +162,19 @@ class Proposal:
         if self.parents is not None or other.parents is not None:
             parents = [self.parents_of(i) for i in range(len(gammas))]
         ranks = [self.cache_rank(i) for i in range(len(gammas))]
+        prepared = [self.prepared_for(i) for i in range(len(gammas))]
         for k, i in enumerate(rows):
             g = other.gammas[k]
             token_ids[i, :g], gammas[i] = other.token_ids[k, :g], g
             sources[i], ranks[i] = other.source(k), other.cache_rank(k)
+            prepared[i] = other.prepared_for(k)
             if probs is not None:
                 probs[i, :g] = other_probs[k, :g]
             if parents is not None:
                 parents[i] = other.parents_of(k)
         return Proposal(token_ids, probs, gammas, [False] * len(gammas),
                         [n for _, n in sources], [kind for kind, _ in sources], parents,
-                        ranks if any(ranks) else [])
+                        ranks if any(ranks) else [], prepared if any(prepared) else [])
 
 
 def dense_q(probs: torch.Tensor | None, token_ids: torch.Tensor, vocab: int) -> torch.Tensor:

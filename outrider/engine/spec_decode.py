@@ -94,6 +94,7 @@ class StepTiming:
     tree_nodes: int = 0
     is_plain: bool = False  # nothing verified, every sequence decoding one token
     ready_only: bool = False  # its Proposes asked for ready drafts only (CacheMissChoice)
+    delivered: int = 0  # rounds whose drafts a speculation cache delivered: no Propose
 
     @property
     def draft_wait_s(self) -> float:
@@ -104,11 +105,13 @@ class StepTiming:
 @dataclass
 class DraftAhead:
     """Draft tokens for the next round, drafted ahead (overlap) after a bonus-position
-    candidate that was accepted."""
+    candidate that was accepted, or delivered by a speculation cache for the outcome the
+    round had (cache_rank > 0)."""
 
     token_ids: list[int]        # [n]
     probs: torch.Tensor | None  # [n, vocab] q they were drafted from (None: point masses)
     source: tuple[str, int] = ("", 0)  # the first n were looked up (Proposal.source)
+    cache_rank: int = 0         # delivered: the rank of the outcome they were drafted for
 
     @property
     def num_forced(self) -> int:
@@ -141,6 +144,10 @@ class Row:
     parents: list[int] | None = None  # its proposals' tree (engine/tree.py); None: a chain
     path: list[int] | None = None     # the tree's accepted nodes, root first
     feeds_head: int = 0    # a head takes in its first this-many tokens meanwhile
+    delivered: bool = False  # its proposals were delivered: no Propose asked for them
+    # what a speculation cache delivered beside this round's verification: the tokens the
+    # round may commit -> (the next round's drafts, the outcome's rank)
+    prepared: dict[tuple[int, ...], tuple[list[int], int]] = field(default_factory=dict)
 
     @property
     def tree(self) -> list[int] | None:
@@ -191,6 +198,7 @@ class Step:
     verify_s: float = 0.0
     mask_s: float = 0.0
     ready_only: bool = False  # its Proposes asked for ready drafts only (CacheMissChoice)
+    prepare: bool = True  # they had the speculation cache prepare (CacheMissChoice.prepares)
 
     @property
     def ready(self) -> list[Row]:
@@ -199,13 +207,14 @@ class Step:
     @property
     def timing(self) -> StepTiming:
         gammas = [r.gamma for r in self.rows]
-        drafted = [r.depth - r.source[1] for r in self.rows]  # (a tree drafts level by level)
+        # (a tree drafts level by level; delivered drafts cost this step no drafting)
+        drafted = [0 if r.delivered else r.depth - r.source[1] for r in self.rows]
         trees = [r.gamma for r in self.rows if r.path is not None]
         return StepTiming(sum(r.feed for r in self.rows) + sum(gammas), self.verify_s,
                           max(drafted, default=0), sum(drafted), self.draft_s, self.mask_s,
                           self.draft_cpu_s, len(trees), sum(trees),
                           not any(gammas) and all(r.feed == 1 for r in self.rows),
-                          self.ready_only)
+                          self.ready_only, sum(r.delivered for r in self.rows))
 
 
 class SpeculativeDecoder:
@@ -247,6 +256,7 @@ class SpeculativeDecoder:
         self.overlap_sampled = overlap_sampled  # sampled sequences draft ahead too
         self.num_candidates = 0    # bonus-position candidates verified (overlap)
         self.num_ahead_rounds = 0  # rounds whose drafts were drafted during the previous one
+        self.num_delivered_rounds = 0  # ... of which a speculation cache delivered them
         self.eos_token_ids = frozenset(target.model_config.eos_token_ids)
         self.last_timing: StepTiming | None = None
         # a sequence must fit the target's KV cache on its own, or it could never run;
@@ -453,9 +463,13 @@ class SpeculativeDecoder:
         aheads = [self._ahead.pop(r.seq.seq_id, None) for r in step.rows]
         aheads = [a if g else None for a, g in zip(aheads, asked)]
         to_draft = [0 if a else g for a, g in zip(aheads, asked)]
-        step.ready_only = self._ready_only(step.rows, to_draft)
+        # (a batch that drafts ahead, §2.5, has the cache prepare nothing: drafting ahead's
+        # Propose beside the target takes the sequence before the stand-ins could answer)
+        drafts_ahead = sum(g > 0 for g in asked) <= self.overlap_max_seqs
+        step.ready_only = not drafts_ahead and self._ready_only(step.rows, to_draft)
         prepared = [r.seq.seq_id in self._prepared for r in step.rows]
-        prepare = self.cache_misses is None or self.cache_misses.prepares()
+        prepare = step.prepare = self.cache_misses is None or (
+            not drafts_ahead and self.cache_misses.prepares())
         proposal = (self._draft([r.seq for r in step.rows], to_draft, step.ready_only, prepare)
                     if any(to_draft) else Proposal.empty(len(step.rows), self.target.device))
         if any(aheads):
@@ -464,10 +478,14 @@ class SpeculativeDecoder:
                        for a, g in zip(aheads, asked) if a]
             sources = [(a.source[0], min(a.source[1], g)) for a, g in zip(aheads, asked) if a]
             # (Proposal.source drops the kind of a row left with no looked-up token)
-            proposal = proposal.with_rows([i for i, a in enumerate(aheads) if a],
-                                          Proposal.of_rows(drafted, self.target.vocab_size,
-                                                           self.target.device, sources))
+            ahead = Proposal.of_rows(drafted, self.target.vocab_size, self.target.device,
+                                     sources)
+            ahead.cache_ranks = [a.cache_rank for a in aheads if a]
+            proposal = proposal.with_rows([i for i, a in enumerate(aheads) if a], ahead)
             self.num_ahead_rounds += len(drafted)
+            for r, a in zip(step.rows, aheads):
+                r.delivered = a is not None and a.cache_rank > 0
+            self.num_delivered_rounds += sum(r.delivered for r in step.rows)
         proposal = self._within_kv(step.rows, self._with_openings(step.rows, proposal))
         step.draft_ids, step.draft_probs = proposal.token_ids, proposal.probs
         step.drafts = [ids[:g] for ids, g in zip(proposal.token_ids.tolist(), proposal.gammas)]
@@ -485,8 +503,10 @@ class SpeculativeDecoder:
             drafted = [(r, was) for r, g, was in zip(step.rows, to_draft, prepared)
                        if g and not (r.gamma and r.source[1] >= r.gamma)]
             measured = [r for r, was in drafted if was]
-            self.cache_misses.observe(step.ready_only, len(measured),
-                                      sum(r.cache_rank > 0 for r in measured), step.draft_s)
+            delivered = sum(r.delivered for r in step.rows)  # (hits no Propose asked for)
+            self.cache_misses.observe(step.ready_only, len(measured) + delivered,
+                                      sum(r.cache_rank > 0 for r in measured) + delivered,
+                                      step.draft_s)
             for r, _ in drafted:
                 (self._prepared.add if prepare else self._prepared.discard)(r.seq.seq_id)
         self._start_background(step)
@@ -575,6 +595,11 @@ class SpeculativeDecoder:
         for r, miss in zip(step.rows, drafted.is_miss):
             if miss:
                 continue
+            r.prepared = drafted.prepared_for(r.index)
+            if r.delivered:  # the replica took the outcome in, then drafted what it holds
+                answered = drafted.token_ids[r.index, :drafted.gammas[r.index]].tolist()
+                r.seq.draft_len = len(r.seq.token_ids) + _common_prefix(
+                    answered, step.drafts[r.index])
             if r.feeds_head:  # the head holds them: their features may go
                 r.seq.draft_len = r.feeds_head
                 self.features.taken(r.seq.seq_id, r.feeds_head)
@@ -744,30 +769,52 @@ class SpeculativeDecoder:
         # the same token as a fresh argmax, but not the same *sample* (the same
         # distribution), and a seed's output must not depend on the batch's size
         rows = step.rows
-        for r in rows:  # (a first row's proposals are its grammar's opening: §3.8)
-            drafts_ahead = not r.is_first and (self.overlap_sampled or r.seq.params.is_greedy)
+        # (while drafting ahead runs, at most overlap_max_seqs speculating, it answers: at
+        # one stream a delivery's stand-ins outlast the verification they are drafted beside)
+        small = sum(r.gamma > 0 and not r.is_first for r in rows) <= self.overlap_max_seqs
+        delivers = [not small and self._delivers(step, r) for r in rows]
+        for r, d in zip(rows, delivers):  # (a first row's proposals are its grammar's opening)
+            drafts_ahead = not (r.is_first or d) and (self.overlap_sampled
+                                                      or r.seq.params.is_greedy)
             # this round's γ, less the tokens its grammar forced on top of it: the next
             # round's forced ones come on top again (drafted ahead, they were drafted twice)
             r.ahead_gamma = r.gamma - forced_count(r.source) if drafts_ahead else 0
-        if sum(r.gamma > 0 and not r.is_first for r in rows) > self.overlap_max_seqs:
+        if not small:
             for r in rows:
                 r.ahead_gamma = 0
         for r in rows:
             r.feeds_head = self._head_backlog(r)
         warms = [r.warms_draft and self.reads is None or r.feeds_head > 0 for r in rows]
-        if not any(r.ahead_gamma or w for r, w in zip(rows, warms)):
+        if not any(r.ahead_gamma or w or d for r, w, d in zip(rows, warms, delivers)):
             return
-        if self.reads is None and not any(r.ahead_gamma for r in rows):
+        if self.reads is None and not any(r.ahead_gamma or d for r, d in zip(rows, delivers)):
             # contexts to take in, nothing to draft ahead: sent once the step committed,
             # so the draft's prefill does not share the cores with the target's forward
             step.warm = [(self._prefill_item(r.seq), r.seq, len(r.seq.token_ids))
                          for r, w in zip(rows, warms) if w]
             return
-        items = [self._prefill_item(r.seq) if w else
+        items = [self._delivery_item(r) if d else self._prefill_item(r.seq) if w else
                  self._draft_item(r.seq, r.ahead_gamma + 1 if r.ahead_gamma else 0,
                                   step.drafts[r.index] if r.ahead_gamma else [])
-                 for r, w in zip(rows, warms)]
+                 for r, w, d in zip(rows, warms, delivers)]
         step.background = self.drafter.submit(items, self.target.device, beside_target=True)
+
+    def _delivers(self, step: Step, row: Row) -> bool:
+        """Whether a draft replica's speculation cache drafts this round's likely outcomes
+        of `row` while the target verifies, and delivers them with the answer
+        (_delivery_item): a greedy chain the model drafted, or that was delivered, while
+        the cache pays (CacheMissChoice.prepares)."""
+        return (self.cache_misses is not None and step.prepare and not row.is_first
+                and self._prepared_for(row.seq) and (row.delivered or row.gamma > row.source[1]))
+
+    def _delivery_item(self, row: Row) -> DraftItem:
+        """A delivered round brings the last one's outcome (the replica's stand-in for it
+        becomes the sequence, its drafts those verified now); a Proposed one collects what
+        its Propose had the cache prepare."""
+        self._prepared.add(row.seq.seq_id)
+        if row.delivered:
+            return replace(self._draft_item(row.seq, row.gamma), deliver=True)
+        return replace(self._draft_item(row.seq, 0), deliver=True)
 
     def _send_warm(self, step: Step) -> None:
         """The contexts the draft takes in after this step (_start_background), joined
@@ -954,6 +1001,10 @@ class SpeculativeDecoder:
             seq.draft_len = min(seq.draft_len, base + num_accepted)
         elif row.ahead is not None:
             self._ahead[seq.seq_id] = row.ahead
+        delivered = row.prepared.get(tuple(committed))
+        if delivered is not None:  # the next round's drafts are here: no Propose for them
+            drafts, rank = delivered
+            self._ahead[seq.seq_id] = DraftAhead(drafts, None, cache_rank=rank)
         return committed
 
     def _end_complete_grammar(self, row: Row) -> None:
@@ -1045,6 +1096,13 @@ def _sample_tree(row: Row, drafts: list[int], target_probs: torch.Tensor,
     sample = position_uniforms([seq.seed], [positions], STREAM_SAMPLE)[0]
     return tree_rejection_sample(row.parents, drafts, target_probs,
                                  draft_probs, accept, sample)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _chain_kept(row: Row, drafts: list[int]) -> int:

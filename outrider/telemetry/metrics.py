@@ -80,6 +80,9 @@ CACHE_ROUNDS = Counter("outrider_spec_cache_rounds", "Rounds whose drafts came r
 READY_ONLY_STEPS = Counter("outrider_spec_cache_ready_only_steps", "Steps whose Proposes "
                            "asked for ready drafts only: a sequence the speculation cache "
                            "missed verified none", ENGINE)
+DELIVERED_ROUNDS = Counter("outrider_spec_cache_delivered_rounds", "Rounds whose drafts a "
+                           "draft replica's speculation cache delivered beside the last "
+                           "verification: no Propose was asked for them", ENGINE)
 ENGINE_STEP_SECONDS = Counter("outrider_engine_step_seconds", "The engine thread's steps: "
                               "their wall time (part=wall), its CPU time in them (cpu) and "
                               "the time off its CPU waiting for the proposer "
@@ -242,6 +245,7 @@ class TargetMetrics:
         self._by_version: dict[int, tuple] = {}  # draft version -> (drafted, accepted)
         self._steps = ENGINE_STEPS.labels(**self.labels)
         self._ready_only_steps = READY_ONLY_STEPS.labels(**self.labels)
+        self._delivered_rounds = DELIVERED_ROUNDS.labels(**self.labels)
         self._trees = (TREE_ROUNDS.labels(**self.labels), TREE_NODES.labels(**self.labels))
         self._step_seconds = [ENGINE_STEP_SECONDS.labels(**self.labels, part=part)
                               for part in ("wall", "cpu", "proposer_wait")]
@@ -291,8 +295,11 @@ class TargetMetrics:
         return pair
 
     def record_step(self, wall_s: float, cpu_s: float, proposer_wait_s: float,
-                    tree_rounds: int = 0, tree_nodes: int = 0, ready_only: bool = False) -> None:
+                    tree_rounds: int = 0, tree_nodes: int = 0, ready_only: bool = False,
+                    delivered: int = 0) -> None:
         self._steps.inc()
+        if delivered:
+            self._delivered_rounds.inc(delivered)
         if ready_only:
             self._ready_only_steps.inc()
         if tree_rounds:

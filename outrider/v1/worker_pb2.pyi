@@ -79,7 +79,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., held_back_ids: _Optional[_Iterable[int]] = ..., structured_output: _Optional[_Union[_generate_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class ProposeSequence(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "new_token_ids", "gamma", "sampling", "q_format", "traceparent", "prefill_only", "prompt_len", "teacher", "features", "ready_only", "unprepared")
+    __slots__ = ("seq_id", "committed_len", "new_token_ids", "gamma", "sampling", "q_format", "traceparent", "prefill_only", "prompt_len", "teacher", "features", "ready_only", "unprepared", "deliver")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class ProposeSequence(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     READY_ONLY_FIELD_NUMBER: _ClassVar[int]
     UNPREPARED_FIELD_NUMBER: _ClassVar[int]
+    DELIVER_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     committed_len: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -106,7 +107,8 @@ class ProposeSequence(_message.Message):
     features: Features
     ready_only: bool
     unprepared: bool
-    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., q_format: _Optional[_Union[QFormat, str]] = ..., traceparent: _Optional[str] = ..., prefill_only: _Optional[bool] = ..., prompt_len: _Optional[int] = ..., teacher: _Optional[_Iterable[_Union[TeacherRow, _Mapping]]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., ready_only: _Optional[bool] = ..., unprepared: _Optional[bool] = ...) -> None: ...
+    deliver: bool
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., q_format: _Optional[_Union[QFormat, str]] = ..., traceparent: _Optional[str] = ..., prefill_only: _Optional[bool] = ..., prompt_len: _Optional[int] = ..., teacher: _Optional[_Iterable[_Union[TeacherRow, _Mapping]]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., ready_only: _Optional[bool] = ..., unprepared: _Optional[bool] = ..., deliver: _Optional[bool] = ...) -> None: ...
 
 class Features(_message.Message):
     __slots__ = ("data", "width", "dtype")
@@ -141,7 +143,7 @@ class ProposeRequest(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[ProposeSequence, _Mapping]]] = ..., dist_tag: _Optional[int] = ..., beside_target: _Optional[bool] = ..., target_vocab: _Optional[str] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("seq_id", "miss", "token_ids", "support_lens", "support_ids", "support_probs", "dense_q", "vocab_size", "cache_rank")
+    __slots__ = ("seq_id", "miss", "token_ids", "support_lens", "support_ids", "support_probs", "dense_q", "vocab_size", "cache_rank", "prepared")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     MISS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +153,7 @@ class Proposal(_message.Message):
     DENSE_Q_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CACHE_RANK_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     miss: bool
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -160,7 +163,18 @@ class Proposal(_message.Message):
     dense_q: bytes
     vocab_size: int
     cache_rank: int
-    def __init__(self, seq_id: _Optional[str] = ..., miss: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., support_lens: _Optional[_Iterable[int]] = ..., support_ids: _Optional[_Iterable[int]] = ..., support_probs: _Optional[_Iterable[float]] = ..., dense_q: _Optional[bytes] = ..., vocab_size: _Optional[int] = ..., cache_rank: _Optional[int] = ...) -> None: ...
+    prepared: _containers.RepeatedCompositeFieldContainer[PreparedOutcome]
+    def __init__(self, seq_id: _Optional[str] = ..., miss: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., support_lens: _Optional[_Iterable[int]] = ..., support_ids: _Optional[_Iterable[int]] = ..., support_probs: _Optional[_Iterable[float]] = ..., dense_q: _Optional[bytes] = ..., vocab_size: _Optional[int] = ..., cache_rank: _Optional[int] = ..., prepared: _Optional[_Iterable[_Union[PreparedOutcome, _Mapping]]] = ...) -> None: ...
+
+class PreparedOutcome(_message.Message):
+    __slots__ = ("outcome", "token_ids", "rank")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    outcome: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    rank: int
+    def __init__(self, outcome: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("proposals", "draft_seconds", "draft_version", "target_topk")

@@ -251,8 +251,9 @@ def test_misses_are_waited_for_at_one_sequence_and_left_out_in_a_batch():
 @pytest.mark.slow
 def test_served_greedy_with_the_cache_is_the_target_alone():
     """`outrider serve --speculation-cache`, 8 greedy streams drafted by the model only:
-    rounds take drafts from the cache (and the policy leaves some misses out, drafting
-    nothing for them that round), and every output is the target's own."""
+    rounds take drafts from the cache, some delivered beside the last verification with no
+    Propose asked (and the policy leaves some misses out, drafting nothing for them that
+    round), and every output is the target's own."""
     from outrider.bench.prompts import heldout_prompts
     from outrider.client import Client
     from outrider.core.tokenizer import Tokenizer
@@ -272,4 +273,51 @@ def test_served_greedy_with_the_cache_is_the_target_alone():
     assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
     assert sum(r.cache_rank > 0 for s in spec for r in s.rounds) > 0
     assert total(samples, "outrider_spec_cache_ready_only_steps_total") > 0
+    assert total(samples, "outrider_spec_cache_delivered_rounds_total") > 0
 
+
+
+def test_a_delivery_answers_each_outcome_with_what_drafting_it_answers(draft_dir):
+    """Delivery (DraftService, ProposeSequence.deliver): beside the verification of a
+    Proposed round the target collects the outcomes it prepared; the round after a hit
+    sends no Propose, only the outcome beside its own verification, which the replica's
+    stand-in takes over (its drafts are the ones verified) and answers with the next
+    round's outcomes. Every delivered draft is what drafting that context afresh drafts."""
+    from outrider.draft_worker.service import DraftService
+
+    from outrider.core.sampling import sampling_to_proto
+    from outrider.v1 import worker_pb2 as pb
+    from outrider.wire import Q_FORMAT_CODES
+
+    service = DraftService(drafter(draft_dir), speculation_cache=True)
+    fresh = drafter(draft_dir)
+
+    def sequence(committed_len, new, gamma, deliver=False):
+        return pb.ProposeSequence(seq_id="s", committed_len=committed_len, new_token_ids=new,
+                                  gamma=gamma, sampling=sampling_to_proto(GREEDY, 7),
+                                  q_format=Q_FORMAT_CODES["point_mass"], deliver=deliver)
+
+    def propose(seq, beside_target=False):
+        return service.Propose(pb.ProposeRequest(sequences=[seq], beside_target=beside_target),
+                               None).proposals[0]
+
+    def drafted_afresh(context):
+        fresh.release("r")
+        return fresh.draft([DraftItem("r", 0, context, 4, GREEDY, 7, "point_mass")]
+                           ).token_ids[0].tolist()
+
+    drafts = list(propose(sequence(0, CONTEXT, 4)).token_ids)
+    collected = propose(sequence(len(CONTEXT), [], 0, deliver=True), beside_target=True)
+    outcomes = {tuple(p.outcome): list(p.token_ids) for p in collected.prepared}
+    assert any(len(o) == 1 for o in outcomes) and any(len(o) == 5 for o in outcomes)
+    assert list(collected.token_ids) == []  # a collect drafts nothing
+    for outcome, next_drafts in outcomes.items():
+        assert next_drafts == drafted_afresh(CONTEXT + list(outcome))[:len(next_drafts)]
+    outcome = next(o for o in outcomes if len(o) == 1)  # the target rejected d1, took t
+    assert outcome[0] != drafts[0]
+    taken = propose(sequence(len(CONTEXT), list(outcome), 4, deliver=True), beside_target=True)
+    assert list(taken.token_ids) == outcomes[outcome] and taken.cache_rank > 0
+    context = CONTEXT + list(outcome)
+    after = {tuple(p.outcome): list(p.token_ids) for p in taken.prepared}
+    assert after and all(d == drafted_afresh(context + list(o))[:len(d)]
+                         for o, d in after.items())
