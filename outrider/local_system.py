@@ -34,6 +34,7 @@ class LocalSystemConfig:
     max_batch_tokens: int = SchedulerConfig.max_batch_tokens
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     extra_target_args: tuple[str, ...] = ()
+    extra_draft_args: tuple[str, ...] = ()
     extra_router_args: tuple[str, ...] = ()
     http_port: int | None = None    # the router's OpenAI-compatible API (0: a free port)
     metrics: bool = False           # every process serves /metrics on a free port
@@ -131,7 +132,8 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                              if cfg.cache_aware_sampling is not None else ()),
                            *(("--adapt-redis", cfg.redis_url) if cfg.adapt and cfg.redis_url
                              else ()),
-                           *(("--target-cpus", cpus.target, "--threads", "1") if cpus else ()))
+                           *(("--target-cpus", cpus.target, "--threads", "1") if cpus else ()),
+                           *cfg.extra_draft_args)
                        for i in range(num_drafts))
         targets = tuple(run("target" if i == 0 else f"target-{i}", "target-worker",
                             "--model", cfg.target, "--tp", str(cfg.tp),

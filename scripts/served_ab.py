@@ -7,8 +7,10 @@
 Each variant is a `outrider serve`-like deployment on the demo pair (router, target and
 draft replicas as processes, every default as `outrider serve` has it, the variant's
 flags added to the target replica's, but for `--speculation-cache`,
-`--cache-aware-sampling W` (the draft replicas' cache) and `--draft DIR` (another draft:
-one of its own tokenizer proposes through text), which are serve's), driven by
+`--cache-aware-sampling W` (the draft replicas' cache), `--draft DIR` (another draft:
+one of its own tokenizer proposes through text) and `--draft-cpus LIST` (the draft replica
+and the router on those cores alone, the target on the others, no CPU plan: a draft on
+hardware of its own), which are serve's), driven by
 `outrider bench`'s gRPC client (code prompts, greedy or --sampling, 96 tokens, EOS
 ignored). Rounds take the variants in turn, the order
 reversed every other round, so the machine's noise meets each alike. Per variant, mode
@@ -41,6 +43,7 @@ from outrider.bench.common import (
 )
 from outrider.bench.versus import engine_cell, engine_counters
 from outrider.core.tokenizer import Tokenizer
+from outrider.cpus import available_cpus, format_cpus, parse_cpus
 from outrider.local_system import LocalSystemConfig, local_system
 from outrider.v1 import generate_pb2_grpc
 
@@ -63,12 +66,21 @@ def measure(variant: str, plan: serving.Plan, dtype: str) -> list[dict]:
     serve_level.add_argument("--speculation-cache", action="store_true")
     serve_level.add_argument("--cache-aware-sampling", type=float)
     serve_level.add_argument("--draft", default=draft)
+    # the draft replica (and the router) on these cores alone, the target on the others,
+    # no CPU plan: a draft on hardware of its own
+    serve_level.add_argument("--draft-cpus")
     drafts, extra = serve_level.parse_known_args([] if variant == "default"
                                                  else shlex.split(variant))
+    apart = {}
+    if drafts.draft_cpus:
+        others = format_cpus(sorted(set(available_cpus()) - set(parse_cpus(drafts.draft_cpus))))
+        apart = dict(pin_cpus=False, extra_draft_args=("--cpus", drafts.draft_cpus),
+                     extra_router_args=("--cpus", drafts.draft_cpus))
+        extra = [*extra, "--cpus", others]
     cfg = LocalSystemConfig(target, drafts.draft, grpc_port=0, metrics=True,
                             extra_target_args=tuple(extra), dtype=dtype,
                             speculation_cache=drafts.speculation_cache,
-                            cache_aware_sampling=drafts.cache_aware_sampling)
+                            cache_aware_sampling=drafts.cache_aware_sampling, **apart)
     rows = []
     with local_system(cfg) as system, grpc.insecure_channel(system.router) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
