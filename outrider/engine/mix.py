@@ -285,6 +285,9 @@ class ProposerMix:
                 held.teacher += item.teacher
             if item.prefill_only:
                 plan.model_item = self._warm_item(plan)
+            elif item.deliver:  # the model's drafts are being verified: it drafts on alone
+                room = self.model.max_model_len - len(held.tokens) if self.model else 0
+                plan.model_max = plan.model_gamma = max(0, min(item.gamma, room))
             elif item.gamma:
                 self._choose(plan)
         self._weigh(plans)
@@ -363,7 +366,7 @@ class ProposerMix:
                 p.held.teacher = []
 
     def _has_model(self, item: DraftItem) -> bool:
-        """Whether the model holds the sequence (was ever sent it)."""
+        """Whether the model was ever sent the sequence."""
         held = self._held.get(item.seq_id)
         return self.model is not None and held is not None and held.has_model
 

@@ -147,7 +147,7 @@ class Row:
     delivered: bool = False  # its proposals were delivered: no Propose asked for them
     # what a speculation cache delivered beside this round's verification: the tokens the
     # round may commit -> (the next round's drafts, the outcome's rank)
-    prepared: dict[tuple[int, ...], tuple[list[int], int]] = field(default_factory=dict)
+    outcomes: dict[tuple[int, ...], tuple[list[int], int]] = field(default_factory=dict)
 
     @property
     def tree(self) -> list[int] | None:
@@ -198,7 +198,8 @@ class Step:
     verify_s: float = 0.0
     mask_s: float = 0.0
     ready_only: bool = False  # its Proposes asked for ready drafts only (CacheMissChoice)
-    prepare: bool = True  # they had the speculation cache prepare (CacheMissChoice.prepares)
+    prepare: bool = True  # the speculation cache prepares (CacheMissChoice.prepares) ...
+    drafts_ahead: bool = False  # ... but for rows that draft ahead: few sequences ask
 
     @property
     def ready(self) -> list[Row]:
@@ -256,7 +257,6 @@ class SpeculativeDecoder:
         self.overlap_sampled = overlap_sampled  # sampled sequences draft ahead too
         self.num_candidates = 0    # bonus-position candidates verified (overlap)
         self.num_ahead_rounds = 0  # rounds whose drafts were drafted during the previous one
-        self.num_delivered_rounds = 0  # ... of which a speculation cache delivered them
         self.eos_token_ids = frozenset(target.model_config.eos_token_ids)
         self.last_timing: StepTiming | None = None
         # a sequence must fit the target's KV cache on its own, or it could never run;
@@ -463,13 +463,14 @@ class SpeculativeDecoder:
         aheads = [self._ahead.pop(r.seq.seq_id, None) for r in step.rows]
         aheads = [a if g else None for a, g in zip(aheads, asked)]
         to_draft = [0 if a else g for a, g in zip(aheads, asked)]
-        # (a batch that drafts ahead, §2.5, has the cache prepare nothing: drafting ahead's
-        # Propose beside the target takes the sequence before the stand-ins could answer)
-        drafts_ahead = sum(g > 0 for g in asked) <= self.overlap_max_seqs
+        drafts_ahead = step.drafts_ahead = sum(g > 0 for g in asked) <= self.overlap_max_seqs
         step.ready_only = not drafts_ahead and self._ready_only(step.rows, to_draft)
         prepared = [r.seq.seq_id in self._prepared for r in step.rows]
-        prepare = step.prepare = self.cache_misses is None or (
-            not drafts_ahead and self.cache_misses.prepares())
+        step.prepare = self.cache_misses is None or self.cache_misses.prepares()
+        # (a row that drafts ahead, §2.5, has the cache prepare nothing: drafting ahead's
+        # Propose beside the target takes the sequence before its stand-ins could answer)
+        prepare = [step.prepare and not (drafts_ahead and self._drafts_ahead(r.seq))
+                   for r in step.rows]
         proposal = (self._draft([r.seq for r in step.rows], to_draft, step.ready_only, prepare)
                     if any(to_draft) else Proposal.empty(len(step.rows), self.target.device))
         if any(aheads):
@@ -482,10 +483,9 @@ class SpeculativeDecoder:
                                      sources)
             ahead.cache_ranks = [a.cache_rank for a in aheads if a]
             proposal = proposal.with_rows([i for i, a in enumerate(aheads) if a], ahead)
-            self.num_ahead_rounds += len(drafted)
             for r, a in zip(step.rows, aheads):
                 r.delivered = a is not None and a.cache_rank > 0
-            self.num_delivered_rounds += sum(r.delivered for r in step.rows)
+            self.num_ahead_rounds += len(drafted) - sum(r.delivered for r in step.rows)
         proposal = self._within_kv(step.rows, self._with_openings(step.rows, proposal))
         step.draft_ids, step.draft_probs = proposal.token_ids, proposal.probs
         step.drafts = [ids[:g] for ids, g in zip(proposal.token_ids.tolist(), proposal.gammas)]
@@ -508,7 +508,7 @@ class SpeculativeDecoder:
                                       sum(r.cache_rank > 0 for r in measured) + delivered,
                                       step.draft_s)
             for r, _ in drafted:
-                (self._prepared.add if prepare else self._prepared.discard)(r.seq.seq_id)
+                (self._prepared.add if prepare[r.index] else self._prepared.discard)(r.seq.seq_id)
         self._start_background(step)
 
     def _prepared_for(self, seq: Sequence) -> bool:
@@ -595,11 +595,12 @@ class SpeculativeDecoder:
         for r, miss in zip(step.rows, drafted.is_miss):
             if miss:
                 continue
-            r.prepared = drafted.prepared_for(r.index)
-            if r.delivered:  # the replica took the outcome in, then drafted what it holds
-                answered = drafted.token_ids[r.index, :drafted.gammas[r.index]].tolist()
-                r.seq.draft_len = len(r.seq.token_ids) + _common_prefix(
-                    answered, step.drafts[r.index])
+            r.outcomes = drafted.prepared_for(r.index)
+            answered = drafted.token_ids[r.index, :drafted.gammas[r.index]].tolist()
+            if r.delivered and answered:  # the replica took the outcome in: it holds the
+                # context and its answer but the last (_draft), as far as that is verified
+                r.seq.draft_len = len(r.seq.token_ids) + min(
+                    _common_prefix(answered, step.drafts[r.index]), len(answered) - 1)
             if r.feeds_head:  # the head holds them: their features may go
                 r.seq.draft_len = r.feeds_head
                 self.features.taken(r.seq.seq_id, r.feeds_head)
@@ -646,11 +647,12 @@ class SpeculativeDecoder:
 
     # -- propose ---------------------------------------------------------------------------
     def _draft(self, seqs: list[Sequence], gammas: list[int], ready_only: bool = False,
-               prepare: bool = True) -> Proposal:
-        """A fresh Propose; sequences the draft has lost resend their whole context once."""
+               prepare: list[bool] | None = None) -> Proposal:
+        """A fresh Propose; sequences the draft has lost resend their whole context once.
+        `prepare`: per sequence, whether a speculation cache prepares its next round."""
         items = [self._draft_item(s, g) for s, g in zip(seqs, gammas)]
-        for it in items:
-            it.ready_only, it.prepare = ready_only, prepare
+        for it, p in zip(items, prepare or [True] * len(items)):
+            it.ready_only, it.prepare = ready_only, p
         out = self.drafter.draft(items, self.target.device)
         missed = [i for i, miss in enumerate(out.is_miss) if miss]
         if missed:
@@ -659,7 +661,7 @@ class SpeculativeDecoder:
             retries = [self._draft_item(seqs[i], gammas[i]) for i in missed]
             for i, retry in zip(missed, retries):
                 retry.teacher, retry.ready_only, retry.prepare = (items[i].teacher, ready_only,
-                                                                  prepare)
+                                                                  items[i].prepare)
             out = out.with_rows(missed, self.drafter.draft(retries, self.target.device))
         holds_drafts = self.reads is None and self.tree is None
         for s, g in zip(seqs, out.gammas):
@@ -770,12 +772,13 @@ class SpeculativeDecoder:
         # distribution), and a seed's output must not depend on the batch's size
         rows = step.rows
         # (while drafting ahead runs, at most overlap_max_seqs speculating, it answers: at
-        # one stream a delivery's stand-ins outlast the verification they are drafted beside)
-        small = sum(r.gamma > 0 and not r.is_first for r in rows) <= self.overlap_max_seqs
+        # one stream a delivery's stand-ins outlast the verification they are drafted beside;
+        # with a cache, only where the step's Proposes left the rows unprepared for it)
+        small = (sum(r.gamma > 0 and not r.is_first for r in rows) <= self.overlap_max_seqs
+                 and (self.cache_misses is None or step.drafts_ahead))
         delivers = [not small and self._delivers(step, r) for r in rows]
         for r, d in zip(rows, delivers):  # (a first row's proposals are its grammar's opening)
-            drafts_ahead = not (r.is_first or d) and (self.overlap_sampled
-                                                      or r.seq.params.is_greedy)
+            drafts_ahead = not (r.is_first or d) and self._drafts_ahead(r.seq)
             # this round's γ, less the tokens its grammar forced on top of it: the next
             # round's forced ones come on top again (drafted ahead, they were drafted twice)
             r.ahead_gamma = r.gamma - forced_count(r.source) if drafts_ahead else 0
@@ -797,21 +800,28 @@ class SpeculativeDecoder:
                  self._draft_item(r.seq, r.ahead_gamma + 1 if r.ahead_gamma else 0,
                                   step.drafts[r.index] if r.ahead_gamma else [])
                  for r, w, d in zip(rows, warms, delivers)]
+        self._prepared.update(r.seq.seq_id for r, d in zip(rows, delivers) if d)
         step.background = self.drafter.submit(items, self.target.device, beside_target=True)
+
+    def _drafts_ahead(self, seq: Sequence) -> bool:
+        """Whether `seq` drafts ahead in a batch small enough (§2.5): greedy ones, and
+        sampled ones when asked."""
+        return self.overlap_sampled or seq.params.is_greedy
 
     def _delivers(self, step: Step, row: Row) -> bool:
         """Whether a draft replica's speculation cache drafts this round's likely outcomes
         of `row` while the target verifies, and delivers them with the answer
-        (_delivery_item): a greedy chain the model drafted, or that was delivered, while
-        the cache pays (CacheMissChoice.prepares)."""
+        (_delivery_item): a greedy chain the model drafted alone (a lookup's tokens are no
+        context the draft planned from), or that was delivered, while the cache pays
+        (CacheMissChoice.prepares)."""
         return (self.cache_misses is not None and step.prepare and not row.is_first
-                and self._prepared_for(row.seq) and (row.delivered or row.gamma > row.source[1]))
+                and self._prepared_for(row.seq) and row.source[1] == 0
+                and (row.delivered or row.gamma > 0))
 
     def _delivery_item(self, row: Row) -> DraftItem:
         """A delivered round brings the last one's outcome (the replica's stand-in for it
         becomes the sequence, its drafts those verified now); a Proposed one collects what
         its Propose had the cache prepare."""
-        self._prepared.add(row.seq.seq_id)
         if row.delivered:
             return replace(self._draft_item(row.seq, row.gamma), deliver=True)
         return replace(self._draft_item(row.seq, 0), deliver=True)
@@ -1001,7 +1011,7 @@ class SpeculativeDecoder:
             seq.draft_len = min(seq.draft_len, base + num_accepted)
         elif row.ahead is not None:
             self._ahead[seq.seq_id] = row.ahead
-        delivered = row.prepared.get(tuple(committed))
+        delivered = row.outcomes.get(tuple(committed))
         if delivered is not None:  # the next round's drafts are here: no Propose for them
             drafts, rank = delivered
             self._ahead[seq.seq_id] = DraftAhead(drafts, None, cache_rank=rank)
