@@ -249,6 +249,7 @@ def test_speculative_sampling_matches_target_distribution(samples, config, gamma
 
 @needs_compiler
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a cold compile (tests/engine/test_compiled.py's note)
 def test_compiled_speculative_sampling_matches_target_distribution(samples, llama_dir,
                                                                    close_draft_dir):
     """The grid's γ = 4 case with the target and the draft compiled (--compile), against
