@@ -200,6 +200,7 @@ class Step:
     ready_only: bool = False  # its Proposes asked for ready drafts only (CacheMissChoice)
     prepare: bool = True  # the speculation cache prepares (CacheMissChoice.prepares) ...
     drafts_ahead: bool = False  # ... but for rows that draft ahead: few sequences ask
+    num_delivered: int = 0  # rows whose proposals a speculation cache delivered
 
     @property
     def ready(self) -> list[Row]:
@@ -215,7 +216,7 @@ class Step:
                           max(drafted, default=0), sum(drafted), self.draft_s, self.mask_s,
                           self.draft_cpu_s, len(trees), sum(trees),
                           not any(gammas) and all(r.feed == 1 for r in self.rows),
-                          self.ready_only, sum(r.delivered for r in self.rows))
+                          self.ready_only, self.num_delivered)
 
 
 class SpeculativeDecoder:
@@ -485,7 +486,8 @@ class SpeculativeDecoder:
             proposal = proposal.with_rows([i for i, a in enumerate(aheads) if a], ahead)
             for r, a in zip(step.rows, aheads):
                 r.delivered = a is not None and a.cache_rank > 0
-            self.num_ahead_rounds += len(drafted) - sum(r.delivered for r in step.rows)
+            step.num_delivered = sum(r.delivered for r in step.rows)
+            self.num_ahead_rounds += len(drafted) - step.num_delivered
         proposal = self._within_kv(step.rows, self._with_openings(step.rows, proposal))
         step.draft_ids, step.draft_probs = proposal.token_ids, proposal.probs
         step.drafts = [ids[:g] for ids, g in zip(proposal.token_ids.tolist(), proposal.gammas)]
@@ -503,7 +505,7 @@ class SpeculativeDecoder:
             drafted = [(r, was) for r, g, was in zip(step.rows, to_draft, prepared)
                        if g and not (r.gamma and r.source[1] >= r.gamma)]
             measured = [r for r, was in drafted if was]
-            delivered = sum(r.delivered for r in step.rows)  # (hits no Propose asked for)
+            delivered = step.num_delivered  # (hits no Propose asked for)
             self.cache_misses.observe(step.ready_only, len(measured) + delivered,
                                       sum(r.cache_rank > 0 for r in measured) + delivered,
                                       step.draft_s)
@@ -596,9 +598,10 @@ class SpeculativeDecoder:
             if miss:
                 continue
             r.outcomes = drafted.prepared_for(r.index)
-            answered = drafted.token_ids[r.index, :drafted.gammas[r.index]].tolist()
-            if r.delivered and answered:  # the replica took the outcome in: it holds the
-                # context and its answer but the last (_draft), as far as that is verified
+            if r.delivered and drafted.gammas[r.index]:  # the replica took the outcome in:
+                # it holds the context and its answer but the last (_draft), as far as that
+                # is verified (only a delivered row's answer is read: no copy a row a round)
+                answered = drafted.token_ids[r.index, :drafted.gammas[r.index]].tolist()
                 r.seq.draft_len = len(r.seq.token_ids) + min(
                     _common_prefix(answered, step.drafts[r.index]), len(answered) - 1)
             if r.feeds_head:  # the head holds them: their features may go
