@@ -56,7 +56,8 @@ class DraftReplica(_Replica):
     def __init__(self, runner: RunnerConfig, host: str, port: int, token: str,
                  metrics_port: int | None = None, adapt: bool = False,
                  adapt_redis: str | None = None, adapt_pair: str | None = None,
-                 target_model: str | None = None, speculation_cache: bool = False) -> None:
+                 target_model: str | None = None, speculation_cache: bool = False,
+                 cache_aware_sampling: float | None = None) -> None:
         from outrider.draft_worker.main import DraftWorkerConfig, start
 
         self.host = host
@@ -73,7 +74,9 @@ class DraftReplica(_Replica):
                                                adapt_pair=adapt_pair,
                                                target_models=(target_model,) if target_model
                                                else (),
-                                               speculation_cache=speculation_cache), token)
+                                               speculation_cache=speculation_cache,
+                                               cache_aware_sampling=cache_aware_sampling),
+                             token)
         self.service = self.running.service
 
     def busy_seconds(self) -> float:

@@ -101,7 +101,7 @@ class Controller:
             pair.draft_metrics_port, pair.adapt, self.spec.redis_url,
             f"{self.spec.name}-{pair.name}",  # adapting drafts share versions in Redis
             pair.target,  # a head's embedding; a draft of another vocabulary's tokenizer
-            pair.speculation_cache)
+            pair.speculation_cache, pair.cache_aware_sampling)
         draft.address = ray.get(draft.actor.address.remote(), timeout=START_TIMEOUT_S)
         draft.port = int(draft.address.rsplit(":", 1)[1])
         draft.node_id = ray.get(draft.actor.where.remote())["node_id"]

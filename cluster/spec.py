@@ -92,6 +92,8 @@ class ModelPair(_Strict):
     enforce_eager: bool = False                       # GPU: no CUDA graphs (cuda_graphs.py)
     adapt: bool = False                               # online distillation on the drafts
     speculation_cache: bool = False                   # drafts prepare the next round
+    # sampled rows too, their q keeping this share of its 4 likeliest tokens' mass
+    cache_aware_sampling: Annotated[float, Field(gt=0, le=1)] | None = None
     max_batch_tokens: Annotated[int, Field(ge=1)] = SchedulerConfig.max_batch_tokens
     max_num_seqs: Annotated[int, Field(ge=1)] = SchedulerConfig.max_num_seqs
     threads: Annotated[int, Field(ge=0)] = 0          # CPU threads per process (0: auto)
@@ -113,6 +115,9 @@ class ModelPair(_Strict):
         if self.self_draft_layers and self.tp > 1:
             raise ValueError("self_draft_layers needs tp 1: the target's layers would be "
                              "split over other ranks' processes")
+        if self.cache_aware_sampling is not None and not self.speculation_cache:
+            raise ValueError("cache_aware_sampling prepares sampled rows in the speculation "
+                             "cache: it needs speculation_cache: true")
         if self.draft and head_kind(self.draft) == "medusa":
             raise ValueError("draft: Medusa heads draft in the target's process; a "
                              "cluster's drafts run on draft replicas (EAGLE-3, EAGLE-1 heads "

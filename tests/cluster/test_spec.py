@@ -48,3 +48,13 @@ def test_a_pair_with_no_draft_may_draft_with_its_targets_own_layers():
                      (dict(self_draft_layers="auto", tp=2), "needs tp 1")]:
         with pytest.raises(SpecError, match=why):
             parse_spec(spec_with(**bad))
+
+
+def test_cache_aware_sampling_is_a_share_and_needs_the_cache():
+    pair = parse_spec(spec_with(speculation_cache=True, cache_aware_sampling=0.5)).pair
+    assert (pair.speculation_cache, pair.cache_aware_sampling) == (True, 0.5)
+    for bad, why in [(dict(speculation_cache=True, cache_aware_sampling=0), "greater than 0"),
+                     (dict(speculation_cache=True, cache_aware_sampling=1.5), "less than or equal"),
+                     (dict(cache_aware_sampling=0.5), "needs speculation_cache: true")]:
+        with pytest.raises(SpecError, match=why):
+            parse_spec(spec_with(**bad))

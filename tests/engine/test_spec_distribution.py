@@ -279,6 +279,44 @@ def test_cache_aware_speculative_sampling_matches_target_distribution(samples, c
     assert not failures(pvalues), failures(pvalues)
 
 
+
+CACHE_CHUNK = 8  # requests at a time: the replica's 16 stand-ins a Propose cover them
+
+
+@pytest.mark.slow
+def test_cached_speculative_sampling_matches_target_distribution(samples, close_draft_dir):
+    """A draft replica with its speculation cache on and cache-aware (DESIGN §2.6), over
+    gRPC: a sampled row's Propose takes the drafts the replica prepared for its outcome
+    while the target verified (a hit) or drafts afresh (a miss, forced wherever the target
+    drew a token no stand-in guessed), both many times in one run, and the output is the
+    target's. The grid's γ = 4 case, CACHE_CHUNK requests at a time."""
+    from outrider.draft_worker.main import DraftWorkerConfig, start
+    from outrider.target_worker.remote_drafter import RemoteDrafter
+
+    config, token = "truncated-penalties-bias", "chi2-cache"
+    running = start(DraftWorkerConfig(str(close_draft_dir), kv_cache_mb=64,
+                                      speculation_cache=True, cache_aware_sampling=0.5), token)
+    remote = RemoteDrafter([running.address], token, "t0-")
+    try:
+        decoder = SpeculativeDecoder(samples.decoders["close", False].target, remote)
+        decoder.cache_misses.prepares = lambda: True  # (a cache hit this rarely is gated)
+        first_seed = seed_base("speculative-cached", config, 4)
+        sample: Sample = []
+        for begin in range(0, NUM_SAMPLES, CACHE_CHUNK):
+            params = [SamplingParams(max_tokens=MAX_TOKENS, seed=first_seed + i,
+                                     ignore_eos=True, **CONFIGS[config])
+                      for i in range(begin, begin + CACHE_CHUNK)]
+            sample += [tuple(s.output_ids)
+                       for s in decoder.generate([PROMPT] * CACHE_CHUNK, params, gamma=4)]
+        cache = running.service.cache
+        hits, misses = cache.hits, cache.misses
+    finally:
+        remote.close()
+        running.stop(0)
+    assert hits >= NUM_SAMPLES // 10 and misses >= NUM_SAMPLES // 10, (hits, misses)
+    pvalues = comparisons(sample, samples.target_only(config))
+    assert not failures(pvalues), failures(pvalues)
+
 # -- model-free proposers (outrider/engine/lookup.py, mix.py) -------------------------------
 
 LOOKUP_GAMMA = 6

@@ -253,7 +253,10 @@ def test_served_greedy_with_the_cache_is_the_target_alone():
     """`outrider serve --speculation-cache`, 8 greedy streams drafted by the model only:
     rounds take drafts from the cache, some delivered beside the last verification with no
     Propose asked (and the policy leaves some misses out, drafting nothing for them that
-    round), and every output is the target's own."""
+    round), and every output is the target's own; so is it at 1 stream (drafting ahead
+    answers) and 3, one past overlap_max_seqs (deliveries begin)."""
+    from outrider.target_worker.main import TargetWorkerConfig
+
     from outrider.bench.prompts import heldout_prompts
     from outrider.client import Client
     from outrider.core.tokenizer import Tokenizer
@@ -270,11 +273,67 @@ def test_served_greedy_with_the_cache_is_the_target_alone():
                                      include_rounds=True, **options)
         plain = client.generate_batch(prompts, speculation="off", **options)
         samples = scrape(system.metrics["target"])
+        fewer = {n: client.generate_batch(prompts[:n], speculation="fixed", gamma_max=4,
+                                          **{**options, "max_concurrency": n})
+                 for n in (1, TargetWorkerConfig.overlap_max_seqs + 1)}
     assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    for n, outputs in fewer.items():
+        assert [s.token_ids for s in outputs] == [p.token_ids for p in plain[:n]], n
     assert sum(r.cache_rank > 0 for s in spec for r in s.rounds) > 0
     assert total(samples, "outrider_spec_cache_ready_only_steps_total") > 0
     assert total(samples, "outrider_spec_cache_delivered_rounds_total") > 0
 
+
+
+@pytest.mark.slow
+def test_a_lost_delivery_costs_drafts_never_a_token(monkeypatch):
+    """Deliveries (ProposeSequence.deliver) whose call fails, one in three before the
+    replica took its outcomes in and one in three after it did (the answer lost): the
+    target learns nothing from them, so its next Propose of the sequence starts from what
+    it knew the replica held, which rolls back to it; greedy output stays the target's
+    own, and deliveries that went through still took drafts from the cache."""
+    import grpc
+    from outrider.draft_worker.main import DraftWorkerConfig, start
+    from outrider.draft_worker.service import DraftService
+    from outrider.target_worker.remote_drafter import RemoteDrafter
+
+    from outrider.bench.prompts import heldout_prompts
+    from outrider.core.tokenizer import Tokenizer
+    from outrider.engine.spec_decode import SpeculativeDecoder
+
+    propose, outcomes = DraftService.Propose, {"lost before": 0, "lost after": 0, "taken": 0}
+
+    def failing(self, request, context):  # (registered by start: patched before it)
+        if not any(s.deliver for s in request.sequences):
+            return propose(self, request, context)
+        turn = sum(outcomes.values()) % 3
+        if turn == 0:
+            outcomes["lost before"] += 1
+            context.abort(grpc.StatusCode.INTERNAL, "lost before the replica took it in")
+        reply = propose(self, request, context)
+        if turn == 1:
+            outcomes["lost after"] += 1
+            context.abort(grpc.StatusCode.INTERNAL, "lost after the replica took it in")
+        outcomes["taken"] += sum(p.cache_rank > 0 for p in reply.proposals)
+        return reply
+
+    monkeypatch.setattr(DraftService, "Propose", failing)
+    target_dir, draft_dir = map(str, paths.demo_pair())
+    running = start(DraftWorkerConfig(draft_dir, kv_cache_mb=32, speculation_cache=True),
+                    "lost")
+    remote = RemoteDrafter([running.address], "lost", "t0-", retry_after_s=0.01)
+    try:
+        decoder = SpeculativeDecoder(ModelRunner(RunnerConfig(target_dir, kv_cache_mb=32)),
+                                     remote, overlap_max_seqs=2)
+        prompts = heldout_prompts(Tokenizer(target_dir), 8, 128)
+        params = SamplingParams(max_tokens=96, ignore_eos=True)
+        plain = [s.output_ids for s in decoder.generate(prompts, params, gamma=0)]
+        spec = [s.output_ids for s in decoder.generate(prompts, params, gamma=4)]
+    finally:
+        remote.close()
+        running.stop(0)
+    assert spec == plain
+    assert min(outcomes.values()) > 0, outcomes
 
 
 def test_a_delivery_answers_each_outcome_with_what_drafting_it_answers(draft_dir):
