@@ -89,7 +89,8 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         self.adapter = None  # online distillation (draft_worker/adapt.py), when on
         # drafts for the outcomes of the verification under way (spec_cache.py), drafted
         # by one background thread between Proposes; Proposes waiting for the lock
-        self.cache = (SpeculationCache(drafter, sampled_weight=sampled_weight)
+        self.cache = (SpeculationCache(drafter, sampled_weight=sampled_weight,
+                                       on_lookup=metrics.cache_lookup if metrics else None)
                       if speculation_cache else None)
         self._preparing = ThreadPoolExecutor(1, "speculation-cache") if self.cache else None
         self._waiting, self._waiting_lock = 0, threading.Lock()
@@ -151,7 +152,7 @@ class DraftService(worker_pb2_grpc.DraftServicer):
             msg.prepared.extend(outcomes)
             proposals.append(msg)
         seconds = time.perf_counter() - start
-        self._observe(items, rows, cached, seconds)
+        self._observe(items, rows, seconds)
         return pb.ProposeResponse(proposals=proposals, draft_seconds=seconds,
                                   draft_version=version, target_topk=self.drafter.target_topk)
 
@@ -196,7 +197,7 @@ class DraftService(worker_pb2_grpc.DraftServicer):
         if self.metrics:
             self.metrics.stand_ins.inc(drafted)
 
-    def _observe(self, items: list[DraftItem], rows, cached, seconds: float) -> None:
+    def _observe(self, items: list[DraftItem], rows, seconds: float) -> None:
         with self.lock:
             self.draft_seconds_total += seconds
             for it, row in zip(items, rows):
@@ -206,10 +207,6 @@ class DraftService(worker_pb2_grpc.DraftServicer):
             self.metrics.proposals.inc(len(items))
             self.metrics.tokens.inc(sum(len(row[0]) for row in rows))
             self.metrics.misses.inc(sum(row[2] for row in rows))
-            if self._caching:
-                hits = sum(entry is not None for entry in cached)
-                self.metrics.cache_hits.inc(hits)
-                self.metrics.cache_misses.inc(sum(it.gamma > 0 for it in items) - hits)
 
     def _send_dense(self, out, is_dist: list[bool], tag: int) -> None:
         """One send of every dense_dist row, in request order; the target receives it

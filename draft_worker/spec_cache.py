@@ -69,9 +69,12 @@ class SpeculationCache:
     """A draft replica's stand-ins, by the sequence they stand in for."""
 
     def __init__(self, drafter: Drafter, max_rows: int = MAX_ROWS,
-                 sampled_weight: float | None = None) -> None:
+                 sampled_weight: float | None = None,
+                 on_lookup: Callable[[int, bool], None] | None = None) -> None:
         """sampled_weight: sampled rows are prepared for too, drafted with cache-aware
-        sampling at this weight (Drafter._cache_aware; 1.0: q as it is)."""
+        sampling at this weight (Drafter._cache_aware; 1.0: q as it is). on_lookup(k, hit):
+        a prepared sequence's next round was looked up; k: the drafts its outcome kept
+        (-1: what it brought does not follow the context it was prepared for)."""
         self.drafter = drafter
         self.max_rows = max_rows
         self.sampled = sampled_weight is not None
@@ -82,6 +85,7 @@ class SpeculationCache:
         self._entries: dict[str, tuple[list[int], dict[tuple[int, ...], Entry]]] = {}
         self._next_id = 0
         self.hits = self.misses = 0
+        self.on_lookup = on_lookup
 
     # -- the next Propose -----------------------------------------------------------------
     def take(self, items: list[DraftItem]) -> list[Entry | None]:
@@ -104,6 +108,8 @@ class SpeculationCache:
             if context is not None and it.gamma:
                 self.hits += entry is not None
                 self.misses += entry is None
+                if self.on_lookup is not None:
+                    self.on_lookup(len(outcome) - 1, entry is not None)
             found.append(entry)
         return found
 

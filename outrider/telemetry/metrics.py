@@ -147,8 +147,10 @@ DRAFT_SECONDS = Histogram("outrider_draft_propose_seconds", "Time to draft one P
                           MODEL, buckets=LATENCY_BUCKETS)
 SPEC_CACHE_LOOKUPS = Counter("outrider_draft_speculation_cache_lookups", "Sequences a Propose "
                              "asked drafts for that the speculation cache had prepared for: "
-                             "result hit (answered at once) or miss (drafted then)",
-                             [*MODEL, "result"])
+                             "result hit (answered at once) or miss (drafted then), by the "
+                             "drafts the target kept of the round prepared for (accepted; "
+                             "none: the tokens sent do not follow it)",
+                             [*MODEL, "result", "accepted"])
 SPEC_CACHE_STAND_INS = Counter("outrider_draft_speculation_cache_stand_ins", "Outcomes the "
                                "speculation cache drafted for while the target verified", MODEL)
 DRAFT_CACHED = Gauge("outrider_draft_cached_sequences", "Sequences whose KV the draft holds",
@@ -371,9 +373,12 @@ class DraftMetrics:
         self.misses = DRAFT_MISSES.labels(model_name)
         self.seconds = DRAFT_SECONDS.labels(model_name)
         self.rollbacks = DRAFT_ROLLBACKS.labels(model_name)
-        self.cache_hits = SPEC_CACHE_LOOKUPS.labels(model_name, "hit")
-        self.cache_misses = SPEC_CACHE_LOOKUPS.labels(model_name, "miss")
         self.stand_ins = SPEC_CACHE_STAND_INS.labels(model_name)
+
+    def cache_lookup(self, accepted: int, hit: bool) -> None:
+        """The speculation cache's (SpeculationCache.on_lookup): its hit rate per position."""
+        SPEC_CACHE_LOOKUPS.labels(self.model, "hit" if hit else "miss",
+                                  str(accepted) if accepted >= 0 else "none").inc()
 
     def watch_version(self, version: Callable[[], int]) -> None:
         DRAFT_VERSION.labels(self.model).set_function(version)

@@ -72,7 +72,7 @@ def system(receiver):
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
            "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
     cfg = LocalSystemConfig(str(paths.demo_target_dir()), str(paths.demo_draft_dir()),
-                            grpc_port=0, http_port=0, metrics=True)
+                            grpc_port=0, http_port=0, metrics=True, speculation_cache=True)
     with local_system(cfg, env=env) as running:
         yield running
 
@@ -244,7 +244,7 @@ NOT_NAMES = re.compile(r'\{[^}]*\}|"[^"]*"|\[[^\]]*\]|(?<![\w:])\d+\.?\d*')
 IDENTIFIER = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 PROMQL_WORDS = {"sum", "by", "rate", "max", "min", "avg", "histogram_quantile", "scalar",
                 "without", "le", "position", "speculated", "code", "api", "model_name",
-                "draft_version", "method"}
+                "draft_version", "method", "accepted"}
 
 
 def test_every_dashboard_query_names_exported_metrics_and_answers(system, prometheus):
@@ -253,6 +253,11 @@ def test_every_dashboard_query_names_exported_metrics_and_answers(system, promet
         for _ in range(4):
             client.generate(PROMPT, max_tokens=24, temperature=0.0, speculation="auto")
             time.sleep(1.0)
+        # streams enough for the speculation cache to prepare (it does not beside
+        # drafting ahead) and the draft model drafting: its panel's series
+        client.generate_batch([f"{PROMPT}    # case {i}\n" for i in range(4)], max_tokens=48,
+                              temperature=0.0, speculation="fixed", gamma_max=4,
+                              proposer="model", max_concurrency=4)
     exported = {name for address in [*system.metrics.values(), system.http]
                 for name, _ in scrape(address)}
     queries = dashboard_queries()

@@ -106,11 +106,13 @@ def test_sampled_rows_are_not_cached_unless_asked(draft_dir):
 
 
 def test_an_outcome_nobody_guessed_is_a_miss_and_drafts_as_before(draft_dir):
-    cache = SpeculationCache(drafter(draft_dir))
+    looked_up = []
+    cache = SpeculationCache(drafter(draft_dir), on_lookup=lambda k, hit: looked_up.append(
+        (k, hit)))
     fresh = drafter(draft_dir)
     drafts, unguessed = round_then_unguessed(cache)
     item = next_item(cache, "s", drafts, (unguessed,))
-    assert cache.take([item]) == [None] and cache.misses == 1
+    assert cache.take([item]) == [None] and cache.misses == 1 and looked_up == [(0, False)]
     assert cache.drafter.runner.blocks.num_sequences == 1  # its stand-ins are gone
     got = cache.drafter.draft([item]).token_ids[0].tolist()
     want = fresh.draft([DraftItem("r", 0, CONTEXT + [unguessed], 4, GREEDY, 7, "dense")])
@@ -174,8 +176,11 @@ def test_stand_ins_never_evict_a_sequence_and_go_first():
 
 def test_a_hit_drafts_the_stand_ins_of_the_round_after(draft_dir):
     """A sequence answered from the cache keeps its guesses (the stand-in's runners-up),
-    so its next round has stand-ins too: hits can follow hits."""
-    cache = SpeculationCache(drafter(draft_dir))
+    so its next round has stand-ins too: hits can follow hits. Each lookup is reported
+    with the drafts its outcome kept (the replica's hit rate per position)."""
+    looked_up = []
+    cache = SpeculationCache(drafter(draft_dir), on_lookup=lambda k, hit: looked_up.append(
+        (k, hit)))
     item, drafts = first_round(cache, "s")
     for _ in range(3):
         outcome = max(cache._entries["s"][1], key=len)  # every draft kept, the bonus guessed
@@ -184,7 +189,7 @@ def test_a_hit_drafts_the_stand_ins_of_the_round_after(draft_dir):
         assert entry is not None
         drafts = entry.drafts
         cache.fill(cache.plan([item], [drafts]))
-    assert cache.hits == 3
+    assert cache.hits == 3 and looked_up == [(4, True)] * 3
 
 
 def test_a_ready_only_miss_drafts_nothing_now_and_its_next_round_is_prepared(draft_dir):
