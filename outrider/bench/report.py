@@ -46,6 +46,7 @@ from outrider.bench.tables import (
     structured_table,
     targets_table,
     versus_table,
+    wait_table,
 )
 
 # -- the pages' generated blocks -----------------------------------------------------------
@@ -153,6 +154,12 @@ def render_versus(runs: list[Run]) -> str:
     return with_provenance(runs, versus_table(results, rounds=True),
                            f"The target's engine thread meanwhile:\n\n{engines}" if engines
                            else "")
+
+
+def render_versus_cache(runs: list[Run]) -> str:
+    """versus, the engine thread shown only by what a speculation cache moves."""
+    results = labelled(by_level(runs[0].data["results"]))
+    return with_provenance(runs, versus_table(results, rounds=True), wait_table(results))
 
 
 def render_proposers(runs: list[Run]) -> str:
@@ -449,7 +456,8 @@ def render_index(runs: list[Run]) -> str:
 
 
 RENDERERS: dict[str, Callable[[list[Run]], str]] = {
-    "headline": render_headline, "versus": render_versus, "proposers": render_proposers,
+    "headline": render_headline, "versus": render_versus, "versus_cache": render_versus_cache,
+    "proposers": render_proposers,
     "structured": render_structured, "prefix": render_prefix, "adapt": render_adapt,
     "step": render_step, "peer": render_peer, "gpu": render_gpu, "gpu_served": render_gpu_served,
     "gpu_mid": render_gpu_mid,

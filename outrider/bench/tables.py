@@ -164,6 +164,25 @@ def engine_table(results: dict[str, dict[int, dict]]) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+
+def wait_table(results: dict[str, dict[int, dict]]) -> str:
+    """engine_table's columns a speculation cache moves, a cell per level: the step, its
+    share waiting for the proposer and the rounds whose drafts the cache had ready."""
+    rows = {system: by_level for system, by_level in results.items()
+            if any("engine_cpu" in x for x in by_level.values())}
+    if not rows:
+        return ""
+    levels = sorted({c for by_level in rows.values() for c in by_level})
+    lines = ["| step ms, waiting for the proposer, rounds ready | "
+             + " | ".join(f"{c} stream{'s' * (c != 1)}" for c in levels) + " |",
+             "|---|" + "---|" * len(levels)]
+    for system, by_level in rows.items():
+        lines.append(f"| {system} | " + " | ".join(
+            f"{x['engine_step_ms']:.1f}, {x['engine_proposer_wait']:.0%}, "
+            f"{_share(x.get('engine_cache_hits'))}" if (x := by_level.get(c)) else "–"
+            for c in levels) + " |")
+    return "\n".join(lines)
+
 # -- outrider.bench.proposers --------------------------------------------------------------
 def proposers_table(results: dict[str, dict[str, dict]]) -> str:
     cells = list(next(iter(results.values())))
