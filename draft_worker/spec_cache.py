@@ -62,6 +62,7 @@ class _Plan:
     bonus_drafted: bool     # k = g: the first draft is the guess of t
     likelihood: float
     context: list[int]      # the committed tokens before the outcome
+    depth: int              # the drafts the round proposed (0: none, a ready-only miss)
     rank: int = 0
 
 
@@ -82,7 +83,9 @@ class SpeculationCache:
         if self.sampled:
             drafter.aware_weight, drafter.aware_of = sampled_weight, self._cacheable
         # seq_id -> (its committed tokens at the last Propose, outcome -> entry)
-        self._entries: dict[str, tuple[list[int], dict[tuple[int, ...], Entry]]] = {}
+        # seq_id -> (its committed tokens at the last Propose, outcome -> entry, the drafts
+        # that Propose proposed: an outcome keeps at most that many)
+        self._entries: dict[str, tuple[list[int], dict[tuple[int, ...], Entry], int]] = {}
         self._next_id = 0
         self.hits = self.misses = 0
         self.on_lookup = on_lookup
@@ -96,7 +99,7 @@ class SpeculationCache:
             if it.collects:  # (it takes nothing: its entries are delivered as they are)
                 found.append(None)
                 continue
-            context, entries = self._entries.pop(it.seq_id, (None, {}))
+            context, entries, depth = self._entries.pop(it.seq_id, (None, {}, 0))
             outcome = self._outcome(it, context)
             entry = entries.get(outcome) if outcome else None
             if entry is not None and self._takes(it, entry):
@@ -108,8 +111,9 @@ class SpeculationCache:
             if context is not None and it.gamma:
                 self.hits += entry is not None
                 self.misses += entry is None
-                if self.on_lookup is not None:
-                    self.on_lookup(len(outcome) - 1, entry is not None)
+                if self.on_lookup is not None:  # (tokens past depth + 1: not one round's)
+                    self.on_lookup(len(outcome) - 1 if 0 < len(outcome) <= depth + 1 else -1,
+                                   entry is not None)
             found.append(entry)
         return found
 
@@ -139,14 +143,14 @@ class SpeculationCache:
     def prepared(self, seq_id: str) -> list[tuple[tuple[int, ...], Entry]]:
         """The sequence's entries to deliver: (outcome, entry), likeliest first; point
         masses only (a sampled row's q would have to travel too)."""
-        entries = self._entries.get(seq_id, (None, {}))[1]
+        entries = self._entries.get(seq_id, (None, {}, 0))[1]
         return sorted(((o, e) for o, e in entries.items() if e.q is None),
                       key=lambda oe: oe[1].rank)
 
     def forget(self, seq_ids) -> None:
         """Released sequences: their stand-ins go too."""
         for seq_id in seq_ids:
-            for entry in self._entries.pop(seq_id, (0, {}))[1].values():
+            for entry in self._entries.pop(seq_id, (0, {}, 0))[1].values():
                 self.drafter.release(entry.stand_in, served=False)
 
     # -- while the target verifies --------------------------------------------------------
@@ -188,7 +192,7 @@ class SpeculationCache:
         if item.committed_len:
             self.drafter.runner.blocks.seal(item.seq_id, held, item.committed_len)
         context = held[:item.committed_len] + item.new_token_ids
-        return self._plan(item, context, (), True, 1.0)
+        return self._plan(item, context, (), True, 1.0, depth=0)
 
     def _outcomes(self, item: DraftItem, drafts: list[int], alpha: float) -> list[_Plan]:
         context = self.drafter.token_ids[item.seq_id][:item.committed_len
@@ -198,21 +202,21 @@ class SpeculationCache:
         # its committed tokens are final: sealed, the stand-ins take them from the cache
         self.drafter.runner.blocks.seal(item.seq_id, self.drafter.token_ids[item.seq_id],
                                         len(context))
-        plans = [self._plan(item, context, tuple(drafts), True, alpha ** g)]
+        plans = [self._plan(item, context, tuple(drafts), True, alpha ** g, g)]
         for k in range(g):
             others = [t for t in likeliest[k] if t != drafts[k]][:FAN_OUT]
             plans += [self._plan(item, context, (*drafts[:k], t), False,
-                                 alpha ** k * (1 - alpha) * GUESS_ODDS ** (rank + 1))
+                                 alpha ** k * (1 - alpha) * GUESS_ODDS ** (rank + 1), g)
                       for rank, t in enumerate(others)]
         return plans
 
     def _plan(self, item: DraftItem, context: list[int], outcome: tuple[int, ...],
-              bonus_drafted: bool, likelihood: float) -> _Plan:
+              bonus_drafted: bool, likelihood: float, depth: int) -> _Plan:
         self._next_id += 1
         stand_in = replace(item, seq_id=f"{item.seq_id}\x00{self._next_id}", committed_len=0,
                            new_token_ids=context + list(outcome), traceparent="",
                            gamma=item.gamma + bonus_drafted, ready_only=False)
-        return _Plan(stand_in, item.seq_id, outcome, bonus_drafted, likelihood, context)
+        return _Plan(stand_in, item.seq_id, outcome, bonus_drafted, likelihood, context, depth)
 
     def fill(self, plans: list[_Plan], interrupted: Callable[[], bool] | None = None) -> int:
         """Draft the stand-ins (the caller holds the forward lock) and keep what they
@@ -237,7 +241,7 @@ class SpeculationCache:
             if out.is_miss[i] or not drafts:
                 self.drafter.release(p.item.seq_id, served=False)
                 continue
-            entries = self._entries.setdefault(p.seq_id, (p.context, {}))[1]
+            entries = self._entries.setdefault(p.seq_id, (p.context, {}, p.depth))[1]
             stale = entries.pop(outcome, None)
             if stale is not None:
                 self.drafter.release(stale.stand_in, served=False)

@@ -149,7 +149,8 @@ SPEC_CACHE_LOOKUPS = Counter("outrider_draft_speculation_cache_lookups", "Sequen
                              "asked drafts for that the speculation cache had prepared for: "
                              "result hit (answered at once) or miss (drafted then), by the "
                              "drafts the target kept of the round prepared for (accepted; "
-                             "none: the tokens sent do not follow it)",
+                             "0 also a round that had none; none: the tokens sent are not "
+                             "that round's outcome)",
                              [*MODEL, "result", "accepted"])
 SPEC_CACHE_STAND_INS = Counter("outrider_draft_speculation_cache_stand_ins", "Outcomes the "
                                "speculation cache drafted for while the target verified", MODEL)

@@ -244,7 +244,7 @@ NOT_NAMES = re.compile(r'\{[^}]*\}|"[^"]*"|\[[^\]]*\]|(?<![\w:])\d+\.?\d*')
 IDENTIFIER = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 PROMQL_WORDS = {"sum", "by", "rate", "max", "min", "avg", "histogram_quantile", "scalar",
                 "without", "le", "position", "speculated", "code", "api", "model_name",
-                "draft_version", "method", "accepted"}
+                "draft_version", "method", "accepted", "or"}
 
 
 def test_every_dashboard_query_names_exported_metrics_and_answers(system, prometheus):

@@ -119,6 +119,16 @@ def test_an_outcome_nobody_guessed_is_a_miss_and_drafts_as_before(draft_dir):
     assert got == want.token_ids[0].tolist()
 
 
+def test_tokens_past_one_round_are_no_position(draft_dir):
+    """A sequence that comes back with more than the prepared round could commit (rounds
+    it spent elsewhere) is looked up at no position: `accepted` stays within γ + 1."""
+    looked_up = []
+    cache = SpeculationCache(drafter(draft_dir), on_lookup=lambda k, hit: looked_up.append(
+        (k, hit)))
+    _, drafts = first_round(cache, "s")
+    assert cache.take([next_item(cache, "s", drafts, (*drafts, 11, 12))]) == [None]
+    assert looked_up == [(-1, False)]
+
 def test_two_targets_sequences_keep_their_stand_ins_apart(draft_dir):
     """A replica serving two targets sees their sequence ids (each target's own prefix):
     one sequence's outcome never takes or frees the other's stand-ins."""
@@ -292,11 +302,13 @@ def test_served_greedy_with_the_cache_is_the_target_alone():
 
 @pytest.mark.slow
 def test_a_lost_delivery_costs_drafts_never_a_token(monkeypatch):
-    """Deliveries (ProposeSequence.deliver) whose call fails, one in three before the
-    replica took its outcomes in and one in three after it did (the answer lost): the
+    """Deliveries (ProposeSequence.deliver) whose call fails, one in five before the
+    replica took its outcomes in and one in five after it did (the answer lost): the
     target learns nothing from them, so its next Propose of the sequence starts from what
     it knew the replica held, which rolls back to it; greedy output stays the target's
     own, and deliveries that went through still took drafts from the cache."""
+    import itertools
+
     import grpc
     from outrider.draft_worker.main import DraftWorkerConfig, start
     from outrider.draft_worker.service import DraftService
@@ -306,17 +318,18 @@ def test_a_lost_delivery_costs_drafts_never_a_token(monkeypatch):
     from outrider.core.tokenizer import Tokenizer
     from outrider.engine.spec_decode import SpeculativeDecoder
 
-    propose, outcomes = DraftService.Propose, {"lost before": 0, "lost after": 0, "taken": 0}
+    propose, calls = DraftService.Propose, itertools.count()
+    outcomes = {"lost before": 0, "lost after": 0, "taken": 0}
 
     def failing(self, request, context):  # (registered by start: patched before it)
         if not any(s.deliver for s in request.sequences):
             return propose(self, request, context)
-        turn = sum(outcomes.values()) % 3
-        if turn == 0:
+        turn = next(calls) % 5  # (5: no lockstep with a collect's round and a delivery's)
+        if turn == 1:
             outcomes["lost before"] += 1
             context.abort(grpc.StatusCode.INTERNAL, "lost before the replica took it in")
         reply = propose(self, request, context)
-        if turn == 1:
+        if turn == 3:
             outcomes["lost after"] += 1
             context.abort(grpc.StatusCode.INTERNAL, "lost after the replica took it in")
         outcomes["taken"] += sum(p.cache_rank > 0 for p in reply.proposals)
