@@ -77,7 +77,7 @@ GROUPS = {"tests/cluster/test_ray_cluster.py": "ray",
           f"{CHI2}compiled_": "compiled",
           **{f"{CHI2}{name}_": "chi2-proposers"
              for name in ("head", "tree", "lookup", "mixed", "constrained", "cache_aware",
-                          "layer_skip", "cross_vocab")}}
+                          "cached", "layer_skip", "cross_vocab")}}
 
 
 # The longest groups (seconds of a cold run's worker), handed out first in this order:
