@@ -82,7 +82,6 @@ class SpeculationCache:
         drafter.runners_up = FAN_OUT
         if self.sampled:
             drafter.aware_weight, drafter.aware_of = sampled_weight, self._cacheable
-        # seq_id -> (its committed tokens at the last Propose, outcome -> entry)
         # seq_id -> (its committed tokens at the last Propose, outcome -> entry, the drafts
         # that Propose proposed: an outcome keeps at most that many)
         self._entries: dict[str, tuple[list[int], dict[tuple[int, ...], Entry], int]] = {}
