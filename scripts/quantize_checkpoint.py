@@ -11,7 +11,7 @@ computes the scales and zero points, quantizes, packs and writes the folder and 
 `quantization_config`. `lm_head` stays unquantized (llm-compressor's recipes ignore it).
 Schemes: any of compressed-tensors' presets whose activations need no calibration
 (W4A16, W4A16_ASYM, W8A16, W8A8, FP8_DYNAMIC, FP8_BLOCK, ...); `--group-size` changes
-a group scheme's group."""
+a group scheme's group (-1: a scale per channel, W8A16's for the weight-only int8 kernel)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ def quantize(source: Path, out: Path, scheme_name: str, group_size: int | None =
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype="auto")
     scheme = preset_name_to_scheme(scheme_name, targets=["Linear"])
-    if group_size is not None and scheme.weights.group_size is not None:
+    if group_size == -1:  # GPTQ's word for a scale per output channel
+        scheme.weights.strategy, scheme.weights.group_size = "channel", None
+    elif group_size is not None and scheme.weights.group_size is not None:
         scheme.weights.group_size = group_size
     config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"],
                                 quantization_status=QuantizationStatus.FROZEN)

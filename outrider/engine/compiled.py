@@ -84,22 +84,31 @@ ONEDNN_MAX_ROWS = 512
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] @ a weight prepacked by torch.ops.mkldnn._reorder_linear_weight, in
-    pieces of at most ONEDNN_MAX_ROWS rows, each multiplied as onednn_rows(rows) rows."""
+    """x [rows, in] @ a weight prepacked by torch.ops.mkldnn._reorder_linear_weight."""
+    return onednn_pieces(x, lambda rows: torch.ops.mkldnn._linear_pointwise(
+        rows, packed, None, "none", [], ""))
+
+
+def onednn_pieces(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]
+                  ) -> torch.Tensor:
+    """product(x) for x [rows, in] computed by oneDNN, in pieces of at most
+    ONEDNN_MAX_ROWS rows, each multiplied as onednn_rows(rows) rows (zero rows after
+    x's, their outputs dropped)."""
     rows = x.shape[0]
     if rows > ONEDNN_MAX_ROWS:  # even pieces: no small last one, which multiplies slowest
         pieces = -(-rows // ONEDNN_MAX_ROWS)
-        return torch.cat([_onednn_product(piece, packed)
+        return torch.cat([_padded_product(piece, product)
                           for piece in x.split(-(-rows // pieces))])
-    return _onednn_product(x, packed)
+    return _padded_product(x, product)
 
 
-def _onednn_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+def _padded_product(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]
+                    ) -> torch.Tensor:
     rows = x.shape[0]
     padded = onednn_rows(rows)
-    if padded > rows:  # zero rows after x's: their outputs are dropped
+    if padded > rows:
         x = F.pad(x, (0, 0, 0, padded - rows))  # [padded, in]
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")[:rows]
+    return product(x)[:rows]
 
 
 def onednn_rows(rows: int) -> int:

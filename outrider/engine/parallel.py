@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from outrider.engine.compiled import ONEDNN_MAX_ROWS, onednn_linear, onednn_rows, packed_linear
-from outrider.engine.quant.weight import QuantizedWeight, cpu_kernel, stacked
+from outrider.engine.quant.weight import Int8Int8Linear, QuantizedWeight, cpu_kernel, stacked
 
 
 @dataclass(frozen=True)
@@ -123,19 +123,25 @@ class PackedForCPU:
 
 
 def prepare_cpu_linears(model: nn.Module, max_rows: int) -> None:
-    """Multiply each prepacked weight shape once at every row count oneDNN will see for
-    forwards of up to `max_rows` rows (onednn_rows; larger ones run in pieces of
-    ONEDNN_MAX_ROWS), so that a serving replica builds its primitives at start: its memory
-    is then flat whatever the load, and no step pays for building one."""
-    packed = {(tuple(m.weight_packed.shape), m.weight_packed.dtype): m.weight_packed
-              for m in model.modules()
-              if isinstance(m, PackedForCPU) and m.weight_packed is not None}
+    """Multiply each oneDNN weight shape (prepacked dense, and int8 x int8) once at every
+    row count oneDNN will see for forwards of up to `max_rows` rows (onednn_rows; larger
+    ones run in pieces of ONEDNN_MAX_ROWS), so that a serving replica builds its primitives
+    at start: its memory is then flat whatever the load, and no step pays for building one."""
+    products = {}  # (kind, weight shape, dtype) -> (in features, x [rows, in] -> output)
+    for m in model.modules():
+        if isinstance(m, PackedForCPU) and m.weight_packed is not None:
+            weight = m.weight_packed  # [out, in]
+            products[("dense", tuple(weight.shape), weight.dtype)] = (
+                weight.shape[1], functools.partial(onednn_linear, packed=weight))
+        elif isinstance(m, PackedForCPU) and isinstance(m.quantized_matmul, Int8Int8Linear):
+            products[("int8", m.quantized_matmul.shape, torch.float32)] = (
+                m.quantized_matmul.shape[1], m.quantized_matmul)
     row_counts = sorted({onednn_rows(rows)
                          for rows in range(1, min(max_rows, ONEDNN_MAX_ROWS) + 1)})
     with torch.no_grad():
-        for (shape, dtype), weight in packed.items():  # shape: [out, in]
+        for (_, _, dtype), (in_features, product) in products.items():
             for rows in row_counts:
-                onednn_linear(torch.zeros(rows, shape[1], dtype=dtype), weight)
+                product(torch.zeros(rows, in_features, dtype=dtype))
 
 
 SMALL_LAYER = 1 << 20  # fp32 weights this small also keep an [in, out] copy for single rows

@@ -1,7 +1,7 @@
 """The C++ elementwise steps (RMSNorm with the residual added in place, SiLU·up, RoPE in
-place) against the torch path the model runs without them, in float32 and bfloat16, at
-widths that are and are not a multiple of their 16-lane vectors; and a forward with them
-against one without."""
+place, W8A8's row quantization and scaling) against the torch path the model runs
+without them, in float32 and bfloat16, at widths that are and are not a multiple of
+their 16-lane vectors; and a forward with them against one without."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from outrider.engine.kernels import cpu_kernels_loaded, use_cpu_kernels
 from outrider.engine.model import RMSNorm
+from outrider.engine.quant.weight import _quantized_rows
 from outrider.engine.rope import RotaryEmbedding, apply_rope
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 from tests.toolchain import needs_compiler
@@ -81,6 +82,23 @@ def test_rope_in_place_on_queries_and_keys_of_one_buffer(dtype, head_dim):
     torch.ops.outrider_cpu.rope_(qkv[:, :7], *cos_sin)
     close(qkv[:, :7], want, dtype)
     assert torch.equal(qkv[:, 7:], values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("static_scale", [None, 0.013])
+def test_w8a8_inputs_quantized_and_sums_scaled_as_the_torch_path_to_the_bit(dtype,
+                                                                          static_scale):
+    """Bit for bit, or a sequence's W8A8 output would depend on which path ran it (a zero
+    row, values past the static scale's range and width 1,000 included)."""
+    torch.manual_seed(0)
+    x = (torch.randn(37, 1000) * 3).to(dtype)
+    x[3] = 0
+    levels, scale = torch.ops.outrider_cpu.quantize_rows(x, static_scale)
+    want_levels, want_scale = _quantized_rows(x, static_scale)
+    assert torch.equal(levels, want_levels) and torch.equal(scale, want_scale)
+    sums = torch.randn(37, 300) * 1e3
+    assert torch.equal(torch.ops.outrider_cpu.scale_rows(sums, scale, x),
+                       (sums * scale).to(dtype))
 
 
 def forward_logits(model_dir, dtype: str, kernels: bool) -> torch.Tensor:

@@ -13,6 +13,7 @@ refuses) to DeepSeek-V3's weight_dequant written out (tests/checkpoints.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -24,10 +25,16 @@ from outrider.engine.checkpoint import CheckpointError
 from outrider.engine.distributed import TPRunnerGroup
 from outrider.engine.drafter import Drafter
 from outrider.engine.model_config import ModelConfigError
-from outrider.engine.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
+from outrider.engine.parallel import (
+    ColumnParallelLinear,
+    PackedForCPU,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+)
 from outrider.engine.quant.formats import FORMATS, read_compressed_tensors, read_fp8
 from outrider.engine.quant.scheme import QuantScheme
-from outrider.engine.quant.weight import Int4Linear, Int8Linear, QuantizedWeight
+from outrider.engine.quant.weight import Int4Linear, Int8Int8Linear, Int8Linear, QuantizedWeight
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
 from tests.checkpoints import (
@@ -48,8 +55,9 @@ from tests.checkpoints import (
 SCHEMES = {
     "W4A16": (32, Int4Linear),          # 4-bit groups, symmetric: the int4 kernel
     "W4A16_ASYM": (64, Int4Linear),     # with packed zero points
-    "W8A16": (32, None),                # 8-bit groups: dequantized at load
-    "W8A8": (None, Int8Linear),         # 8-bit per channel (activations kept in fp32)
+    "W8A16_g32": (32, None),            # 8-bit groups: dequantized at load
+    "W8A16": (-1, Int8Linear),          # 8-bit per channel: the weight-only int8 kernel
+    "W8A8": (None, Int8Int8Linear),     # ... and int8 inputs per token: the int8 GEMM
     "FP8_DYNAMIC": (None, None),        # FP8 per channel: dequantized
     "FP8": (None, None),                # FP8 per tensor (its static input scales unused)
 }
@@ -96,10 +104,61 @@ def matmuls(runner: ModelRunner) -> set:
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_a_scheme_computes_what_compressed_tensors_decompresses(base, tmp_path, scheme):
+    """W8A8's reference quantizes each linear's inputs as compressed-tensors' own forward
+    does (dynamic, per token), in every dtype."""
     group, kernel = SCHEMES[scheme]
-    quantized = quantized_copy(base, tmp_path / scheme, scheme, group)
-    computes_its_reference(quantized, dequantized_copy(quantized, tmp_path / "reference"),
-                           base, kernel)
+    quantized = quantized_copy(base, tmp_path / scheme, scheme.partition("_g")[0], group)
+    inputs = json.loads((quantized / "config.json").read_text())["quantization_config"][
+        "config_groups"]["group_0"]["input_activations"]
+    with fake_quantized_inputs(inputs):
+        computes_its_reference(quantized, dequantized_copy(quantized, tmp_path / "reference"),
+                               base, kernel)
+
+
+@contextlib.contextmanager
+def fake_quantized_inputs(args: dict | None):
+    """Every dense linear but the head quantizes its input first, by compressed-tensors'
+    dynamic scales and fake quantization (`args`: a config group's input_activations;
+    None: inputs as they are)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    if args is None or args.get("type") != "int":
+        yield
+        return
+    args, matmul = QuantizationArgs.model_validate(args), PackedForCPU.matmul
+
+    def quantizing(module, x):
+        if module.quantized_matmul is None and not isinstance(module, ParallelLMHead):
+            tokens = x.float().unsqueeze(0)  # [1, rows, in]: its tokens as it counts them
+            scale, zero = compute_dynamic_scales_and_zp(tokens, args, module)
+            x = fake_quantize(tokens, scale, zero, args)[0].to(x.dtype)
+        return matmul(module, x)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PackedForCPU, "matmul", quantizing)
+        yield
+
+
+@pytest.mark.parametrize("input_scale", [None, 0.02])
+def test_int8_inputs_are_batch_invariant_and_exact(input_scale):
+    """A row's W8A8 product is the same bits alone as among others (any scale per batch
+    would break it, and with it speculation's equality with the target alone), and its
+    reference's: inputs rounded by their row's scale (None) or a static one, the sums
+    exact."""
+    torch.manual_seed(0)
+    q = torch.randint(-127, 128, (48, 96), dtype=torch.int8)
+    weight = QuantizedWeight(q, torch.rand(48, 1) / 100, None, 8, None, True, input_scale)
+    product, x = Int8Int8Linear(weight), torch.randn(600, 96)  # > ONEDNN_MAX_ROWS: pieced
+    together = product(x)
+    alone = torch.cat([product(x[i:i + n]) for i, n in ((0, 1), (1, 5), (6, 594))])
+    assert torch.equal(together, alone)
+    scale = (x.abs().amax(-1, keepdim=True) / 127.5 if input_scale is None
+             else torch.tensor(input_scale))
+    levels = (x / scale).round().clamp(-128, 127)
+    expected = (levels.double() @ q.double().t()) * scale.double() * weight.scale.double().t()
+    assert torch.allclose(together.double(), expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("case", PACKED)
@@ -124,19 +183,24 @@ def computes_its_reference(quantized, reference, base, kernel) -> None:
 
 
 @pytest.mark.slow
-def test_speculation_over_a_quantized_target_is_its_greedy_output(base, tmp_path):
-    """The unquantized model drafts for its 4-bit self. In bf16 (the int4 kernel's dtype),
-    alone and over two ranks, the output is the target's own greedy decoding on as many
-    ranks (bf16 partial sums reduced across ranks round differently from one rank's); in
-    fp32 over two ranks, each cutting its shard of packed groups, it is the greedy
-    decoding of compressed-tensors' dequantized copy on one."""
-    target = quantized_copy(base, tmp_path / "w4", "W4A16", 32)
+@pytest.mark.parametrize("scheme, group, runs", [
+    ("W4A16", 32, (("bfloat16", 1), ("bfloat16", 2), ("float32", 2))),
+    ("W8A8", None, (("bfloat16", 1), ("float32", 2)))])
+def test_speculation_over_a_quantized_target_is_its_greedy_output(base, tmp_path, scheme,
+                                                                  group, runs):
+    """The unquantized model drafts for its quantized self. In each dtype, alone and over
+    two ranks, the output is the target's own greedy decoding on as many ranks (bf16
+    partial sums reduced across ranks round differently from one rank's; W8A8's ranks
+    scale their own shard of a row-parallel input). 4-bit in fp32 over two ranks, each
+    cutting its shard of packed groups, is the greedy decoding of compressed-tensors'
+    dequantized copy on one."""
+    target = quantized_copy(base, tmp_path / scheme, scheme, group)
     reference = dequantized_copy(target, tmp_path / "reference")
     prompts = [PROMPT, PROMPT[3:], [9, 8, 7, 6, 5]]
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
     dequantized = [s.output_ids for s in SpeculativeDecoder(ModelRunner(RunnerConfig(
         str(reference), kv_cache_mb=8))).generate(prompts, greedy, 0)]
-    for dtype, tp in (("bfloat16", 1), ("bfloat16", 2), ("float32", 2)):
+    for dtype, tp in runs:
         config = dict(kv_cache_mb=8, dtype=dtype)
         group = TPRunnerGroup(RunnerConfig(str(target), tp=tp, **config))
         try:
@@ -148,7 +212,7 @@ def test_speculation_over_a_quantized_target_is_its_greedy_output(base, tmp_path
             group.close()
         assert [s.output_ids for s in seqs] == alone, f"{dtype}, tp={tp}"
         assert sum(s.stats.num_accepted_tokens for s in seqs) > 0
-        if dtype == "float32":
+        if dtype == "float32" and scheme == "W4A16":
             assert alone == dequantized
 
 

@@ -8,6 +8,11 @@
 //   silu_mul(gate_up)                    [n, 2i] -> silu(gate) * up, [n, i]
 //   rope_(x, cos, sin)                   x [n, heads, dim] rotated in place (the
 //                                        rotate-half layout), cos/sin [n, 1, dim]
+//   quantize_rows(x, static_scale?)      x [n, k] -> (int8 levels [n, k], fp32 scale
+//                                        [n, 1]): x / scale rounded to even, clamped
+//                                        to -128..127; scale: the row's largest
+//                                        magnitude / 127.5 (dynamic), or static_scale
+//   scale_rows(sums, scale, like)        fp32 sums [n, m] * scale [n, 1], in like's dtype
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -166,16 +171,82 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
+// The same arithmetic as quant/weight.py's torch path, to the bit: the scale divides
+// (no reciprocal), nearbyint rounds half to even as torch.round does.
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
+                                                 std::optional<double> static_scale) {
+  check(x.dim() == 2 && x.stride(1) == 1, "x: [rows, features]");
+  const int64_t rows = x.size(0), width = x.size(1);
+  at::Tensor levels = at::empty({rows, width}, x.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({rows, 1}, x.options().dtype(at::kFloat));
+  dispatch(x, [&](auto zero) {
+    using T = decltype(zero);
+    const T* xp = x.data_ptr<T>();
+    int8_t* lp = levels.data_ptr<int8_t>();
+    float* sp = scales.data_ptr<float>();
+    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* xr = xp + r * x.stride(0);
+        float scale = static_cast<float>(static_scale.value_or(0.0));
+        if (!static_scale) {
+          vf16 largest{};
+          by_vectors(width, [&](int64_t i, int64_t n) {
+            const vf16 v = load_at(xr + i, n);
+            const vf16 magnitude = v < 0 ? -v : v;
+            largest = largest > magnitude ? largest : magnitude;
+          });
+          scale = std::max(outrider::lane_max(largest), 1e-12f) / 127.5f;
+        }
+        sp[r] = scale;
+        int8_t* lr = lp + r * width;
+        for (int64_t i = 0; i < width; ++i) {
+          const float level = std::nearbyint(static_cast<float>(xr[i]) / scale);
+          lr[i] = static_cast<int8_t>(std::min(std::max(level, -128.0f), 127.0f));
+        }
+      }
+    });
+  });
+  return {levels, scales};
+}
+
+at::Tensor scale_rows(const at::Tensor& sums, const at::Tensor& scale, const at::Tensor& like) {
+  check(sums.dim() == 2 && sums.is_contiguous() && sums.scalar_type() == at::kFloat,
+        "sums: [rows, out] float32");
+  check(scale.is_contiguous() && scale.numel() == sums.size(0) &&
+            scale.scalar_type() == at::kFloat, "scale: [rows, 1] float32");
+  const int64_t rows = sums.size(0), width = sums.size(1);
+  at::Tensor out = at::empty({rows, width}, like.options());
+  dispatch(like, [&](auto zero) {
+    using T = decltype(zero);
+    const float* in = sums.data_ptr<float>();
+    const float* sp = scale.data_ptr<float>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const vf16 factor = splat(sp[r]);
+        by_vectors(width, [&](int64_t i, int64_t n) {
+          store_at(op + r * width + i, load_at(in + r * width + i, n) * factor, n);
+        });
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(outrider_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("quantize_rows(Tensor x, float? static_scale) -> (Tensor, Tensor)");
+  m.def("scale_rows(Tensor sums, Tensor scale, Tensor like) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(outrider_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("rope_", &rope_);
+  m.impl("quantize_rows", &quantize_rows);
+  m.impl("scale_rows", &scale_rows);
 }

@@ -6,8 +6,9 @@ may have, and its reader):
   `weight_shape`, a scale per group, channel or tensor, a packed zero point when
   asymmetric, `weight_g_idx` under act-order), int-quantized (int8 levels in `weight`)
   and float-quantized (FP8 `weight` with a scale per tensor, channel or block:
-  dequantized here, since no CPU computes in FP8). Static activation scales
-  (`input_scale`) are read and not used: activations stay in the model's dtype.
+  dequantized here, since no CPU computes in FP8). Where the scheme quantizes 8-bit
+  weights' inputs to 8-bit ints too (W8A8), the weight says so, with the static
+  `input_scale` if the scheme has one (weight.Int8Int8Linear multiplies them).
 - GPTQ (AutoGPTQ, GPTQModel, optimum): `qweight` [in * bits / 32, out] int32, levels
   packed along the input rows; `qzeros` [groups, out * bits / 32], packed along the
   output columns, each stored less one by v1 (`checkpoint_format` gptq) and as it is by
@@ -27,7 +28,7 @@ scale (compressed-tensors' symmetric levels are offset by 2^(bits-1) instead).""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -100,7 +101,11 @@ def read_compressed_tensors(tensors: dict[str, torch.Tensor],
         q, bits, zero = tensors["weight"], 8, tensors.get("weight_zero_point")
     else:
         raise ValueError(f"neither packed, int8 nor FP8 weights among {sorted(tensors)}")
-    return _levels_weight(q, tensors["weight_scale"], zero, bits, tensors.get("weight_g_idx"))
+    weight = _levels_weight(q, tensors["weight_scale"], zero, bits, tensors.get("weight_g_idx"))
+    if scheme.int8_inputs is None or bits != 8:
+        return weight
+    return replace(weight, int8_inputs=True, input_scale=None if scheme.int8_inputs ==
+                   "dynamic" else float(tensors["input_scale"].float().max()))
 
 
 def read_fp8(tensors: dict[str, torch.Tensor], scheme: QuantScheme) -> torch.Tensor:

@@ -33,6 +33,7 @@ class QuantScheme:
     block: tuple[int, int] | None = None  # block-wise FP8's [rows, columns] per scale
     format: str = "compressed-tensors"  # its reader (formats.FORMATS), or gptq, awq, fp8, ...
     bits: int | None = None        # GPTQ's and AWQ's, which their packed tensors do not say
+    int8_inputs: str | None = None  # "dynamic" or "static": 8-bit symmetric int activations
 
 
 def parse_quantization(config) -> QuantScheme:
@@ -63,7 +64,22 @@ def parse_quantization(config) -> QuantScheme:
               if g["weights"].get("block_structure")}
     if len(blocks) > 1:
         raise QuantizationError(f"{describe(config)}: several block structures")
-    return QuantScheme(describe(config).removeprefix(f"{method}, "), next(iter(blocks), None))
+    return QuantScheme(describe(config).removeprefix(f"{method}, "), next(iter(blocks), None),
+                       int8_inputs=_int8_inputs(groups.values()))
+
+
+def _int8_inputs(groups) -> str | None:
+    """"dynamic" or "static" where every group quantizes its input activations to
+    symmetric 8-bit ints (llm-compressor's W8A8), else None: activations then stay in the
+    model's dtype (asymmetric or mixed ones included)."""
+    kinds = set()
+    for group in groups:
+        inputs = group.get("input_activations") or {}
+        if (inputs.get("type", "int"), inputs.get("num_bits"), inputs.get("symmetric", True)) \
+                != ("int", 8, True):
+            return None
+        kinds.add("dynamic" if inputs.get("dynamic") else "static")
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def _check_group(name: str, group, config: dict) -> None:
