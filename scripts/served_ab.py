@@ -1,10 +1,11 @@
 """Served A/B of target-worker flags: which setting serves more, and where its steps go.
 
     python scripts/served_ab.py --variants "default;--threads 1" [--concurrency 32,64]
-        [--modes auto,off] [--rounds 2] [--prompts 64] [--dtype auto]
+        [--modes auto,off] [--rounds 2] [--prompts 64] [--dtype auto] [--target DIR]
         [--sampling greedy] [--out results/served_ab.json]
 
-Each variant is a `outrider serve`-like deployment on the demo pair (router, target and
+Each variant is a `outrider serve`-like deployment on the demo pair, or --target with the
+demo draft (router, target and
 draft replicas as processes, every default as `outrider serve` has it, the variant's
 flags added to the target replica's, but for `--speculation-cache`,
 `--cache-aware-sampling W` (the draft replicas' cache), `--draft DIR` (another draft:
@@ -59,9 +60,9 @@ def propose_seconds(metrics: str) -> tuple[float, float]:
             found.get("outrider_draft_propose_seconds_sum", 0.0))
 
 
-def measure(variant: str, plan: serving.Plan, dtype: str) -> list[dict]:
+def measure(variant: str, plan: serving.Plan, dtype: str, target: str) -> list[dict]:
     """Every (mode, level) of the plan on a fresh deployment with the variant's flags."""
-    target, draft = map(str, paths.demo_pair())
+    draft = str(paths.demo_draft_dir())
     serve_level = argparse.ArgumentParser(add_help=False)  # the draft replicas' flags
     serve_level.add_argument("--speculation-cache", action="store_true")
     serve_level.add_argument("--cache-aware-sampling", type=float)
@@ -116,10 +117,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--dtype", default="auto", help="of both models (as serve's --dtype)")
+    parser.add_argument("--target", default=str(paths.demo_target_dir()),
+                        help="the target checkpoint (the demo draft proposes: its tokenizer)")
     parser.add_argument("--sampling", default="greedy", choices=list(SETTINGS))
     parser.add_argument("--out", default="results/served_ab.json")
     args = parser.parse_args()
-    target = str(paths.demo_target_dir(must_exist=True))
+    target = args.target
     plan = serving.Plan(prompts={"code": workload_prompts(Tokenizer(target), "code",
                                                           args.prompts, 128)},
                         samplings=[args.sampling], modes=[Mode.parse(m) for m in
@@ -127,7 +130,8 @@ def main() -> int:
                         levels=[int(c) for c in args.concurrency.split(",")], max_tokens=96,
                         seed=0, repeats=1)
     variants = [v.strip() for v in args.variants.split(";")]
-    rounds = [[measure(v, plan, args.dtype) for v in (variants if r % 2 == 0 else variants[::-1])]
+    rounds = [[measure(v, plan, args.dtype, target)
+               for v in (variants if r % 2 == 0 else variants[::-1])]
               for r in range(args.rounds)]
     report = {"provenance": provenance(), "machine": machine(), "command": command_line(),
               "variants": variants, "config": {"prompts": args.prompts, "max_tokens": 96,

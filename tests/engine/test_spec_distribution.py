@@ -22,10 +22,11 @@ compared with target-only samples (γ = 0, drawn once per config and shared) by
   - a chi-square test of each adjacent pair of positions (the joint distribution),
   - a chi-square test of the repeat profile: how many tokens repeat a prompt token and
     how many repeat an earlier output token (what the penalties act on).
-The other tests show that these tests have power: the penalties change the target-only
-distribution (else the penalty configs would test nothing), and a wrong temperature, a
-wrong repetition penalty, or a target that leaves the round's drafts out of a row's
-history are all detected at the same threshold.
+A W8A8 copy of the target, its inputs quantized per token, is held to its own
+target-only samples. The other tests show that these tests have power: the penalties
+change the target-only distribution (else the penalty configs would test nothing), and
+a wrong temperature, a wrong repetition penalty, or a target that leaves the round's
+drafts out of a row's history are all detected at the same threshold.
 """
 
 from __future__ import annotations
@@ -50,12 +51,14 @@ from outrider.engine.drafter import Drafter
 from outrider.engine.heads import head_proposer
 from outrider.engine.layer_skip import LAYER_SKIP_METHOD, layer_skip_proposer
 from outrider.engine.mix import ProposerMix
+from outrider.engine.quant.weight import Int8Int8Linear
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.engine.tree import TreeShape, first_path
 from tests.checkpoints import (
     permuted_vocab_copy,
     perturbed_copy,
+    quantized_copy,
     save_random_head,
     save_random_medusa,
 )
@@ -261,6 +264,24 @@ def test_compiled_speculative_sampling_matches_target_distribution(samples, llam
                       **CONFIGS[config])
     assert target.step.is_compiled and decoder.drafter.runner.step.is_compiled
     pvalues = comparisons(sample, samples.target_only(config))
+    assert not failures(pvalues), failures(pvalues)
+
+
+@pytest.mark.slow
+def test_quantized_target_speculative_sampling_matches_its_distribution(close_draft_dir,
+                                                                       llama_dir, tmp_path):
+    """The grid's γ = 4 case over a W8A8 copy of the target (its inputs quantized per token,
+    the int8 GEMM: quantized compute in fp32 too), the unquantized close draft proposing,
+    against the quantized target alone."""
+    config = "truncated-penalties-bias"
+    quantized = quantized_copy(llama_dir, tmp_path / "w8a8", "W8A8")
+    target = ModelRunner(RunnerConfig(str(quantized), kv_cache_mb=64))
+    assert {type(m.quantized_matmul) for m in target.model.modules()
+            if getattr(m, "quantized_bits", 0)} == {Int8Int8Linear}
+    decoder = make_decoder(target, close_draft_dir, overlap=False)
+    alone = generate(decoder, 0, seed_base("quantized-target-only", config), **CONFIGS[config])
+    sample = generate(decoder, 4, seed_base("quantized-speculative", config), **CONFIGS[config])
+    pvalues = comparisons(sample, alone)
     assert not failures(pvalues), failures(pvalues)
 
 
