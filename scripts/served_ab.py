@@ -62,7 +62,7 @@ def propose_seconds(metrics: str) -> tuple[float, float]:
 
 def measure(variant: str, plan: serving.Plan, dtype: str, target: str) -> list[dict]:
     """Every (mode, level) of the plan on a fresh deployment with the variant's flags."""
-    draft = str(paths.demo_draft_dir())
+    draft = str(paths.demo_draft_dir(must_exist=True))
     serve_level = argparse.ArgumentParser(add_help=False)  # the draft replicas' flags
     serve_level.add_argument("--speculation-cache", action="store_true")
     serve_level.add_argument("--cache-aware-sampling", type=float)
@@ -123,6 +123,8 @@ def main() -> int:
     parser.add_argument("--out", default="results/served_ab.json")
     args = parser.parse_args()
     target = args.target
+    if not Path(target, "config.json").is_file():
+        parser.error(f"no model at {target}")
     plan = serving.Plan(prompts={"code": workload_prompts(Tokenizer(target), "code",
                                                           args.prompts, 128)},
                         samplings=[args.sampling], modes=[Mode.parse(m) for m in

@@ -93,9 +93,11 @@ def test_w8a8_inputs_quantized_and_sums_scaled_as_the_torch_path_to_the_bit(dtyp
     torch.manual_seed(0)
     x = (torch.randn(37, 1000) * 3).to(dtype)
     x[3] = 0
-    levels, scale = torch.ops.outrider_cpu.quantize_rows(x, static_scale)
-    want_levels, want_scale = _quantized_rows(x, static_scale)
-    assert torch.equal(levels, want_levels) and torch.equal(scale, want_scale)
+    for rows in (x, x[:, 8:900], x[5:6]):  # whole, strided rows, one row
+        levels, scale = torch.ops.outrider_cpu.quantize_rows(rows, static_scale)
+        want_levels, want_scale = _quantized_rows(rows, static_scale)
+        assert torch.equal(levels, want_levels) and torch.equal(scale, want_scale)
+    _, scale = _quantized_rows(x, static_scale)  # [37, 1]
     sums = torch.randn(37, 300) * 1e3
     assert torch.equal(torch.ops.outrider_cpu.scale_rows(sums, scale, x),
                        (sums * scale).to(dtype))

@@ -34,7 +34,13 @@ from outrider.engine.parallel import (
 )
 from outrider.engine.quant.formats import FORMATS, read_compressed_tensors, read_fp8
 from outrider.engine.quant.scheme import QuantScheme
-from outrider.engine.quant.weight import Int4Linear, Int8Int8Linear, Int8Linear, QuantizedWeight
+from outrider.engine.quant.weight import (
+    Int4Linear,
+    Int8Int8Linear,
+    Int8Linear,
+    QuantizedWeight,
+    has_int8_gemm,
+)
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
 from tests.checkpoints import (
@@ -81,6 +87,10 @@ FP8_CASES = {
 GOLDEN = {"gptq4_sym": ("gptq", 4), "gptq4_asym_act": ("gptq", 4),
           "gptq8_asym_channel": ("gptq", 8), "gptq8_sym": ("gptq", 8), "awq4": ("awq", 4)}
 PROMPT = [5, 17, 33, 2, 90, 64, 11, 250, 7, 41, 19, 3]
+# W8A8's int8 GEMM needs an int8 dot product instruction (VNNI, AMX): elsewhere it runs
+# weight-only, and nothing of it can be held to its reference
+needs_int8_gemm = pytest.mark.skipif(not has_int8_gemm(), reason="no exact int8 GEMM on "
+                                     "this CPU (VNNI or AMX)")
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +117,8 @@ def test_a_scheme_computes_what_compressed_tensors_decompresses(base, tmp_path, 
     """W8A8's reference quantizes each linear's inputs as compressed-tensors' own forward
     does (dynamic, per token), in every dtype."""
     group, kernel = SCHEMES[scheme]
+    if kernel is Int8Int8Linear and not has_int8_gemm():
+        pytest.skip("no exact int8 GEMM on this CPU (VNNI or AMX)")
     quantized = quantized_copy(base, tmp_path / scheme, scheme.partition("_g")[0], group)
     inputs = json.loads((quantized / "config.json").read_text())["quantization_config"][
         "config_groups"]["group_0"]["input_activations"]
@@ -141,6 +153,7 @@ def fake_quantized_inputs(args: dict | None):
         yield
 
 
+@needs_int8_gemm
 @pytest.mark.parametrize("input_scale", [None, 0.02])
 def test_int8_inputs_are_batch_invariant_and_exact(input_scale):
     """A row's W8A8 product is the same bits alone as among others (any scale per batch
@@ -159,6 +172,17 @@ def test_int8_inputs_are_batch_invariant_and_exact(input_scale):
     levels = (x / scale).round().clamp(-128, 127)
     expected = (levels.double() @ q.double().t()) * scale.double() * weight.scale.double().t()
     assert torch.allclose(together.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_int8_gemm
+def test_a_compiled_forward_calls_the_int8_gemm_as_one_opaque_op():
+    """--compile: the product is a custom op with a fake shape (fullgraph: no break)."""
+    torch.manual_seed(0)
+    product = Int8Int8Linear(QuantizedWeight(torch.randint(-127, 128, (32, 64), dtype=torch.int8),
+                                             torch.rand(32, 1), None, 8, None, True))
+    x = torch.randn(5, 64)
+    compiled = torch.compile(lambda x: product(x) * 2, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), product(x) * 2)
 
 
 @pytest.mark.parametrize("case", PACKED)
@@ -188,6 +212,8 @@ def computes_its_reference(quantized, reference, base, kernel) -> None:
     ("W8A8", None, (("bfloat16", 1), ("float32", 2)))])
 def test_speculation_over_a_quantized_target_is_its_greedy_output(base, tmp_path, scheme,
                                                                   group, runs):
+    if scheme == "W8A8" and not has_int8_gemm():
+        pytest.skip("no exact int8 GEMM on this CPU (VNNI or AMX)")
     """The unquantized model drafts for its quantized self. In each dtype, alone and over
     two ranks, the output is the target's own greedy decoding on as many ranks (bf16
     partial sums reduced across ranks round differently from one rank's; W8A8's ranks

@@ -51,7 +51,7 @@ from outrider.engine.drafter import Drafter
 from outrider.engine.heads import head_proposer
 from outrider.engine.layer_skip import LAYER_SKIP_METHOD, layer_skip_proposer
 from outrider.engine.mix import ProposerMix
-from outrider.engine.quant.weight import Int8Int8Linear
+from outrider.engine.quant.weight import Int8Int8Linear, has_int8_gemm
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.engine.tree import TreeShape, first_path
@@ -267,6 +267,7 @@ def test_compiled_speculative_sampling_matches_target_distribution(samples, llam
     assert not failures(pvalues), failures(pvalues)
 
 
+@pytest.mark.skipif(not has_int8_gemm(), reason="no exact int8 GEMM on this CPU (VNNI, AMX)")
 @pytest.mark.slow
 def test_quantized_target_speculative_sampling_matches_its_distribution(close_draft_dir,
                                                                        llama_dir, tmp_path):

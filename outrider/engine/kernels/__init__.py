@@ -44,11 +44,12 @@ def _build_key() -> str:
     # sharing one cache would otherwise rebuild each other's kernels in turn
     digest.update(str(SOURCES[0].parent.resolve()).encode())
     digest.update(" ".join([torch.__version__, platform.machine(), *FLAGS,
-                            _cpu_flags()]).encode())
+                            cpu_flags()]).encode())
     return digest.hexdigest()[:16]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's feature flags as /proc/cpuinfo lists them (else its processor's name)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):

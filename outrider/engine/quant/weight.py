@@ -12,12 +12,15 @@ once at load."""
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, replace
 
 import torch
 
 from outrider.engine.compiled import onednn_pieces
-from outrider.engine.kernels import runs_kernels
+from outrider.engine.kernels import cpu_flags, runs_kernels
+
+log = logging.getLogger(__name__)
 
 INT4_GROUPS = (256, 128, 64, 32)  # the group sizes torch's CPU int4 kernel takes
 INT4_ROWS = 16                    # its output features come in multiples of this
@@ -199,7 +202,7 @@ def _quantized_rows(x: torch.Tensor, input_scale: float | None
         # magnitude over half the 256 levels (that level then clamps to 127)
         scale = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-12) / 127.5
     else:
-        scale = torch.full((x.shape[0], 1), input_scale)
+        scale = torch.full((x.shape[0], 1), input_scale, dtype=torch.float32)
     return (x.float() / scale).round_().clamp_(-128, 127).to(torch.int8), scale
 
 
@@ -255,9 +258,10 @@ def cpu_kernel(weight: QuantizedWeight, dtype: torch.dtype
     bf16, where fp32's dense GEMM takes 2). Nor act-order's scattered groups, a group size
     or row count the int4 kernel lacks, asymmetric or grouped 8-bit."""
     per_channel = weight.scale.shape[1] == 1
-    if (weight.int8_inputs and weight.bits == 8 and per_channel and weight.zero is None
-            and has_int8_gemm()):
-        return Int8Int8Linear(weight)
+    if weight.int8_inputs:
+        if weight.bits == 8 and per_channel and weight.zero is None and has_int8_gemm():
+            return Int8Int8Linear(weight)
+        _warn_inputs_kept()
     if weight.group_of_column is not None or dtype != torch.bfloat16:
         return None
     out_features, in_features = weight.shape
@@ -271,15 +275,29 @@ def cpu_kernel(weight: QuantizedWeight, dtype: torch.dtype
 
 
 @functools.cache
+def _warn_inputs_kept() -> None:
+    log.warning("a W8A8 layer runs weight-only, its inputs kept in the model's dtype (no "
+                "exact int8 GEMM on this CPU (VNNI or AMX), or an asymmetric or grouped "
+                "weight): outputs nearer the float model than the checkpoint's scheme")
+
+
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # int8 dot products into int32
+
+
+@functools.cache
 def has_int8_gemm() -> bool:
-    """Whether this torch multiplies int8 by int8 with oneDNN (x86 builds), and gets it
-    right (a 3 x 5 by 4 x 5 check)."""
-    if not torch.backends.mkldnn.is_available():
+    """Whether this CPU multiplies int8 by int8 with oneDNN exactly. Without an int8 dot
+    product instruction (VNNI, AMX) oneDNN sums pairs of products in 16 bits, which
+    saturate silently; so the instruction is required, and the largest products (levels
+    127 by -128, summed) must come out exact."""
+    flags = set(cpu_flags().split())
+    if not torch.backends.mkldnn.is_available() or not flags & set(INT8_DOT_FLAGS):
         return False
     try:
-        q = torch.tensor([[1, -2, 3, -4, 5]] * 4, dtype=torch.int8)
-        product = Int8Int8Linear(QuantizedWeight(q, torch.ones(4, 1), None, 8, None, True))
-        x = torch.arange(15.0).reshape(3, 5)
-        return bool(torch.allclose(product(x), x @ q.float().t(), rtol=0.02))
+        q = torch.full((16, 64), -128, dtype=torch.int8)
+        product = Int8Int8Linear(QuantizedWeight(q, torch.ones(16, 1), None, 8, None, True,
+                                                 input_scale=1.0))
+        x = torch.full((3, 64), 127.0)  # [3, 64]: levels 127 (the static scale 1)
+        return bool(torch.equal(product(x), torch.full((3, 16), 127.0 * -128 * 64)))
     except (AttributeError, RuntimeError):
         return False
