@@ -127,22 +127,21 @@ def prepare_cpu_linears(model: nn.Module, max_rows: int) -> None:
     row count oneDNN will see for forwards of up to `max_rows` rows (onednn_rows; larger
     ones run in pieces of ONEDNN_MAX_ROWS), so that a serving replica builds its primitives
     at start: its memory is then flat whatever the load, and no step pays for building one."""
-    products = {}  # (kind, weight shape, dtype) -> (in features, x [rows, in] -> output)
+    products = {}  # (kind, weight shape [out, in], input dtype) -> x [rows, in] -> output
     for m in model.modules():
         if isinstance(m, PackedForCPU) and m.weight_packed is not None:
-            weight = m.weight_packed  # [out, in]
-            products[("dense", tuple(weight.shape), weight.dtype)] = (
-                weight.shape[1], functools.partial(onednn_linear, packed=weight))
+            weight = m.weight_packed
+            products["dense", tuple(weight.shape), weight.dtype] = functools.partial(
+                onednn_linear, packed=weight)
         elif isinstance(m, PackedForCPU) and isinstance(m.quantized_matmul, Int8Int8Linear):
-            products[("int8", m.quantized_matmul.shape, torch.float32)] = (
-                m.quantized_matmul.shape[1], m.quantized_matmul)
+            # one primitive of int8 levels, whatever the inputs' dtype
+            products["int8", m.quantized_matmul.shape, torch.float32] = m.quantized_matmul
     row_counts = sorted({onednn_rows(rows)
                          for rows in range(1, min(max_rows, ONEDNN_MAX_ROWS) + 1)})
     with torch.no_grad():
-        for (_, _, dtype), (in_features, product) in products.items():
+        for (_, (_, in_features), dtype), product in products.items():
             for rows in row_counts:
                 product(torch.zeros(rows, in_features, dtype=dtype))
-
 
 SMALL_LAYER = 1 << 20  # fp32 weights this small also keep an [in, out] copy for single rows
 ONEDNN_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 0.1}  # the dtypes packed, and how

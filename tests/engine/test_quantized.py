@@ -39,7 +39,6 @@ from outrider.engine.quant.weight import (
     Int8Int8Linear,
     Int8Linear,
     QuantizedWeight,
-    has_int8_gemm,
 )
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
@@ -55,6 +54,7 @@ from tests.checkpoints import (
     quantized_copy,
     save_random_checkpoint,
 )
+from tests.toolchain import needs_int8_gemm
 
 # scheme (a compressed-tensors preset, its group size) -> the matmul its linears run in
 # bf16 (in fp32 every one is dequantized)
@@ -87,10 +87,6 @@ FP8_CASES = {
 GOLDEN = {"gptq4_sym": ("gptq", 4), "gptq4_asym_act": ("gptq", 4),
           "gptq8_asym_channel": ("gptq", 8), "gptq8_sym": ("gptq", 8), "awq4": ("awq", 4)}
 PROMPT = [5, 17, 33, 2, 90, 64, 11, 250, 7, 41, 19, 3]
-# W8A8's int8 GEMM needs an int8 dot product instruction (VNNI, AMX): elsewhere it runs
-# weight-only, and nothing of it can be held to its reference
-needs_int8_gemm = pytest.mark.skipif(not has_int8_gemm(), reason="no exact int8 GEMM on "
-                                     "this CPU (VNNI or AMX)")
 
 
 @pytest.fixture(scope="module")
@@ -112,13 +108,13 @@ def matmuls(runner: ModelRunner) -> set:
             for m in runner.model.modules() if hasattr(m, "quantized_parts")}
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", [pytest.param(scheme, marks=needs_int8_gemm)
+                                    if kernel is Int8Int8Linear else scheme
+                                    for scheme, (_, kernel) in SCHEMES.items()])
 def test_a_scheme_computes_what_compressed_tensors_decompresses(base, tmp_path, scheme):
     """W8A8's reference quantizes each linear's inputs as compressed-tensors' own forward
     does (dynamic, per token), in every dtype."""
     group, kernel = SCHEMES[scheme]
-    if kernel is Int8Int8Linear and not has_int8_gemm():
-        pytest.skip("no exact int8 GEMM on this CPU (VNNI or AMX)")
     quantized = quantized_copy(base, tmp_path / scheme, scheme.partition("_g")[0], group)
     inputs = json.loads((quantized / "config.json").read_text())["quantization_config"][
         "config_groups"]["group_0"]["input_activations"]
@@ -209,11 +205,9 @@ def computes_its_reference(quantized, reference, base, kernel) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme, group, runs", [
     ("W4A16", 32, (("bfloat16", 1), ("bfloat16", 2), ("float32", 2))),
-    ("W8A8", None, (("bfloat16", 1), ("float32", 2)))])
+    pytest.param("W8A8", None, (("bfloat16", 1), ("float32", 2)), marks=needs_int8_gemm)])
 def test_speculation_over_a_quantized_target_is_its_greedy_output(base, tmp_path, scheme,
                                                                   group, runs):
-    if scheme == "W8A8" and not has_int8_gemm():
-        pytest.skip("no exact int8 GEMM on this CPU (VNNI or AMX)")
     """The unquantized model drafts for its quantized self. In each dtype, alone and over
     two ranks, the output is the target's own greedy decoding on as many ranks (bf16
     partial sums reduced across ranks round differently from one rank's; W8A8's ranks

@@ -51,7 +51,7 @@ from outrider.engine.drafter import Drafter
 from outrider.engine.heads import head_proposer
 from outrider.engine.layer_skip import LAYER_SKIP_METHOD, layer_skip_proposer
 from outrider.engine.mix import ProposerMix
-from outrider.engine.quant.weight import Int8Int8Linear, has_int8_gemm
+from outrider.engine.quant.weight import Int8Int8Linear
 from outrider.engine.runner import ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
 from outrider.engine.tree import TreeShape, first_path
@@ -62,7 +62,7 @@ from tests.checkpoints import (
     save_random_head,
     save_random_medusa,
 )
-from tests.toolchain import needs_compiler
+from tests.toolchain import needs_compiler, needs_int8_gemm
 
 NUM_SAMPLES = 2000  # per run; all of a run's requests are one generate() batch
 MAX_TOKENS = 10
@@ -267,7 +267,7 @@ def test_compiled_speculative_sampling_matches_target_distribution(samples, llam
     assert not failures(pvalues), failures(pvalues)
 
 
-@pytest.mark.skipif(not has_int8_gemm(), reason="no exact int8 GEMM on this CPU (VNNI, AMX)")
+@needs_int8_gemm
 @pytest.mark.slow
 def test_quantized_target_speculative_sampling_matches_its_distribution(close_draft_dir,
                                                                        llama_dir, tmp_path):
