@@ -119,7 +119,8 @@ class Controller:
                     "num_gpus": pair.target_resources.gpus, "max_concurrency": 4,
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(
                         target.pg, placement_group_bundle_index=k)}
-        cfg = self._target_config(self._runner(pair.target, tp=pair.tp),
+        cfg = self._target_config(self._runner(pair.target, tp=pair.tp,
+                                                       quantization=pair.quantization),
                                   [d.address for d in target.drafts])
         runner = runner_config(cfg)  # (every rank's: they agree on the KV blocks)
         target.driver = ray.remote(TargetDriver).options(**in_bundle(0)).remote()
@@ -149,7 +150,7 @@ class Controller:
         for target in self.targets:
             self._register(target.address)
 
-    def _runner(self, model_dir: str, tp: int = 1):
+    def _runner(self, model_dir: str, tp: int = 1, quantization: str | None = None):
         from outrider.engine.runner import RunnerConfig
 
         pair = self.spec.pair
@@ -159,7 +160,7 @@ class Controller:
                             max_num_seqs=pair.max_num_seqs, threads=pair.threads,
                             prefix_caching=pair.prefix_caching, compile=pair.compile,
                             enforce_eager=pair.enforce_eager,
-                            prepared_rows=pair.max_batch_tokens)
+                            prepared_rows=pair.max_batch_tokens, quantization=quantization)
 
     def _target_config(self, runner, draft_addresses: list[str]):
         from outrider.target_worker.main import TargetWorkerConfig

@@ -85,6 +85,8 @@ class ModelPair(_Strict):
     self_draft_layers: Annotated[str, Field(pattern=r"^(auto|\d+(,\d+)*)$")] | None = None
     device: str = "cpu"                               # "cuda" on GPU clusters
     dtype: str = "auto"
+    # the target's, as vLLM's --quantization: fp8 quantizes an unquantized one as it loads
+    quantization: Literal["fp8"] | None = None
     kv_cache_mb: Annotated[float, Field(gt=0)] | None = None  # None: sized from memory
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None  # RunnerConfig's
     prefix_caching: bool = True                       # share cached prefixes' KV

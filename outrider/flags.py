@@ -24,6 +24,23 @@ def add_model_server_args(p: argparse.ArgumentParser, *, host: str, port: int, d
     add_compile_arg(p)
 
 
+# vLLM's --quantization names -> the quant_method of the checkpoints each reads (its
+# Marlin kernels' names read the same checkpoints as their methods)
+QUANTIZATION_METHODS = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq",
+                        "gptq_marlin": "gptq", "compressed-tensors": "compressed-tensors",
+                        "fp8": "fp8"}
+QUANTIZED_ON_LOAD = ("fp8",)  # an unquantized checkpoint quantized as it loads (quant/scheme.py)
+
+
+def add_quantization_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-q", "--quantization", choices=sorted(QUANTIZATION_METHODS), default=None,
+                   help="vLLM's: the method the target's checkpoint is quantized with, "
+                        "checked against its config.json, which decides how it loads; or, "
+                        "for an unquantized checkpoint, fp8: its linears quantized as they "
+                        "load (e4m3, a scale a tensor; computed in FP8 on GPUs that have "
+                        "it, dequantized elsewhere) (default: None)")
+
+
 def add_tree_args(p: argparse.ArgumentParser) -> None:
     """Token trees (outrider/engine/tree.py): SGLang's names beside ours."""
     p.add_argument("--tree-topk", "--speculative-eagle-topk", type=int, default=1,

@@ -45,6 +45,7 @@ class LocalSystemConfig:
     speculation_cache: bool = False  # the draft replicas' (draft_worker/spec_cache.py)
     cache_aware_sampling: float | None = None  # their sampled rows too (draft-worker's flag)
     dtype: str = "auto"             # of both models
+    quantization: str | None = None  # the targets' --quantization (vLLM's: fp8 on load)
     compile: bool = False           # compiled forwards in every replica (--compile)
     enforce_eager: bool = False     # GPU: no CUDA graphs in any replica (--enforce-eager)
     proposer: str = TargetWorkerConfig.proposer.value  # the targets' --proposer
@@ -138,6 +139,8 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
         targets = tuple(run("target" if i == 0 else f"target-{i}", "target-worker",
                             "--model", cfg.target, "--tp", str(cfg.tp),
                             "--gamma", str(cfg.gamma), "--proposer", cfg.proposer, *model,
+                            *(("--quantization", cfg.quantization) if cfg.quantization
+                              else ()),
                             *target_share,
                             *(("--kv-cache-mb", str(cfg.kv_cache_mb)) if cfg.kv_cache_mb
                               else ()), *context,

@@ -20,6 +20,7 @@ from outrider.flags import (
     add_metrics_arg,
     add_model_server_args,
     add_proposer_arg,
+    add_quantization_arg,
     add_self_draft_arg,
     add_tree_args,
     check_self_draft,
@@ -93,7 +94,8 @@ class TargetWorkerConfig:
                               step_threads=args.step_threads,
                               prefix_caching=args.enable_prefix_caching,
                               compile=args.compile, enforce_eager=args.enforce_eager,
-                              prepared_rows=args.max_batch_tokens)
+                              prepared_rows=args.max_batch_tokens,
+                              quantization=args.quantization)
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                 max_batch_tokens=args.max_batch_tokens)
         return cls(runner, sched, tuple(args.draft_address), args.gamma, args.host, args.port,
@@ -133,6 +135,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sequences speculate (0: never; it pays in small batches)")
     add_proposer_arg(p)
     add_self_draft_arg(p)
+    add_quantization_arg(p)
     add_tree_args(p)
     p.add_argument("--tp", "--tensor-parallel-size", type=int, default=RunnerConfig.tp,
                    help="tensor-parallel degree (ranks, one process each)")

@@ -324,8 +324,9 @@ def test_serve_puts_an_eagle_head_on_draft_replicas_when_asked():
 
 def test_quantization_names_the_checkpoints_method_as_vllm_takes_it(tmp_path):
     """vLLM's --quantization, checked against the checkpoint's quantization_config: its own
-    method (or the method's Marlin name) serves; another, or a checkpoint that is not
-    quantized, is a usage error naming what the checkpoint says."""
+    method (or the method's Marlin name) serves; another is a usage error naming what the
+    checkpoint says; an unquantized checkpoint takes fp8 (quantized as it loads) and no
+    other."""
     from outrider.cli import build_parser
     from outrider.cli.common import UsageError, model_dirs
 
@@ -340,7 +341,8 @@ def test_quantization_names_the_checkpoints_method_as_vllm_takes_it(tmp_path):
     assert check(str(awq), "--quantization", "awq_marlin", "--draft", "")[0] == awq
     with pytest.raises(UsageError, match="quant_method 'compressed-tensors'"):
         check(w4a16, "--quantization", "awq")
-    with pytest.raises(UsageError, match="is not quantized"):
-        check("--quantization", "fp8")  # the demo target, in bf16
+    assert check("--quantization", "fp8")[0] == paths.demo_target_dir()  # bf16, on load
+    with pytest.raises(UsageError, match="is not quantized, and only fp8"):
+        check("--quantization", "gptq")
     with pytest.raises(SystemExit):  # argparse names the choices
         check(w4a16, "--quantization", "bitsandbytes")

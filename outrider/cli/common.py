@@ -12,10 +12,13 @@ from pathlib import Path
 from outrider import paths
 from outrider.core.hf_config import head_kind
 from outrider.flags import (
+    QUANTIZATION_METHODS,
+    QUANTIZED_ON_LOAD,
     add_compile_arg,
     add_device_args,
     add_kv_cache_args,
     add_max_model_len_arg,
+    add_quantization_arg,
     add_tree_args,
     resolve_device,
 )
@@ -43,10 +46,7 @@ def add_model_args(p: argparse.ArgumentParser, model_positional: bool = False) -
                         "\"draft_layers\": \"auto\"|[I, J, ...]} for --self-draft-layers")
     p.add_argument("--tp", "--tensor-parallel-size", type=int, default=1,
                    help="tensor-parallel degree of the target")
-    p.add_argument("-q", "--quantization", choices=sorted(QUANTIZATION_METHODS), default=None,
-                   help="vLLM's: the method the target's checkpoint is quantized with, "
-                        "checked against its config.json, which alone decides how it loads "
-                        "(default: None)")
+    add_quantization_arg(p)
     add_device_args(p)
     add_kv_cache_args(p)
     add_max_model_len_arg(p)
@@ -97,26 +97,19 @@ def model_dirs(args) -> tuple[Path, str | None]:
     return target, draft
 
 
-# vLLM's --quantization names -> the quant_method of the checkpoints each reads (its
-# Marlin kernels' names read the same checkpoints as their methods)
-QUANTIZATION_METHODS = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq",
-                        "gptq_marlin": "gptq", "compressed-tensors": "compressed-tensors",
-                        "fp8": "fp8"}
-
-
 def _check_quantization(method: str | None, target: Path) -> None:
-    """--quantization as vLLM takes it: the checkpoint's own method, named again. What the
-    checkpoint says decides; a different name, or one for a checkpoint that is not
-    quantized (vLLM would quantize it as it loads), is a usage error saying so."""
+    """--quantization as vLLM takes it: the checkpoint's own method, named again (what the
+    checkpoint says decides), or a method that quantizes an unquantized checkpoint as it
+    loads. Anything else is a usage error saying so."""
     if method is None:
         return
     config = json.loads((target / "config.json").read_text())
     stored = (config.get("quantization_config") or {}).get("quant_method")
-    if stored is None:
-        raise UsageError(f"--quantization {method}: {target} is not quantized, and quantizing "
-                         f"while loading is not supported (write a quantized copy with "
-                         f"scripts/quantize_checkpoint.py, e.g. --scheme FP8_DYNAMIC)")
-    if QUANTIZATION_METHODS[method] != stored:
+    if stored is None and method not in QUANTIZED_ON_LOAD:
+        raise UsageError(f"--quantization {method}: {target} is not quantized, and only "
+                         f"{', '.join(QUANTIZED_ON_LOAD)} quantizes one as it loads (or "
+                         f"write a quantized copy with scripts/quantize_checkpoint.py)")
+    if stored is not None and QUANTIZATION_METHODS[method] != stored:
         raise UsageError(f"--quantization {method} does not match {target}'s quantization_config "
                          f"(quant_method {stored!r})")
 

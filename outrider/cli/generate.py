@@ -134,7 +134,7 @@ def _local_engine(args):
                           tp=args.tp, kv_cache_mb=args.kv_cache_mb, compile=args.compile,
                           enforce_eager=args.enforce_eager,
                           memory_utilization=args.gpu_memory_utilization,
-                          max_model_len=args.max_model_len)
+                          max_model_len=args.max_model_len, quantization=args.quantization)
     draft_kv = getattr(args, "draft_kv_cache_mb", None) or args.kv_cache_mb
     return LocalEngine(LocalEngineConfig(target=runner, draft_dir=draft if args.gamma else None,
                                          draft_kv_cache_mb=draft_kv,

@@ -125,6 +125,7 @@ def _local_system_config(args):
                              dtype=args.dtype, compile=args.compile,
                              enforce_eager=args.enforce_eager,
                              max_model_len=args.max_model_len,
+                             quantization=args.quantization,
                              memory_utilization=args.gpu_memory_utilization,
                              tree_topk=tree_shape(args).topk,
                              tree_tokens=args.tree_tokens,

@@ -29,7 +29,7 @@ from outrider.engine.parallel import (
 )
 from outrider.engine.quant.formats import quantized_tensor_slices
 from outrider.engine.quant.scheme import QuantScheme
-from outrider.engine.quant.weight import QuantizedWeight
+from outrider.engine.quant.weight import QuantizedWeight, fp8_on_load
 from outrider.engine.rope import RotaryEmbedding, apply_rope
 
 
@@ -281,13 +281,14 @@ def load_checkpoint(model: nn.Module, model_dir: Path,
                     quantization: QuantScheme | None = None) -> None:
     """Every tensor of the checkpoint into its parameter (`param_for`: None skips one);
     each parameter but the `optional` ones must be found. A quantized checkpoint's modules
-    arrive as one weight each (quant/formats.py): a linear keeps it until the checkpoint
-    is read (settle_quantized), any other layer (an embedding, a head) takes it
+    arrive as one weight each (quant/formats.py), or an unquantized one's linears are
+    quantized as they arrive (`quantization.on_load`): a linear keeps it until the
+    checkpoint is read (settle_quantized), any other layer (an embedding, a head) takes it
     dequantized."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     tensors = iter_tensor_slices(model_dir)
-    if quantization is not None:
+    if quantization is not None and not quantization.on_load:
         tensors = quantized_tensor_slices(model_dir, tensors, quantization)
     for name, tensor_slice in tensors:
         target = param_for(name)
@@ -299,6 +300,9 @@ def load_checkpoint(model: nn.Module, model_dir: Path,
                                   f"{type(model).__name__}")
         owner, _, _ = param_name.rpartition(".")
         module = model.get_submodule(owner)
+        if quantization is not None and quantization.on_load and isinstance(
+                module, ReplicatedLinear) and param_name.endswith(".weight"):
+            tensor_slice = fp8_on_load(tensor_slice[...])  # whole: one scale a tensor
         if isinstance(tensor_slice, QuantizedWeight) and not isinstance(module,
                                                                         ReplicatedLinear):
             tensor_slice = tensor_slice.dequantized(params[param_name].dtype)

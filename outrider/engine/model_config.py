@@ -17,7 +17,12 @@ from pathlib import Path
 import torch
 
 from outrider.core.hf_config import ModelConfigError, context_length, read_config
-from outrider.engine.quant.scheme import QuantizationError, QuantScheme, parse_quantization
+from outrider.engine.quant.scheme import (
+    ON_LOAD,
+    QuantizationError,
+    QuantScheme,
+    parse_quantization,
+)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
@@ -147,20 +152,25 @@ class ModelConfig:
                 + self.hidden_size)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+    def from_dir(cls, model_dir: str | Path, quantize_on_load: str | None = None
+                 ) -> ModelConfig:
+        """`quantize_on_load`: vLLM's --quantization, which quantizes an unquantized
+        checkpoint as it loads (a quantized one's own config decides)."""
         raw = read_config(model_dir)
         generation = read_config(model_dir, "generation_config.json", required=False)
-        return cls.from_hf_dict(raw, generation, source=str(Path(model_dir) / "config.json"))
+        return cls.from_hf_dict(raw, generation, source=str(Path(model_dir) / "config.json"),
+                                quantize_on_load=quantize_on_load)
 
     @classmethod
     def from_hf_dict(cls, raw: dict, generation: dict | None = None,
-                     source: str = "config.json") -> ModelConfig:
+                     source: str = "config.json", quantize_on_load: str | None = None
+                     ) -> ModelConfig:
         arch = (raw.get("architectures") or [None])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelConfigError(
                 f"{source}: unsupported architecture {arch!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        quantization = _quantization(raw, arch, source)
+        quantization = _quantization(raw, arch, source, quantize_on_load)
         act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
         if act not in ACTIVATIONS:
             raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (only "
@@ -327,15 +337,24 @@ def _token_ids(value) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _quantization(raw: dict, arch: str, source: str) -> QuantScheme | None:
-    """A quantized checkpoint's scheme, refused at start where it cannot be served."""
-    if not raw.get("quantization_config"):
+def _quantization(raw: dict, arch: str, source: str,
+                  on_load: str | None) -> QuantScheme | None:
+    """A quantized checkpoint's scheme, refused at start where it cannot be served; an
+    unquantized one's, quantized as it loads, where `on_load` names a method that does."""
+    if raw.get("quantization_config"):
+        try:
+            scheme = parse_quantization(raw["quantization_config"])
+        except QuantizationError as exc:
+            raise ModelConfigError(f"{source}: a quantized checkpoint that cannot be served: "
+                                   f"{exc}") from exc
+    elif on_load is None:
         return None
-    try:
-        scheme = parse_quantization(raw["quantization_config"])
-    except QuantizationError as exc:
-        raise ModelConfigError(f"{source}: a quantized checkpoint that cannot be served: "
-                               f"{exc}") from exc
+    elif on_load not in ON_LOAD:
+        raise ModelConfigError(f"{source}: --quantization {on_load} needs a checkpoint "
+                               f"quantized with it; an unquantized one is quantized as it "
+                               f"loads by {', '.join(ON_LOAD)} only")
+    else:
+        scheme = ON_LOAD[on_load]
     if arch in MOE_ARCHITECTURES:
         raise ModelConfigError(f"{source}: a quantized checkpoint ({scheme.description}) of "
                                f"routed experts ({arch}) cannot be served yet")

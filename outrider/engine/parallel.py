@@ -17,7 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from outrider.engine.compiled import ONEDNN_MAX_ROWS, onednn_linear, onednn_rows, packed_linear
-from outrider.engine.quant.weight import Int8Int8Linear, QuantizedWeight, cpu_kernel, stacked
+from outrider.engine.quant.weight import (
+    Int8Int8Linear,
+    QuantizedWeight,
+    cpu_kernel,
+    gpu_kernel,
+    stacked,
+)
 
 
 @dataclass(frozen=True)
@@ -187,8 +193,8 @@ class ReplicatedLinear(PackedForCPU, nn.Module):
             param.data.narrow(0, first_row, value.shape[0]).copy_(value)
 
     def settle_quantized(self) -> None:
-        """Once loaded: a quantized weight multiplied by a CPU kernel where one takes it,
-        else dequantized into `weight` (another device, a shape no kernel takes)."""
+        """Once loaded: a quantized weight multiplied by a CPU or GPU kernel where one
+        takes it, else dequantized into `weight` (a shape no kernel takes)."""
         if not self.quantized_parts:
             return
         weight = stacked(self.quantized_parts)
@@ -197,10 +203,15 @@ class ReplicatedLinear(PackedForCPU, nn.Module):
             raise ValueError(f"quantized parts of {weight.shape[0]} rows for a layer of "
                              f"{self.weight.shape[0]}: a fused layer (q/k/v, gate/up) whose "
                              f"parts are not all quantized is not supported")
-        if self.weight.device.type == "cpu":
+        device = self.weight.device
+        if device.type == "cpu":
             self.quantized_matmul = cpu_kernel(weight, self.weight.dtype)
+        elif device.type == "cuda":
+            self.quantized_matmul = gpu_kernel(weight, self.weight.dtype, device)
         if self.quantized_matmul is None:
             self.weight.data.copy_(weight.dequantized(self.weight.dtype))
+        elif device.type != "cpu":
+            self.weight = None  # only the quantized copy is read (a CPU's: pack_for_cpu)
 
     def pack_for_cpu(self) -> None:
         super().pack_for_cpu()

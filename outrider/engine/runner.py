@@ -79,6 +79,8 @@ class RunnerConfig:
     #                             replay CUDA graphs captured at start (cuda_graphs.py)
     prepared_rows: int = 0      # CPU: the linears prepared at start for every forward
     #                             of up to this many tokens (serving replicas; 0: none)
+    quantization: str | None = None  # vLLM's --quantization: "fp8" quantizes an
+    #                                  unquantized checkpoint's linears as they load
     feature_width: int = 0      # a draft head's features a position (FeatureTap.width),
     #                             kept beside each block's KV so its prefix cache serves
     #                             the head too; carved from the KV budget (0: none)
@@ -150,7 +152,7 @@ class ModelRunner:
         self._set_step()
 
     def read_model_config(self) -> ModelConfig:
-        return ModelConfig.from_dir(self.cfg.model_dir)
+        return ModelConfig.from_dir(self.cfg.model_dir, self.cfg.quantization)
 
     @property
     def vocab_size(self) -> int:

@@ -24,7 +24,7 @@ from outrider.core.sampling import SamplingParams
 from outrider.engine.checkpoint import CheckpointError
 from outrider.engine.distributed import TPRunnerGroup
 from outrider.engine.drafter import Drafter
-from outrider.engine.model_config import ModelConfigError
+from outrider.engine.model_config import ModelConfig, ModelConfigError
 from outrider.engine.parallel import (
     ColumnParallelLinear,
     PackedForCPU,
@@ -35,10 +35,13 @@ from outrider.engine.parallel import (
 from outrider.engine.quant.formats import FORMATS, read_compressed_tensors, read_fp8
 from outrider.engine.quant.scheme import QuantScheme
 from outrider.engine.quant.weight import (
+    Fp8Linear,
     Int4Linear,
     Int8Int8Linear,
     Int8Linear,
     QuantizedWeight,
+    fp8_on_load,
+    fp8_rows,
 )
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
@@ -95,9 +98,9 @@ def base(tmp_path_factory, tokenizer_dir):
                                   tokenizer_from=tokenizer_dir, initializer_range=0.1)
 
 
-def logits(model_dir, prompt: list[int], dtype: str = "float32") -> torch.Tensor:
-    """[len(prompt), vocab] fp32 logits of a prefill."""
-    runner = ModelRunner(RunnerConfig(str(model_dir), kv_cache_mb=8, dtype=dtype))
+def logits(model_dir, prompt: list[int], dtype: str = "float32", **options) -> torch.Tensor:
+    """[len(prompt), vocab] fp32 logits of a prefill (`options`: RunnerConfig's)."""
+    runner = ModelRunner(RunnerConfig(str(model_dir), kv_cache_mb=8, dtype=dtype, **options))
     runner.blocks.append("p", len(prompt))
     return runner.forward([ForwardRequest(prompt, 0, runner.blocks.block_table("p"),
                                           len(prompt))])
@@ -452,3 +455,47 @@ def test_a_quantized_routed_experts_checkpoint_is_refused(base, tmp_path):
                                                r"dynamic activations\) of routed experts "
                                                r"\(Qwen3MoeForCausalLM\) cannot be served yet"):
         ModelRunner(RunnerConfig(str(copy), kv_cache_mb=8))
+
+
+def test_fp8_on_load_computes_compressed_tensors_fp8_per_tensor(base, tmp_path):
+    """vLLM's `--quantization fp8` of an unquantized checkpoint (e4m3 weights, one scale a
+    tensor) computes what compressed-tensors' FP8 scheme writes of the same checkpoint;
+    and the quantization took place (the logits moved from the float model's)."""
+    written = quantized_copy(base, tmp_path / "fp8", "FP8")
+    on_load = logits(base, PROMPT, quantization="fp8")
+    assert torch.allclose(on_load, logits(written, PROMPT), atol=1e-4)
+    assert not torch.allclose(on_load, logits(base, PROMPT), atol=1e-3)
+
+
+def test_only_fp8_quantizes_an_unquantized_checkpoint_as_it_loads(base, tmp_path):
+    assert ModelConfig.from_dir(base, "fp8").quantization.on_load
+    assert ModelConfig.from_dir(base).quantization is None
+    with pytest.raises(ModelConfigError, match="quantized as it loads by fp8 only"):
+        ModelConfig.from_dir(base, "gptq")
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    config = json.loads((base / "config.json").read_text())
+    (moe / "config.json").write_text(json.dumps(dict(config,
+                                                     architectures=["Qwen3MoeForCausalLM"])))
+    with pytest.raises(ModelConfigError, match="of routed experts"):
+        ModelConfig.from_dir(moe, "fp8")
+
+
+def test_fp8_tensor_cores_product_of_rows_each_by_its_own_scale():
+    """Fp8Linear, what a GPU with FP8 tensor cores runs (torch._scaled_mm; here torch's
+    CPU reference of it): each row of x quantized by its own scale, so a row's output is
+    the same alone and in a batch (a zero row too), and equals the product of the
+    dequantized FP8 rows and weight."""
+    torch.manual_seed(0)
+    weight = fp8_on_load(torch.randn(32, 64) * 0.05)
+    linear = Fp8Linear(weight, torch.device("cpu"))
+    x = (torch.randn(4, 64) * torch.tensor([[1.0], [30.0], [0.01], [0.0]])).bfloat16()
+    out = linear(x)  # [4, 32]
+    levels, scale = fp8_rows(x)
+    reference = (levels.float() * scale) @ weight.dequantized(torch.float32).t()
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), reference, rtol=1e-2, atol=1e-6)
+    for row in range(4):
+        assert torch.equal(linear(x[row:row + 1]), out[row:row + 1])
+    exact = x.float() @ weight.dequantized(torch.float32).t()  # FP8 rows: 3 mantissa bits
+    assert (out.float() - exact).norm() <= 0.1 * exact.norm()

@@ -5,8 +5,8 @@ may have, and its reader):
 - compressed-tensors: pack-quantized (4- or 8-bit levels packed in int32 words, with
   `weight_shape`, a scale per group, channel or tensor, a packed zero point when
   asymmetric, `weight_g_idx` under act-order), int-quantized (int8 levels in `weight`)
-  and float-quantized (FP8 `weight` with a scale per tensor, channel or block:
-  dequantized here, since no CPU computes in FP8). Where the scheme quantizes 8-bit
+  and float-quantized (FP8 `weight` with a scale per tensor, channel or block: a block's
+  dequantized here). Where the scheme quantizes 8-bit
   weights' inputs to 8-bit ints too (W8A8), the weight says so, with the static
   `input_scale` if the scheme has one (weight.Int8Int8Linear multiplies them).
 - GPTQ (AutoGPTQ, GPTQModel, optimum): `qweight` [in * bits / 32, out] int32, levels
@@ -20,7 +20,11 @@ may have, and its reader):
   float8_e4m3fn with `weight_scale_inv` [ceil(out / rows), ceil(in / columns)] float32,
   a scale per block of the config's `weight_block_size`, which multiplies despite its
   name (DeepSeek-V3's weight_dequant), or `weight_scale`, one a tensor (AutoFP8's);
-  dequantized here, `input_scale` (static activations) read and not used.
+  blocks dequantized here, `input_scale` (static activations) read and not used.
+
+An FP8 weight scaled per tensor or channel stays FP8 values in a QuantizedWeight, which a
+GPU with FP8 arithmetic multiplies as they are (weight.Fp8Linear) and any other device
+dequantizes once at load.
 
 Every word holds 32 / bits levels from its lowest bits up, unsigned; w = (level - zero) *
 scale (compressed-tensors' symmetric levels are offset by 2^(bits-1) instead)."""
@@ -55,7 +59,8 @@ class ModuleFormat:
 def quantized_tensor_slices(model_dir: Path, slices: Iterator[tuple[str, object]],
                             scheme: QuantScheme) -> Iterator[tuple[str, object]]:
     """`slices` with each quantized module's parts replaced by one `PREFIX.weight`: a
-    QuantizedWeight, or a dense float tensor (FP8), yielded once its last part is read."""
+    QuantizedWeight, or a dense float tensor (block-wise FP8), yielded once its last part
+    is read."""
     fmt = FORMATS[scheme.format]
     names_of: dict[str, set[str]] = {}  # module prefix -> its tensors' names, bias aside
     for name in tensor_names(model_dir):
@@ -86,8 +91,8 @@ def quantized_tensor_slices(model_dir: Path, slices: Iterator[tuple[str, object]
 
 def read_compressed_tensors(tensors: dict[str, torch.Tensor],
                             scheme: QuantScheme) -> QuantizedWeight | torch.Tensor:
-    """One module's parts -> its QuantizedWeight (integer levels) or dense weight (FP8,
-    block-wise by the scheme's block)."""
+    """One module's parts -> its QuantizedWeight (integer levels, FP8 values) or dense
+    weight (FP8 in blocks of the scheme's block)."""
     if "weight_packed" in tensors:
         out_features, in_features = (int(n) for n in tensors["weight_shape"].tolist())
         bits = _packed_bits(tensors["weight_packed"], in_features)
@@ -96,7 +101,7 @@ def read_compressed_tensors(tensors: dict[str, torch.Tensor],
         if zero is not None and zero.dtype == torch.int32:  # packed along the output rows
             zero = _signed(unpack(zero.t(), bits, out_features), bits).t()
     elif "weight" in tensors and tensors["weight"].dtype in FP8:
-        return _fp8_dequantized(tensors["weight"], tensors["weight_scale"], scheme.block)
+        return _fp8_weight(tensors["weight"], tensors["weight_scale"], scheme.block)
     elif "weight" in tensors and tensors["weight"].dtype == torch.int8:
         q, bits, zero = tensors["weight"], 8, tensors.get("weight_zero_point")
     else:
@@ -108,10 +113,11 @@ def read_compressed_tensors(tensors: dict[str, torch.Tensor],
                    "dynamic" else float(tensors["input_scale"].float().max()))
 
 
-def read_fp8(tensors: dict[str, torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
-    """fp8's parts -> the dense weight: float8_e4m3fn values times their block's
-    `weight_scale_inv` (a multiplier: DeepSeek-V3 divided by it to quantize) or the
-    tensor's `weight_scale`."""
+def read_fp8(tensors: dict[str, torch.Tensor],
+             scheme: QuantScheme) -> QuantizedWeight | torch.Tensor:
+    """fp8's parts -> the weight: float8_e4m3fn values and the tensor's `weight_scale`,
+    or dense, the values times their block's `weight_scale_inv` (a multiplier: DeepSeek-V3
+    divided by it to quantize)."""
     weight = tensors["weight"]  # [out, in]
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"weight is {weight.dtype}, not the float8_e4m3fn the config's "
@@ -121,13 +127,18 @@ def read_fp8(tensors: dict[str, torch.Tensor], scheme: QuantScheme) -> torch.Ten
         raise ValueError("both weight_scale_inv and weight_scale: which one scales it?")
     if not scales[0].is_floating_point():  # e.g. MXFP8's exponent bytes
         raise ValueError(f"a weight scale of {scales[0].dtype} is not supported (only float)")
-    return _fp8_dequantized(weight, scales[0], scheme.block)
+    return _fp8_weight(weight, scales[0], scheme.block)
 
 
-def _fp8_dequantized(weight: torch.Tensor, scale: torch.Tensor,
-                     block: tuple[int, int] | None) -> torch.Tensor:
-    """FP8 values [out, in] and their scale per tensor, channel or block -> float32."""
-    return weight.float() * _spread(scale.float(), weight.shape, block)
+def _fp8_weight(weight: torch.Tensor, scale: torch.Tensor,
+                block: tuple[int, int] | None) -> QuantizedWeight | torch.Tensor:
+    """FP8 values [out, in] and their scale: per tensor or channel, the values kept with
+    a scale a row; per block, dequantized to float32."""
+    spread = _spread(scale.float(), weight.shape, block)  # [1, 1], [out, 1] or [out, in]
+    if spread.shape[1] > 1:
+        return weight.float() * spread
+    return QuantizedWeight(weight.contiguous(), spread.expand(weight.shape[0], 1).contiguous(),
+                           None, 8)
 
 
 def read_gptq(tensors: dict[str, torch.Tensor], scheme: QuantScheme,

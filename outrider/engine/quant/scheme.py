@@ -34,6 +34,13 @@ class QuantScheme:
     format: str = "compressed-tensors"  # its reader (formats.FORMATS), or gptq, awq, fp8, ...
     bits: int | None = None        # GPTQ's and AWQ's, which their packed tensors do not say
     int8_inputs: str | None = None  # "dynamic" or "static": 8-bit symmetric int activations
+    on_load: bool = False          # an unquantized checkpoint's linears quantized as they load
+
+
+# vLLM's `--quantization` methods that quantize an unquantized checkpoint as it loads
+FP8_ON_LOAD = QuantScheme("fp8 quantized on load (e4m3 weights, a scale a tensor, dynamic "
+                          "activations)", format="fp8", on_load=True)
+ON_LOAD = {"fp8": FP8_ON_LOAD}
 
 
 def parse_quantization(config) -> QuantScheme:

@@ -1,13 +1,14 @@
 """A linear's quantized weight as the loaders cut it, and the matmul that serves it.
 
-One form for every integer format read (formats.py): signed levels q, a scale and an
-optional zero point per (output row, group of input columns), so that w = (q - zero) *
-scale. Tensor-parallel loaders slice it like a dense weight (rows for column-parallel
-layers, whole groups of columns for row-parallel ones) and a fused layer's parts are
-stacked by row; once loaded, a CPU layer multiplies with torch's int4 or int8
-weight-packed kernels (never a float weight in memory) where their shapes allow, and
-anything else (another device, another shape, act-order) with the weight dequantized
-once at load."""
+One form for every format read (formats.py) or quantized on load (`-q fp8`): levels q, a
+scale and an optional zero point per (output row, group of input columns), so that w =
+(q - zero) * scale; q signed integers, or FP8 values with a scale a row. Tensor-parallel
+loaders slice it like a dense weight (rows for column-parallel layers, whole groups of
+columns for row-parallel ones) and a fused layer's parts are stacked by row; once
+loaded, a CPU layer multiplies with torch's int4 or int8 weight-packed kernels (never a
+float weight in memory) where their shapes allow, a GPU with FP8 arithmetic multiplies
+FP8 values by torch._scaled_mm, and anything else (another shape, act-order, FP8 on a
+CPU) runs with the weight dequantized once at load."""
 
 from __future__ import annotations
 
@@ -24,13 +25,19 @@ log = logging.getLogger(__name__)
 
 INT4_GROUPS = (256, 128, 64, 32)  # the group sizes torch's CPU int4 kernel takes
 INT4_ROWS = 16                    # its output features come in multiples of this
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+# the smallest scale a row or weight gets (vLLM's: an all-zero input still divides)
+FP8_MIN_SCALE = 1 / (FP8_MAX * 512)
+FP8_GEMM_CAPABILITY = (8, 9)  # CUDA devices with FP8 tensor cores: Ada, Hopper and on
+FP8_GEMM_MULTIPLE = 16        # _scaled_mm's inner and output dimensions are multiples
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
     """w [out, in] = (q - zero) * scale, group by group along the input features."""
 
-    q: torch.Tensor             # [out, in] int8: signed levels (4-bit: -8..7)
+    q: torch.Tensor             # [out, in] int8: signed levels (4-bit: -8..7); or
+    #                             float8_e4m3fn values (bits 8, a scale a row, no zero)
     scale: torch.Tensor         # [out, groups] float32
     zero: torch.Tensor | None   # [out, groups] int8 signed levels, None: symmetric
     bits: int
@@ -41,6 +48,10 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.q.is_floating_point()
 
     @property
     def group_size(self) -> int:
@@ -98,7 +109,7 @@ def stacked(parts: list[tuple[int, QuantizedWeight]]) -> QuantizedWeight:
     parts = [part for _, part in sorted(parts, key=lambda item: item[0])]
     if len(parts) == 1:
         return parts[0]
-    if len({(p.bits, p.scale.shape[1]) for p in parts}) > 1:
+    if len({(p.bits, p.is_fp8, p.scale.shape[1]) for p in parts}) > 1:
         raise ValueError("the parts of a fused layer are quantized differently")
     zeros = None if all(p.zero is None for p in parts) else torch.cat(
         [torch.zeros_like(p.q[:, :p.scale.shape[1]]) if p.zero is None else p.zero
@@ -181,6 +192,42 @@ class Int8Int8Linear:
         return matmul(x, self.packed, self.weight_scale, self.zero_points, self.input_scale)
 
 
+class Fp8Linear:
+    """x [rows, in] @ FP8 weight values with a scale a row, by torch._scaled_mm on FP8
+    tensor cores: each row of x to FP8 by its own scale (dynamic per token: a row's output
+    never depends on the rows beside it, as Int8Int8Linear's), products summed in float32,
+    scaled by the row's and the weight row's scales, out in bfloat16."""
+
+    def __init__(self, weight: QuantizedWeight, device: torch.device) -> None:
+        q = weight.q.to(device)  # [out, in]
+        self.weight_t = q.t()    # [in, out], column-major: the layout _scaled_mm takes
+        self.weight_scale = weight.scale.float().reshape(1, -1).to(device)  # [1, out]
+        self.numel, self.nbytes = q.numel(), _nbytes(q, self.weight_scale)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [rows, in] -> [rows, out]
+        levels, scale = fp8_rows(x)
+        return torch._scaled_mm(levels, self.weight_t, scale_a=scale,
+                                scale_b=self.weight_scale, out_dtype=x.dtype)
+
+
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, in] -> its FP8 values [rows, in] and their scale [rows, 1] float32: the
+    largest magnitude of a row maps to FP8's largest (448)."""
+    scale = (x.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp_min(FP8_MIN_SCALE)
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_on_load(weight: torch.Tensor) -> QuantizedWeight:
+    """A float weight [out, in] as FP8 values with one scale for the tensor (vLLM's
+    `--quantization fp8` of an unquantized checkpoint): its largest magnitude maps to 448.
+    One scale a checkpoint tensor, taken before tensor-parallel ranks cut it, so every tp
+    size computes the same weights."""
+    scale = (weight.abs().amax().float() / FP8_MAX).clamp_min(FP8_MIN_SCALE)
+    q = (weight.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return QuantizedWeight(q, scale.reshape(1, 1).expand(q.shape[0], 1).contiguous(), None, 8)
+
+
 def _int8_int8_matmul_eager(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor,
                             zero_points: torch.Tensor, input_scale: float | None
                             ) -> torch.Tensor:
@@ -256,7 +303,10 @@ def cpu_kernel(weight: QuantizedWeight, dtype: torch.dtype
     weight-only kernels for bfloat16 activations only: in float32 and float16 both take a
     scalar path here (one core, 1,024 x 5,632: 38 and 22 ms a row against 0.5 and 1.0 in
     bf16, where fp32's dense GEMM takes 2). Nor act-order's scattered groups, a group size
-    or row count the int4 kernel lacks, asymmetric or grouped 8-bit."""
+    or row count the int4 kernel lacks, asymmetric or grouped 8-bit; nor FP8 (torch's CPU
+    _scaled_mm is a reference loop: 1 s for 4 rows of 1,024 x 2,816 here)."""
+    if weight.is_fp8:
+        return None
     per_channel = weight.scale.shape[1] == 1
     if weight.int8_inputs:
         if weight.bits == 8 and per_channel and weight.zero is None and has_int8_gemm():
@@ -272,6 +322,20 @@ def cpu_kernel(weight: QuantizedWeight, dtype: torch.dtype
     if weight.bits == 8 and per_channel and weight.zero is None:
         return Int8Linear(weight, dtype)
     return None
+
+
+def gpu_kernel(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
+               ) -> Fp8Linear | None:
+    """The CUDA matmul for `weight` that keeps it quantized, or None: it is then
+    dequantized. FP8 values with a scale a row, in bfloat16, on a device with FP8 tensor
+    cores, in the shapes _scaled_mm takes; integer levels have none here yet."""
+    if not (weight.is_fp8 and weight.scale.shape[1] == 1 and dtype == torch.bfloat16):
+        return None
+    if torch.cuda.get_device_capability(device) < FP8_GEMM_CAPABILITY:
+        return None
+    if any(n % FP8_GEMM_MULTIPLE for n in weight.shape):
+        return None
+    return Fp8Linear(weight, device)
 
 
 @functools.cache
