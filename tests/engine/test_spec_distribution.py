@@ -302,7 +302,10 @@ def test_cache_aware_speculative_sampling_matches_target_distribution(samples, c
 
 
 
-CACHE_CHUNK = 8  # requests at a time: the replica's 16 stand-ins a Propose cover them
+# requests at a time, and the replica's stand-ins a Propose (16 by default, for about 8
+# sequences a Propose): two a request, as a replica serving 8 has; 4x the default's
+# requests a step, a quarter of the steps
+CACHE_CHUNK, CACHE_ROWS = 32, 64
 
 
 @pytest.mark.slow
@@ -318,6 +321,7 @@ def test_cached_speculative_sampling_matches_target_distribution(samples, close_
     config, token = "truncated-penalties-bias", "chi2-cache"
     running = start(DraftWorkerConfig(str(close_draft_dir), kv_cache_mb=64,
                                       speculation_cache=True, cache_aware_sampling=0.5), token)
+    running.service.cache.max_rows = CACHE_ROWS
     remote = RemoteDrafter([running.address], token, "t0-")
     try:
         decoder = SpeculativeDecoder(samples.decoders["close", False].target, remote)
@@ -335,7 +339,7 @@ def test_cached_speculative_sampling_matches_target_distribution(samples, close_
     finally:
         remote.close()
         running.stop(0)
-    # (a hit needs the replica's preparing to end before the next Propose: 383 of 4,550
+    # (a hit needs the replica's preparing to end before the next Propose: 464 of 4,584
     # lookups on a quiet machine; the bound leaves a loaded one room)
     assert hits >= NUM_SAMPLES // 40 and misses >= NUM_SAMPLES // 10, (hits, misses)
     pvalues = comparisons(sample, samples.target_only(config))

@@ -88,16 +88,21 @@ def test_journal_keeps_tokens_and_refuses_a_second_start(store):
     assert store.journal(rid) is None
 
 
+# a claim's lease here: longer than any gap between two calls of a test on a loaded
+# machine (a 0.5 s lease once lapsed between two consecutive calls inside the suite)
+LEASE_S = 2.0
+
+
 def test_a_journal_nobody_renews_is_free_again_once_its_lease_lapses(redis_url):
     """Two routers share Redis; the one running a request dies (stops renewing). Until
     its lease lapses a retry is refused; after it, the retry claims the id afresh."""
     alive, crashed = RedisStore(redis_url), RedisStore(redis_url)
     rid, record = uuid.uuid4().hex, st.JournalRecord(fingerprint="f", prompt_ids=[1])
-    assert crashed.journal_start(rid, record, ttl_s=30, lease_s=0.5) is None
+    assert crashed.journal_start(rid, record, ttl_s=30, lease_s=LEASE_S) is None
     crashed.journal_append(rid, [5, 6], ttl_s=30)
     alive.journal_renew([rid], lease_s=30)  # not its claim: must not extend it
     assert alive.journal_start(rid, record, ttl_s=30, lease_s=5).fingerprint == "f"
-    time.sleep(0.7)
+    time.sleep(LEASE_S + 0.2)
     assert alive.journal_start(rid, record, ttl_s=30, lease_s=5) is None  # taken over
     assert alive.journal(rid)[1] == []  # it starts over: the dead router's tokens are gone
     assert crashed.journal_start(rid, record, ttl_s=30, lease_s=5) is not None  # now held
@@ -106,10 +111,10 @@ def test_a_journal_nobody_renews_is_free_again_once_its_lease_lapses(redis_url):
 def test_renewal_keeps_a_claim_and_never_shortens_a_finished_one(redis_url):
     router, other = RedisStore(redis_url), RedisStore(redis_url)
     rid, record = uuid.uuid4().hex, st.JournalRecord(fingerprint="f")
-    assert router.journal_start(rid, record, ttl_s=30, lease_s=0.5) is None
-    for _ in range(4):
-        time.sleep(0.25)
-        router.journal_renew([rid], lease_s=0.5)
+    assert router.journal_start(rid, record, ttl_s=30, lease_s=LEASE_S) is None
+    for _ in range(4):  # renewed past the first lease's end
+        time.sleep(LEASE_S * 0.3)
+        router.journal_renew([rid], lease_s=LEASE_S)
     assert other.journal_start(rid, record, ttl_s=30, lease_s=5) is not None  # still held
     router.journal_finish(rid, st.JournalRecord(fingerprint="f", is_finished=True), ttl_s=30)
     router.journal_renew([rid], lease_s=0.1)  # a renewal racing the finish
