@@ -8,7 +8,8 @@ Each variant is a `outrider serve`-like deployment on the demo pair, or --target
 demo draft (router, target and
 draft replicas as processes, every default as `outrider serve` has it, the variant's
 flags added to the target replica's, but for `--speculation-cache`,
-`--cache-aware-sampling W` (the draft replicas' cache), `--draft DIR` (another draft:
+`--cache-aware-sampling W` (the draft replicas' cache), `--env NAME=VALUE` (in every
+process's environment), `--draft DIR` (another draft:
 one of its own tokenizer proposes through text) and `--draft-cpus LIST` (the draft replica
 and the router on those cores alone, the target on the others, no CPU plan: a draft on
 hardware of its own), which are serve's), driven by
@@ -70,6 +71,8 @@ def measure(variant: str, plan: serving.Plan, dtype: str, target: str) -> list[d
     # the draft replica (and the router) on these cores alone, the target on the others,
     # no CPU plan: a draft on hardware of its own
     serve_level.add_argument("--draft-cpus")
+    # NAME=VALUE in every process's environment (e.g. OMP_WAIT_POLICY=PASSIVE)
+    serve_level.add_argument("--env", action="append", default=[])
     drafts, extra = serve_level.parse_known_args([] if variant == "default"
                                                  else shlex.split(variant))
     apart = {}
@@ -83,7 +86,8 @@ def measure(variant: str, plan: serving.Plan, dtype: str, target: str) -> list[d
                             speculation_cache=drafts.speculation_cache,
                             cache_aware_sampling=drafts.cache_aware_sampling, **apart)
     rows = []
-    with local_system(cfg) as system, grpc.insecure_channel(system.router) as channel:
+    env = dict(pair.split("=", 1) for pair in drafts.env) or None
+    with local_system(cfg, env=env) as system, grpc.insecure_channel(system.router) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         engine = [f"http://{system.metrics['target']}"]
         serving.warm_up(stub, plan, ())
