@@ -236,7 +236,7 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
         share = 2 / group.runner.model_config.num_layers
         drafter = head_proposer(replace(cfg.runner, model_dir=cfg.draft_head,
                                         kv_cache_mb=group.runner.kv_cache_mb * share,
-                                        prepared_rows=0), group.runner)
+                                        prepared_rows=0, quantization=None), group.runner)
     if cfg.self_draft_layers:
         from outrider.engine.layer_skip import layer_skip_proposer
 

@@ -43,7 +43,8 @@ class LocalEngine:
         draft = None
         if cfg.draft_dir is not None:
             draft_cfg = replace(cfg.target, model_dir=cfg.draft_dir, tp=1,
-                                kv_cache_mb=cfg.draft_kv_cache_mb)
+                                kv_cache_mb=cfg.draft_kv_cache_mb,
+                                quantization=None)  # (--quantization is the target's)
             draft = (head_proposer(draft_cfg, target) if is_head
                      else across_vocabularies(Drafter(ModelRunner(draft_cfg)),
                                               cfg.target.model_dir, cfg.draft_dir,

@@ -213,11 +213,15 @@ class ModelRunner:
         return CausalLM(self.model_config, self.tp, self.max_model_len)
 
     def served(self, model: torch.nn.Module) -> torch.nn.Module:
-        """`model` as this runner serves it: eval mode, CPU linears prepacked."""
+        """`model` as this runner serves it: eval mode, CPU linears prepacked; on a GPU
+        the dense copies of weights kept quantized handed back to the device (the KV
+        cache is sized from what is left)."""
         if self.device.type == "cpu":
             for module in model.modules():
                 if isinstance(module, PackedForCPU):
                     module.pack_for_cpu()
+        elif self.device.type == "cuda":
+            torch.cuda.empty_cache()
         return model.eval()
 
     def swap_weights(self, state: dict[str, torch.Tensor]) -> None:

@@ -133,9 +133,10 @@ def read_fp8(tensors: dict[str, torch.Tensor],
 def _fp8_weight(weight: torch.Tensor, scale: torch.Tensor,
                 block: tuple[int, int] | None) -> QuantizedWeight | torch.Tensor:
     """FP8 values [out, in] and their scale: per tensor or channel, the values kept with
-    a scale a row; per block, dequantized to float32."""
+    a scale a row; per block (a config with a block size: every tensor alike, so that a
+    fused layer's parts come out alike), dequantized to float32."""
     spread = _spread(scale.float(), weight.shape, block)  # [1, 1], [out, 1] or [out, in]
-    if spread.shape[1] > 1:
+    if block is not None or spread.shape[1] > 1:
         return weight.float() * spread
     return QuantizedWeight(weight.contiguous(), spread.expand(weight.shape[0], 1).contiguous(),
                            None, 8)

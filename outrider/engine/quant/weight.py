@@ -215,7 +215,8 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, in] -> its FP8 values [rows, in] and their scale [rows, 1] float32: the
     largest magnitude of a row maps to FP8's largest (448)."""
     scale = (x.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp_min(FP8_MIN_SCALE)
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    levels = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return levels.contiguous(), scale  # (row-major: _scaled_mm's first operand)
 
 
 def fp8_on_load(weight: torch.Tensor) -> QuantizedWeight:
@@ -328,14 +329,43 @@ def gpu_kernel(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
                ) -> Fp8Linear | None:
     """The CUDA matmul for `weight` that keeps it quantized, or None: it is then
     dequantized. FP8 values with a scale a row, in bfloat16, on a device with FP8 tensor
-    cores, in the shapes _scaled_mm takes; integer levels have none here yet."""
-    if not (weight.is_fp8 and weight.scale.shape[1] == 1 and dtype == torch.bfloat16):
+    cores, in the shapes _scaled_mm takes, where a small product of it runs; integer levels
+    have none here yet. A dequantized FP8 layer says so once (no memory or time saved)."""
+    if not weight.is_fp8:
         return None
-    if torch.cuda.get_device_capability(device) < FP8_GEMM_CAPABILITY:
-        return None
-    if any(n % FP8_GEMM_MULTIPLE for n in weight.shape):
+    if weight.scale.shape[1] > 1 or dtype != torch.bfloat16 or any(
+            n % FP8_GEMM_MULTIPLE for n in weight.shape) or not has_fp8_gemm(device):
+        _warn_fp8_dequantized(str(dtype).removeprefix("torch."))
         return None
     return Fp8Linear(weight, device)
+
+
+def has_fp8_gemm(device: torch.device) -> bool:
+    """Whether `device` multiplies FP8 by FP8 with row-wise scales: FP8 tensor cores (not
+    ROCm's, whose FP8 is another format), and a small product that runs."""
+    return _has_fp8_gemm(torch.cuda.get_device_capability(device), str(device))
+
+
+@functools.cache
+def _has_fp8_gemm(capability: tuple[int, int], device: str) -> bool:
+    if torch.version.hip is not None or capability < FP8_GEMM_CAPABILITY:
+        return False
+    try:
+        q = torch.ones(FP8_GEMM_MULTIPLE, FP8_GEMM_MULTIPLE)
+        product = Fp8Linear(QuantizedWeight(q.to(torch.float8_e4m3fn),
+                                            torch.ones(FP8_GEMM_MULTIPLE, 1), None, 8),
+                            torch.device(device))
+        x = torch.ones(3, FP8_GEMM_MULTIPLE, dtype=torch.bfloat16, device=device)
+        return bool((product(x) == FP8_GEMM_MULTIPLE).all())
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def _warn_fp8_dequantized(dtype: str) -> None:
+    log.warning("FP8 weights dequantized to %s on this GPU (FP8 tensor cores multiply them "
+                "in bfloat16, scaled per tensor or channel, dimensions multiples of %d): "
+                "no memory or time saved", dtype, FP8_GEMM_MULTIPLE)
 
 
 @functools.cache
