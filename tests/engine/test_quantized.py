@@ -499,3 +499,14 @@ def test_fp8_tensor_cores_product_of_rows_each_by_its_own_scale():
         assert torch.equal(linear(x[row:row + 1]), out[row:row + 1])
     exact = x.float() @ weight.dequantized(torch.float32).t()  # FP8 rows: 3 mantissa bits
     assert (out.float() - exact).norm() <= 0.1 * exact.norm()
+
+
+def test_fp8_on_load_quantizes_the_target_and_not_its_draft(base):
+    """--quantization is the target's (vLLM's: a draft's own is in --speculative-config):
+    a draft model in the same process loads as its checkpoint is."""
+    from outrider.engine.local import LocalEngine, LocalEngineConfig
+
+    target = RunnerConfig(str(base), kv_cache_mb=8, quantization="fp8")
+    with LocalEngine(LocalEngineConfig(target, str(base), draft_kv_cache_mb=8)) as engine:
+        assert engine.decoder.target.model_config.quantization.on_load
+        assert engine.decoder.drafter.model.runner.model_config.quantization is None
