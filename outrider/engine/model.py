@@ -288,7 +288,8 @@ def load_checkpoint(model: nn.Module, model_dir: Path,
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     tensors = iter_tensor_slices(model_dir)
-    if quantization is not None and not quantization.on_load:
+    on_load = quantization is not None and quantization.on_load
+    if quantization is not None and not on_load:
         tensors = quantized_tensor_slices(model_dir, tensors, quantization)
     for name, tensor_slice in tensors:
         target = param_for(name)
@@ -300,8 +301,7 @@ def load_checkpoint(model: nn.Module, model_dir: Path,
                                   f"{type(model).__name__}")
         owner, _, _ = param_name.rpartition(".")
         module = model.get_submodule(owner)
-        if quantization is not None and quantization.on_load and isinstance(
-                module, ReplicatedLinear) and param_name.endswith(".weight"):
+        if on_load and isinstance(module, ReplicatedLinear) and param_name.endswith(".weight"):
             tensor_slice = fp8_on_load(tensor_slice[...])  # whole: one scale a tensor
         if isinstance(tensor_slice, QuantizedWeight) and not isinstance(module,
                                                                         ReplicatedLinear):

@@ -212,21 +212,26 @@ class Fp8Linear:
 
 
 def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, in] -> its FP8 values [rows, in] and their scale [rows, 1] float32: the
-    largest magnitude of a row maps to FP8's largest (448)."""
-    scale = (x.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp_min(FP8_MIN_SCALE)
-    levels = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return levels.contiguous(), scale  # (row-major: _scaled_mm's first operand)
+    """x [rows, in] -> its FP8 values [rows, in] (row-major: _scaled_mm's first operand)
+    and their scale [rows, 1] float32, each row's own."""
+    levels, scale = _fp8_values(x, x.abs().amax(-1, keepdim=True))
+    return levels.contiguous(), scale
 
 
 def fp8_on_load(weight: torch.Tensor) -> QuantizedWeight:
     """A float weight [out, in] as FP8 values with one scale for the tensor (vLLM's
-    `--quantization fp8` of an unquantized checkpoint): its largest magnitude maps to 448.
-    One scale a checkpoint tensor, taken before tensor-parallel ranks cut it, so every tp
-    size computes the same weights."""
-    scale = (weight.abs().amax().float() / FP8_MAX).clamp_min(FP8_MIN_SCALE)
-    q = (weight.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    `--quantization fp8` of an unquantized checkpoint). One scale a checkpoint tensor,
+    taken before tensor-parallel ranks cut it, so every tp size computes the same
+    weights."""
+    q, scale = _fp8_values(weight, weight.abs().amax())
     return QuantizedWeight(q, scale.reshape(1, 1).expand(q.shape[0], 1).contiguous(), None, 8)
+
+
+def _fp8_values(x: torch.Tensor, largest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as float8_e4m3fn values and their float32 scale, `largest` (a magnitude per row
+    or for all) mapping to FP8's largest, 448."""
+    scale = (largest.float() / FP8_MAX).clamp_min(FP8_MIN_SCALE)
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 def _int8_int8_matmul_eager(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor,
@@ -340,21 +345,18 @@ def gpu_kernel(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
     return Fp8Linear(weight, device)
 
 
+@functools.cache
 def has_fp8_gemm(device: torch.device) -> bool:
     """Whether `device` multiplies FP8 by FP8 with row-wise scales: FP8 tensor cores (not
     ROCm's, whose FP8 is another format), and a small product that runs."""
-    return _has_fp8_gemm(torch.cuda.get_device_capability(device), str(device))
-
-
-@functools.cache
-def _has_fp8_gemm(capability: tuple[int, int], device: str) -> bool:
-    if torch.version.hip is not None or capability < FP8_GEMM_CAPABILITY:
+    if (torch.version.hip is not None
+            or torch.cuda.get_device_capability(device) < FP8_GEMM_CAPABILITY):
         return False
     try:
         q = torch.ones(FP8_GEMM_MULTIPLE, FP8_GEMM_MULTIPLE)
         product = Fp8Linear(QuantizedWeight(q.to(torch.float8_e4m3fn),
                                             torch.ones(FP8_GEMM_MULTIPLE, 1), None, 8),
-                            torch.device(device))
+                            device)
         x = torch.ones(3, FP8_GEMM_MULTIPLE, dtype=torch.bfloat16, device=device)
         return bool((product(x) == FP8_GEMM_MULTIPLE).all())
     except RuntimeError:
