@@ -41,11 +41,12 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [320, 40])
-def test_rms_norm_and_the_residual_added_in_place(dtype, hidden):
+@pytest.mark.parametrize("rows", [7, 450])  # 450 x 320: rows split over several tasks
+def test_rms_norm_and_the_residual_added_in_place(dtype, hidden, rows):
     torch.manual_seed(0)
     norm = RMSNorm(hidden, 1e-5).to(dtype)
     norm.weight.data = (torch.rand(hidden) + 0.5).to(dtype)
-    x, residual = (torch.randn(7, hidden).to(dtype) * 3 for _ in range(2))
+    x, residual = (torch.randn(rows, hidden).to(dtype) * 3 for _ in range(2))
     with torch.inference_mode():
         plain = norm(x)
         added, summed = norm.add_and_norm(x, residual.clone())
@@ -62,8 +63,9 @@ def test_rms_norm_and_the_residual_added_in_place(dtype, hidden):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inner", [864, 24])
-def test_silu_times_up(dtype, inner):
-    gate_up = torch.randn(9, 2 * inner).to(dtype) * 4
+@pytest.mark.parametrize("rows", [9, 200])  # 200 x 864: rows split over several tasks
+def test_silu_times_up(dtype, inner, rows):
+    gate_up = torch.randn(rows, 2 * inner).to(dtype) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     want = (torch.nn.functional.silu(gate.float()) * up.float())
     close(torch.ops.outrider_cpu.silu_mul(gate_up), want, dtype)

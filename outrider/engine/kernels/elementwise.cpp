@@ -38,8 +38,19 @@ using outrider::store;
 using outrider::vexp;
 using outrider::vf16;
 
-constexpr int64_t kGrain = 4;  // rows per parallel task, at least
+// Values a parallel task takes, at least. A task is worth a thread only when its work
+// outweighs the wait at the region's end: serving, the router shares the target's cores,
+// and a region whose second thread was preempted waits for it. With 4 rows a task these
+// kernels took a sixth of a served 16-stream decode step of a 140M-parameter model
+// (hidden 1,024) where they compute well under a millisecond; with this many values a
+// task the step went 35.5-35.8 -> 31.1-33.7 ms (docs/DESIGN.md §8.4).
+constexpr int64_t kTaskValues = 1 << 16;
 constexpr int64_t kLanes = 16;
+
+// Rows per parallel task for rows of `width` values.
+inline int64_t grain(int64_t width) {
+  return std::max<int64_t>(1, kTaskValues / std::max<int64_t>(width, 1));
+}
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "outrider elementwise: ", what); }
 
@@ -91,7 +102,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
     T* rp = residual ? residual->data_ptr<T>() : nullptr;
     T* op = out.data_ptr<T>();
     const int64_t x_row = x.stride(0), r_row = residual ? residual->stride(0) : 0;
-    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain(hidden), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* xr = xp + r * x_row;
         T* rr = rp ? rp + r * r_row : nullptr;
@@ -128,7 +139,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     const T* gp = gate_up.data_ptr<T>();
     T* op = out.data_ptr<T>();
     const int64_t row = gate_up.stride(0);
-    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain(inner), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* gate = gp + r * row;
         T* orow = op + r * inner;
@@ -154,7 +165,7 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
     T* xp = x.data_ptr<T>();
     const T* cp = cos.data_ptr<T>();
     const T* sp = sin.data_ptr<T>();
-    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain(heads * half * 2), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* c = cp + r * cos.stride(0);
         const T* s = sp + r * sin.stride(0);
@@ -184,7 +195,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
     const T* xp = x.data_ptr<T>();
     int8_t* lp = levels.data_ptr<int8_t>();
     float* sp = scales.data_ptr<float>();
-    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* xr = xp + r * x.stride(0);
         float scale = static_cast<float>(static_scale.value_or(0.0));
@@ -221,7 +232,7 @@ at::Tensor scale_rows(const at::Tensor& sums, const at::Tensor& scale, const at:
     const float* in = sums.data_ptr<float>();
     const float* sp = scale.data_ptr<float>();
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const vf16 factor = splat(sp[r]);
         by_vectors(width, [&](int64_t i, int64_t n) {
