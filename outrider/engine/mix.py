@@ -33,7 +33,6 @@ from outrider.engine.lookup import Lookup, SuffixCorpus, prompt_lookup, suffix_l
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal, Proposer, dense_q
 from outrider.engine.tree import chain, first_path
 
-EMPTY_CORPUS = SuffixCorpus(max_tokens=0)  # holds nothing: a lookup in the context alone
 EXPLORE_EVERY = 4  # an AUTO request's rounds with a lookup: every 4th tries the model alone
 ALPHA_WEIGHT = 0.2          # EWMA weight of a tested position, in a request's estimate
 REPLICA_ALPHA_WEIGHT = 0.02  # ... in the replica's, where new requests start from
@@ -234,8 +233,9 @@ class ProposerMix:
     def kind_of(self, item: DraftItem) -> ProposerKind:
         """The item's kind as this round runs it. A seeded sample must depend on its
         request alone (§3.5), not on what else the replica served or on timing: sampled
-        AUTO requests draft with the model when there is one (and look up in their own
-        tokens only when there is not, `_look_up`)."""
+        AUTO requests draft with the model when there is one (verified by rejection
+        sampling, their tokens depend on what proposed them; a lookup's point masses
+        emit the target's own sample, whatever the corpus held, §3.2)."""
         return self._runs_as(ProposerKind(item.proposer) if item.proposer else None,
                              item.params)
 
@@ -308,8 +308,7 @@ class ProposerMix:
             plan.free_kind = kind.value if plan.free else ""
         elif kind is not ProposerKind.MODEL:
             lookup = ProposerKind.NGRAM if kind is ProposerKind.NGRAM else ProposerKind.SUFFIX
-            plan.free, plan.free_match = self._look_up(lookup, held.tokens, gamma,
-                                                       plan.item.params.is_greedy)
+            plan.free, plan.free_match = self._look_up(lookup, held.tokens, gamma)
             plan.free = self._within_grammar(plan.item, held.tokens, plan.free)
             plan.free_kind = lookup.value if plan.free else ""
         if kind is ProposerKind.MODEL or kind is ProposerKind.AUTO:
@@ -320,14 +319,11 @@ class ProposerMix:
             if plan.free and not self.continues:
                 plan.model_gamma = 0
 
-    def _look_up(self, kind: ProposerKind, tokens: list[int], gamma: int,
-                 with_corpus: bool) -> Lookup:
-        """The lookup's proposal; a sampled request's (with_corpus False) comes from its
-        own tokens only, so its seed gives the same sample whatever else was served."""
+    def _look_up(self, kind: ProposerKind, tokens: list[int], gamma: int) -> Lookup:
         context = np.asarray(tokens, dtype=np.int64)
         if kind is ProposerKind.NGRAM:
             return prompt_lookup(context, gamma)
-        return suffix_lookup(context, gamma, self.corpus if with_corpus else EMPTY_CORPUS)
+        return suffix_lookup(context, gamma, self.corpus)
 
     def _within_grammar(self, item: DraftItem, context: list[int],
                         looked_up: list[int]) -> list[int]:

@@ -6,6 +6,13 @@ is accepted the *bonus* token is drawn from p at the extra position. Greedy requ
 arrive as point masses (p = one-hot argmax, q = one-hot draft), which makes the same
 arithmetic accept exactly the draft tokens equal to the target argmax.
 
+A point-mass draft (q(x) = 1: lookups, lookahead) is verified as a greedy one is, against
+the token the target samples there itself, with the position's own sample uniform: kept
+when they are equal, else the target's token is emitted. That keeps x with probability
+p(x), as the rule above does, and emits exactly what the target alone would with the
+request's seed, whatever proposed x; so a proposer may draw its guesses with those same
+uniforms (lookahead does), and they then agree with the target as often as under greedy.
+
 q formats (docs/DESIGN.md §3) only differ on the wire; `dense_draft_probs` turns each into the
 dense q rows used here.
 """
@@ -45,23 +52,30 @@ def rejection_sample(
     ids = draft_token_ids.clamp(0, vocab - 1).unsqueeze(-1)  # [batch, max_gamma, 1]
     p_draft = target_probs[:, :max_gamma].gather(-1, ids).squeeze(-1)  # [batch, max_gamma]
     q_draft = draft_probs.gather(-1, ids).squeeze(-1)
+    sample_uniforms = sample_uniforms.to(device)
     is_in_draft = torch.arange(max_gamma, device=device) < num_draft[:, None]
+    is_point = (q_draft >= 1.0) & is_in_draft  # [batch, max_gamma]
+    own = torch.full_like(draft_token_ids, -1)  # the target's own sample at point masses
+    own[is_point] = sample_from_probs(target_probs[:, :max_gamma][is_point],
+                                      sample_uniforms[:, :max_gamma][is_point])
     # u < p/q without dividing: q(x) > 0 for every sampled x
-    is_accepted = (accept_uniforms.to(device) * q_draft < p_draft) & is_in_draft
+    is_accepted = torch.where(is_point, own == draft_token_ids,
+                              accept_uniforms.to(device) * q_draft < p_draft) & is_in_draft
     num_accepted = is_accepted.long().cumprod(-1).sum(-1)  # [batch]
 
     rows = torch.arange(batch, device=device)
     p_final = target_probs[rows, num_accepted]  # [batch, vocab]
     is_bonus = num_accepted == num_draft
-    if max_gamma:
-        q_final = draft_probs[rows, num_accepted.clamp(max=max_gamma - 1)]
-        residual = (p_final - q_final).clamp(min=0)
-        # a rejection implies p(x) < q(x), so the residual has mass; guard rounding anyway
-        is_degenerate = residual.sum(-1) <= 0
-        residual = torch.where((is_bonus | is_degenerate)[:, None], p_final, residual)
-    else:
-        residual = p_final
-    final = sample_from_probs(residual, sample_uniforms.to(device)[rows, num_accepted])
+    if not max_gamma:
+        return _emit(draft_token_ids, num_accepted,
+                     sample_from_probs(p_final, sample_uniforms[rows, num_accepted]))
+    last = num_accepted.clamp(max=max_gamma - 1)
+    residual = (p_final - draft_probs[rows, last]).clamp(min=0)
+    # a rejection implies p(x) < q(x), so the residual has mass; guard rounding anyway
+    is_degenerate = residual.sum(-1) <= 0
+    residual = torch.where((is_bonus | is_degenerate)[:, None], p_final, residual)
+    final = sample_from_probs(residual, sample_uniforms[rows, num_accepted])
+    final = torch.where(is_point[rows, last] & ~is_bonus, own[rows, last], final)
     return _emit(draft_token_ids, num_accepted, final)
 
 

@@ -56,6 +56,7 @@ from outrider.engine.sampling import (
     position_uniforms,
     probs_of,
     processed_logits,
+    sample_from_probs,
     sibling_stream,
     token_logprobs,
 )
@@ -626,7 +627,7 @@ class SpeculativeDecoder:
             r.committed = self._commit_row(r, k, tokens)
         self._note_logprobs(ready, processed)
         self._note_teacher(ready, step.logits)
-        self._note_guesses(ready, step.logits)
+        self._note_guesses(ready, processed)
         begun = time.perf_counter()
         for r in ready:
             self._end_complete_grammar(r)
@@ -1080,21 +1081,30 @@ class SpeculativeDecoder:
             r.seq.teacher += [(first + j, tuple(next(ids)), tuple(next(logprobs)))
                               for j in range(len(r.committed))]
 
-    def _note_guesses(self, ready: list[Row], logits: torch.Tensor) -> None:
-        """The target's argmax at each chain's verification rows past its committed
+    def _note_guesses(self, ready: list[Row], processed: torch.Tensor) -> None:
+        """The target's own tokens at each chain's verification rows past its committed
         tokens: predictions for the positions after them, made beside drafts it
-        rejected (Jacobi iteration's next guesses), for a proposer that takes them."""
+        rejected (Jacobi iteration's next guesses), for a proposer that takes them. A
+        sampled row's are drawn with the uniforms the target will sample those positions
+        with (rejection.py): where the guess's context turns out right, it is the token."""
         if self.drafter is None:
             return
         offsets = itertools.accumulate((r.gamma + 1 for r in ready), initial=0)
         for r, start in zip(ready, offsets):
-            if not self.drafter.takes_guesses(r.seq.proposer):
-                continue
+            seq = r.seq
+            seq.guesses = []
             first, end = start + len(r.committed), start + r.gamma + 1  # past the last
             # committed token's row, to the row's last
-            r.seq.guesses = (logits[first:end].argmax(-1).tolist()
-                             if first < end and r.path is None and not r.seq.is_finished
-                             else [])
+            if (first >= end or r.path is not None or seq.is_finished
+                    or not self.drafter.takes_guesses(seq.proposer)):
+                continue
+            if seq.params.is_greedy:
+                seq.guesses = processed[first:end].argmax(-1).tolist()
+                continue
+            positions = range(len(seq.token_ids), len(seq.token_ids) + end - first)
+            seq.guesses = sample_from_probs(
+                probs_of(processed[first:end], [seq.params] * (end - first)),
+                position_uniforms([seq.seed], [list(positions)], STREAM_SAMPLE)[0]).tolist()
 
 
 def _sample_tree(row: Row, drafts: list[int], target_probs: torch.Tensor,

@@ -69,6 +69,26 @@ def test_greedy_output_is_the_targets_and_the_guesses_are_kept(demo_target, monk
     assert demo_target.blocks.num_used_blocks == 0 and not mix._held
 
 
+@pytest.mark.parametrize("kind", [ProposerKind.LOOKAHEAD, ProposerKind.NGRAM])
+def test_sampled_output_is_the_targets_own_for_its_seed(demo_target, kind):
+    """T 0.7, top-p 0.9, seeded: point-mass drafts verified against the target's own
+    sample there (rejection.py) emit what the target alone does for the seed, token for
+    token; lookahead's guesses, drawn with the same uniforms, are kept."""
+    tokenizer = Tokenizer(paths.demo_target_dir())
+    prompts = [tokenizer.encode(t) for t in ("def fibonacci(n):\n", "The history of the")]
+    params = [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=64, ignore_eos=True,
+                             seed=seed) for seed in (11, 2**40 + 3)]
+    alone = [s.output_ids for s in SpeculativeDecoder(demo_target).generate(prompts, params, 0)]
+    mix = ProposerMix(None, demo_target.vocab_size, kind)
+    seqs = SpeculativeDecoder(demo_target, mix).generate(prompts, params, 4)
+    assert [s.output_ids for s in seqs] == alone
+    stats = SpecStats()
+    for s in seqs:
+        stats.merge(s.stats)
+    drafted, kept = stats.by_proposer[kind.value]
+    assert drafted > 0 and kept > 0, stats.by_proposer
+
+
 def test_the_speculative_config_and_the_proposer_flag_name_it():
     import argparse
 

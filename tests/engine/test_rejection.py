@@ -400,3 +400,26 @@ def test_greedy_verify_equals_rejection_sampling_of_point_masses():
     assert torch.equal(fast.token_ids, slow.token_ids)
     assert torch.equal(fast.num_accepted, slow.num_accepted)
     assert 0 < int(fast.num_accepted.sum()) < int(num_draft.sum())
+
+
+def test_a_point_mass_is_verified_against_the_targets_own_sample():
+    """Sampled p, one-hot q (a lookup's, lookahead's): the round emits the token the target
+    samples at each position with that position's sample uniform, keeping the drafts equal
+    to it (greedy_verify against those samples): what the target alone emits for the seed,
+    whatever was proposed."""
+    from outrider.engine.rejection import greedy_verify
+
+    g = torch.Generator().manual_seed(5)
+    batch, max_gamma, vocab = 64, 5, 7
+    p = torch.softmax(2 * torch.randn(batch, max_gamma + 1, vocab, generator=g), -1)
+    u_accept = torch.rand(batch, max_gamma, generator=g, dtype=torch.float64)
+    u_sample = torch.rand(batch, max_gamma + 1, generator=g, dtype=torch.float64)
+    own = sample_from_probs(p.reshape(-1, vocab), u_sample.reshape(-1)).view(batch, -1)
+    draft = torch.where(torch.rand(batch, max_gamma, generator=g) < 0.7, own[:, :max_gamma],
+                        torch.randint(0, vocab, (batch, max_gamma), generator=g))
+    num_draft = torch.randint(0, max_gamma + 1, (batch,), generator=g)
+    q = torch.nn.functional.one_hot(draft, vocab).float()  # [batch, γ, vocab]
+    result = rejection_sample(p, draft, q, num_draft, u_accept, u_sample)
+    want = greedy_verify(own, draft, num_draft)
+    assert torch.equal(result.token_ids, want.token_ids)
+    assert 0 < int(want.num_accepted.sum()) < int(num_draft.sum())
