@@ -39,7 +39,6 @@ from outrider.bench.tables import proposers_table
 
 DEFAULT_OUT = "results/proposers.json"
 OUTRIDER_KINDS = ("auto", "model", "ngram", "suffix", "lookahead")
-VLLM_NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 PLAIN_LEVELS = (1, 8, 32)
 
 
@@ -147,11 +146,8 @@ def _server(args, system: str):
 
 
 def _vllm(args, server: str):
-    if server == "vllm-ngram":
-        config = {**VLLM_NGRAM, "num_speculative_tokens": args.gamma}
-        return servers.vllm_server(args, "vllm",
-                                   extra=("--speculative-config", json.dumps(config)))
-    return servers.vllm_server(args, servers.vllm_system(True, args.gamma))
+    return servers.vllm_server(args, server if server == "vllm-ngram"
+                               else servers.vllm_system(True, args.gamma))
 
 
 def measure(args, url: str, files: dict[str, Path], out_dir: Path, system: str,
@@ -240,7 +236,7 @@ def run(args) -> int:
               "config": {"gamma": args.gamma, "copy_tokens": args.copy_tokens,
                          "copy_prompts": args.copy_prompts, "max_tokens": args.max_tokens,
                          "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
-                         "vllm_ngram": {**VLLM_NGRAM, "num_speculative_tokens": args.gamma},
+                         "vllm_ngram": {**servers.VLLM_NGRAM, "num_speculative_tokens": args.gamma},
                          "client": "vllm bench serve (--backend openai, /v1/completions, "
                                    "--ignore-eos, temperature 0)"},
               "lookup_cost": lookup_cost(tokenizer, copy, 8),

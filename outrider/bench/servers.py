@@ -105,12 +105,12 @@ def speed_ratio(a: dict, b: dict) -> float | None:
 def outrider_server(args, extra: tuple[str, ...] = (),
                     draft: str | None = None) -> Iterator[tuple[str, list[str]]]:
     """`outrider serve` on the demo pair (as a user starts it; `draft`: another draft or
-    head), with `extra` flags; yields its HTTP base URL and its target replicas' metrics
-    URLs (as serve prints them)."""
+    head, "" none), with `extra` flags; yields its HTTP base URL and its target replicas'
+    metrics URLs (as serve prints them)."""
     port = free_port()
     command = [sys.executable, "-m", "outrider.cli", "serve", "--target", args.target,
-               "--draft", draft or args.draft, "--gamma", str(args.gamma), "--grpc-port", "0",
-               "--host", "127.0.0.1", "--http-port", str(port),
+               "--draft", args.draft if draft is None else draft, "--gamma", str(args.gamma),
+               "--grpc-port", "0", "--host", "127.0.0.1", "--http-port", str(port),
                "--served-model-name", SERVED_NAME,
                "--dtype", args.dtype, *extra]
     with _server(command, f"http://127.0.0.1:{port}", os.environ) as log:
@@ -143,13 +143,19 @@ def vllm_system(with_draft: bool, gamma: int) -> str:
     return f"vllm-draft{gamma}" if with_draft else "vllm"
 
 
+VLLM_NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+
+
 @contextmanager
 def vllm_server(args, system: str, extra: tuple[str, ...] = ()) -> Iterator[str]:
     port = free_port()
     command = [*vllm_command(args.vllm), "serve", args.target, "--served-model-name",
                SERVED_NAME, "--dtype", args.dtype, "--max-model-len", "1024", "--port",
                str(port), *extra]
-    if system != "vllm":  # vllm-draftN, vllm-eagle3
+    if system == "vllm-ngram":
+        command += ["--speculative-config", json.dumps(
+            {**VLLM_NGRAM, "num_speculative_tokens": args.gamma})]
+    elif system != "vllm":  # vllm-draftN, vllm-eagle3
         head = system == "vllm-eagle3"
         command += ["--speculative-config", json.dumps(
             {"model": args.head if head else args.draft,

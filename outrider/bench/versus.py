@@ -28,7 +28,11 @@ Systems, each measured at every concurrency level:
   outrider-head-tree  the same with token trees (--tree-topk, --tree-tokens)
   outrider-head-replica  the same head on a draft replica (--head-on-replicas), the
                     target sending its features with each Propose
+  outrider-lookups  `outrider serve --draft ''`: no draft model, AUTO speculating with
+                    the lookups alone
   vllm-draftN       `vllm serve` with the draft model, N speculative tokens
+  vllm-ngram        `vllm serve` with its n-gram proposer (method ngram, 2-5 tokens
+                    matched), --gamma tokens
   vllm-eagle3       `vllm serve` with the same head (method eagle3), --gamma tokens
   vllm              `vllm serve`, no speculation
 Servers take turns: every round runs them one after the other, the order reversed on
@@ -68,6 +72,8 @@ SERVER_FLAGS = {"outrider-compiled": ("--compile",),  # `outrider serve --compil
                 "outrider-head-replica": ("--head-on-replicas",)}
 HEADS = ("outrider-head", "outrider-head-tree", "outrider-head-replica")  # servers with
 #                                                                          the head
+OWN_DRAFT = {**dict.fromkeys(HEADS, "head"), "outrider-lookups": ""}  # servers whose draft
+#                                      is not --draft: the head, or none ("")
 DEFAULT_OUT = "results/versus.json"
 
 
@@ -104,7 +110,7 @@ def server_groups(systems: list[str]) -> list[list[str]]:
     on its own."""
     groups: dict[object, list[str]] = {}
     for system in systems:
-        key = (("outrider", SERVER_FLAGS.get(system, ()), system if system in HEADS else "")
+        key = (("outrider", SERVER_FLAGS.get(system, ()), system if system in OWN_DRAFT else "")
                if system.startswith("outrider") else system)
         groups.setdefault(key, []).append(system)
     return list(groups.values())
@@ -125,10 +131,11 @@ def run_round(args, groups: list[list[str]], prompts_files: dict, prompt_ids,
         if group[0].startswith("engine"):
             results[group[0]] = measure_engine(args, group[0], prompt_ids, levels)
             continue
-        head = args.head if group[0] in HEADS else None
+        draft = OWN_DRAFT.get(group[0])
+        draft = args.head if draft == "head" else draft
         tree = (("--tree-topk", str(args.tree_topk), "--tree-tokens", str(args.tree_tokens))
                 if group[0] == "outrider-head-tree" else ())
-        server = (outrider_server(args, (*SERVER_FLAGS.get(group[0], ()), *tree), head)
+        server = (outrider_server(args, (*SERVER_FLAGS.get(group[0], ()), *tree), draft)
                   if group[0].startswith("outrider") else vllm_server(args, group[0]))
         with server as (url, engines):
             for slot, name in enumerate(group):

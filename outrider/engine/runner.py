@@ -396,11 +396,11 @@ class ModelRunner:
 
     @functools.cached_property
     def weight_bytes(self) -> int:
-        """This rank's share of the model's weights, in bytes (from its shapes: CPU layers
-        keep theirs prepacked, outside the module's parameters; quantized ones multiplied
-        packed count their packed bytes)."""
-        return (self.model_config.num_params * self.dtype.itemsize // self.tp.size
-                - self.bytes_saved_by_quantization)
+        """This rank's share of the model's weights in its dtype, in bytes (from its
+        shapes: CPU layers keep theirs prepacked, outside the module's parameters), the
+        quantized ones counted as dense: the work of a step's linears, which an int4 or
+        int8 kernel does in the model's dtype from what it unpacks (docs/DESIGN.md §10.1)."""
+        return self.model_config.num_params * self.dtype.itemsize // self.tp.size
 
     @functools.cached_property
     def bytes_saved_by_quantization(self) -> int:

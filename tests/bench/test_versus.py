@@ -24,6 +24,9 @@ def test_outrider_modes_share_one_server_and_vllm_configurations_do_not():
                                    "vllm-draft4", "vllm"])
     assert groups == [["outrider-auto", "outrider-fixed4"], ["engine-g4"], ["vllm-draft4"],
                       ["vllm"]]
+    # a server with no draft model (or a head) is a server of its own
+    assert versus.server_groups(["outrider-off", "outrider-lookups", "vllm-ngram"]) == [
+        ["outrider-off"], ["outrider-lookups"], ["vllm-ngram"]]
 
 
 def test_every_other_round_reverses_the_servers_and_the_modes_sharing_one():
