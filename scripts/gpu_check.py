@@ -359,7 +359,8 @@ def decode_rows(runner: ModelRunner, prompts: list[list[int]], batches: tuple[in
     decoder, rows = SpeculativeDecoder(runner), {}
     for batch in batches:
         step = decode_step_s(decoder, prompts[:batch], device)
-        read = runner.weight_bytes + batch * (PROMPT_TOKENS + NEW_TOKENS // 2) * kv_per_token
+        read = (runner.weight_bytes - runner.bytes_saved_by_quantization
+                + batch * (PROMPT_TOKENS + NEW_TOKENS // 2) * kv_per_token)
         rows[f"batch{batch}"] = {"step_ms": round(step * 1e3, 3),
                                  "tokens_per_s": round(batch / step),
                                  "roofline_share": round(read / bandwidth / step, 3)}

@@ -4,14 +4,16 @@ in the form the one verification forward gives for free.
 Lookahead runs Jacobi iterations: guesses for the positions after the text, each
 refined by the target's own prediction there. Every verification already computes them:
 its rows past a round's committed tokens predict the positions that follow, beside a
-draft it rejected (SpeculativeDecoder._note_guesses hands their argmax back with the
-sequence's next item, DraftItem.guesses). Those guesses are the next round's proposal,
-which verification keeps or refines again; and the n-grams along each trajectory are
-pooled by the token they follow, so that once the text reaches a guessed token — a round
-kept all its drafts and left no guesses — the pool proposes what the target guessed after
-it. The request's own n-gram lookup goes first where it matches: what the text itself
-did after the same tokens is better evidence than a guess. All are point masses:
-verification keeps each with the target's probability (§3.2), exact.
+draft it rejected (SpeculativeDecoder._note_guesses hands the target's own tokens there
+back with the sequence's next item, DraftItem.guesses: the argmax, or for a sampled
+request its draw with the uniforms the target samples those positions with). Those
+guesses are the next round's proposal, which verification keeps or refines again; and
+the n-grams along each trajectory are pooled by the token they follow, so that once the
+text reaches a guessed token — a round kept all its drafts and left no guesses — the
+pool proposes what the target guessed after it. The request's own n-gram lookup goes
+first where it matches: what the text itself did after the same tokens is better
+evidence than a guess. All are point masses: verification keeps each with the target's
+probability (§3.2), exact.
 
 Not the paper's separate 2-D lookahead branch of W × (N - 1) positions beside the
 verification branch: here the verification branch is the window, so a round costs no

@@ -11,7 +11,7 @@ the token the target samples there itself, with the position's own sample unifor
 when they are equal, else the target's token is emitted. That keeps x with probability
 p(x), as the rule above does, and emits exactly what the target alone would with the
 request's seed, whatever proposed x; so a proposer may draw its guesses with those same
-uniforms (lookahead does), and they then agree with the target as often as under greedy.
+uniforms (lookahead does: where a guess's distribution is the target's, it is the token).
 
 q formats (docs/DESIGN.md §3) only differ on the wire; `dense_draft_probs` turns each into the
 dense q rows used here.

@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 
 
 SMALL_STEP_TOKENS = 16  # a forward of fewer tokens is small (RunnerConfig.small_step_threads)
-# ... and of a model of at most this many bytes of weights a rank: a larger one streams its
-# weights from memory at every step, and a second core brings bandwidth (a ~140M-parameter
+# ... and of a model of at most this many bytes of weights a rank (in its dtype: a quantized
+# one's kernels do the dense arithmetic): a larger one streams its weights from memory at
+# every step, and a second core brings bandwidth and arithmetic (a ~140M-parameter
 # fp32 Llama's decode step: 65 ms on one thread, 38 on two; the demo target's 40 MB, held
 # in the last-level cache: 6.7 against 4.8 ms alone, but served one thread does better)
 SMALL_STEP_WEIGHT_BYTES = 128 << 20

@@ -282,9 +282,17 @@ def token_logprobs(processed: torch.Tensor, token_ids: torch.Tensor,
             for t, lp, ids, lps, n in zip(token_ids.tolist(), chosen, top_ids, top_lp, num_top)]
 
 
+SAMPLE_ROWS = 32  # rows a float64 CDF is built for at once (a 152k vocabulary: 39 MB)
+
+
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling. probs: [num_rows, vocab] (need not be normalised);
-    uniforms: [num_rows] in [0, 1). Returns token ids [num_rows]; never a zero-prob token."""
+    uniforms: [num_rows] in [0, 1). Returns token ids [num_rows]; never a zero-prob token.
+    Rows in blocks, each row's arithmetic the same whatever the block."""
+    if len(probs) > SAMPLE_ROWS:
+        return torch.cat([sample_from_probs(probs[i:i + SAMPLE_ROWS],
+                                            uniforms[i:i + SAMPLE_ROWS])
+                          for i in range(0, len(probs), SAMPLE_ROWS)])
     cdf = probs.double().cumsum(-1)  # [num_rows, vocab]
     targets = (uniforms.double().to(cdf.device) * cdf[:, -1]).unsqueeze(-1)
     ids = torch.searchsorted(cdf, targets, right=True).squeeze(-1)

@@ -197,9 +197,10 @@ def test_greedy_output_is_the_targets_whatever_proposes(llama_dir, draft_dir, ki
 
 
 def test_a_seeded_sample_does_not_depend_on_what_else_was_served(llama_dir, draft_dir):
-    """Sampled requests look up in their own tokens only and AUTO gives them the model's
-    drafts: the same seed gives the same sample before and after the suffix corpus took
-    in other requests' outputs, and whatever the replica's default kind."""
+    """A sampled request's lookups emit the target's own sample (point masses, DESIGN
+    §3.2) and AUTO gives it the model's drafts: the same seed gives the same sample
+    before and after the suffix corpus took in other requests' outputs, and whatever the
+    replica's default kind."""
     target = ModelRunner(RunnerConfig(str(llama_dir), kv_cache_mb=32))
     model = Drafter(ModelRunner(RunnerConfig(str(draft_dir), kv_cache_mb=16)))
     prompt = [11, 12, 13, 14, 11, 12, 13, 14, 11, 12]

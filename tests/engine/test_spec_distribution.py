@@ -358,13 +358,13 @@ LOOKUP_CONFIG = dict(temperature=1.0, top_p=0.95, presence_penalty=0.2,
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ngram", "suffix", "lookahead"])
 def test_lookup_speculative_sampling_matches_target_distribution(samples, kind):
-    """Looked-up proposals are point masses (q one-hot): accepted with probability p(x),
-    else the residual is p without x. A sampled request looks up in its own tokens only
-    (its seed must give the same sample whatever else ran, DESIGN §2.8), and AUTO gives
-    sampled requests the model's drafts, so only these kinds propose point masses to
-    sampled requests; lookahead's are the target's own argmax where it verified past the
-    committed tokens (DraftItem.guesses), its pool of them, or the n-gram lookup. With
-    overlap, truncation, a penalty and a bias (LOOKUP_CONFIG)."""
+    """Looked-up proposals are point masses (q one-hot), verified against the target's own
+    sample at the position (kept with probability p(x), DESIGN §3.2). AUTO gives sampled
+    requests the model's drafts, so only these kinds propose point masses to sampled
+    requests; lookahead's are the target's own draws where it verified past the committed
+    tokens (DraftItem.guesses, with the uniforms the target samples those positions
+    with), its pool of them, or the n-gram lookup. With overlap, truncation, a penalty and
+    a bias (LOOKUP_CONFIG)."""
     target = samples.decoders["far", False].target
     mix = ProposerMix(None, target.vocab_size, ProposerKind(kind))
     decoder = SpeculativeDecoder(target, mix, overlap_max_seqs=ALL, overlap_sampled=True)
