@@ -151,8 +151,9 @@ def add_proposer_arg(p: argparse.ArgumentParser, default: str = "auto") -> None:
                    help="what proposes draft tokens: auto (per round: a lookup, the draft "
                         "model, or the lookup continued by the model; with no draft model, "
                         "the lookups alone), model (the draft model), ngram (prompt lookup "
-                        "over the request's own tokens) or suffix (suffix match over the "
-                        "request and recently served sequences); default: " + default)
+                        "over the request's own tokens), suffix (suffix match over the "
+                        "request and recently served sequences) or lookahead (the target's "
+                        "own guesses from its verification rows); default: " + default)
 
 
 def add_self_draft_arg(p: argparse.ArgumentParser) -> None:
