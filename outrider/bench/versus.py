@@ -72,8 +72,7 @@ SERVER_FLAGS = {"outrider-compiled": ("--compile",),  # `outrider serve --compil
                 "outrider-head-replica": ("--head-on-replicas",)}
 HEADS = ("outrider-head", "outrider-head-tree", "outrider-head-replica")  # servers with
 #                                                                          the head
-OWN_DRAFT = {**dict.fromkeys(HEADS, "head"), "outrider-lookups": ""}  # servers whose draft
-#                                      is not --draft: the head, or none ("")
+NO_DRAFT = ("outrider-lookups",)  # servers with no draft model
 DEFAULT_OUT = "results/versus.json"
 
 
@@ -110,7 +109,8 @@ def server_groups(systems: list[str]) -> list[list[str]]:
     on its own."""
     groups: dict[object, list[str]] = {}
     for system in systems:
-        key = (("outrider", SERVER_FLAGS.get(system, ()), system if system in OWN_DRAFT else "")
+        own_draft = system in HEADS or system in NO_DRAFT  # not --draft: a server of its own
+        key = (("outrider", SERVER_FLAGS.get(system, ()), system if own_draft else "")
                if system.startswith("outrider") else system)
         groups.setdefault(key, []).append(system)
     return list(groups.values())
@@ -131,8 +131,7 @@ def run_round(args, groups: list[list[str]], prompts_files: dict, prompt_ids,
         if group[0].startswith("engine"):
             results[group[0]] = measure_engine(args, group[0], prompt_ids, levels)
             continue
-        draft = OWN_DRAFT.get(group[0])
-        draft = args.head if draft == "head" else draft
+        draft = args.head if group[0] in HEADS else "" if group[0] in NO_DRAFT else None
         tree = (("--tree-topk", str(args.tree_topk), "--tree-tokens", str(args.tree_tokens))
                 if group[0] == "outrider-head-tree" else ())
         server = (outrider_server(args, (*SERVER_FLAGS.get(group[0], ()), *tree), draft)
