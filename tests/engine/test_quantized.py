@@ -36,12 +36,15 @@ from outrider.engine.quant.formats import FORMATS, read_compressed_tensors, read
 from outrider.engine.quant.scheme import QuantScheme
 from outrider.engine.quant.weight import (
     Fp8Linear,
+    Int4GemmLinear,
     Int4Linear,
     Int8Int8Linear,
     Int8Linear,
     QuantizedWeight,
+    cpu_kernel,
     fp8_on_load,
     fp8_rows,
+    has_int4_gemm,
 )
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
@@ -59,11 +62,13 @@ from tests.checkpoints import (
 )
 from tests.toolchain import needs_int8_gemm
 
+# the 4-bit matmul: Outrider's kernel where the CPU has AVX512-BF16, else torch's
+INT4 = Int4GemmLinear if has_int4_gemm() else Int4Linear
 # scheme (a compressed-tensors preset, its group size) -> the matmul its linears run in
 # bf16 (in fp32 every one is dequantized)
 SCHEMES = {
-    "W4A16": (32, Int4Linear),          # 4-bit groups, symmetric: the int4 kernel
-    "W4A16_ASYM": (64, Int4Linear),     # with packed zero points
+    "W4A16": (32, INT4),                # 4-bit groups, symmetric: an int4 kernel
+    "W4A16_ASYM": (64, INT4),           # with packed zero points
     "W8A16_g32": (32, None),            # 8-bit groups: dequantized at load
     "W8A16": (-1, Int8Linear),          # 8-bit per channel: the weight-only int8 kernel
     "W8A8": (None, Int8Int8Linear),     # ... and int8 inputs per token: the int8 GEMM
@@ -73,12 +78,12 @@ SCHEMES = {
 # a GPTQ or AWQ copy (tests/checkpoints.py's writer, its arguments) -> its linears' matmul
 # in bf16
 PACKED = {
-    "gptq4_sym": (gptq_copy, dict(bits=4, group_size=32), Int4Linear),
-    "gptq4_asym": (gptq_copy, dict(bits=4, group_size=64, sym=False), Int4Linear),
-    "gptq4_v2": (gptq_copy, dict(sym=False, checkpoint_format="gptq_v2"), Int4Linear),
+    "gptq4_sym": (gptq_copy, dict(bits=4, group_size=32), INT4),
+    "gptq4_asym": (gptq_copy, dict(bits=4, group_size=64, sym=False), INT4),
+    "gptq4_v2": (gptq_copy, dict(sym=False, checkpoint_format="gptq_v2"), INT4),
     "gptq4_act_order": (gptq_copy, dict(sym=False, act_order=True), None),  # dequantized
     "gptq8_channel": (gptq_copy, dict(bits=8, group_size=-1), Int8Linear),
-    "awq4": (awq_copy, dict(group_size=32), Int4Linear),
+    "awq4": (awq_copy, dict(group_size=32), INT4),
 }
 # fp8 case -> fp8_copy's options (a model ours reads, and transformers' copy of it)
 FP8_CASES = {
@@ -182,6 +187,35 @@ def test_a_compiled_forward_calls_the_int8_gemm_as_one_opaque_op():
     x = torch.randn(5, 64)
     compiled = torch.compile(lambda x: product(x) * 2, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), product(x) * 2)
+
+
+@pytest.mark.skipif(not has_int4_gemm(), reason="int4_gemm is built for AVX512-BF16 CPUs")
+@pytest.mark.parametrize("out_features, in_features, group, zero", [
+    (48, 256, 32, False),   # an odd number of 16-output blocks; tiles where AMX is
+    (64, 512, 128, True),   # zero points
+    (32, 96, 16, True),     # a group shorter than a tile's depth: vector products
+    (80, 192, -1, False)])  # per channel
+def test_the_int4_gemm_is_its_dequantized_weights_product_row_by_row(out_features, in_features,
+                                                                     group, zero):
+    """Every row count (1, partial and whole tiles) within float32 summing of the
+    dequantized product, each row the same bits alone as among others (exact speculation
+    needs it); compiled, one opaque op."""
+    torch.manual_seed(0)
+    groups = 1 if group == -1 else in_features // group
+    weight = QuantizedWeight(torch.randint(-8, 8, (out_features, in_features), dtype=torch.int8),
+                             torch.rand(out_features, groups) / 50,
+                             torch.randint(-8, 8, (out_features, groups), dtype=torch.int8)
+                             if zero else None, 4)
+    product = cpu_kernel(weight, torch.bfloat16)
+    assert isinstance(product, Int4GemmLinear)
+    x = torch.randn(37, in_features).bfloat16()
+    together = product(x)
+    expected = x.double() @ weight.dequantized(torch.float64).t()
+    assert (together.double() - expected).abs().max() <= 1e-2 * expected.abs().max()
+    alone = torch.cat([product(x[i:i + n]) for i, n in ((0, 1), (1, 16), (17, 20))])
+    assert torch.equal(together, alone)
+    compiled = torch.compile(lambda x: product(x) * 2, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x[:3]), together[:3] * 2)
 
 
 @pytest.mark.parametrize("case", PACKED)
