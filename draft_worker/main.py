@@ -11,7 +11,7 @@ from outrider.draft_worker.versions import SharedVersions
 
 from outrider import cluster_tls
 from outrider.core.hf_config import ModelConfigError, head_kind
-from outrider.cpus import available_cpus, parse_cpus
+from outrider.cpus import available_cpus, on_a_passing_thread, parse_cpus
 from outrider.dense_channel import DRAFT_RANK, DenseChannel
 from outrider.engine.cross_vocab import across_vocabularies, vocab_fingerprint
 from outrider.engine.distill import DistillConfig
@@ -195,6 +195,7 @@ def draft_runner(runner_cfg: RunnerConfig, cfg: DraftWorkerConfig) -> ModelRunne
         replace(runner_cfg, model_dir=cfg.target_model, prepared_rows=0)))
 
 
+@on_a_passing_thread
 def start(cfg: DraftWorkerConfig, token: str | None) -> Running:
     setup_tracing("outrider-draft")
     credentials = cluster_tls.server_credentials()  # before loading: a bad setup fails fast

@@ -12,9 +12,15 @@ others while the target verifies (overlap): draft-worker --target-cpus. Every ro
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
+T = TypeVar("T")
+P = ParamSpec("P")
 ROUTER_SHARE = 8  # one core in this many is kept off the target (at least one)
 
 
@@ -78,3 +84,35 @@ def plan_cpus(cores: list[int] | None = None) -> CpuPlan | None:
         return None
     spare = cores[-max(1, len(cores) // ROUTER_SHARE):]
     return CpuPlan(target=format_cpus(cores[:-len(spare)]), router=format_cpus(spare))
+
+
+def on_a_passing_thread(start: Callable[P, T]) -> Callable[P, T]:
+    """`start` run on a thread that ends when it returns (its result returned, its
+    exception raised on the caller's). For a replica's start-up, whose forwards (loading,
+    warm-up, the cost runs) would otherwise leave the calling thread an OpenMP pool for
+    good: libgomp keeps a pool of workers for each thread that ran a parallel region, as
+    long as that thread lives, and once a process's pools hold more threads than it has
+    cores it stops spinning between regions. The engine thread's workers then slept and
+    were woken at every parallel region of every step: a 140M-parameter W4A16 decode step
+    served at one stream took ~76 context switches and 14.7 ms, against 6.6 ms for the
+    forward alone (docs/DESIGN.md §8.4)."""
+
+    @functools.wraps(start)
+    def started(*args: P.args, **kwargs: P.kwargs) -> T:
+        outcome: list = []
+
+        def run() -> None:
+            try:
+                outcome.append((True, start(*args, **kwargs)))
+            except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+                outcome.append((False, exc))
+
+        thread = threading.Thread(target=run, name=f"{start.__module__}.{start.__name__}")
+        thread.start()
+        thread.join()
+        succeeded, value = outcome[0]
+        if not succeeded:
+            raise value
+        return value
+
+    return started

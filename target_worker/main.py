@@ -14,6 +14,7 @@ from outrider.target_worker.scheduler import SchedulerConfig
 
 from outrider.core.policy import MAX_GAMMA, MAX_QUEUED_PER_REPLICA, GammaPolicy, PolicyConfig
 from outrider.core.sequence import ProposerKind
+from outrider.cpus import on_a_passing_thread
 from outrider.flags import (
     add_cpus_arg,
     add_max_model_len_arg,
@@ -197,10 +198,12 @@ def remote_head(cfg: TargetWorkerConfig, runner):
     return RemoteHead(cfg.draft_head, runner)
 
 
+@on_a_passing_thread
 def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None = None,
           spawn_ranks: bool = True) -> Running:
     """Start the replica; with spawn_ranks=False its TP ranks 1.. are started elsewhere
-    (Ray actors) and join at `tp_init_method`."""
+    (Ray actors) and join at `tp_init_method`. Its forwards run on the engine thread
+    alone once started (on_a_passing_thread: why)."""
     from outrider.target_worker.cost import measure_cost_model
     from outrider.target_worker.engine import TargetEngine
     from outrider.target_worker.remote_drafter import RemoteDrafter

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 
 import pytest
 
-from outrider.cpus import CpuListError, parse_cpus, plan_cpus
+from outrider.cpus import CpuListError, on_a_passing_thread, parse_cpus, plan_cpus
 
 
 def test_cpu_lists_parse_and_bad_ones_name_the_flag():
@@ -96,3 +97,21 @@ def test_a_model_that_streams_its_weights_runs_every_step_on_every_thread(llama_
     finally:
         torch.set_num_threads(before)
 
+
+
+def test_a_passing_thread_returns_what_start_returns_and_raises_what_it_raises():
+    """A replica's start-up runs on a thread of its own that is gone once it returns (so
+    the caller keeps no OpenMP pool of its forwards); results and errors come back."""
+    threads = []
+
+    @on_a_passing_thread
+    def start(value: int) -> int:
+        threads.append(threading.current_thread())
+        if value < 0:
+            raise ValueError("negative")
+        return value * 2
+
+    assert start(21) == 42
+    assert threads[0] is not threading.current_thread() and not threads[0].is_alive()
+    with pytest.raises(ValueError, match="negative"):
+        start(-1)
