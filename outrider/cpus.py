@@ -107,7 +107,9 @@ def on_a_passing_thread(start: Callable[P, T]) -> Callable[P, T]:
             except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
                 outcome.append((False, exc))
 
-        thread = threading.Thread(target=run, name=f"{start.__module__}.{start.__name__}")
+        # daemon: a Ctrl-C that interrupts the join ends the process, not the start-up
+        thread = threading.Thread(target=run, name=f"{start.__module__}.{start.__name__}",
+                                  daemon=True)
         thread.start()
         thread.join()
         succeeded, value = outcome[0]

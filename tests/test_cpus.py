@@ -98,7 +98,6 @@ def test_a_model_that_streams_its_weights_runs_every_step_on_every_thread(llama_
         torch.set_num_threads(before)
 
 
-
 def test_a_passing_thread_returns_what_start_returns_and_raises_what_it_raises():
     """A replica's start-up runs on a thread of its own that is gone once it returns (so
     the caller keeps no OpenMP pool of its forwards); results and errors come back."""

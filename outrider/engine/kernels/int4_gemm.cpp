@@ -187,6 +187,7 @@ void slab_product(const Weight& w, const Rows& rows, int64_t block, int64_t out,
   alignas(64) __m512i slab[kMaxGroup / 2 * kSlab];
   const int64_t m = rows.count, groups = w.in / w.group;
   std::fill(totals, totals + m * kSlab * kBlock, 0.0f);
+  auto sums_at = [&](int64_t r) { return rows.sums ? rows.sums + r * groups : nullptr; };
   for (int64_t g = 0; g < groups; ++g) {
     make_slab<blocks>(w, block, g, table, slab);
     int64_t r = 0;
@@ -194,16 +195,16 @@ void slab_product(const Weight& w, const Rows& rows, int64_t block, int64_t out,
     if (blocks == kSlab && rows.tiles) {
       alignas(64) float sums[kSlab * kTileRows * kBlock];
       for (; r < m; r += kTileRows)
-        multiply_tiles(w, rows.x + r * w.in, rows.sums + r * groups,
+        multiply_tiles(w, rows.x + r * w.in, sums_at(r),
                        std::min<int64_t>(kTileRows, m - r), block, g, slab, sums,
                        totals + r * kSlab * kBlock);
     }
 #endif
     for (; r + kRowTile <= m; r += kRowTile)
-      multiply<kRowTile, blocks>(w, rows.x + r * w.in, rows.sums + r * groups, block, g, slab,
+      multiply<kRowTile, blocks>(w, rows.x + r * w.in, sums_at(r), block, g, slab,
                                  totals + r * kSlab * kBlock);
     for (; r < m; ++r)
-      multiply<1, blocks>(w, rows.x + r * w.in, rows.sums + r * groups, block, g, slab,
+      multiply<1, blocks>(w, rows.x + r * w.in, sums_at(r), block, g, slab,
                           totals + r * kSlab * kBlock);
   }
   for (int64_t r = 0; r < m; ++r)
@@ -232,7 +233,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   check(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
             packed.size(1) * 4 == in && packed.size(2) == 32,
         "packed: [out / 16, in / 4, 32] uint8");
-  check(group % 4 == 0 && group <= kMaxGroup && in % group == 0,
+  check(group > 0 && group % 4 == 0 && group <= kMaxGroup && in % group == 0,
         "group: a multiple of 4 up to 256 that divides in");
   const int64_t blocks = packed.size(0), out = blocks * kBlock;
   auto per_group = [&](const at::Tensor& t) {
