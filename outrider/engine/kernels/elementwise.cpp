@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 namespace {
@@ -183,7 +184,8 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
 }
 
 // The same arithmetic as quant/weight.py's torch path, to the bit: the scale divides
-// (no reciprocal), nearbyint rounds half to even as torch.round does.
+// (no reciprocal), and levels round half to even as torch.round does (by adding and
+// taking away 1.5 * 2^23, exact for the clamped range), 16 at a time.
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
                                                  std::optional<double> static_scale) {
   check(x.dim() == 2 && x.stride(1) == 1, "x: [rows, features]");
@@ -210,10 +212,17 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
         }
         sp[r] = scale;
         int8_t* lr = lp + r * width;
-        for (int64_t i = 0; i < width; ++i) {
-          const float level = std::nearbyint(static_cast<float>(xr[i]) / scale);
-          lr[i] = static_cast<int8_t>(std::min(std::max(level, -128.0f), 127.0f));
-        }
+        const vf16 divisor = splat(scale), low = splat(-128.0f), high = splat(127.0f);
+        const vf16 to_even = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to even
+        by_vectors(width, [&](int64_t i, int64_t n) {
+          vf16 level = load_at(xr + i, n) / divisor;
+          // clamped first, then rounded: the same level as rounding first
+          level = level < low ? low : (level > high ? high : level);
+          level = (level + to_even) - to_even;
+          typedef int8_t vb16 __attribute__((vector_size(16)));
+          const vb16 bytes = __builtin_convertvector(__builtin_convertvector(level, outrider::vi16), vb16);
+          std::memcpy(lr + i, &bytes, n);
+        });
       }
     });
   });
