@@ -87,14 +87,16 @@ def test_rope_in_place_on_queries_and_keys_of_one_buffer(dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("static_scale", [None, 0.013])
+@pytest.mark.parametrize("static_scale", [None, 0.013, 1.0])
 def test_w8a8_inputs_quantized_and_sums_scaled_as_the_torch_path_to_the_bit(dtype,
                                                                           static_scale):
     """Bit for bit, or a sequence's W8A8 output would depend on which path ran it (a zero
-    row, values past the static scale's range and width 1,000 included)."""
+    row, values past the static scale's range, halves rounded to even and width 1,000
+    included)."""
     torch.manual_seed(0)
     x = (torch.randn(37, 1000) * 3).to(dtype)
     x[3] = 0
+    x[4, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -127.5, 130.0])  # ties (scale 1)
     for rows in (x, x[:, 8:900], x[5:6]):  # whole, strided rows, one row
         levels, scale = torch.ops.outrider_cpu.quantize_rows(rows, static_scale)
         want_levels, want_scale = _quantized_rows(rows, static_scale)
