@@ -36,12 +36,15 @@ using outrider::reciprocal;
 using outrider::rounded;
 using outrider::splat;
 using outrider::store;
+using outrider::vb16;
 using outrider::vexp;
 using outrider::vf16;
+using outrider::vi16;
 
 // Values a parallel task takes, at least. A task is worth a thread only when its work
-// outweighs the wait at the region's end: serving, the router shares the target's cores,
-// and a region whose second thread was preempted waits for it. With 4 rows a task these
+// outweighs the wait at the region's end, which waits for its slowest thread: serving,
+// the router shares the target's cores (and a second OpenMP pool once put the threads to
+// sleep between regions, §8.4). With 4 rows a task these
 // kernels took a sixth of a served 16-stream decode step of a 140M-parameter model
 // (hidden 1,024) where they compute well under a millisecond; with this many values a
 // task the step went 35.5-35.8 -> 31.1-33.7 ms (docs/DESIGN.md §8.4).
@@ -219,8 +222,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x,
           // clamped first, then rounded: the same level as rounding first
           level = level < low ? low : (level > high ? high : level);
           level = (level + to_even) - to_even;
-          typedef int8_t vb16 __attribute__((vector_size(16)));
-          const vb16 bytes = __builtin_convertvector(__builtin_convertvector(level, outrider::vi16), vb16);
+          const vb16 bytes = __builtin_convertvector(__builtin_convertvector(level, vi16), vb16);
           std::memcpy(lr + i, &bytes, n);
         });
       }

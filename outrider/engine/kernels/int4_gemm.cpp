@@ -133,9 +133,9 @@ bool amx_permitted() {
   return permitted;
 }
 
-// Tiles 0-1: a group's sums for blocks 0-1, [16 rows, 16] float32; 2: x [16 rows, 32]
-// bfloat16; 3-4: the slab's 16 pairs of inputs for blocks 0-1, 64 bytes each.
-void configure_tiles() {
+// Tiles 0-1: a group's sums for blocks 0-1, [rows, 16] float32; 2: x [rows, 32] bfloat16
+// (rows: up to 16); 3-4: the slab's 16 pairs of inputs for blocks 0-1, 64 bytes each.
+void configure_tiles(int64_t rows) {
   struct alignas(64) {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t bytes_a_row[16] = {};
@@ -143,7 +143,7 @@ void configure_tiles() {
   } config;
   for (int t = 0; t < 5; ++t) {
     config.bytes_a_row[t] = 64;
-    config.rows[t] = t < 3 ? kTileRows : kTileDepth / 2;
+    config.rows[t] = t < 3 ? rows : kTileDepth / 2;
   }
   _tile_loadconfig(&config);
 }
@@ -215,15 +215,18 @@ void slab_product(const Weight& w, const Rows& rows, int64_t block, int64_t out,
     }
 }
 
-// x's rows for tile products: x itself where its rows fill whole tiles, else a copy
-// padded with zero rows into `padded` (a tile load reads 16 rows).
+#if defined(OUTRIDER_AMX)
+// x's rows for tile products: x itself where its rows fill whole tiles or one partial
+// tile (the tiles are configured for its rows), else a copy padded with zero rows into
+// `padded` (a tile load reads a tile's rows).
 const c10::BFloat16* tile_rows(const at::Tensor& x, at::Tensor& padded) {
   const int64_t m = x.size(0);
-  if (m % 16 == 0) return x.data_ptr<c10::BFloat16>();
-  padded = at::zeros({(m + 15) / 16 * 16, x.size(1)}, x.options());
+  if (m % kTileRows == 0 || m < kTileRows) return x.data_ptr<c10::BFloat16>();
+  padded = at::zeros({(m + kTileRows - 1) / kTileRows * kTileRows, x.size(1)}, x.options());
   padded.narrow(0, 0, m).copy_(x);
   return padded.data_ptr<c10::BFloat16>();
 }
+#endif
 
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                      const std::optional<at::Tensor>& scaled_zero, int64_t group) {
@@ -248,7 +251,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   at::Tensor padded, sums;
   Rows rows{x.data_ptr<c10::BFloat16>(), m, false, nullptr};
 #if defined(OUTRIDER_AMX)
-  // tiles from one row on: 1 x 5,632 x 1,024 took 0.125 ms against 0.147 by vectors
+  // tiles from one row on: 1 x 5,632 x 1,024 takes 0.097 ms, 0.147 by vectors
   if (group % kTileDepth == 0 && amx_permitted()) rows = {tile_rows(x, padded), m, true, nullptr};
 #endif
   if (scaled_zero) {  // once a call, not once a slab
@@ -259,7 +262,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const int64_t slabs = (blocks + kSlab - 1) / kSlab;
   at::parallel_for(0, slabs, 1, [&](int64_t begin, int64_t end) {
 #if defined(OUTRIDER_AMX)
-    if (rows.tiles) configure_tiles();
+    if (rows.tiles) configure_tiles(std::min<int64_t>(m, kTileRows));
 #endif
     const __m512i table = level_table();
     std::vector<float> totals(m * kSlab * kBlock);
