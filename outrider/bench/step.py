@@ -38,7 +38,7 @@ CONTEXT = (128, 224)
 
 MATMUL_OPS = ("mkldnn::_linear_pointwise", "outrider::packed_linear", "aten::mm", "aten::addmm",
               "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
-              "outrider_cpu::int4_gemm", "onednn::qlinear_pointwise")
+              "outrider_cpu::int4_gemm", "outrider_cpu::int8_gemm", "onednn::qlinear_pointwise")
 ATTENTION_OPS = ("outrider_cpu::paged_attention", "aten::index_put_",
                  "aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_attention_math", "aten::index_select",

@@ -45,6 +45,7 @@ from outrider.engine.quant.weight import (
     fp8_on_load,
     fp8_rows,
     has_int4_gemm,
+    has_int8_amx,
 )
 from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
 from outrider.engine.spec_decode import SpeculativeDecoder
@@ -159,23 +160,28 @@ def fake_quantized_inputs(args: dict | None):
 
 @needs_int8_gemm
 @pytest.mark.parametrize("input_scale", [None, 0.02])
-def test_int8_inputs_are_batch_invariant_and_exact(input_scale):
+@pytest.mark.parametrize("in_features", [96, 128])  # oneDNN; AMX tiles where the CPU has them
+def test_int8_inputs_are_batch_invariant_and_exact(input_scale, in_features):
     """A row's W8A8 product is the same bits alone as among others (any scale per batch
     would break it, and with it speculation's equality with the target alone), and its
     reference's: inputs rounded by their row's scale (None) or a static one, the sums
-    exact."""
+    exact; in bfloat16, the float32 product rounded once."""
     torch.manual_seed(0)
-    q = torch.randint(-127, 128, (48, 96), dtype=torch.int8)
+    q = torch.randint(-128, 128, (48, in_features), dtype=torch.int8)  # 3 blocks of 16
     weight = QuantizedWeight(q, torch.rand(48, 1) / 100, None, 8, None, True, input_scale)
-    product, x = Int8Int8Linear(weight), torch.randn(600, 96)  # > ONEDNN_MAX_ROWS: pieced
+    product = Int8Int8Linear(weight)
+    assert product.amx == (in_features == 128 and has_int8_amx())
+    x = torch.randn(600, in_features).bfloat16().float()  # > ONEDNN_MAX_ROWS: pieced
     together = product(x)
-    alone = torch.cat([product(x[i:i + n]) for i, n in ((0, 1), (1, 5), (6, 594))])
+    alone = torch.cat([product(x[i:i + n]) for i, n in ((0, 1), (1, 5), (6, 17), (23, 577))])
     assert torch.equal(together, alone)
     scale = (x.abs().amax(-1, keepdim=True) / 127.5 if input_scale is None
              else torch.tensor(input_scale))
     levels = (x / scale).round().clamp(-128, 127)
     expected = (levels.double() @ q.double().t()) * scale.double() * weight.scale.double().t()
     assert torch.allclose(together.double(), expected, rtol=1e-5, atol=1e-6)
+    in_bf16 = Int8Int8Linear(weight, torch.bfloat16)
+    assert torch.equal(in_bf16(x.bfloat16()), together.bfloat16())
 
 
 @needs_int8_gemm

@@ -24,8 +24,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cpp",
-                                                          "elementwise.cpp", "int4_gemm.cpp"))
-HEADERS = (Path(__file__).with_name("vec.h"),)
+                                                          "elementwise.cpp", "int4_gemm.cpp",
+                                                          "int8_gemm.cpp"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("vec.h", "amx.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 DISABLE_ENV = "OUTRIDER_NO_CPU_KERNELS"  # set to 1: the pure-torch path, no build
 

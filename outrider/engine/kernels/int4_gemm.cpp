@@ -32,8 +32,7 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #define OUTRIDER_AMX 1
 #endif
 
@@ -121,32 +120,10 @@ inline void multiply(const Weight& w, const c10::BFloat16* x, const float* x_sum
 }
 
 #if defined(OUTRIDER_AMX)
-constexpr int kTileRows = 16;   // rows of x a tile product takes
-constexpr int kTileDepth = 32;  // inputs it sums: 16 bfloat16 pairs
-
-// Linux lends a process AMX's tile registers only once asked (oneDNN asks too).
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr int kRequestPermission = 0x1023, kTileData = 18;
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return permitted;
-}
-
-// Tiles 0-1: a group's sums for blocks 0-1, [rows, 16] float32; 2: x [rows, 32] bfloat16
-// (rows: up to 16); 3-4: the slab's 16 pairs of inputs for blocks 0-1, 64 bytes each.
-void configure_tiles(int64_t rows) {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t bytes_a_row[16] = {};
-    uint8_t rows[16] = {};
-  } config;
-  for (int t = 0; t < 5; ++t) {
-    config.bytes_a_row[t] = 64;
-    config.rows[t] = t < 3 ? rows : kTileDepth / 2;
-  }
-  _tile_loadconfig(&config);
-}
+using outrider::amx_permitted;
+using outrider::configure_tiles;
+using outrider::kTileRows;
+constexpr int kTileDepth = 32;  // inputs a tile product sums: 16 bfloat16 pairs
 
 // As multiply, for 16 rows of x (padded: `rows` of them real) and a whole slab, by tile
 // products; the sums go through `sums` [kSlab][16 rows][16] float32 to be scaled.

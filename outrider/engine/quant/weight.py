@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 INT4_GROUPS = (256, 128, 64, 32)  # the group sizes torch's CPU int4 kernel takes
 INT4_ROWS = 16                    # its output features come in multiples of this (ours too)
 INT4_GEMM_MAX_GROUP = 256         # int4_gemm's largest group (a multiple of 4)
+INT8_BLOCK, INT8_DEPTH = 16, 64   # int8_gemm's outputs a block, inputs a tile product
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # the smallest scale a row or weight gets (vLLM's: an all-zero input still divides)
 FP8_MIN_SCALE = 1 / (FP8_MAX * 512)
@@ -181,7 +182,8 @@ def int4_layout(levels: torch.Tensor) -> torch.Tensor:
     j % 2 (low nibble) and 2 + j % 2 (high nibble), the lanes of a bfloat16 pair product."""
     out_features, in_features = levels.shape
     # [blocks, 16 outputs, quads, half, input of the pair] -> [blocks, quads, half, 16 x 2]
-    lanes = levels.contiguous().view(out_features // 16, 16, in_features // 4, 2, 2).permute(0, 2, 3, 1, 4)
+    lanes = levels.contiguous().view(out_features // 16, 16, in_features // 4, 2, 2)
+    lanes = lanes.permute(0, 2, 3, 1, 4)
     lanes = lanes.reshape(out_features // 16, in_features // 4, 2, 32)
     return (lanes[:, :, 0] | (lanes[:, :, 1] << 4)).contiguous()
 
@@ -221,25 +223,45 @@ class Int8Linear:
 class Int8Int8Linear:
     """x [rows, in] @ a symmetric per-channel 8-bit weight whose checkpoint quantizes its
     inputs to 8 bits too (W8A8): each row of x to int8 by its own scale (dynamic, per
-    token) or the checkpoint's one (static), the product summed in int32 by oneDNN's int8
-    GEMM (VNNI, AMX), then scaled. Integer sums are exact, so a row's output never depends
-    on the rows beside it (batch invariance, which exact speculation needs: never a scale
-    per batch). Against the weight-only int8 kernel (one core, 1,024 x 5,632, bf16): 0.48
-    against ~0.4 ms at 1 row, 0.58 against ~1.3 at 16, 3.2 against ~18 at 256."""
+    token) or the checkpoint's one (static), the product summed in int32, then scaled.
+    Integer sums are exact, so a row's output never depends on the rows beside it (batch
+    invariance, which exact speculation needs: never a scale per batch). The sums come
+    from Outrider's AMX kernel (kernels/int8_gemm.cpp) where the CPU has AMX-INT8, else
+    from oneDNN's int8 GEMM (VNNI); both give the same bits. Two threads, 5,632 x 1,024,
+    bf16 (ms): 0.10 / 0.15 / 0.17 / 0.40 by AMX at 1 / 16 / 32 / 128 rows, 0.24 / 0.39 /
+    0.37 / 0.81 by oneDNN, 0.44 / 0.45 / 0.51 / 0.94 for the bfloat16 weight."""
 
-    def __init__(self, weight: QuantizedWeight) -> None:
-        out_features = weight.shape[0]
-        self.packed = torch.ops.onednn.qlinear_prepack(weight.q.contiguous(), None)
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> None:
+        out_features, in_features = weight.shape
         self.weight_scale = weight.scale[:, 0].float().contiguous()  # [out]
-        self.zero_points = torch.zeros(out_features, dtype=torch.long)  # [out]: symmetric
         self.input_scale, self.numel = weight.input_scale, weight.q.numel()
         self.shape = weight.shape  # [out, in]
         self.nbytes = _nbytes(weight.q, self.weight_scale)
+        self.amx = (dtype in (torch.bfloat16, torch.float32) and has_int8_amx()
+                    and out_features % INT8_BLOCK == 0 and in_features % INT8_DEPTH == 0)
+        if self.amx:
+            self.packed = int8_layout(weight.q)
+        else:
+            self.packed = torch.ops.onednn.qlinear_prepack(weight.q.contiguous(), None)
+            self.zero_points = torch.zeros(out_features, dtype=torch.long)  # symmetric
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in] -> [rows, out]
-        matmul = _int8_int8_matmul if torch.compiler.is_compiling() else _int8_int8_matmul_eager
+        compiling = torch.compiler.is_compiling()
+        if self.amx:
+            matmul = _int8_amx_matmul if compiling else _int8_amx_matmul_eager
+            return matmul(x, self.packed, self.weight_scale, self.input_scale)
+        matmul = _int8_int8_matmul if compiling else _int8_int8_matmul_eager
         return matmul(x, self.packed, self.weight_scale, self.zero_points, self.input_scale)
+
+
+def int8_layout(q: torch.Tensor) -> torch.Tensor:
+    """int8 levels [out, in] as int8_gemm's AMX operand [out / 16, in / 4, 64]: for each
+    16 outputs and 4 inputs, output j's 4 weights at bytes 4 j ... 4 j + 3."""
+    out_features, in_features = q.shape
+    return (q.view(out_features // INT8_BLOCK, INT8_BLOCK, in_features // 4, 4)
+            .permute(0, 2, 1, 3).reshape(out_features // INT8_BLOCK, in_features // 4, -1)
+            .contiguous())
 
 
 class Fp8Linear:
@@ -296,6 +318,12 @@ def _int8_int8_matmul_eager(x: torch.Tensor, packed: torch.Tensor, weight_scale:
         "none", [None], ""))  # [rows, out] float32: int32 sums times the weight's scales
     return (torch.ops.outrider_cpu.scale_rows(sums, scale, x) if fused
             else (sums * scale).to(x.dtype))
+
+
+def _int8_amx_matmul_eager(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor,
+                           input_scale: float | None) -> torch.Tensor:
+    levels, scale = torch.ops.outrider_cpu.quantize_rows(x, input_scale)  # [rows, in], [rows, 1]
+    return torch.ops.outrider_cpu.int8_gemm(levels, scale, packed, weight_scale, x)
 
 
 def _quantized_rows(x: torch.Tensor, input_scale: float | None
@@ -359,6 +387,17 @@ def _(x, packed, weight_scale, zero_points, input_scale):
     return x.new_empty(x.shape[0], weight_scale.shape[0])
 
 
+@torch.library.custom_op("outrider::int8_amx_matmul", mutates_args=())
+def _int8_amx_matmul(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor,
+                     input_scale: float | None) -> torch.Tensor:
+    return _int8_amx_matmul_eager(x, packed, weight_scale, input_scale)
+
+
+@_int8_amx_matmul.register_fake
+def _(x, packed, weight_scale, input_scale):
+    return x.new_empty(x.shape[0], weight_scale.shape[0])
+
+
 def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -377,7 +416,7 @@ def cpu_kernel(weight: QuantizedWeight, dtype: torch.dtype
     per_channel = weight.scale.shape[1] == 1
     if weight.int8_inputs:
         if weight.bits == 8 and per_channel and weight.zero is None and has_int8_gemm():
-            return Int8Int8Linear(weight)
+            return Int8Int8Linear(weight, dtype)
         _warn_inputs_kept()
     if weight.group_of_column is not None or dtype != torch.bfloat16:
         return None
@@ -440,6 +479,13 @@ def _warn_inputs_kept() -> None:
     log.warning("a W8A8 layer runs weight-only, its inputs kept in the model's dtype (no "
                 "exact int8 GEMM on this CPU (VNNI or AMX), or an asymmetric or grouped "
                 "weight): outputs nearer the float model than the checkpoint's scheme")
+
+
+def has_int8_amx() -> bool:
+    """Whether Outrider's AMX int8 kernel runs here: the CPU kernels loaded, built for a
+    CPU with AMX-INT8, and the tiles lent by the kernel."""
+    return cpu_kernels_loaded() and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "outrider_cpu::int8_gemm", "CPU")
 
 
 def has_int4_gemm() -> bool:
