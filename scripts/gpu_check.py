@@ -12,7 +12,8 @@ shipped demo pair on the device and reports, as JSON:
   γ=0 and γ=4, 64 tokens per sequence (ignore_eos), after one warm-up;
 - `fp8`: the demo target quantized as it loads (`-q fp8`), bf16: its linears' kernel
   (FP8 tensor cores where the device has them), speculation's greedy output against its
-  own, and its throughput;
+  own, and its throughput; `w4a16` the same for the shipped 4-bit demo target (tinygemm
+  where the device has it);
 - with --compile: the compiled forward's greedy outputs against eager's, and its speed;
 - with --mid SIZE, first: a random Llama of SIZE (1b: Llama-3.2-1B's shape) written on
   the device with a draft of its first layer; its decode step at batch 1/32/64 from CUDA
@@ -77,8 +78,9 @@ def code_prompts(engine: LocalEngine, count: int) -> list[list[int]]:
 
 
 def engine_on(device: str, dtype: str, compile: bool = False, enforce_eager: bool = False,
-              quantization: str | None = None) -> LocalEngine:
-    target_dir, draft_dir = paths.demo_pair()
+              quantization: str | None = None, target_dir: Path | None = None) -> LocalEngine:
+    demo_target, draft_dir = paths.demo_pair()
+    target_dir = target_dir or demo_target
     target = RunnerConfig(model_dir=str(target_dir), device=device, dtype=dtype,
                           kv_cache_mb=1024.0, compile=compile, enforce_eager=enforce_eager,
                           quantization=quantization)
@@ -152,18 +154,21 @@ def check_dtype(device: str, dtype: str, prompts: list[list[int]], cpu_ref) -> d
     return result, alone
 
 
-def check_fp8(device: str, prompts: list[list[int]]) -> dict:
-    """`-q fp8` on the demo target in bf16: what its linears multiply with (Fp8Linear where
-    the device has FP8 tensor cores), greedy with the draft against the FP8 target alone,
-    and tok/s (bf16's are the bfloat16 check's)."""
-    with engine_on(device, "bfloat16", quantization="fp8") as engine:
+def check_quantized(device: str, prompts: list[list[int]], name: str) -> dict:
+    """A quantized demo target in bf16 (`fp8`: quantized as it loads, `-q fp8`; `w4a16`:
+    the shipped 4-bit copy): what its linears multiply with (Fp8Linear on FP8 tensor
+    cores, Int4Linear on tinygemm, "dense" where dequantized), greedy with the draft
+    against the quantized target alone, and tok/s (bf16's are the bfloat16 check's)."""
+    quantized = ({"quantization": "fp8"} if name == "fp8"
+                 else {"target_dir": paths.demo_w4a16_target_dir(must_exist=True)})
+    with engine_on(device, "bfloat16", **quantized) as engine:
         kernels = collections.Counter(
             type(m.quantized_matmul).__name__ if m.quantized_matmul is not None else "dense"
             for m in engine.decoder.target.model.modules() if getattr(m, "quantized_bits", 0))
         alone, spec = ids(greedy(engine, prompts[:8], 0)), ids(greedy(engine, prompts[:8], GAMMA))
         result = {"linears": dict(kernels),
                   "spec_equals_target": [a == s for a, s in zip(alone, spec)]}
-        print(f"fp8: linears {result['linears']}, spec == target "
+        print(f"{name}: linears {result['linears']}, spec == target "
               f"{result['spec_equals_target']}", flush=True)
         result["throughput"] = throughput(engine, prompts, device)
     return result
@@ -596,7 +601,7 @@ def main() -> None:
                              "short: the JSON is written after each check)")
     parser.add_argument("--only", metavar="CHECKS",
                         help="run only these checks (comma-separated: mid, mid_compiled, "
-                             "float32, served_DTYPE, transformers, bfloat16, fp8, "
+                             "float32, served_DTYPE, transformers, bfloat16, fp8, w4a16, "
                              "kv_from_memory, compiled_float32)")
     args = parser.parse_args()
     use_cpu_kernels(False)  # the CPU side is the reference path (no C++ build here)
@@ -655,9 +660,10 @@ def main() -> None:
     if due("bfloat16"):
         report["bfloat16"], _ = check_dtype(args.device, "bfloat16", prompts, None)
         save()
-    if due("fp8"):
-        report["fp8"] = check_fp8(args.device, prompts)
-        save()
+    for name in ("fp8", "w4a16"):
+        if due(name):
+            report[name] = check_quantized(args.device, prompts, name)
+            save()
     if args.device.startswith("cuda") and due("kv_from_memory"):
         report["kv_from_memory"] = check_kv_from_memory(args.device)
     if args.compile and due("compiled_float32"):

@@ -8,6 +8,8 @@ Collectives go through torch.distributed (gloo on CPU, NCCL on CUDA).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from dataclasses import dataclass
 
@@ -139,7 +141,8 @@ def prepare_cpu_linears(model: nn.Module, max_rows: int) -> None:
             weight = m.weight_packed
             products["dense", tuple(weight.shape), weight.dtype] = functools.partial(
                 onednn_linear, packed=weight)
-        elif isinstance(m, PackedForCPU) and isinstance(m.quantized_matmul, Int8Int8Linear):
+        elif (isinstance(m, PackedForCPU) and isinstance(m.quantized_matmul, Int8Int8Linear)
+              and not m.quantized_matmul.amx):  # AMX's kernel keeps no primitives
             # one primitive of int8 levels, whatever the inputs' dtype
             products["int8", m.quantized_matmul.shape, torch.float32] = m.quantized_matmul
     row_counts = sorted({onednn_rows(rows)
@@ -169,13 +172,33 @@ def _has_onednn_linear(dtype: torch.dtype) -> bool:
         return False
 
 
+_WEIGHTS_DEFERRED = contextvars.ContextVar("linear weights deferred", default=False)
+
+
+@contextlib.contextmanager
+def linear_weights_deferred(deferred: bool = True):
+    """Linear layers built inside leave their dense weight unallocated (on the meta
+    device) until a dense tensor is stored in it or a quantized one is dequantized into
+    it. A quantized checkpoint then loads within its own size plus a layer, where
+    allocating every dense weight first would take the bf16 model's (a 70B model's 140 GB
+    for its 35 GB of 4-bit levels)."""
+    token = _WEIGHTS_DEFERRED.set(deferred)
+    try:
+        yield
+    finally:
+        _WEIGHTS_DEFERRED.reset(token)
+
+
 class ReplicatedLinear(PackedForCPU, nn.Module):
     """A linear layer every rank holds whole (norms and small projections)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight_device = torch.get_default_device()  # where the weight is, or will be
+        self.weight = nn.Parameter(torch.empty(
+            out_features, in_features, device="meta" if _WEIGHTS_DEFERRED.get() else None),
+            requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.quantized_parts: list[tuple[int, QuantizedWeight]] = []  # (first row, part)
         self.quantized_bits = 0  # a quantized checkpoint's weight bits, once settled
@@ -190,7 +213,16 @@ class ReplicatedLinear(PackedForCPU, nn.Module):
         if isinstance(value, QuantizedWeight):
             self.quantized_parts.append((first_row, value))
         else:
+            param = self.allocated_weight() if param.is_meta else param
             param.data.narrow(0, first_row, value.shape[0]).copy_(value)
+
+    def allocated_weight(self) -> nn.Parameter:
+        """The dense weight, allocated now if it was deferred (linear_weights_deferred)."""
+        if self.weight.is_meta:
+            self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=self.weight.dtype,
+                                                   device=self.weight_device),
+                                       requires_grad=False)
+        return self.weight
 
     def settle_quantized(self) -> None:
         """Once loaded: a quantized weight multiplied by a CPU or GPU kernel where one
@@ -203,13 +235,13 @@ class ReplicatedLinear(PackedForCPU, nn.Module):
             raise ValueError(f"quantized parts of {weight.shape[0]} rows for a layer of "
                              f"{self.weight.shape[0]}: a fused layer (q/k/v, gate/up) whose "
                              f"parts are not all quantized is not supported")
-        device = self.weight.device
+        device = self.weight_device
         if device.type == "cpu":
             self.quantized_matmul = cpu_kernel(weight, self.weight.dtype)
         elif device.type == "cuda":
             self.quantized_matmul = gpu_kernel(weight, self.weight.dtype, device)
         if self.quantized_matmul is None:
-            self.weight.data.copy_(weight.dequantized(self.weight.dtype))
+            self.allocated_weight().data.copy_(weight.dequantized(self.weight.dtype))
         elif device.type != "cpu":
             self.weight = None  # only the quantized copy is read (a CPU's: pack_for_cpu)
 

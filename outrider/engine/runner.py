@@ -35,7 +35,12 @@ from outrider.engine.kernels.triton_paged import runs_here
 from outrider.engine.memory import kv_budget_from_memory
 from outrider.engine.model import CausalLM
 from outrider.engine.model_config import ModelConfig, ModelConfigError, parse_dtype
-from outrider.engine.parallel import PackedForCPU, TPGroup, prepare_cpu_linears
+from outrider.engine.parallel import (
+    PackedForCPU,
+    TPGroup,
+    linear_weights_deferred,
+    prepare_cpu_linears,
+)
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +207,9 @@ class ModelRunner:
     def build_model(self, state: dict[str, torch.Tensor] | None = None) -> CausalLM:
         """This rank's model with the checkpoint's weights (or `state`'s), as plain
         modules: what serving prepacks, and what training trains."""
-        model = built_as(self.dtype, self.device, self.new_model)
+        quantized = state is None and self.model_config.quantization is not None
+        with linear_weights_deferred(quantized):
+            model = built_as(self.dtype, self.device, self.new_model)
         if state is None:
             model.load_weights(Path(self.cfg.model_dir))
         else:

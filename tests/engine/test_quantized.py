@@ -29,8 +29,10 @@ from outrider.engine.parallel import (
     ColumnParallelLinear,
     PackedForCPU,
     ParallelLMHead,
+    ReplicatedLinear,
     RowParallelLinear,
     TPGroup,
+    linear_weights_deferred,
 )
 from outrider.engine.quant.formats import FORMATS, read_compressed_tensors, read_fp8
 from outrider.engine.quant.scheme import QuantScheme
@@ -47,7 +49,7 @@ from outrider.engine.quant.weight import (
     has_int4_gemm,
     has_int8_amx,
 )
-from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig
+from outrider.engine.runner import ForwardRequest, ModelRunner, RunnerConfig, built_as
 from outrider.engine.spec_decode import SpeculativeDecoder
 from tests.checkpoints import (
     awq_copy,
@@ -328,6 +330,30 @@ def test_a_shard_that_cuts_quantization_groups_is_refused():
                              4)  # groups of 64
     with pytest.raises(ValueError, match="cuts groups of 64"):
         layer.weight_loader(layer.weight, weight)
+
+
+@pytest.mark.parametrize("dtype, kernel", [(torch.bfloat16, True), (torch.float32, False)])
+def test_a_quantized_linear_allocates_no_dense_weight_unless_dequantized(dtype, kernel):
+    """Built under linear_weights_deferred (a quantized checkpoint's model), a linear's
+    dense weight exists only once a dense tensor or a dequantized one goes into it: in
+    bf16 the 4-bit kernel takes the levels and it never does; in fp32 (no kernel) it holds
+    the dequantized weight; a dense layer's tensor is stored as it comes."""
+    with linear_weights_deferred():
+        quantized, dense = (built_as(dtype, torch.device("cpu"), lambda bias=bias:
+                                     ReplicatedLinear(128, 32, bias, TPGroup()))
+                            for bias in (False, True))
+    assert quantized.weight.is_meta and dense.weight.is_meta and not dense.bias.is_meta
+    levels = QuantizedWeight(torch.randint(-8, 8, (32, 128), dtype=torch.int8),
+                             torch.rand(32, 1) / 8, None, 4)
+    quantized.weight_loader(quantized.weight, levels)
+    quantized.settle_quantized()
+    assert (quantized.quantized_matmul is not None) == kernel
+    assert quantized.weight.is_meta == kernel
+    if not kernel:
+        assert torch.equal(quantized.weight, levels.dequantized(dtype))
+    values = torch.randn(32, 128).to(dtype)
+    dense.weight_loader(dense.weight, values)
+    assert torch.equal(dense.weight, values)
 
 
 @pytest.mark.parametrize("quantization, refused", [

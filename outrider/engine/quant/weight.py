@@ -28,6 +28,8 @@ INT4_GROUPS = (256, 128, 64, 32)  # the group sizes torch's CPU int4 kernel take
 INT4_ROWS = 16                    # its output features come in multiples of this (ours too)
 INT4_GEMM_MAX_GROUP = 256         # int4_gemm's largest group (a multiple of 4)
 INT8_BLOCK, INT8_DEPTH = 16, 64   # int8_gemm's outputs a block, inputs a tile product
+CPU = torch.device("cpu")
+CUDA_INT4_OUTPUTS = 8             # tinygemm's output features come in multiples of this
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # the smallest scale a row or weight gets (vLLM's: an all-zero input still divides)
 FP8_MIN_SCALE = 1 / (FP8_MAX * 512)
@@ -131,26 +133,44 @@ def stacked(parts: list[tuple[int, QuantizedWeight]]) -> QuantizedWeight:
 
 
 class Int4Linear:
-    """x [rows, in] @ a 4-bit weight, by torch's CPU int4 weight-packed kernel: w = (u -
-    8) * scale + offset per group, u the unsigned level (q + 8), offset = -zero * scale.
-    For CPUs without AVX512-BF16, where Int4GemmLinear's kernel is not built."""
+    """x [rows, in] @ a 4-bit weight, by torch's int4 weight-packed kernel: w = (u - 8) *
+    scale + offset per group, u the unsigned level (q + 8), offset = -zero * scale. On
+    CPUs without AVX512-BF16 (where Int4GemmLinear's kernel is not built) its CPU kernel;
+    on CUDA devices from Ampere on, in bfloat16, tinygemm (gpt-fast's and torchao's
+    4-bit kernel), whose packing takes the weight on the device."""
 
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, group: int) -> None:
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, group: int,
+                 device: torch.device = CPU) -> None:
         out_features, in_features = weight.shape
         scale = _scale_per_group(weight, group)  # [out, in / group]
         offset = torch.zeros_like(scale) if weight.zero is None else (
             -weight.zero.float().expand_as(scale) * scale)
-        self.group, self.numel = group, weight.q.numel()
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            (weight.q.int() + 8).contiguous(), 2)
+        self.group, self.numel, self.cuda = group, weight.q.numel(), device.type == "cuda"
+        unsigned = (weight.q.int() + 8).contiguous()  # [out, in]: levels 0..15
+        if self.cuda:  # [out, in / 2] uint8, even inputs in the high nibble
+            two = (unsigned[:, ::2] << 4 | unsigned[:, 1::2]).to(torch.uint8).to(device)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(
+                two.contiguous(), cuda_int4_tiles(in_features))
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 2)
         # [in / group, out, 2]: each group's scale and offset, as the kernel reads them
-        self.scales_and_offsets = torch.stack([scale.t(), offset.t()], -1).to(dtype).contiguous()
+        self.scales_and_offsets = torch.stack([scale.t(), offset.t()], -1).to(
+            dtype).contiguous().to(device)
         self.nbytes = _nbytes(self.packed, self.scales_and_offsets)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in] -> [rows, out]
+        if self.cuda:  # an aten op with a meta kernel: compiles as it is
+            return torch.ops.aten._weight_int4pack_mm(x.contiguous(), self.packed, self.group,
+                                                      self.scales_and_offsets)
         matmul = _int4_matmul if torch.compiler.is_compiling() else _int4_matmul_eager
         return matmul(x, self.packed, self.group, self.scales_and_offsets)
+
+
+def cuda_int4_tiles(in_features: int) -> int:
+    """tinygemm's inner k tiles for `in_features` inputs (each 16 inputs): the most of 8,
+    4, 2 whose inputs divide them, 0 where none does."""
+    return next((tiles for tiles in (8, 4, 2) if in_features % (tiles * 16) == 0), 0)
 
 
 class Int4GemmLinear:
@@ -435,11 +455,15 @@ def cpu_kernel(weight: QuantizedWeight, dtype: torch.dtype
 
 
 def gpu_kernel(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
-               ) -> Fp8Linear | None:
+               ) -> Fp8Linear | Int4Linear | None:
     """The CUDA matmul for `weight` that keeps it quantized, or None: it is then
     dequantized. FP8 values with a scale a row, in bfloat16, on a device with FP8 tensor
-    cores, in the shapes _scaled_mm takes, where a small product of it runs; integer levels
-    have none here yet. A dequantized FP8 layer says so once (no memory or time saved)."""
+    cores, in the shapes _scaled_mm takes, where a small product of it runs; 4-bit levels
+    in bfloat16 by tinygemm where its groups and shapes fit and a small product of it is
+    right (not act-order's scattered groups). A dequantized FP8 layer says so once (no
+    memory or time saved)."""
+    if weight.bits == 4 and not weight.is_fp8:
+        return _cuda_int4(weight, dtype, device)
     if not weight.is_fp8:
         return None
     if weight.scale.shape[1] > 1 or dtype != torch.bfloat16 or any(
@@ -447,6 +471,19 @@ def gpu_kernel(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
         _warn_fp8_dequantized(str(dtype).removeprefix("torch."))
         return None
     return Fp8Linear(weight, device)
+
+
+def _cuda_int4(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
+               ) -> Int4Linear | None:
+    out_features, in_features = weight.shape
+    group = weight.group_size if weight.scale.shape[1] > 1 else next(
+        (g for g in INT4_GROUPS if in_features % g == 0), 0)
+    if (weight.group_of_column is not None or dtype != torch.bfloat16
+            or group not in INT4_GROUPS or in_features % group
+            or out_features % CUDA_INT4_OUTPUTS or not cuda_int4_tiles(in_features)
+            or not has_cuda_int4_gemm(device)):
+        return None
+    return Int4Linear(weight, dtype, group, device)
 
 
 @functools.cache
@@ -463,6 +500,27 @@ def has_fp8_gemm(device: torch.device) -> bool:
                             device)
         x = torch.ones(3, FP8_GEMM_MULTIPLE, dtype=torch.bfloat16, device=device)
         return bool((product(x) == FP8_GEMM_MULTIPLE).all())
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def has_cuda_int4_gemm(device: torch.device) -> bool:
+    """Whether tinygemm runs on `device` (CUDA, compute capability 8.0 on, not ROCm) and
+    a small product of random levels, scales and zeros is the dequantized weight's."""
+    if torch.version.hip is not None or torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    try:
+        generator = torch.Generator().manual_seed(0)
+        q = torch.randint(-8, 8, (CUDA_INT4_OUTPUTS * 4, 256), dtype=torch.int8,
+                          generator=generator)
+        weight = QuantizedWeight(q, torch.rand(q.shape[0], 2, generator=generator) / 8,
+                                 torch.randint(-2, 3, (q.shape[0], 2), dtype=torch.int8,
+                                               generator=generator), 4)
+        x = torch.randn(3, 256, generator=generator).to(torch.bfloat16)
+        expected = x.float() @ weight.dequantized(torch.bfloat16).float().t()
+        product = Int4Linear(weight, torch.bfloat16, 128, device)(x.to(device)).float().cpu()
+        return bool(torch.allclose(product, expected, rtol=0.02, atol=0.02 * expected.abs().max()))
     except RuntimeError:
         return False
 
