@@ -175,7 +175,7 @@ class Controller:
             cool_heat=policy.cool_heat, metrics_port=pair.target_metrics_port,
             auto_gamma_max=pair.auto_gamma_max, proposer=pair.proposer,
             draft_head=pair.draft if pair.draft_is_head else None,  # (its features to send)
-            self_draft_layers=pair.self_draft_layers)
+            self_draft_layers=pair.self_draft_layers, ngram_sizes=pair.ngram_sizes)
 
     def _register(self, address: str) -> None:
         """Into the shared registry: routers find the replica there and keep it alive."""

@@ -83,6 +83,9 @@ class ModelPair(_Strict):
     proposer: ProposerKind = TargetWorkerConfig.proposer  # requests that name none
     # self-speculation: the target's own layers draft ("auto" or "0,1,5"; no draft model)
     self_draft_layers: Annotated[str, Field(pattern=r"^(auto|\d+(,\d+)*)$")] | None = None
+    # the n-gram lookup's shortest and longest match (vLLM's prompt_lookup_min/max)
+    ngram_sizes: tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]] = (
+        TargetWorkerConfig.ngram_sizes)
     device: str = "cpu"                               # "cuda" on GPU clusters
     dtype: str = "auto"
     # the target's, as vLLM's --quantization: fp8 quantizes an unquantized one as it loads
@@ -111,6 +114,8 @@ class ModelPair(_Strict):
             raise ValueError("drafts_per_target must be >= 1 when a draft model is given")
         if not self.draft and self.drafts_per_target:
             raise ValueError("drafts_per_target needs a draft model")
+        if self.ngram_sizes[0] > self.ngram_sizes[1]:
+            raise ValueError(f"ngram_sizes {list(self.ngram_sizes)}: [min, max], min <= max")
         if self.draft and self.self_draft_layers:
             raise ValueError("self_draft_layers: the target drafts with its own layers; "
                              "give no draft")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from outrider.core.sequence import ProposerKind
+from outrider.core.sequence import NGRAM_MAX, NGRAM_MIN, ProposerKind
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -154,6 +154,27 @@ def add_proposer_arg(p: argparse.ArgumentParser, default: str = "auto") -> None:
                         "over the request's own tokens), suffix (suffix match over the "
                         "request and recently served sequences) or lookahead (the target's "
                         "own guesses from its verification rows); default: " + default)
+    add_ngram_arg(p)
+
+
+def add_ngram_arg(p: argparse.ArgumentParser) -> None:
+    """--ngram-sizes: the n-gram lookup's (outrider/engine/lookup.py)."""
+    p.add_argument("--ngram-sizes", type=ngram_sizes, default=(NGRAM_MIN, NGRAM_MAX),
+                   metavar="MIN,MAX",
+                   help="the n-gram lookup's match: the longest n-gram of MIN to MAX tokens "
+                        "ending the request that occurred in it before (vLLM's "
+                        f"prompt_lookup_min/max; default {NGRAM_MIN},{NGRAM_MAX})")
+
+
+def ngram_sizes(text: str) -> tuple[int, int]:
+    """--ngram-sizes MIN,MAX as (MIN, MAX): 1 <= MIN <= MAX."""
+    try:
+        low, high = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: MIN,MAX (two integers)") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"{text!r}: needs 1 <= MIN <= MAX")
+    return low, high
 
 
 def add_self_draft_arg(p: argparse.ArgumentParser) -> None:

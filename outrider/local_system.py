@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from outrider.core.hf_config import head_kind
+from outrider.core.sequence import NGRAM_MAX, NGRAM_MIN
 from outrider.cpus import plan_cpus
 from outrider.flags import check_self_draft, resolve_device
 from outrider.launch import RestartPolicy, free_port, supervised_group
@@ -55,6 +56,7 @@ class LocalSystemConfig:
     tree_tokens: int = 0
     head_on_replicas: bool = False    # a head drafts on draft replicas, not in the target
     self_draft_layers: str | None = None  # the targets' own layers draft (layer_skip.py)
+    ngram_sizes: tuple[int, int] = (NGRAM_MIN, NGRAM_MAX)  # the targets' --ngram-sizes
     memory_utilization: float | None = None  # --gpu-memory-utilization: all replicas'
     #                                          share of the GPU, split (gpu_shares)
 
@@ -139,6 +141,7 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
         targets = tuple(run("target" if i == 0 else f"target-{i}", "target-worker",
                             "--model", cfg.target, "--tp", str(cfg.tp),
                             "--gamma", str(cfg.gamma), "--proposer", cfg.proposer, *model,
+                            "--ngram-sizes", ",".join(map(str, cfg.ngram_sizes)),
                             *(("--quantization", cfg.quantization) if cfg.quantization
                               else ()),
                             *target_share,

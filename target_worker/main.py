@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from outrider.target_worker.scheduler import SchedulerConfig
 
 from outrider.core.policy import MAX_GAMMA, MAX_QUEUED_PER_REPLICA, GammaPolicy, PolicyConfig
-from outrider.core.sequence import ProposerKind
+from outrider.core.sequence import NGRAM_MAX, NGRAM_MIN, ProposerKind
 from outrider.cpus import on_a_passing_thread
 from outrider.flags import (
     add_cpus_arg,
@@ -59,6 +59,7 @@ class TargetWorkerConfig:
     tree_tokens: int = 0
     # self-speculation: the target's own layers draft ("auto" or "0,1,5"; layer_skip.py)
     self_draft_layers: str | None = None
+    ngram_sizes: tuple[int, int] = (NGRAM_MIN, NGRAM_MAX)  # the n-gram lookup's matches
 
     def __post_init__(self) -> None:
         for name in ("gamma", "auto_gamma_max"):
@@ -103,7 +104,8 @@ class TargetWorkerConfig:
                    args.draft_dist_address, args.overlap_max_seqs, args.hot_heat,
                    args.cool_heat, args.metrics_port, args.auto_gamma_max,
                    ProposerKind.parse(args.proposer, "--proposer"), args.draft_head,
-                   args.tree_topk, args.tree_tokens, args.self_draft_layers)
+                   args.tree_topk, args.tree_tokens, args.self_draft_layers,
+                   args.ngram_sizes)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -244,7 +246,8 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
         from outrider.engine.layer_skip import layer_skip_proposer
 
         drafter = layer_skip_proposer(cfg.runner, group.runner, cfg.self_draft_layers)
-    proposer = ProposerMix(drafter, group.runner.vocab_size, cfg.proposer)
+    proposer = ProposerMix(drafter, group.runner.vocab_size, cfg.proposer,
+                           ngram_sizes=cfg.ngram_sizes)
     decoder = SpeculativeDecoder(group.runner, proposer, overlap_max_seqs=cfg.overlap_max_seqs,
                                  tree=cfg.tree)
     cost = measure_cost_model(group.runner, drafter, cfg.sched.max_batch_tokens)

@@ -251,20 +251,33 @@ def tools_offered_with_no_tool_choice_are_read_from_the_text(client):
 
 
 def test_a_speculative_config_stands_for_draft_gamma_and_proposer(capsys):
+    from outrider.target_worker.main import TargetWorkerConfig
+
     from outrider import paths
     from outrider.cli import build_parser
     from outrider.cli.common import model_dirs
+    from outrider.cli.roles import _local_system_config
+
+    def parsed(config: dict):
+        return build_parser("serve").parse_args(["serve", "--speculative-config",
+                                                 json.dumps(config)])
 
     def serve(config: dict):
-        args = build_parser("serve").parse_args(["serve", "--speculative-config",
-                                                 json.dumps(config)])
+        args = parsed(config)
         return model_dirs(args), args
 
     draft = str(paths.demo_draft_dir())
     (_, got), args = serve({"model": draft, "num_speculative_tokens": 3})
     assert (got, args.gamma, args.proposer) == (draft, 3, "model")
     (_, got), args = serve({"method": "ngram", "num_speculative_tokens": 5})
-    assert (got, args.gamma, args.proposer) == (None, 5, "ngram")
+    assert (got, args.gamma, args.proposer, args.ngram_sizes) == (None, 5, "ngram", (2, 5))
+    _, args = serve({"method": "ngram", "prompt_lookup_max": 4})  # vLLM's example's keys
+    assert args.ngram_sizes == (2, 4)
+    config = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    assert _local_system_config(parsed(config)).ngram_sizes == (1, 3)
+    worker = build_parser("target-worker").parse_args(["target-worker", "--model", draft,
+                                                       "--ngram-sizes", "1,3"])
+    assert TargetWorkerConfig.from_args(worker).ngram_sizes == (1, 3)
     head = str(paths.demo_head_dir())
     (_, got), args = serve({"method": "eagle3", "model": head, "num_speculative_tokens": 5})
     assert (got, args.gamma, args.proposer) == (head, 5, "model")
@@ -272,7 +285,10 @@ def test_a_speculative_config_stands_for_draft_gamma_and_proposer(capsys):
                          ({"method": "medusa", "model": head}, "holds no medusa head"),
                          ({"method": "mtp"}, "choose from"),
                          ({"method": "eagle3", "model": draft}, "holds no eagle3 head"),
-                         ({"method": "eagle", "model": head}, "holds no eagle1 head")):
+                         ({"method": "eagle", "model": head}, "holds no eagle1 head"),
+                         ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+                          "1 <= min <= max"),
+                         ({"model": draft, "prompt_lookup_max": 3}, "not taken")):
         with pytest.raises(SystemExit) as stop:
             serve(config)
         assert stop.value.code == 2 and says in capsys.readouterr().err, config

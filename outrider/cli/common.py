@@ -11,6 +11,7 @@ from pathlib import Path
 
 from outrider import paths
 from outrider.core.hf_config import head_kind
+from outrider.core.sequence import NGRAM_MAX, NGRAM_MIN
 from outrider.flags import (
     QUANTIZATION_METHODS,
     QUANTIZED_ON_LOAD,
@@ -117,6 +118,7 @@ def _check_quantization(method: str | None, target: Path) -> None:
 SPECULATIVE_METHODS = {"draft_model": "model", "ngram": "ngram", "suffix": "suffix",
                        "eagle3": "model", "eagle": "model", "medusa": "model",
                        "layer_skip": "model", "lookahead": "lookahead"}
+NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")  # vLLM's, for method "ngram"
 # method -> the head kind it names
 HEAD_METHODS = {"eagle3": "eagle3", "eagle": "eagle1", "medusa": "medusa"}
 
@@ -133,13 +135,19 @@ def speculative_config(text: str) -> dict:
     if method not in SPECULATIVE_METHODS:
         raise argparse.ArgumentTypeError(
             f"method {method!r}: choose from {', '.join(SPECULATIVE_METHODS)}")
-    taken = {"model", "num_speculative_tokens", "method"} if method != "layer_skip" else \
-        {"num_speculative_tokens", "method", "draft_layers"}
+    taken = ({"num_speculative_tokens", "method", "draft_layers"} if method == "layer_skip"
+             else {"num_speculative_tokens", "method", *NGRAM_KEYS} if method == "ngram"
+             else {"model", "num_speculative_tokens", "method"})
     unknown = sorted(set(config) - taken)
     if unknown:
         raise argparse.ArgumentTypeError(
             f"{', '.join(unknown)}: not taken (with method {method!r} Outrider takes "
             f"{', '.join(sorted(taken))})")
+    sizes = [config.get(key) for key in NGRAM_KEYS]
+    if any(size is not None and (not isinstance(size, int) or size < 1) for size in sizes) \
+            or (None not in sizes and sizes[0] > sizes[1]):
+        raise argparse.ArgumentTypeError(f"prompt_lookup_min {sizes[0]}, prompt_lookup_max "
+                                         f"{sizes[1]}: integers, 1 <= min <= max")
     layers = config.get("draft_layers", "auto")
     if layers != "auto" and not (isinstance(layers, list) and layers
                                  and all(isinstance(i, int) for i in layers)):
@@ -174,8 +182,19 @@ def _apply_speculative_config(args) -> None:
         layers = config.get("draft_layers", "auto")
         args.self_draft_layers = layers if layers == "auto" else ",".join(map(str, layers))
     args.gamma = config.get("num_speculative_tokens")
+    if any(key in config for key in NGRAM_KEYS):
+        args.ngram_sizes = ngram_sizes_of(config)
     if hasattr(args, "proposer"):
         args.proposer = proposer
+
+
+def ngram_sizes_of(config: dict) -> tuple[int, int]:
+    """vLLM's prompt_lookup_min/max as --ngram-sizes: one given alone bounds ours (2-5) on
+    its side, the other moved to meet it where they cross."""
+    low, high = (config.get(key) for key in NGRAM_KEYS)
+    if low is None:
+        return min(NGRAM_MIN, high), high
+    return low, high if high is not None else max(NGRAM_MAX, low)
 
 
 def stop_on_signals() -> threading.Event:

@@ -13,7 +13,7 @@ from outrider.cli.common import (
     client_tls,
     model_dirs,
 )
-from outrider.flags import PROPOSERS, add_self_draft_arg, tree_shape
+from outrider.flags import PROPOSERS, add_ngram_arg, add_self_draft_arg, tree_shape
 
 
 def generate_flags(gen: argparse.ArgumentParser) -> None:
@@ -35,6 +35,7 @@ def generate_flags(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--draft-kv-cache-mb", type=float, default=None,
                      help="KV budget of the draft with --local (default: --kv-cache-mb)")
     add_self_draft_arg(gen)
+    add_ngram_arg(gen)
     _add_sampling_args(gen)
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (token_ids, text, stats) instead of streaming")
@@ -140,6 +141,7 @@ def _local_engine(args):
                                          draft_kv_cache_mb=draft_kv,
                                          proposer=args.proposer or "auto",
                                          tree=tree_shape(args),
+                                         ngram_sizes=args.ngram_sizes,
                                          self_draft_layers=args.self_draft_layers
                                          if args.gamma else None))
 

@@ -133,6 +133,7 @@ def _local_system_config(args):
                              speculation_cache=args.speculation_cache,
                              cache_aware_sampling=args.cache_aware_sampling,
                              self_draft_layers=args.self_draft_layers if args.gamma else None,
+                             ngram_sizes=args.ngram_sizes,
                              # --gamma 0: no speculation, so nothing proposes
                              proposer=args.proposer if args.gamma else "model")
 

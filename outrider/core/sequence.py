@@ -29,6 +29,11 @@ class FinishReason(StrEnum):
     ERROR = "error"          # the replica failed it (the detail says why)
 
 
+# the n-gram lookup's shortest and longest match, by default (engine/lookup.py; here so
+# that the flags read them without numpy)
+NGRAM_MIN, NGRAM_MAX = 2, 5
+
+
 class ProposerKind(StrEnum):
     """What proposes a request's draft tokens (docs/DESIGN.md §2.8)."""
 

@@ -21,7 +21,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-NGRAM_MIN, NGRAM_MAX = 2, 5
+from outrider.core.sequence import NGRAM_MAX, NGRAM_MIN
+
 MAX_MATCH = 32         # suffix tokens compared at most
 MIN_SUFFIX_MATCH = 2   # shorter matches propose nothing
 SPEC_FACTOR = 2        # a suffix match of m tokens proposes at most 2m

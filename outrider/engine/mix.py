@@ -29,7 +29,14 @@ from outrider.core.sequence import ProposerKind, TeacherRow
 from outrider.core.stats import GRAMMAR_METHOD, MODEL_METHOD
 from outrider.engine.features import FeatureLog
 from outrider.engine.lookahead import Lookahead
-from outrider.engine.lookup import Lookup, SuffixCorpus, prompt_lookup, suffix_lookup
+from outrider.engine.lookup import (
+    NGRAM_MAX,
+    NGRAM_MIN,
+    Lookup,
+    SuffixCorpus,
+    prompt_lookup,
+    suffix_lookup,
+)
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal, Proposer, dense_q
 from outrider.engine.tree import chain, first_path
 
@@ -148,7 +155,8 @@ class ProposerMix:
 
     def __init__(self, model: Proposer | None, vocab_size: int,
                  default: ProposerKind = ProposerKind.AUTO,
-                 corpus: SuffixCorpus | None = None, grammars: Grammars | None = None) -> None:
+                 corpus: SuffixCorpus | None = None, grammars: Grammars | None = None,
+                 ngram_sizes: tuple[int, int] = (NGRAM_MIN, NGRAM_MAX)) -> None:
         if model is not None and model.vocab_size != vocab_size:
             raise ValueError(f"draft and target have different vocabularies "
                              f"({model.vocab_size} vs {vocab_size} tokens)")
@@ -162,6 +170,7 @@ class ProposerMix:
         self.continues = model is None or model.reads_target is None
         self.features = FeatureLog()  # a head's, of tokens it has not been sent
         self.grammars = grammars  # the target's: constrained requests' lookups keep to them
+        self.ngram_sizes = ngram_sizes  # the n-gram lookup's shortest and longest match
 
     # -- Proposer ----------------------------------------------------------------------------
     @property
@@ -322,7 +331,7 @@ class ProposerMix:
     def _look_up(self, kind: ProposerKind, tokens: list[int], gamma: int) -> Lookup:
         context = np.asarray(tokens, dtype=np.int64)
         if kind is ProposerKind.NGRAM:
-            return prompt_lookup(context, gamma)
+            return prompt_lookup(context, gamma, *self.ngram_sizes)
         return suffix_lookup(context, gamma, self.corpus)
 
     def _within_grammar(self, item: DraftItem, context: list[int],

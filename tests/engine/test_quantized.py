@@ -184,6 +184,9 @@ def test_int8_inputs_are_batch_invariant_and_exact(input_scale, in_features):
     assert torch.allclose(together.double(), expected, rtol=1e-5, atol=1e-6)
     in_bf16 = Int8Int8Linear(weight, torch.bfloat16)
     assert torch.equal(in_bf16(x.bfloat16()), together.bfloat16())
+    by_onednn = Int8Int8Linear(weight, torch.float16)  # (a float16 model's: never AMX's)
+    assert not by_onednn.amx and torch.equal(by_onednn(x), together)
+    assert product(x[:0]).shape == (0, 48)
 
 
 @needs_int8_gemm

@@ -101,7 +101,7 @@ at::Tensor int8_gemm(const at::Tensor& levels, const at::Tensor& row_scale,
                      const at::Tensor& packed, const at::Tensor& weight_scale,
                      const at::Tensor& like) {
   check(levels.dim() == 2 && levels.is_contiguous() && levels.scalar_type() == at::kChar &&
-            levels.size(0) > 0 && levels.size(1) % kDepth == 0,
+            levels.size(1) % kDepth == 0,
         "levels: [rows, in] int8, contiguous, in a multiple of 64");
   const int64_t m = levels.size(0), in = levels.size(1);
   check(row_scale.is_contiguous() && row_scale.numel() == m &&
@@ -118,6 +118,7 @@ at::Tensor int8_gemm(const at::Tensor& levels, const at::Tensor& row_scale,
   const Product p{levels.data_ptr<int8_t>(), row_scale.data_ptr<float>(),
                   packed.data_ptr<int8_t>(), weight_scale.data_ptr<float>(), m, in, out};
   at::Tensor y = at::empty({m, out}, like.options());
+  if (m == 0) return y;  // (tiles of no rows are not a configuration)
   const int64_t slabs = (blocks + kSlab - 1) / kSlab;
   at::parallel_for(0, slabs, 1, [&](int64_t begin, int64_t end) {
     configure_tiles(std::min<int64_t>(m, kTileRows));

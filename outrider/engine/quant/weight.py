@@ -247,9 +247,11 @@ class Int8Int8Linear:
     Integer sums are exact, so a row's output never depends on the rows beside it (batch
     invariance, which exact speculation needs: never a scale per batch). The sums come
     from Outrider's AMX kernel (kernels/int8_gemm.cpp) where the CPU has AMX-INT8, else
-    from oneDNN's int8 GEMM (VNNI); both give the same bits. Two threads, 5,632 x 1,024,
-    bf16 (ms): 0.10 / 0.15 / 0.17 / 0.40 by AMX at 1 / 16 / 32 / 128 rows, 0.24 / 0.39 /
-    0.37 / 0.81 by oneDNN, 0.44 / 0.45 / 0.51 / 0.94 for the bfloat16 weight."""
+    from oneDNN's int8 GEMM (VNNI; and for other dtypes, outputs not a multiple of 16 or
+    inputs not of 64: a tensor-parallel shard's, say); both give the same bits. Two
+    threads, 5,632 x 1,024, bf16 (ms): 0.10 / 0.15 / 0.17 / 0.40 by AMX at 1 / 16 / 32 /
+    128 rows, 0.24 / 0.39 / 0.37 / 0.81 by oneDNN, 0.44 / 0.45 / 0.51 / 0.94 for the
+    bfloat16 weight."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> None:
         out_features, in_features = weight.shape
@@ -279,7 +281,7 @@ def int8_layout(q: torch.Tensor) -> torch.Tensor:
     """int8 levels [out, in] as int8_gemm's AMX operand [out / 16, in / 4, 64]: for each
     16 outputs and 4 inputs, output j's 4 weights at bytes 4 j ... 4 j + 3."""
     out_features, in_features = q.shape
-    return (q.view(out_features // INT8_BLOCK, INT8_BLOCK, in_features // 4, 4)
+    return (q.contiguous().view(out_features // INT8_BLOCK, INT8_BLOCK, in_features // 4, 4)
             .permute(0, 2, 1, 3).reshape(out_features // INT8_BLOCK, in_features // 4, -1)
             .contiguous())
 
@@ -541,9 +543,23 @@ def _warn_inputs_kept() -> None:
 
 def has_int8_amx() -> bool:
     """Whether Outrider's AMX int8 kernel runs here: the CPU kernels loaded, built for a
-    CPU with AMX-INT8, and the tiles lent by the kernel."""
-    return cpu_kernels_loaded() and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "outrider_cpu::int8_gemm", "CPU")
+    CPU with AMX-INT8, and the tiles lent by the OS (Linux from 5.16; a sandbox may
+    refuse): a product of the largest levels comes out exact."""
+    return cpu_kernels_loaded() and _int8_amx_runs()
+
+
+@functools.cache
+def _int8_amx_runs() -> bool:
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("outrider_cpu::int8_gemm", "CPU"):
+        return False
+    weight = torch.full((INT8_BLOCK, INT8_DEPTH), -128, dtype=torch.int8)
+    levels = torch.full((3, INT8_DEPTH), 127, dtype=torch.int8)
+    try:
+        product = torch.ops.outrider_cpu.int8_gemm(levels, torch.ones(3, 1), int8_layout(weight),
+                                                   torch.ones(INT8_BLOCK), torch.ones(1))
+    except RuntimeError:  # the tiles refused
+        return False
+    return torch.equal(product, torch.full((3, INT8_BLOCK), 127.0 * -128 * INT8_DEPTH))
 
 
 def has_int4_gemm() -> bool:
@@ -567,9 +583,10 @@ def has_int8_gemm() -> bool:
         return False
     try:
         q = torch.full((16, 64), -128, dtype=torch.int8)
-        product = Int8Int8Linear(QuantizedWeight(q, torch.ones(16, 1), None, 8, None, True,
-                                                 input_scale=1.0))
         x = torch.full((3, 64), 127.0)  # [3, 64]: levels 127 (the static scale 1)
-        return bool(torch.equal(product(x), torch.full((3, 16), 127.0 * -128 * 64)))
+        product = _int8_int8_matmul_eager(x, torch.ops.onednn.qlinear_prepack(q, None),
+                                          torch.ones(16), torch.zeros(16, dtype=torch.long),
+                                          1.0)
+        return bool(torch.equal(product, torch.full((3, 16), 127.0 * -128 * 64)))
     except (AttributeError, RuntimeError):
         return False
