@@ -241,7 +241,7 @@ class DraftService(worker_pb2_grpc.DraftServicer):
                              max_model_len=self.drafter.max_model_len,
                              num_dense_sends=self.num_dense_sends,
                              model_name=self.drafter.model_name,
-                             method=self.drafter.method,
+                             method=proposer.method,
                              feature_width=self._feature_width,
                              speculation_cache=self._caching)
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from outrider.core.sampling import SamplingParams
+from outrider.core.stats import CROSS_VOCAB_METHOD
 from outrider.core.tokenizer import Tokenizer, TokenizerError
 from outrider.engine.drafter import Drafter
 from outrider.engine.features import FeatureTap
@@ -166,7 +167,7 @@ class CrossVocabDrafter:
     target_topk = property(lambda self: 0)
     drafts_trees = property(lambda self: False)
     prepares_ahead = property(lambda self: False)
-    method = property(lambda self: self.inner.method)
+    method = property(lambda self: CROSS_VOCAB_METHOD)  # counted apart from same-vocab drafts
 
     @property
     def reads_target(self) -> FeatureTap | None:

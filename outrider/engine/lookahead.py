@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from outrider.engine.lookup import Lookup, prompt_lookup
+from outrider.engine.lookup import NGRAM_MAX, NGRAM_MIN, Lookup, prompt_lookup
 
 NGRAM = 4           # pool entries: the N - 1 tokens guessed after a token
 POOL_ENTRIES = 512  # per sequence, least recently used dropped
@@ -42,13 +42,15 @@ class Lookahead:
 
     pool: OrderedDict[int, list[int]] = field(default_factory=OrderedDict)
 
-    def propose(self, context: list[int], guesses: list[int], gamma: int) -> Lookup:
+    def propose(self, context: list[int], guesses: list[int], gamma: int,
+                ngram_sizes: tuple[int, int] = (NGRAM_MIN, NGRAM_MAX)) -> Lookup:
         """Up to γ tokens to follow `context` (the text now), and the match length they
-        count as; `guesses`: the target's for the positions after it, pooled."""
+        count as; `guesses`: the target's for the positions after it, pooled;
+        `ngram_sizes`: the text's own n-gram lookup's (lookup.prompt_lookup)."""
         trajectory = context[-1:] + list(guesses)
         for k in range(len(trajectory) - 1):  # each guess's followers, by the token before
             self._pool(trajectory[k], trajectory[k + 1:k + NGRAM])
-        looked_up = prompt_lookup(np.asarray(context, dtype=np.int64), gamma)
+        looked_up = prompt_lookup(np.asarray(context, dtype=np.int64), gamma, *ngram_sizes)
         if looked_up.tokens:  # the text's own continuation: better evidence than a guess
             return looked_up
         if guesses:

@@ -311,8 +311,8 @@ class ProposerMix:
         if plan.item.forced:
             plan.free, plan.free_kind = list(plan.item.forced), GRAMMAR_METHOD
         elif kind is ProposerKind.LOOKAHEAD:
-            plan.free, plan.free_match = held.lookahead.propose(held.tokens,
-                                                                plan.item.guesses, gamma)
+            plan.free, plan.free_match = held.lookahead.propose(
+                held.tokens, plan.item.guesses, gamma, self.ngram_sizes)
             plan.free = self._within_grammar(plan.item, held.tokens, plan.free)
             plan.free_kind = kind.value if plan.free else ""
         elif kind is not ProposerKind.MODEL:

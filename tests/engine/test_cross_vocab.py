@@ -12,6 +12,7 @@ import random
 import pytest
 
 from outrider.core.sampling import SamplingParams
+from outrider.core.stats import CROSS_VOCAB_METHOD, MODEL_METHOD
 from outrider.core.tokenizer import Tokenizer
 from outrider.engine.cross_vocab import (
     CrossVocabDrafter,
@@ -105,6 +106,7 @@ def test_greedy_output_is_the_targets_and_the_draft_is_kept(llama_dir, cross_dra
     assert [s.output_ids for s in spec] == plain
     accepted = sum(s.stats.num_accepted_tokens for s in spec)
     assert 0 < accepted < sum(s.stats.num_draft_tokens for s in spec)
+    assert {m for s in spec for m in s.stats.by_proposer} == {CROSS_VOCAB_METHOD}
     assert target.blocks.num_used_blocks == 0 == drafter.inner.runner.blocks.num_used_blocks
 
 
@@ -142,6 +144,7 @@ def test_one_draft_replica_drafts_for_targets_of_two_vocabularies(llama_dir, cro
             remote = RemoteDrafter([running.address], "cross-vocab", f"t{k}-",
                                    target_vocab=vocab_fingerprint(str(target_dir)))
             decoder = SpeculativeDecoder(target, remote)
+            assert remote.method == (CROSS_VOCAB_METHOD if k == 0 else MODEL_METHOD)
             for params in (SamplingParams(max_tokens=24, ignore_eos=True),
                            SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8,
                                           seed=11)):

@@ -52,8 +52,8 @@ def test_greedy_output_is_the_targets_and_the_guesses_are_kept(demo_target, monk
     guessed: list[list[int]] = []
     propose = Lookahead.propose
 
-    def noting(self, context, guesses, gamma):
-        out = propose(self, context, guesses, gamma)
+    def noting(self, context, guesses, gamma, *sizes):
+        out = propose(self, context, guesses, gamma, *sizes)
         if guesses and out[0] == guesses[:gamma]:
             guessed.append(out[0])
         return out
