@@ -267,7 +267,8 @@ def test_a_speculative_config_stands_for_draft_gamma_and_proposer(capsys):
         return model_dirs(args), args
 
     draft = str(paths.demo_draft_dir())
-    (_, got), args = serve({"model": draft, "num_speculative_tokens": 3})
+    (_, got), args = serve({"model": draft, "num_speculative_tokens": 3,
+                            "draft_tensor_parallel_size": 1, "use_heterogeneous_vocab": True})
     assert (got, args.gamma, args.proposer) == (draft, 3, "model")
     (_, got), args = serve({"method": "ngram", "num_speculative_tokens": 5})
     assert (got, args.gamma, args.proposer, args.ngram_sizes) == (None, 5, "ngram", (2, 5))
@@ -288,7 +289,8 @@ def test_a_speculative_config_stands_for_draft_gamma_and_proposer(capsys):
                          ({"method": "eagle", "model": head}, "holds no eagle1 head"),
                          ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2},
                           "1 <= min <= max"),
-                         ({"model": draft, "prompt_lookup_max": 3}, "not taken")):
+                         ({"model": draft, "prompt_lookup_max": 3}, "not taken"),
+                         ({"model": draft, "draft_tensor_parallel_size": 2}, "run whole")):
         with pytest.raises(SystemExit) as stop:
             serve(config)
         assert stop.value.code == 2 and says in capsys.readouterr().err, config

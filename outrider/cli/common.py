@@ -119,6 +119,8 @@ SPECULATIVE_METHODS = {"draft_model": "model", "ngram": "ngram", "suffix": "suff
                        "eagle3": "model", "eagle": "model", "medusa": "model",
                        "layer_skip": "model", "lookahead": "lookahead"}
 NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")  # vLLM's, for method "ngram"
+# vLLM's, for a draft model or head, taken as far as _check_vllm_values says
+DRAFT_MODEL_KEYS = ("draft_tensor_parallel_size", "use_heterogeneous_vocab")
 # method -> the head kind it names
 HEAD_METHODS = {"eagle3": "eagle3", "eagle": "eagle1", "medusa": "medusa"}
 
@@ -137,17 +139,13 @@ def speculative_config(text: str) -> dict:
             f"method {method!r}: choose from {', '.join(SPECULATIVE_METHODS)}")
     taken = ({"num_speculative_tokens", "method", "draft_layers"} if method == "layer_skip"
              else {"num_speculative_tokens", "method", *NGRAM_KEYS} if method == "ngram"
-             else {"model", "num_speculative_tokens", "method"})
+             else {"model", "num_speculative_tokens", "method", *DRAFT_MODEL_KEYS})
     unknown = sorted(set(config) - taken)
     if unknown:
         raise argparse.ArgumentTypeError(
             f"{', '.join(unknown)}: not taken (with method {method!r} Outrider takes "
             f"{', '.join(sorted(taken))})")
-    sizes = [config.get(key) for key in NGRAM_KEYS]
-    if any(size is not None and (not isinstance(size, int) or size < 1) for size in sizes) \
-            or (None not in sizes and sizes[0] > sizes[1]):
-        raise argparse.ArgumentTypeError(f"prompt_lookup_min {sizes[0]}, prompt_lookup_max "
-                                         f"{sizes[1]}: integers, 1 <= min <= max")
+    _check_vllm_values(config)
     layers = config.get("draft_layers", "auto")
     if layers != "auto" and not (isinstance(layers, list) and layers
                                  and all(isinstance(i, int) for i in layers)):
@@ -161,6 +159,24 @@ def speculative_config(text: str) -> dict:
             f"method {method!r}: {config['model']} holds no {HEAD_METHODS[method]} head "
             f"(its config.json's architectures)")
     return config
+
+
+def _check_vllm_values(config: dict) -> None:
+    """vLLM's keys whose values Outrider takes only in part: the n-gram sizes; a draft's
+    tensor-parallel size (draft replicas run whole: 1); heterogeneous vocabularies (a
+    draft of another tokenizer is bridged whenever the tokenizers differ, §2.9)."""
+    sizes = [config.get(key) for key in NGRAM_KEYS]
+    if any(size is not None and (not isinstance(size, int) or size < 1) for size in sizes) \
+            or (None not in sizes and sizes[0] > sizes[1]):
+        raise argparse.ArgumentTypeError(f"prompt_lookup_min {sizes[0]}, prompt_lookup_max "
+                                         f"{sizes[1]}: integers, 1 <= min <= max")
+    if config.get("draft_tensor_parallel_size", 1) != 1:
+        raise argparse.ArgumentTypeError(
+            f"draft_tensor_parallel_size {config['draft_tensor_parallel_size']}: drafts run "
+            f"whole on their replicas (1; add replicas with --draft-replicas)")
+    if not isinstance(config.get("use_heterogeneous_vocab", False), bool):
+        raise argparse.ArgumentTypeError("use_heterogeneous_vocab: true or false (a draft of "
+                                         "another tokenizer is bridged either way)")
 
 
 def _apply_speculative_config(args) -> None:
