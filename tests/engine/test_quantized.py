@@ -43,6 +43,7 @@ from outrider.engine.quant.weight import (
     Int8Int8Linear,
     Int8Linear,
     QuantizedWeight,
+    _int8_cuda_matmul,
     cpu_kernel,
     fp8_on_load,
     fp8_rows,
@@ -186,6 +187,10 @@ def test_int8_inputs_are_batch_invariant_and_exact(input_scale, in_features):
     assert torch.equal(in_bf16(x.bfloat16()), together.bfloat16())
     by_onednn = Int8Int8Linear(weight, torch.float16)  # (a float16 model's: never AMX's)
     assert not by_onednn.amx and torch.equal(by_onednn(x), together)
+    # CUDA's path (torch._int_mm, rows padded past 16) computed here by torch's CPU _int_mm
+    for rows in (1, 17, 40):
+        assert torch.equal(_int8_cuda_matmul(x[:rows], q.t(), product.weight_scale,
+                                             input_scale), together[:rows])
     assert product(x[:0]).shape == (0, 48)
 
 

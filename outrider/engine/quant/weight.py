@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from outrider.engine.compiled import onednn_pieces
 from outrider.engine.kernels import cpu_flags, cpu_kernels_loaded, runs_kernels
@@ -29,6 +30,7 @@ INT4_ROWS = 16                    # its output features come in multiples of thi
 INT4_GEMM_MAX_GROUP = 256         # int4_gemm's largest group (a multiple of 4)
 INT8_BLOCK, INT8_DEPTH = 16, 64   # int8_gemm's outputs a block, inputs a tile product
 CPU = torch.device("cpu")
+CUDA_INT8_MIN_ROWS, CUDA_INT8_MULTIPLE = 16, 8  # torch._int_mm on CUDA: rows > 16, dims % 8
 CUDA_INT4_OUTPUTS = 8             # tinygemm's output features come in multiples of this
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # the smallest scale a row or weight gets (vLLM's: an all-zero input still divides)
@@ -248,20 +250,26 @@ class Int8Int8Linear:
     invariance, which exact speculation needs: never a scale per batch). The sums come
     from Outrider's AMX kernel (kernels/int8_gemm.cpp) where the CPU has AMX-INT8, else
     from oneDNN's int8 GEMM (VNNI; and for other dtypes, outputs not a multiple of 16 or
-    inputs not of 64: a tensor-parallel shard's, say); both give the same bits. Two
+    inputs not of 64: a tensor-parallel shard's, say); both give the same bits. On CUDA
+    (a device `has_cuda_int8_gemm`), from torch._int_mm (cuBLASLt's int8 GEMM). Two
     threads, 5,632 x 1,024, bf16 (ms): 0.10 / 0.15 / 0.17 / 0.40 by AMX at 1 / 16 / 32 /
     128 rows, 0.24 / 0.39 / 0.37 / 0.81 by oneDNN, 0.44 / 0.45 / 0.51 / 0.94 for the
     bfloat16 weight."""
 
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype = torch.float32,
+                 device: torch.device = CPU) -> None:
         out_features, in_features = weight.shape
-        self.weight_scale = weight.scale[:, 0].float().contiguous()  # [out]
+        self.weight_scale = weight.scale[:, 0].float().contiguous().to(device)  # [out]
         self.input_scale, self.numel = weight.input_scale, weight.q.numel()
         self.shape = weight.shape  # [out, in]
         self.nbytes = _nbytes(weight.q, self.weight_scale)
-        self.amx = (dtype in (torch.bfloat16, torch.float32) and has_int8_amx()
-                    and out_features % INT8_BLOCK == 0 and in_features % INT8_DEPTH == 0)
-        if self.amx:
+        self.cuda = device.type == "cuda"
+        self.amx = (not self.cuda and dtype in (torch.bfloat16, torch.float32)
+                    and has_int8_amx() and out_features % INT8_BLOCK == 0
+                    and in_features % INT8_DEPTH == 0)
+        if self.cuda:  # [in, out], column-major: the int8 layout cuBLASLt multiplies
+            self.weight_t = weight.q.to(device).t()
+        elif self.amx:
             self.packed = int8_layout(weight.q)
         else:
             self.packed = torch.ops.onednn.qlinear_prepack(weight.q.contiguous(), None)
@@ -270,6 +278,8 @@ class Int8Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in] -> [rows, out]
         compiling = torch.compiler.is_compiling()
+        if self.cuda:
+            return _int8_cuda_matmul(x, self.weight_t, self.weight_scale, self.input_scale)
         if self.amx:
             matmul = _int8_amx_matmul if compiling else _int8_amx_matmul_eager
             return matmul(x, self.packed, self.weight_scale, self.input_scale)
@@ -348,6 +358,19 @@ def _int8_amx_matmul_eager(x: torch.Tensor, packed: torch.Tensor, weight_scale: 
     return torch.ops.outrider_cpu.int8_gemm(levels, scale, packed, weight_scale, x)
 
 
+def _int8_cuda_matmul(x: torch.Tensor, weight_t: torch.Tensor, weight_scale: torch.Tensor,
+                      input_scale: float | None) -> torch.Tensor:
+    """x [rows, in] on CUDA -> [rows, out]: its int8 rows by torch._int_mm, which takes
+    more than CUDA_INT8_MIN_ROWS rows (fewer are padded with zero rows, their sums
+    dropped), then float(sum) * weight scale * row scale as on CPU."""
+    levels, scale = _quantized_rows(x, input_scale)  # [rows, in] int8, [rows, 1]
+    rows = x.shape[0]
+    if rows <= CUDA_INT8_MIN_ROWS:
+        levels = F.pad(levels, (0, 0, 0, CUDA_INT8_MIN_ROWS + 1 - rows))
+    sums = torch._int_mm(levels, weight_t)[:rows]  # [rows, out] int32
+    return (sums.float() * weight_scale * scale).to(x.dtype)
+
+
 def _quantized_rows(x: torch.Tensor, input_scale: float | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, in] -> its int8 levels [rows, in] and their scale [rows, 1]."""
@@ -355,7 +378,7 @@ def _quantized_rows(x: torch.Tensor, input_scale: float | None
         # magnitude over half the 256 levels (that level then clamps to 127)
         scale = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-12) / 127.5
     else:
-        scale = torch.full((x.shape[0], 1), input_scale, dtype=torch.float32)
+        scale = torch.full((x.shape[0], 1), input_scale, dtype=torch.float32, device=x.device)
     return (x.float() / scale).round_().clamp_(-128, 127).to(torch.int8), scale
 
 
@@ -457,15 +480,17 @@ def cpu_kernel(weight: QuantizedWeight, dtype: torch.dtype
 
 
 def gpu_kernel(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
-               ) -> Fp8Linear | Int4Linear | None:
+               ) -> Fp8Linear | Int4Linear | Int8Int8Linear | None:
     """The CUDA matmul for `weight` that keeps it quantized, or None: it is then
     dequantized. FP8 values with a scale a row, in bfloat16, on a device with FP8 tensor
     cores, in the shapes _scaled_mm takes, where a small product of it runs; 4-bit levels
     in bfloat16 by tinygemm where its groups and shapes fit and a small product of it is
-    right (not act-order's scattered groups). A dequantized FP8 layer says so once (no
-    memory or time saved)."""
+    right (not act-order's scattered groups); W8A8 by torch._int_mm. A dequantized FP8
+    layer says so once (no memory or time saved)."""
     if weight.bits == 4 and not weight.is_fp8:
         return _cuda_int4(weight, dtype, device)
+    if weight.bits == 8 and weight.int8_inputs and not weight.is_fp8:
+        return _cuda_int8(weight, dtype, device)
     if not weight.is_fp8:
         return None
     if weight.scale.shape[1] > 1 or dtype != torch.bfloat16 or any(
@@ -473,6 +498,18 @@ def gpu_kernel(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
         _warn_fp8_dequantized(str(dtype).removeprefix("torch."))
         return None
     return Fp8Linear(weight, device)
+
+
+def _cuda_int8(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
+               ) -> Int8Int8Linear | None:
+    """W8A8 as on CPU, by torch._int_mm: a symmetric per-channel weight, dimensions
+    multiples of 8 (cuBLASLt's), where a product of the largest levels is exact."""
+    if (weight.scale.shape[1] > 1 or weight.zero is not None
+            or weight.group_of_column is not None
+            or any(n % CUDA_INT8_MULTIPLE for n in weight.shape)
+            or not has_cuda_int8_gemm(device)):
+        return None
+    return Int8Int8Linear(weight, dtype, device)
 
 
 def _cuda_int4(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
@@ -502,6 +539,22 @@ def has_fp8_gemm(device: torch.device) -> bool:
                             device)
         x = torch.ones(3, FP8_GEMM_MULTIPLE, dtype=torch.bfloat16, device=device)
         return bool((product(x) == FP8_GEMM_MULTIPLE).all())
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def has_cuda_int8_gemm(device: torch.device) -> bool:
+    """Whether torch._int_mm runs on `device` (CUDA, not ROCm) and sums the largest
+    products (levels 127 by -128) exactly."""
+    if torch.version.hip is not None:
+        return False
+    try:
+        q = torch.full((CUDA_INT8_MULTIPLE * 2, 64), -128, dtype=torch.int8)
+        product = Int8Int8Linear(QuantizedWeight(q, torch.ones(q.shape[0], 1), None, 8, None,
+                                                 True, input_scale=1.0), torch.bfloat16, device)
+        x = torch.full((3, 64), 127.0, device=device)  # levels 127 (the static scale 1)
+        return bool(torch.equal(product(x).cpu(), torch.full((3, q.shape[0]), 127.0 * -128 * 64)))
     except RuntimeError:
         return False
 
