@@ -163,7 +163,8 @@ def add_ngram_arg(p: argparse.ArgumentParser) -> None:
                    metavar="MIN,MAX",
                    help="the n-gram lookup's match: the longest n-gram of MIN to MAX tokens "
                         "ending the request that occurred in it before (vLLM's "
-                        f"prompt_lookup_min/max; default {NGRAM_MIN},{NGRAM_MAX})")
+                        f"prompt_lookup_min/max; generate: with --local; default "
+                        f"{NGRAM_MIN},{NGRAM_MAX})")
 
 
 def ngram_sizes(text: str) -> tuple[int, int]:

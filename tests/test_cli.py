@@ -272,7 +272,7 @@ def test_a_speculative_config_stands_for_draft_gamma_and_proposer(capsys):
     assert (got, args.gamma, args.proposer) == (draft, 3, "model")
     (_, got), args = serve({"method": "ngram", "num_speculative_tokens": 5})
     assert (got, args.gamma, args.proposer, args.ngram_sizes) == (None, 5, "ngram", (2, 5))
-    _, args = serve({"method": "ngram", "prompt_lookup_max": 4})  # vLLM's example's keys
+    _, args = serve({"method": "ngram", "prompt_lookup_max": 4})  # (vLLM's would be 4, 4)
     assert args.ngram_sizes == (2, 4)
     config = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     assert _local_system_config(parsed(config)).ngram_sizes == (1, 3)

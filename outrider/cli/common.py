@@ -166,11 +166,11 @@ def _check_vllm_values(config: dict) -> None:
     tensor-parallel size (draft replicas run whole: 1); heterogeneous vocabularies (a
     draft of another tokenizer is bridged whenever the tokenizers differ, §2.9)."""
     sizes = [config.get(key) for key in NGRAM_KEYS]
-    if any(size is not None and (not isinstance(size, int) or size < 1) for size in sizes) \
+    if any(size is not None and (type(size) is not int or size < 1) for size in sizes) \
             or (None not in sizes and sizes[0] > sizes[1]):
         raise argparse.ArgumentTypeError(f"prompt_lookup_min {sizes[0]}, prompt_lookup_max "
                                          f"{sizes[1]}: integers, 1 <= min <= max")
-    if config.get("draft_tensor_parallel_size", 1) != 1:
+    if config.get("draft_tensor_parallel_size") not in (None, 1):
         raise argparse.ArgumentTypeError(
             f"draft_tensor_parallel_size {config['draft_tensor_parallel_size']}: drafts run "
             f"whole on their replicas (1; add replicas with --draft-replicas)")

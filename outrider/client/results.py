@@ -20,7 +20,8 @@ class Round:
     # the first num_free were looked up ("ngram", "suffix", "lookahead") or forced by the grammar
     free_kind: str = ""   # ("grammar"), the rest drafted by the model:
     num_free: int = 0
-    model_method: str = "draft_model"  # a draft model, or a head: "eagle3", "eagle", "medusa"
+    model_method: str = "draft_model"  # a draft model, or "eagle3", "eagle", "medusa" (a
+    #                                    head), "layer_skip", "cross_vocab"
     tree_nodes: int = 0   # a token tree's nodes verified (gamma: its depth); 0: a chain
     cache_rank: int = 0   # its drafts came ready from the speculation cache (its n-th
     #                       likeliest outcome); 0: drafted when asked

@@ -81,8 +81,8 @@ class SpecStats:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     counts: AcceptanceCounts = field(default_factory=lambda: AcceptanceCounts([], []))
-    # the totals per proposer ("draft_model" or a head's method, "ngram", "suffix",
-    # "grammar"): [drafted, accepted]
+    # the totals per proposer ("draft_model", a head's method, "layer_skip", "cross_vocab",
+    # "ngram", "suffix", "lookahead", "grammar"): [drafted, accepted]
     by_proposer: dict[str, list[int]] = field(default_factory=dict)
 
     def record(self, num_draft: int, num_accepted: int, free_kind: str = "",

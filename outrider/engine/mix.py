@@ -170,6 +170,8 @@ class ProposerMix:
         self.continues = model is None or model.reads_target is None
         self.features = FeatureLog()  # a head's, of tokens it has not been sent
         self.grammars = grammars  # the target's: constrained requests' lookups keep to them
+        if not 1 <= ngram_sizes[0] <= ngram_sizes[1]:
+            raise ValueError(f"n-gram sizes {ngram_sizes}: 1 <= MIN <= MAX")
         self.ngram_sizes = ngram_sizes  # the n-gram lookup's shortest and longest match
 
     # -- Proposer ----------------------------------------------------------------------------

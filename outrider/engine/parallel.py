@@ -179,9 +179,10 @@ _WEIGHTS_DEFERRED = contextvars.ContextVar("linear weights deferred", default=Fa
 def linear_weights_deferred(deferred: bool = True):
     """Linear layers built inside leave their dense weight unallocated (on the meta
     device) until a dense tensor is stored in it or a quantized one is dequantized into
-    it. A quantized checkpoint then loads within its own size plus a layer, where
-    allocating every dense weight first would take the bf16 model's (a 70B model's 140 GB
-    for its 35 GB of 4-bit levels)."""
+    it; and a layer is settled (its kernel's form made) as soon as its parts are in. A
+    quantized checkpoint then loads within its kernels' size plus a layer's unpacked
+    levels, where allocating every dense weight first took the bf16 model's (a 70B
+    model's 140 GB for its 35 GB of 4-bit levels)."""
     token = _WEIGHTS_DEFERRED.set(deferred)
     try:
         yield
@@ -212,6 +213,8 @@ class ReplicatedLinear(PackedForCPU, nn.Module):
         part is kept until every part is in: settle_quantized)."""
         if isinstance(value, QuantizedWeight):
             self.quantized_parts.append((first_row, value))
+            if sum(part.shape[0] for _, part in self.quantized_parts) == self.weight.shape[0]:
+                self.settle_quantized()  # now: its unpacked levels go as the checkpoint is read
         else:
             param = self.allocated_weight() if param.is_meta else param
             param.data.narrow(0, first_row, value.shape[0]).copy_(value)

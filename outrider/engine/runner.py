@@ -133,6 +133,10 @@ class ModelRunner:
         if cfg.tp != self.tp.size:
             raise ModelConfigError(f"tp={cfg.tp} but the process group has {self.tp.size} ranks")
         self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" (--device auto's) named: set_device refuses a device without an
+            # index, and the kernels' probes are kept per device
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type == "cuda":
             # cuDNN's SDPA builds an execution plan per shape, and a ragged batch's shapes
             # change every step: 5-9 ms of CPU a call on an H100 in bfloat16 (10x the
@@ -222,8 +226,8 @@ class ModelRunner:
 
     def served(self, model: torch.nn.Module) -> torch.nn.Module:
         """`model` as this runner serves it: eval mode, CPU linears prepacked; on a GPU
-        the dense copies of weights kept quantized handed back to the device (the KV
-        cache is sized from what is left)."""
+        the memory freed while loading handed back to the device (the KV cache is sized
+        from what is left)."""
         if self.device.type == "cpu":
             for module in model.modules():
                 if isinstance(module, PackedForCPU):

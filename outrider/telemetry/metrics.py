@@ -38,8 +38,9 @@ ENGINE = ["model_name", "engine"]
 MODEL = ["model_name"]
 
 # -- target replicas (vLLM's engine metrics) ----------------------------------------------
-# by proposer: method "draft_model" (or a head's "eagle3", "eagle", "medusa", or the
-# target's own layers' "layer_skip", bound when it first drafts), "ngram", "suffix",
+# by proposer: method "draft_model" (or a head's "eagle3", "eagle", "medusa", the
+# target's own layers' "layer_skip", a draft of another tokenizer's "cross_vocab", bound
+# when it first drafts), "ngram", "suffix",
 # "lookahead" or "grammar" (tokens a grammar forced) (a round's first proposal's, for num_drafts; a
 # round whose looked-up or forced tokens the model continued counts its tokens under both)
 METHODS = ("draft_model", "ngram", "suffix", "lookahead", "grammar")

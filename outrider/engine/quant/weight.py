@@ -7,9 +7,10 @@ loaders slice it like a dense weight (rows for column-parallel layers, whole gro
 columns for row-parallel ones) and a fused layer's parts are stacked by row; once
 loaded, a CPU layer multiplies with Outrider's 4-bit kernel (kernels/int4_gemm.cpp) or
 torch's int4 or int8 weight-packed kernels (never a float weight in memory) where their
-shapes allow, W8A8 with oneDNN's int8 GEMM, a GPU with FP8 arithmetic multiplies
-FP8 values by torch._scaled_mm, and anything else (another shape, act-order, FP8 on a
-CPU) runs with the weight dequantized once at load."""
+shapes allow, W8A8 with Outrider's AMX int8 kernel (kernels/int8_gemm.cpp) or oneDNN's
+int8 GEMM; a CUDA device multiplies FP8 values by torch._scaled_mm (FP8 tensor cores),
+4-bit levels by tinygemm and W8A8 by torch._int_mm; anything else (another shape,
+act-order, FP8 on a CPU) runs with the weight dequantized once at load."""
 
 from __future__ import annotations
 
@@ -488,6 +489,8 @@ def gpu_kernel(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
     right (not act-order's scattered groups); W8A8 by torch._int_mm. A dequantized FP8
     layer says so once (no memory or time saved)."""
     if weight.bits == 4 and not weight.is_fp8:
+        if weight.int8_inputs:
+            _warn_inputs_kept()
         return _cuda_int4(weight, dtype, device)
     if weight.bits == 8 and weight.int8_inputs and not weight.is_fp8:
         return _cuda_int8(weight, dtype, device)
@@ -520,7 +523,7 @@ def _cuda_int4(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
     if (weight.group_of_column is not None or dtype != torch.bfloat16
             or group not in INT4_GROUPS or in_features % group
             or out_features % CUDA_INT4_OUTPUTS or not cuda_int4_tiles(in_features)
-            or not has_cuda_int4_gemm(device)):
+            or not has_cuda_int4_gemm(device, group, in_features)):
         return None
     return Int4Linear(weight, dtype, group, device)
 
@@ -560,21 +563,23 @@ def has_cuda_int8_gemm(device: torch.device) -> bool:
 
 
 @functools.cache
-def has_cuda_int4_gemm(device: torch.device) -> bool:
+def has_cuda_int4_gemm(device: torch.device, group: int, in_features: int) -> bool:
     """Whether tinygemm runs on `device` (CUDA, compute capability 8.0 on, not ROCm) and
-    a small product of random levels, scales and zeros is the dequantized weight's."""
+    a product of random levels, scales and zeros in a layer's groups and inputs (its
+    tiles: cuda_int4_tiles) is the dequantized weight's."""
     if torch.version.hip is not None or torch.cuda.get_device_capability(device) < (8, 0):
         return False
     try:
         generator = torch.Generator().manual_seed(0)
-        q = torch.randint(-8, 8, (CUDA_INT4_OUTPUTS * 4, 256), dtype=torch.int8,
+        q = torch.randint(-8, 8, (CUDA_INT4_OUTPUTS * 4, in_features), dtype=torch.int8,
                           generator=generator)
-        weight = QuantizedWeight(q, torch.rand(q.shape[0], 2, generator=generator) / 8,
-                                 torch.randint(-2, 3, (q.shape[0], 2), dtype=torch.int8,
+        groups = in_features // group
+        weight = QuantizedWeight(q, torch.rand(q.shape[0], groups, generator=generator) / 8,
+                                 torch.randint(-2, 3, (q.shape[0], groups), dtype=torch.int8,
                                                generator=generator), 4)
-        x = torch.randn(3, 256, generator=generator).to(torch.bfloat16)
+        x = torch.randn(3, in_features, generator=generator).to(torch.bfloat16)
         expected = x.float() @ weight.dequantized(torch.bfloat16).float().t()
-        product = Int4Linear(weight, torch.bfloat16, 128, device)(x.to(device)).float().cpu()
+        product = Int4Linear(weight, torch.bfloat16, group, device)(x.to(device)).float().cpu()
         return bool(torch.allclose(product, expected, rtol=0.02, atol=0.02 * expected.abs().max()))
     except RuntimeError:
         return False
@@ -589,9 +594,10 @@ def _warn_fp8_dequantized(dtype: str) -> None:
 
 @functools.cache
 def _warn_inputs_kept() -> None:
-    log.warning("a W8A8 layer runs weight-only, its inputs kept in the model's dtype (no "
-                "exact int8 GEMM on this CPU (VNNI or AMX), or an asymmetric or grouped "
-                "weight): outputs nearer the float model than the checkpoint's scheme")
+    log.warning("a layer whose checkpoint quantizes its inputs to int8 runs weight-only, "
+                "its inputs kept in the model's dtype (no exact int8 GEMM here, or a 4-bit, "
+                "asymmetric or grouped weight): outputs nearer the float model than the "
+                "checkpoint's scheme")
 
 
 def has_int8_amx() -> bool:
