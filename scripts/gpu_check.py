@@ -13,7 +13,8 @@ shipped demo pair on the device and reports, as JSON:
 - `fp8`: the demo target quantized as it loads (`-q fp8`), bf16: its linears' kernel
   (FP8 tensor cores where the device has them), speculation's greedy output against its
   own, and its throughput; `w4a16` the same for the shipped 4-bit demo target (tinygemm
-  where the device has it);
+  where the device has it), `w8a8` for a W8A8 copy of the demo target written at start
+  (scripts/quantize_checkpoint.py; torch._int_mm);
 - with --compile: the compiled forward's greedy outputs against eager's, and its speed;
 - with --mid SIZE, first: a random Llama of SIZE (1b: Llama-3.2-1B's shape) written on
   the device with a draft of its first layer; its decode step at batch 1/32/64 from CUDA
@@ -40,6 +41,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -156,11 +158,16 @@ def check_dtype(device: str, dtype: str, prompts: list[list[int]], cpu_ref) -> d
 
 def check_quantized(device: str, prompts: list[list[int]], name: str) -> dict:
     """A quantized demo target in bf16 (`fp8`: quantized as it loads, `-q fp8`; `w4a16`:
-    the shipped 4-bit copy): what its linears multiply with (Fp8Linear on FP8 tensor
-    cores, Int4Linear on tinygemm, "dense" where dequantized), greedy with the draft
-    against the quantized target alone, and tok/s (bf16's are the bfloat16 check's)."""
-    quantized = ({"quantization": "fp8"} if name == "fp8"
-                 else {"target_dir": paths.demo_w4a16_target_dir(must_exist=True)})
+    the shipped 4-bit copy; `w8a8`: a copy written now): what its linears multiply with
+    (Fp8Linear on FP8 tensor cores, Int4Linear on tinygemm, Int8Int8Linear on _int_mm,
+    "dense" where dequantized), greedy with the draft against the quantized target
+    alone, and tok/s (bf16's are the bfloat16 check's)."""
+    if name == "fp8":
+        quantized = {"quantization": "fp8"}
+    elif name == "w4a16":
+        quantized = {"target_dir": paths.demo_w4a16_target_dir(must_exist=True)}
+    else:
+        quantized = {"target_dir": w8a8_copy()}
     with engine_on(device, "bfloat16", **quantized) as engine:
         kernels = collections.Counter(
             type(m.quantized_matmul).__name__ if m.quantized_matmul is not None else "dense"
@@ -172,6 +179,16 @@ def check_quantized(device: str, prompts: list[list[int]], name: str) -> dict:
               f"{result['spec_equals_target']}", flush=True)
         result["throughput"] = throughput(engine, prompts, device)
     return result
+
+
+def w8a8_copy() -> Path:
+    """The demo target quantized to W8A8 (compressed-tensors' format), in a temp folder."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from quantize_checkpoint import quantize
+
+    out = Path(tempfile.mkdtemp(prefix="gpu-check-w8a8-")) / "demo-target-w8a8"
+    quantize(paths.demo_pair()[0], out, "W8A8")
+    return out
 
 
 def check_compiled(device: str, prompts: list[list[int]], eager: list[list[int]]) -> dict:
@@ -601,7 +618,7 @@ def main() -> None:
                              "short: the JSON is written after each check)")
     parser.add_argument("--only", metavar="CHECKS",
                         help="run only these checks (comma-separated: mid, mid_compiled, "
-                             "float32, served_DTYPE, transformers, bfloat16, fp8, w4a16, "
+                             "float32, served_DTYPE, transformers, bfloat16, fp8, w4a16, w8a8, "
                              "kv_from_memory, compiled_float32)")
     args = parser.parse_args()
     use_cpu_kernels(False)  # the CPU side is the reference path (no C++ build here)
@@ -660,7 +677,7 @@ def main() -> None:
     if due("bfloat16"):
         report["bfloat16"], _ = check_dtype(args.device, "bfloat16", prompts, None)
         save()
-    for name in ("fp8", "w4a16"):
+    for name in ("fp8", "w4a16", "w8a8"):
         if due(name):
             report[name] = check_quantized(args.device, prompts, name)
             save()
