@@ -161,7 +161,9 @@ def check_quantized(device: str, prompts: list[list[int]], name: str) -> dict:
     the shipped 4-bit copy; `w8a8`: a copy written now): what its linears multiply with
     (Fp8Linear on FP8 tensor cores, Int4Linear on tinygemm, Int8Int8Linear on _int_mm,
     "dense" where dequantized), greedy with the draft against the quantized target
-    alone, and tok/s (bf16's are the bfloat16 check's)."""
+    alone, tok/s (bf16's are the bfloat16 check's), and on a GPU its greedy output
+    against the CPU's in bf16 (the share of each output before the first difference:
+    bf16 kernels differ, so a small share is a wrong kernel, not rounding)."""
     if name == "fp8":
         quantized = {"quantization": "fp8"}
     elif name == "w4a16":
@@ -178,6 +180,11 @@ def check_quantized(device: str, prompts: list[list[int]], name: str) -> dict:
         print(f"{name}: linears {result['linears']}, spec == target "
               f"{result['spec_equals_target']}", flush=True)
         result["throughput"] = throughput(engine, prompts, device)
+    if device != "cpu":  # the device's kernels against the CPU's, on the same checkpoint
+        with engine_on("cpu", "bfloat16", **quantized) as cpu:
+            reference = ids(greedy(cpu, prompts[:8], 0))
+        result["device_equals_cpu"] = [agreement(a, r) for a, r in zip(alone, reference)]
+        print(f"{name}: device against CPU {result['device_equals_cpu']}", flush=True)
     return result
 
 
