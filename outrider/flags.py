@@ -159,12 +159,17 @@ def add_proposer_arg(p: argparse.ArgumentParser, default: str = "auto") -> None:
 
 def add_ngram_arg(p: argparse.ArgumentParser) -> None:
     """--ngram-sizes: the n-gram lookup's (outrider/engine/lookup.py)."""
-    p.add_argument("--ngram-sizes", type=ngram_sizes, default=(NGRAM_MIN, NGRAM_MAX),
+    p.add_argument("--ngram-sizes", type=ngram_sizes, default=None,
                    metavar="MIN,MAX",
                    help="the n-gram lookup's match: the longest n-gram of MIN to MAX tokens "
                         "ending the request that occurred in it before (vLLM's "
                         f"prompt_lookup_min/max; generate: with --local; default "
                         f"{NGRAM_MIN},{NGRAM_MAX})")
+
+
+def ngram_sizes_of_args(args: argparse.Namespace) -> tuple[int, int]:
+    """--ngram-sizes as given (or by --speculative-config), else the default."""
+    return args.ngram_sizes or (NGRAM_MIN, NGRAM_MAX)
 
 
 def ngram_sizes(text: str) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from outrider.flags import (
     add_self_draft_arg,
     add_tree_args,
     check_self_draft,
+    ngram_sizes_of_args,
     resolve_device,
 )
 from outrider.v1.worker_pb2 import DESCRIPTOR
@@ -105,7 +106,7 @@ class TargetWorkerConfig:
                    args.cool_heat, args.metrics_port, args.auto_gamma_max,
                    ProposerKind.parse(args.proposer, "--proposer"), args.draft_head,
                    args.tree_topk, args.tree_tokens, args.self_draft_layers,
-                   args.ngram_sizes)
+                   ngram_sizes_of_args(args))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

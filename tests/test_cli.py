@@ -255,7 +255,7 @@ def test_a_speculative_config_stands_for_draft_gamma_and_proposer(capsys):
 
     from outrider import paths
     from outrider.cli import build_parser
-    from outrider.cli.common import model_dirs
+    from outrider.cli.common import UsageError, model_dirs
     from outrider.cli.roles import _local_system_config
 
     def parsed(config: dict):
@@ -271,11 +271,16 @@ def test_a_speculative_config_stands_for_draft_gamma_and_proposer(capsys):
                             "draft_tensor_parallel_size": 1, "use_heterogeneous_vocab": True})
     assert (got, args.gamma, args.proposer) == (draft, 3, "model")
     (_, got), args = serve({"method": "ngram", "num_speculative_tokens": 5})
-    assert (got, args.gamma, args.proposer, args.ngram_sizes) == (None, 5, "ngram", (2, 5))
+    assert (got, args.gamma, args.proposer) == (None, 5, "ngram")
+    assert _local_system_config(parsed({"method": "ngram"})).ngram_sizes == (2, 5)
     _, args = serve({"method": "ngram", "prompt_lookup_max": 4})  # (vLLM's would be 4, 4)
     assert args.ngram_sizes == (2, 4)
     config = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     assert _local_system_config(parsed(config)).ngram_sizes == (1, 3)
+    twice = build_parser("serve").parse_args(["serve", "--ngram-sizes", "2,3",
+                                              "--speculative-config", json.dumps(config)])
+    with pytest.raises(UsageError, match="say what --ngram-sizes says"):
+        model_dirs(twice)
     worker = build_parser("target-worker").parse_args(["target-worker", "--model", draft,
                                                        "--ngram-sizes", "1,3"])
     assert TargetWorkerConfig.from_args(worker).ngram_sizes == (1, 3)

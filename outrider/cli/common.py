@@ -199,6 +199,9 @@ def _apply_speculative_config(args) -> None:
         args.self_draft_layers = layers if layers == "auto" else ",".join(map(str, layers))
     args.gamma = config.get("num_speculative_tokens")
     if any(key in config for key in NGRAM_KEYS):
+        if getattr(args, "ngram_sizes", None) is not None:
+            raise UsageError("--speculative-config's prompt_lookup_min/max say what "
+                             "--ngram-sizes says: give one")
         args.ngram_sizes = ngram_sizes_of(config)
     if hasattr(args, "proposer"):
         args.proposer = proposer

@@ -13,7 +13,13 @@ from outrider.cli.common import (
     client_tls,
     model_dirs,
 )
-from outrider.flags import PROPOSERS, add_ngram_arg, add_self_draft_arg, tree_shape
+from outrider.flags import (
+    PROPOSERS,
+    add_ngram_arg,
+    add_self_draft_arg,
+    ngram_sizes_of_args,
+    tree_shape,
+)
 
 
 def generate_flags(gen: argparse.ArgumentParser) -> None:
@@ -141,7 +147,7 @@ def _local_engine(args):
                                          draft_kv_cache_mb=draft_kv,
                                          proposer=args.proposer or "auto",
                                          tree=tree_shape(args),
-                                         ngram_sizes=args.ngram_sizes,
+                                         ngram_sizes=ngram_sizes_of_args(args),
                                          self_draft_layers=args.self_draft_layers
                                          if args.gamma else None))
 

@@ -110,7 +110,7 @@ def cmd_serve(args) -> int:
 
 
 def _local_system_config(args):
-    from outrider.flags import tree_shape
+    from outrider.flags import ngram_sizes_of_args, tree_shape
     from outrider.local_system import LocalSystemConfig
 
     target, draft = model_dirs(args)
@@ -133,7 +133,7 @@ def _local_system_config(args):
                              speculation_cache=args.speculation_cache,
                              cache_aware_sampling=args.cache_aware_sampling,
                              self_draft_layers=args.self_draft_layers if args.gamma else None,
-                             ngram_sizes=args.ngram_sizes,
+                             ngram_sizes=ngram_sizes_of_args(args),
                              # --gamma 0: no speculation, so nothing proposes
                              proposer=args.proposer if args.gamma else "model")
 
