@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from outrider.core.sequence import NGRAM_MAX, NGRAM_MIN, ProposerKind
+from outrider.core.sequence import NGRAM_MAX, NGRAM_MIN, NGRAM_SIZES, ProposerKind
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -169,7 +169,7 @@ def add_ngram_arg(p: argparse.ArgumentParser) -> None:
 
 def ngram_sizes_of_args(args: argparse.Namespace) -> tuple[int, int]:
     """--ngram-sizes as given (or by --speculative-config), else the default."""
-    return args.ngram_sizes or (NGRAM_MIN, NGRAM_MAX)
+    return args.ngram_sizes or NGRAM_SIZES
 
 
 def ngram_sizes(text: str) -> tuple[int, int]:

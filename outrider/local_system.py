@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from outrider.core.hf_config import head_kind
-from outrider.core.sequence import NGRAM_MAX, NGRAM_MIN
+from outrider.core.sequence import NGRAM_SIZES
 from outrider.cpus import plan_cpus
 from outrider.flags import check_self_draft, resolve_device
 from outrider.launch import RestartPolicy, free_port, supervised_group
@@ -56,7 +56,7 @@ class LocalSystemConfig:
     tree_tokens: int = 0
     head_on_replicas: bool = False    # a head drafts on draft replicas, not in the target
     self_draft_layers: str | None = None  # the targets' own layers draft (layer_skip.py)
-    ngram_sizes: tuple[int, int] = (NGRAM_MIN, NGRAM_MAX)  # the targets' --ngram-sizes
+    ngram_sizes: tuple[int, int] = NGRAM_SIZES  # the targets' --ngram-sizes
     memory_utilization: float | None = None  # --gpu-memory-utilization: all replicas'
     #                                          share of the GPU, split (gpu_shares)
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from outrider.target_worker.scheduler import SchedulerConfig
 
 from outrider.core.policy import MAX_GAMMA, MAX_QUEUED_PER_REPLICA, GammaPolicy, PolicyConfig
-from outrider.core.sequence import NGRAM_MAX, NGRAM_MIN, ProposerKind
+from outrider.core.sequence import NGRAM_SIZES, ProposerKind
 from outrider.cpus import on_a_passing_thread
 from outrider.flags import (
     add_cpus_arg,
@@ -60,7 +60,7 @@ class TargetWorkerConfig:
     tree_tokens: int = 0
     # self-speculation: the target's own layers draft ("auto" or "0,1,5"; layer_skip.py)
     self_draft_layers: str | None = None
-    ngram_sizes: tuple[int, int] = (NGRAM_MIN, NGRAM_MAX)  # the n-gram lookup's matches
+    ngram_sizes: tuple[int, int] = NGRAM_SIZES  # the n-gram lookup's matches
 
     def __post_init__(self) -> None:
         for name in ("gamma", "auto_gamma_max"):

@@ -17,7 +17,7 @@ import torch
 
 from outrider.cluster_tls import QUICK_RECONNECT, internal_channel
 from outrider.core.sampling import sampling_to_proto
-from outrider.core.stats import CROSS_VOCAB_METHOD, MODEL_METHOD
+from outrider.core.stats import DRAFT_MODEL_METHODS, MODEL_METHOD
 from outrider.dense_channel import DenseChannel
 from outrider.engine.features import FeatureTap
 from outrider.engine.heads import RemoteHead
@@ -84,8 +84,7 @@ class RemoteDrafter:
         # the head the replicas run (they say which): its features go with each Propose
         self.head = head
         self.method = stats.method or MODEL_METHOD
-        if (head.method if head else MODEL_METHOD) != self.method and not (
-                head is None and self.method == CROSS_VOCAB_METHOD):
+        if self.method not in ((head.method,) if head else DRAFT_MODEL_METHODS):
             raise DraftReplicaError(
                 f"the draft replicas at {', '.join(addresses)} run a {self.method} "
                 f"({self.model_name}), but this target "

@@ -32,6 +32,7 @@ class FinishReason(StrEnum):
 # the n-gram lookup's shortest and longest match, by default (engine/lookup.py; here so
 # that the flags read them without numpy)
 NGRAM_MIN, NGRAM_MAX = 2, 5
+NGRAM_SIZES = (NGRAM_MIN, NGRAM_MAX)
 
 
 class ProposerKind(StrEnum):

@@ -15,6 +15,7 @@ from outrider.v1 import generate_pb2 as gp
 
 MODEL_METHOD = "draft_model"  # the draft model's name among the proposers (vLLM's)
 CROSS_VOCAB_METHOD = "cross_vocab"  # ... a draft model of another tokenizer (cross_vocab.py)
+DRAFT_MODEL_METHODS = (MODEL_METHOD, CROSS_VOCAB_METHOD)  # a draft model's, of either kind
 HEAD_METHODS = {"eagle3": "eagle3", "eagle1": "eagle", "medusa": "medusa"}  # vLLM's names
 GRAMMAR_METHOD = "grammar"  # tokens a request's grammar forces, proposed for free (§3.8)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from outrider.core.hf_config import head_kind
-from outrider.core.sequence import NGRAM_MAX, NGRAM_MIN, ProposerKind
+from outrider.core.sequence import NGRAM_SIZES, ProposerKind
 from outrider.core.tokenizer import Tokenizer
 from outrider.engine.cross_vocab import across_vocabularies
 from outrider.engine.distributed import TPRunnerGroup
@@ -29,7 +29,7 @@ class LocalEngineConfig:
     tree: TreeShape | None = None  # draft token trees of this shape (None: chains)
     # self-speculation: the target's own layers draft ("auto" or "0,1,5"; layer_skip.py)
     self_draft_layers: str | None = None
-    ngram_sizes: tuple[int, int] = (NGRAM_MIN, NGRAM_MAX)  # the n-gram lookup's matches
+    ngram_sizes: tuple[int, int] = NGRAM_SIZES  # the n-gram lookup's matches
 
     def __post_init__(self) -> None:
         check_self_draft(self.self_draft_layers, "--draft", self.draft_dir)

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from outrider.engine.lookup import NGRAM_MAX, NGRAM_MIN, Lookup, prompt_lookup
+from outrider.core.sequence import NGRAM_SIZES
+from outrider.engine.lookup import Lookup, prompt_lookup
 
 NGRAM = 4           # pool entries: the N - 1 tokens guessed after a token
 POOL_ENTRIES = 512  # per sequence, least recently used dropped
@@ -43,7 +44,7 @@ class Lookahead:
     pool: OrderedDict[int, list[int]] = field(default_factory=OrderedDict)
 
     def propose(self, context: list[int], guesses: list[int], gamma: int,
-                ngram_sizes: tuple[int, int] = (NGRAM_MIN, NGRAM_MAX)) -> Lookup:
+                ngram_sizes: tuple[int, int] = NGRAM_SIZES) -> Lookup:
         """Up to γ tokens to follow `context` (the text now), and the match length they
         count as; `guesses`: the target's for the positions after it, pooled;
         `ngram_sizes`: the text's own n-gram lookup's (lookup.prompt_lookup)."""

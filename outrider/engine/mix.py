@@ -25,18 +25,11 @@ import torch
 
 from outrider.core.grammar import Grammars
 from outrider.core.sampling import SamplingParams
-from outrider.core.sequence import ProposerKind, TeacherRow
+from outrider.core.sequence import NGRAM_SIZES, ProposerKind, TeacherRow
 from outrider.core.stats import GRAMMAR_METHOD, MODEL_METHOD
 from outrider.engine.features import FeatureLog
 from outrider.engine.lookahead import Lookahead
-from outrider.engine.lookup import (
-    NGRAM_MAX,
-    NGRAM_MIN,
-    Lookup,
-    SuffixCorpus,
-    prompt_lookup,
-    suffix_lookup,
-)
+from outrider.engine.lookup import Lookup, SuffixCorpus, prompt_lookup, suffix_lookup
 from outrider.engine.proposer import DraftItem, PendingProposal, Proposal, Proposer, dense_q
 from outrider.engine.tree import chain, first_path
 
@@ -156,7 +149,7 @@ class ProposerMix:
     def __init__(self, model: Proposer | None, vocab_size: int,
                  default: ProposerKind = ProposerKind.AUTO,
                  corpus: SuffixCorpus | None = None, grammars: Grammars | None = None,
-                 ngram_sizes: tuple[int, int] = (NGRAM_MIN, NGRAM_MAX)) -> None:
+                 ngram_sizes: tuple[int, int] = NGRAM_SIZES) -> None:
         if model is not None and model.vocab_size != vocab_size:
             raise ValueError(f"draft and target have different vocabularies "
                              f"({model.vocab_size} vs {vocab_size} tokens)")

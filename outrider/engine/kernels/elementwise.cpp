@@ -60,13 +60,7 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "outrider elementwise: "
 
 template <typename F>
 void dispatch(const at::Tensor& x, F&& f) {
-  if (x.scalar_type() == at::kFloat) {
-    f(float{});
-  } else if (x.scalar_type() == at::kBFloat16) {
-    f(c10::BFloat16{});
-  } else {
-    check(false, "float32 or bfloat16 only");
-  }
+  outrider::dispatch(x.scalar_type(), "outrider elementwise", f);
 }
 
 // f(i, n) over [0, size) in vectors of n = 16 values, the last one shorter.

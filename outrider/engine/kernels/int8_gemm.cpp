@@ -10,7 +10,7 @@
 //     packed        [out / 16, in / 4, 64] int8 (int8_layout in quant/weight.py): for
 //                   16 outputs and 4 inputs, byte 4 j + i is output j's weight at input i
 //     weight_scale  [out] float32
-//     like          a tensor in the output's dtype (float32 or bfloat16)
+//     like          a tensor in the output's dtype (float32 or bfloat16: vec.h's dispatch)
 //   -> [rows, out]: float(integer sum) * weight_scale, then * row_scale, rounded once
 //      to the dtype: oneDNN's int8 linear then scale_rows, in the same order
 
@@ -112,25 +112,23 @@ at::Tensor int8_gemm(const at::Tensor& levels, const at::Tensor& row_scale,
   const int64_t blocks = packed.size(0), out = blocks * kBlock;
   check(weight_scale.is_contiguous() && weight_scale.numel() == out &&
             weight_scale.scalar_type() == at::kFloat, "weight_scale: [out] float32");
-  check(like.scalar_type() == at::kFloat || like.scalar_type() == at::kBFloat16,
-        "like: float32 or bfloat16");
   check(outrider::amx_permitted(), "AMX tiles not permitted by the kernel");
   const Product p{levels.data_ptr<int8_t>(), row_scale.data_ptr<float>(),
                   packed.data_ptr<int8_t>(), weight_scale.data_ptr<float>(), m, in, out};
   at::Tensor y = at::empty({m, out}, like.options());
   if (m == 0) return y;  // (tiles of no rows are not a configuration)
   const int64_t slabs = (blocks + kSlab - 1) / kSlab;
-  at::parallel_for(0, slabs, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles(std::min<int64_t>(m, kTileRows));
-    for (int64_t s = begin; s < end; ++s) {
-      const int blocks_here = static_cast<int>(std::min<int64_t>(kSlab, blocks - s * kSlab));
-      if (like.scalar_type() == at::kFloat) {
-        slab_product(p, s * kSlab, blocks_here, y.data_ptr<float>());
-      } else {
-        slab_product(p, s * kSlab, blocks_here, y.data_ptr<c10::BFloat16>());
+  outrider::dispatch(like.scalar_type(), "outrider int8_gemm: like", [&](auto zero) {
+    using T = decltype(zero);
+    T* out_rows = y.data_ptr<T>();
+    at::parallel_for(0, slabs, 1, [&](int64_t begin, int64_t end) {
+      configure_tiles(std::min<int64_t>(m, kTileRows));
+      for (int64_t s = begin; s < end; ++s) {
+        const int blocks_here = static_cast<int>(std::min<int64_t>(kSlab, blocks - s * kSlab));
+        slab_product(p, s * kSlab, blocks_here, out_rows);
       }
-    }
-    _tile_release();
+      _tile_release();
+    });
   });
   return y;
 }

@@ -4,7 +4,9 @@
 // tensors' dtype (float32, or bfloat16 rounded to nearest even).
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -22,6 +24,19 @@ typedef uint16_t vh16 __attribute__((vector_size(32)));
 typedef int8_t vb16 __attribute__((vector_size(16)));
 
 inline vf16 splat(float x) { return vf16{} + x; }
+
+// f(T{}) for T the C++ type of `dtype`: the two dtypes load and store convert (`op`
+// names the caller in the error for any other).
+template <typename F>
+inline void dispatch(c10::ScalarType dtype, const char* op, F&& f) {
+  if (dtype == c10::ScalarType::Float) {
+    f(float{});
+  } else if (dtype == c10::ScalarType::BFloat16) {
+    f(c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, op, ": float32 or bfloat16 only");
+  }
+}
 
 template <typename T>
 inline vf16 load(const T* p) {  // 16 values from p (unaligned) as floats

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -216,6 +217,14 @@ def _by_block(per_group: torch.Tensor) -> torch.Tensor:
     beside each other, as one vector."""
     out_features = per_group.shape[0]
     return per_group.float().view(out_features // 16, 16, -1).transpose(1, 2).contiguous()
+
+
+def _int4_group(weight: QuantizedWeight) -> int:
+    """The group a 4-bit kernel multiplies `weight` in: its own, or for a scale a channel
+    the largest of INT4_GROUPS that divides its inputs (0: none)."""
+    if weight.scale.shape[1] > 1:
+        return weight.group_size
+    return next((g for g in INT4_GROUPS if weight.shape[1] % g == 0), 0)
 
 
 def _scale_per_group(weight: QuantizedWeight, group: int) -> torch.Tensor:
@@ -468,8 +477,7 @@ def cpu_kernel(weight: QuantizedWeight, dtype: torch.dtype
         return None
     out_features, in_features = weight.shape
     if weight.bits == 4 and out_features % INT4_ROWS == 0:
-        group = weight.group_size if not per_channel else next(
-            (g for g in INT4_GROUPS if in_features % g == 0), 0)
+        group = _int4_group(weight)
         if group <= 0 or in_features % group:  # groups that do not tile a row
             return None
         if group % 4 == 0 and group <= INT4_GEMM_MAX_GROUP and has_int4_gemm():
@@ -518,8 +526,7 @@ def _cuda_int8(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
 def _cuda_int4(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
                ) -> Int4Linear | None:
     out_features, in_features = weight.shape
-    group = weight.group_size if weight.scale.shape[1] > 1 else next(
-        (g for g in INT4_GROUPS if in_features % g == 0), 0)
+    group = _int4_group(weight)
     if (weight.group_of_column is not None or dtype != torch.bfloat16
             or group not in INT4_GROUPS or in_features % group
             or out_features % CUDA_INT4_OUTPUTS or not cuda_int4_tiles(in_features)
@@ -550,16 +557,10 @@ def has_fp8_gemm(device: torch.device) -> bool:
 def has_cuda_int8_gemm(device: torch.device) -> bool:
     """Whether torch._int_mm runs on `device` (CUDA, not ROCm) and sums the largest
     products (levels 127 by -128) exactly."""
-    if torch.version.hip is not None:
-        return False
-    try:
-        q = torch.full((CUDA_INT8_MULTIPLE * 2, 64), -128, dtype=torch.int8)
-        product = Int8Int8Linear(QuantizedWeight(q, torch.ones(q.shape[0], 1), None, 8, None,
-                                                 True, input_scale=1.0), torch.bfloat16, device)
-        x = torch.full((3, 64), 127.0, device=device)  # levels 127 (the static scale 1)
-        return bool(torch.equal(product(x).cpu(), torch.full((3, q.shape[0]), 127.0 * -128 * 64)))
-    except RuntimeError:
-        return False
+    return torch.version.hip is None and _sums_extremes_exactly(
+        lambda q, x: Int8Int8Linear(QuantizedWeight(q, torch.ones(q.shape[0], 1), None, 8, None,
+                                                    True, input_scale=1.0),
+                                    torch.bfloat16, device)(x.to(device)))
 
 
 @functools.cache
@@ -609,23 +610,35 @@ def has_int8_amx() -> bool:
 
 @functools.cache
 def _int8_amx_runs() -> bool:
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("outrider_cpu::int8_gemm", "CPU"):
-        return False
-    weight = torch.full((INT8_BLOCK, INT8_DEPTH), -128, dtype=torch.int8)
-    levels = torch.full((3, INT8_DEPTH), 127, dtype=torch.int8)
-    try:
-        product = torch.ops.outrider_cpu.int8_gemm(levels, torch.ones(3, 1), int8_layout(weight),
-                                                   torch.ones(INT8_BLOCK), torch.ones(1))
-    except RuntimeError:  # the tiles refused
-        return False
-    return torch.equal(product, torch.full((3, INT8_BLOCK), 127.0 * -128 * INT8_DEPTH))
+    return _cpu_op_built("int8_gemm") and _sums_extremes_exactly(  # (the tiles may be refused)
+        lambda q, x: torch.ops.outrider_cpu.int8_gemm(
+            x.to(torch.int8), torch.ones(x.shape[0], 1), int8_layout(q),
+            torch.ones(q.shape[0]), torch.ones(1)))
 
 
 def has_int4_gemm() -> bool:
     """Whether Outrider's int4 kernel runs here: the CPU kernels loaded, built for a CPU
     with AVX512-BF16 (the kernel is compiled in only then)."""
-    return cpu_kernels_loaded() and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "outrider_cpu::int4_gemm", "CPU")
+    return cpu_kernels_loaded() and _cpu_op_built("int4_gemm")
+
+
+def _cpu_op_built(name: str) -> bool:
+    """Whether the CPU kernels' op `name` was compiled in (it is declared either way)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"outrider_cpu::{name}", "CPU")
+
+
+def _sums_extremes_exactly(multiply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                           ) -> bool:
+    """Whether an int8 GEMM sums the largest products exactly: `multiply(q, x)` of levels
+    -128, q [16, 64] int8, by x [3, 64] float32 of 127s (levels 127 at the static scale 1)
+    must be 127 * -128 * 64 everywhere, not saturated in 16 bits nor refused."""
+    q = torch.full((INT8_BLOCK, INT8_DEPTH), -128, dtype=torch.int8)
+    x = torch.full((3, INT8_DEPTH), 127.0)
+    try:
+        product = multiply(q, x).float().cpu()
+    except (AttributeError, RuntimeError):  # an op missing from this torch, tiles refused
+        return False
+    return bool(torch.equal(product, torch.full((3, INT8_BLOCK), 127.0 * -128 * INT8_DEPTH)))
 
 
 INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # int8 dot products into int32
@@ -640,12 +653,6 @@ def has_int8_gemm() -> bool:
     flags = set(cpu_flags().split())
     if not torch.backends.mkldnn.is_available() or not flags & set(INT8_DOT_FLAGS):
         return False
-    try:
-        q = torch.full((16, 64), -128, dtype=torch.int8)
-        x = torch.full((3, 64), 127.0)  # [3, 64]: levels 127 (the static scale 1)
-        product = _int8_int8_matmul_eager(x, torch.ops.onednn.qlinear_prepack(q, None),
-                                          torch.ones(16), torch.zeros(16, dtype=torch.long),
-                                          1.0)
-        return bool(torch.equal(product, torch.full((3, 16), 127.0 * -128 * 64)))
-    except (AttributeError, RuntimeError):
-        return False
+    return _sums_extremes_exactly(lambda q, x: _int8_int8_matmul_eager(
+        x, torch.ops.onednn.qlinear_prepack(q, None), torch.ones(q.shape[0]),
+        torch.zeros(q.shape[0], dtype=torch.long), 1.0))
