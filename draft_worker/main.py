@@ -11,9 +11,10 @@ from outrider.draft_worker.versions import SharedVersions
 
 from outrider import cluster_tls
 from outrider.core.hf_config import ModelConfigError, head_kind
+from outrider.core.tokenizer import vocab_fingerprint
 from outrider.cpus import available_cpus, on_a_passing_thread, parse_cpus
 from outrider.dense_channel import DRAFT_RANK, DenseChannel
-from outrider.engine.cross_vocab import across_vocabularies, vocab_fingerprint
+from outrider.engine.cross_vocab import across_vocabularies
 from outrider.engine.distill import DistillConfig
 from outrider.engine.distributed import set_cpu_threads
 from outrider.engine.drafter import Drafter

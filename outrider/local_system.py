@@ -59,6 +59,13 @@ class LocalSystemConfig:
     ngram_sizes: tuple[int, int] = NGRAM_SIZES  # the targets' --ngram-sizes
     memory_utilization: float | None = None  # --gpu-memory-utilization: all replicas'
     #                                          share of the GPU, split (gpu_shares)
+    # other targets served beside `target` by the one router, a replica each, speculating
+    # with the same draft replicas (of any tokenizer: they draft through text)
+    also_serve: tuple[str, ...] = ()
+
+    @property
+    def targets(self) -> list[str]:
+        return [self.target, *self.also_serve]
 
     def __post_init__(self) -> None:
         if self.draft and self.draft_replicas < 1:
@@ -72,6 +79,10 @@ class LocalSystemConfig:
         if self.cache_aware_sampling is not None and not self.speculation_cache:
             raise ValueError("--cache-aware-sampling needs --speculation-cache")
         check_self_draft(self.self_draft_layers, "--draft", self.draft)
+        if self.also_serve and (kind or self.self_draft_layers):
+            raise ValueError("--also-serve shares draft replicas among targets: a draft "
+                             "model, or none; a head or --self-draft-layers belongs to one "
+                             "target")
         if self.tree_topk > 1 and (self.head_on_replicas
                                    or not (kind or self.self_draft_layers)):
             raise ValueError("--tree-topk > 1 needs a draft head (--draft DIR of an EAGLE "
@@ -106,7 +117,8 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                           on_give_up) as start:
         metrics: dict[str, str] = {}
         # the plan gives one target replica cores of its own; several would share them
-        is_pinned = cfg.pin_cpus and cfg.device == "cpu" and cfg.target_replicas == 1
+        is_pinned = (cfg.pin_cpus and cfg.device == "cpu" and cfg.target_replicas == 1
+                     and not cfg.also_serve)
         cpus = plan_cpus() if is_pinned else None
         pinned = lambda role: ("--cpus", getattr(cpus, role)) if cpus else ()  # noqa: E731
 
@@ -127,7 +139,8 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
             else 0
         draft_share, target_share = gpu_shares(cfg, num_drafts)
         drafts = tuple(run(f"draft-{i}", "draft-worker", "--model", cfg.draft, *model,
-                           "--target-model", cfg.target,  # (a head's, another vocabulary's)
+                           # (a head's; each target's vocabulary, its own or through text)
+                           *[a for t in cfg.targets for a in ("--target-model", t)],
                            *draft_share,
                            *(("--adapt",) if cfg.adapt else ()),
                            *(("--speculation-cache",) if cfg.speculation_cache else ()),
@@ -138,8 +151,9 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                            *(("--target-cpus", cpus.target, "--threads", "1") if cpus else ()),
                            *cfg.extra_draft_args)
                        for i in range(num_drafts))
+        replicas = [cfg.target] * cfg.target_replicas + list(cfg.also_serve)
         targets = tuple(run("target" if i == 0 else f"target-{i}", "target-worker",
-                            "--model", cfg.target, "--tp", str(cfg.tp),
+                            "--model", model_dir, "--tp", str(cfg.tp),
                             "--gamma", str(cfg.gamma), "--proposer", cfg.proposer, *model,
                             "--ngram-sizes", ",".join(map(str, cfg.ngram_sizes)),
                             *(("--quantization", cfg.quantization) if cfg.quantization
@@ -157,9 +171,10 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                             "--tree-tokens", str(cfg.tree_tokens),
                             *(("--small-step-threads", str(cpus.small_step_threads))
                               if cpus else ()), *cfg.extra_target_args)
-                        for i in range(cfg.target_replicas))
+                        for i, model_dir in enumerate(replicas))
         http_port = None if cfg.http_port is None else cfg.http_port or free_port()
         router = run("router", "router", "--model", cfg.target,
+                     *[a for t in cfg.also_serve for a in ("--also-serve", t)],
                      *[a for t in targets for a in ("--target-address", t)],
                      "--host", cfg.host, "--port", str(cfg.grpc_port),
                      *(["--redis", cfg.redis_url] if cfg.redis_url else []),
@@ -188,4 +203,4 @@ def gpu_shares(cfg: LocalSystemConfig, num_drafts: int) -> tuple[tuple[str, ...]
     drafts = whole * DRAFT_GPU_SHARE if num_drafts else 0.0
     flag = lambda share: ("--gpu-memory-utilization", f"{share:.4f}")  # noqa: E731
     draft_flag = flag(drafts / num_drafts) if num_drafts else ()
-    return draft_flag, flag((whole - drafts) / cfg.target_replicas)
+    return draft_flag, flag((whole - drafts) / (cfg.target_replicas + len(cfg.also_serve)))

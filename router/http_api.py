@@ -24,7 +24,6 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from outrider.router.chat_template import ChatTemplate
 from outrider.router.http_guard import (
     READ_WATCH,
     BodyGuard,
@@ -32,6 +31,7 @@ from outrider.router.http_guard import (
     ReadWatch,
     guarded_protocol,
 )
+from outrider.router.models import Models, ServedModel
 from outrider.router.openai_protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     BodyFieldError,
@@ -109,8 +109,6 @@ class HttpCall:
 
 @dataclass(frozen=True)
 class HttpSettings:
-    model_name: str                 # what /v1/models lists and requests must name
-    max_model_len: int
     max_streams: int = 128          # threads for generations (as many as may run)
     max_prompts: int = 64           # prompts one completion request may carry
     bounds: HttpBounds = HttpBounds()  # on headers and bodies
@@ -118,13 +116,15 @@ class HttpSettings:
     tool_call_parser: str | None = None  # tool_choice "auto": the model's call format
 
 
-def build_app(service: GenerationService, settings: HttpSettings,
-              chat_template: ChatTemplate | None) -> FastAPI:
+def build_app(models: Models, settings: HttpSettings) -> FastAPI:
+    """The API of the router's models (router/models.py): a request's `model` names its
+    model; keys, refusals' counts and the dashboard are the first model's service's."""
     app = FastAPI(title="Outrider", summary="OpenAI-compatible API of the Outrider router")
     pool = ThreadPoolExecutor(max_workers=settings.max_streams, thread_name_prefix="http")
     created = int(time.time())
     app.state.streams = OpenStreams()
-    replica_metrics = ReplicaMetrics(service.replicas)  # the engine's on /metrics too
+    service = models.default.service  # (what does not depend on the model)
+    replica_metrics = ReplicaMetrics(models)  # every model's engines' on /metrics too
 
     def answer(refusal: Refused) -> JSONResponse:
         """A refusal made before the service ran the request, counted as it counts its own."""
@@ -156,20 +156,19 @@ def build_app(service: GenerationService, settings: HttpSettings,
     async def health():
         """200 while some target replica is live; 503 (degraded: requests would wait for
         one, then be refused) while none is, as gRPC health's NOT_SERVING says."""
-        live = len(service.replicas.live())
+        live = len(models.live())
         return JSONResponse({"status": "ok" if live else "degraded", "live_replicas": live},
                             status_code=200 if live else 503)
 
     @app.get("/v1/models")
-    async def models(request: Request):
+    async def list_models(request: Request):
         service.authorize(HttpCall.of(request))
-        return {"object": "list", "data": [_model_card(settings, created)]}
+        return {"object": "list", "data": [_model_card(m, created) for m in models]}
 
     @app.get("/v1/models/{model}")
     async def model(model: str, request: Request):
         service.authorize(HttpCall.of(request))
-        _check_model(model, settings)
-        return _model_card(settings, created)
+        return _model_card(models.named(model), created)
 
     @app.get("/version")
     async def version():
@@ -178,22 +177,20 @@ def build_app(service: GenerationService, settings: HttpSettings,
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
         service.authorize(HttpCall.of(request))
-        if body.model is not None:
-            _check_model(body.model, settings)
-        ids = _refusing(lambda: service.tokenizer.encode(body.prompt, body.add_special_tokens))
-        return {"tokens": ids, "count": len(ids), "max_model_len": settings.max_model_len}
+        chosen = models.named(body.model).service
+        ids = _refusing(lambda: chosen.tokenizer.encode(body.prompt, body.add_special_tokens))
+        return {"tokens": ids, "count": len(ids), "max_model_len": chosen.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request):
         service.authorize(HttpCall.of(request))
-        if body.model is not None:
-            _check_model(body.model, settings)
-        vocab = service.tokenizer.vocab_size
+        tokenizer = models.named(body.model).service.tokenizer
+        vocab = tokenizer.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"tokens: id {bad} is outside "
                           f"the vocabulary [0, {vocab})", param="tokens")
-        return {"prompt": service.tokenizer.decode(body.tokens)}
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     def ignoring(body) -> list[str]:
         """The body's unknown fields: refused under strict_fields, else counted and named
@@ -208,7 +205,8 @@ def build_app(service: GenerationService, settings: HttpSettings,
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        _check_model(body.model, settings)
+        served = models.named(body.model)
+        chosen = served.service
         ignored = ignoring(body)
         prompts = _refusing(lambda: body.prompts)
         if len(prompts) > settings.max_prompts:
@@ -219,13 +217,15 @@ def build_app(service: GenerationService, settings: HttpSettings,
         requests = _refusing(lambda: [
             r for i, p in enumerate(prompts)
             for r in body.generate_requests(p, max_tokens, _request_id(request, i))])
-        view = CompletionView(settings.model_name, body, service.tokenizer, prompts)
-        return _naming_ignored(await _respond(service, pool, request, requests, view,
-                                              body.stream, app.state.streams), ignored)
+        view = CompletionView(served.name, body, chosen.tokenizer, prompts)
+        return _naming_ignored(await _respond(chosen, pool, request,
+                                              _naming(requests, served), view, body.stream,
+                                              app.state.streams), ignored)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _check_model(body.model, settings)
+        served = models.named(body.model)
+        chosen, chat_template = served.service, served.chat_template
         ignored = ignoring(body)
         if body.chooses_calls and settings.tool_call_parser is None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "tool_choice: 'auto' (the "
@@ -235,19 +235,19 @@ def build_app(service: GenerationService, settings: HttpSettings,
                           "'none'", param="tool_choice")
         if chat_template is None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"model {settings.model_name!r} has no chat template; "
+                          f"model {served.name!r} has no chat template; "
                           "use /v1/completions")
-        prompt_ids = _refusing(lambda: service.tokenizer.encode(chat_template.render(
+        prompt_ids = _refusing(lambda: chosen.tokenizer.encode(chat_template.render(
             [m.for_template() for m in body.messages], body.add_generation_prompt,
             body.offered_tools, body.chat_template_kwargs)))
         # OpenAI's chat default: as many tokens as the context has room for
-        max_tokens = body.completion_limit or max(1, settings.max_model_len - len(prompt_ids))
+        max_tokens = body.completion_limit or max(1, chosen.max_model_len - len(prompt_ids))
         requests = _refusing(lambda: body.generate_requests(prompt_ids, max_tokens,
                                                             _request_id(request, 0)))
-        view = ChatView(settings.model_name, body, service.tokenizer,
-                        settings.tool_call_parser)
-        return _naming_ignored(await _respond(service, pool, request, requests, view,
-                                              body.stream, app.state.streams), ignored)
+        view = ChatView(served.name, body, chosen.tokenizer, settings.tool_call_parser)
+        return _naming_ignored(await _respond(chosen, pool, request,
+                                              _naming(requests, served), view, body.stream,
+                                              app.state.streams), ignored)
 
     @app.get("/metrics")
     async def metrics():  # off the loop: it reads the replicas' expositions
@@ -676,15 +676,16 @@ def _refusing(build):
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
 
-def _check_model(model: str, settings: HttpSettings) -> None:
-    if model != settings.model_name:
-        raise Refused(grpc.StatusCode.NOT_FOUND, f"model {model!r} does not exist; this "
-                      f"router serves {settings.model_name!r} (see /v1/models)")
+def _naming(requests: list[gp.GenerateRequest], served: ServedModel):
+    """The requests, each naming its model (as the gRPC API's do: the journal's identity)."""
+    for request in requests:
+        request.model = served.name
+    return requests
 
 
-def _model_card(settings: HttpSettings, created: int) -> dict:
-    return {"id": settings.model_name, "object": "model", "created": created,
-            "owned_by": "outrider", "max_model_len": settings.max_model_len}
+def _model_card(served: ServedModel, created: int) -> dict:
+    return {"id": served.name, "object": "model", "created": created,
+            "owned_by": "outrider", "max_model_len": served.service.max_model_len}
 
 
 def _request_id(request: Request, index: int) -> str | None:

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2
+from outrider.router.admission import Admission
 from outrider.router.auth import Authenticator
 from outrider.router.chat_template import ChatTemplate
 from outrider.router.http_api import GRACEFUL_STOP_S, HttpSettings, build_app, start_http
 from outrider.router.http_guard import HttpBounds
+from outrider.router.models import ModelIdentity, ModelReplicas, Models, ServedModel, identities
 from outrider.router.replicas import ROUTING, ReplicaSet
 from outrider.router.service import GenerationService, ServiceLimits
 from outrider.router.telemetry import RouterTelemetry
@@ -63,13 +65,20 @@ class RouterConfig:
     generation_config: str = "auto"         # auto: unset sampling fields take the model's
     max_model_len: int | None = None        # requests longer are refused (None: the model's)
     chat_template: str | None = None        # a file or the template (None: the model's)
+    # other targets served beside model_dir, each on its own replicas, named by its dir
+    also_serve: tuple[str, ...] = ()
+
+    @property
+    def model_dirs(self) -> list[str]:
+        return [self.model_dir, *self.also_serve]
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
-        tokenizer_file(self.model_dir)  # (a TokenizerError, a ValueError, naming what lacks)
+        for model_dir in self.model_dirs:  # (a TokenizerError, a ValueError, naming what lacks)
+            tokenizer_file(model_dir)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -88,7 +97,8 @@ class RouterConfig:
                    strict_fields=args.strict_openai_fields,
                    tool_call_parser=args.tool_call_parser,
                    generation_config=args.generation_config,
-                   max_model_len=args.max_model_len, chat_template=args.chat_template)
+                   max_model_len=args.max_model_len, chat_template=args.chat_template,
+                   also_serve=tuple(args.also_serve))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -128,6 +138,11 @@ def add_public_arguments(p: argparse.ArgumentParser,
     p.add_argument("--no-http", action="store_true", help="no HTTP API, gRPC only")
     p.add_argument("--served-model-name",
                    help="model id of the HTTP API (default: the target dir's name)")
+    p.add_argument("--also-serve", action="append", default=[], metavar="DIR",
+                   help="another target checkpoint served beside the first, on target "
+                        "replicas of its own (serve starts one, speculating with the same "
+                        "draft replicas), named by its dir (repeatable; any tokenizer): a "
+                        "request's `model` chooses, and one naming none gets the first")
     p.add_argument("--routing", choices=ROUTING, default=RouterConfig.routing,
                    help="cache-aware: the replica expected to serve a request soonest, "
                         "counting its cached prefix, its load and speculation (default); "
@@ -177,9 +192,6 @@ def serve(cfg: RouterConfig, cluster_token: str | None) -> None:
 
 def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
     setup_tracing("outrider-router")
-    tokenizer = Tokenizer(cfg.model_dir)
-    max_model_len = min(context_length(read_config(cfg.model_dir)),
-                        cfg.max_model_len or sys.maxsize)
     store = open_store(cfg.redis_url)
     env_keys = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
     auth = Authenticator(store, is_required=cfg.require_api_key or bool(env_keys))
@@ -191,16 +203,18 @@ def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
     replicas = ReplicaSet(store, list(cfg.target_addresses), cluster_token, cfg.heartbeat_s,
                           routing=cfg.routing)
     replicas.start()
-    telemetry = RouterTelemetry(_model_name(cfg))
-    defaults = sampling_defaults(cfg.model_dir) if cfg.generation_config == "auto" else {}
-    service = GenerationService(tokenizer, max_model_len, store, replicas, auth,
-                                cfg.limits, telemetry, defaults)
+    admission = Admission(cfg.limits.max_running, cfg.limits.max_queued,
+                          cfg.limits.max_queue_wait_s)
+    models = Models([_served_model(cfg, model_dir, index, identity, store, replicas, auth,
+                                   admission)
+                     for index, (model_dir, identity)
+                     in enumerate(zip(cfg.model_dirs, identities(cfg.model_dirs)))])
     if cfg.metrics_port is not None:
         serve_metrics(cfg.host, cfg.metrics_port, "router")  # its own: scraped beside
         #                                   each replica's, it must not repeat theirs
     health_servicer = health.HealthServicer()
     server, bound = build_server(
-        lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(service, s),
+        lambda s: generate_pb2_grpc.add_GenerationServicer_to_server(models, s),
         [SERVICE_NAME], f"{cfg.host}:{cfg.port}", token=None,
         max_workers=cfg.limits.max_running + cfg.limits.max_queued + CONTROL_THREADS,
         credentials=_tls(cfg), health_servicer=health_servicer)
@@ -208,34 +222,47 @@ def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
     replicas.on_live = lambda is_live: health_servicer.set(
         SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if is_live
         else health_pb2.HealthCheckResponse.NOT_SERVING)
-    stop_http = _start_http(cfg, service, max_model_len) if cfg.http_port is not None else None
+    stop_http = _start_http(cfg, models) if cfg.http_port is not None else None
     server.start()
 
     def close() -> None:
         if stop_http:
             stop_http()
         replicas.close()
-        service.close()
-        telemetry.close()
-    return Running(server, f"{cfg.host}:{bound}", [close], service)
+        for model in models:
+            model.service.close()
+            model.service.telemetry.close()
+    return Running(server, f"{cfg.host}:{bound}", [close], models)
 
 
-def _model_name(cfg: RouterConfig) -> str:
-    return cfg.served_model_name or Path(cfg.model_dir).resolve().name
+def _served_model(cfg: RouterConfig, model_dir: str, index: int, identity: ModelIdentity,
+                  store, replicas: ReplicaSet, auth: Authenticator,
+                  admission: Admission) -> ServedModel:
+    """One of the router's models: its tokenizer, context, sampling defaults and chat
+    template, over its own replicas of the router's."""
+    name = (cfg.served_model_name if index == 0 and cfg.served_model_name
+            else Path(model_dir).resolve().name)
+    max_model_len = min(context_length(read_config(model_dir)), cfg.max_model_len or sys.maxsize)
+    defaults = sampling_defaults(model_dir) if cfg.generation_config == "auto" else {}
+    service = GenerationService(Tokenizer(model_dir), max_model_len, store,
+                                ModelReplicas(replicas, identity), auth, cfg.limits,
+                                RouterTelemetry(name), defaults, admission)
+    # the first model's --chat-template; the others' their own
+    template = ChatTemplate.from_dir(model_dir, cfg.chat_template if index == 0 else None)
+    return ServedModel(name, service, template)
 
 
-def _start_http(cfg: RouterConfig, service: GenerationService, max_model_len: int):
-    name = _model_name(cfg)
-    app = build_app(service, HttpSettings(name, max_model_len, cfg.limits.max_running,
-                                          cfg.max_prompts, cfg.http_bounds,
-                                          cfg.strict_fields, cfg.tool_call_parser),
-                    ChatTemplate.from_dir(cfg.model_dir, cfg.chat_template))
+def _start_http(cfg: RouterConfig, models: Models):
+    app = build_app(models, HttpSettings(cfg.limits.max_running, cfg.max_prompts,
+                                         cfg.http_bounds, cfg.strict_fields,
+                                         cfg.tool_call_parser))
     server, thread, port = start_http(app, cfg.host, cfg.http_port, cfg.tls_cert,
                                       cfg.tls_key, cfg.tls_client_ca,
                                       cfg.http_bounds.header_timeout_s)
     scheme = "https" if cfg.tls_cert else "http"
+    names = ", ".join(repr(m.name) for m in models)
     print(f"router: OpenAI-compatible HTTP API at {scheme}://{cfg.host}:{port}/v1 "
-          f"(model {name!r})", flush=True)
+          f"(model{'s' if len(models.served) > 1 else ''} {names})", flush=True)
 
     def stop() -> None:
         """Open streams end with an error event and `[DONE]`, then uvicorn stops: it

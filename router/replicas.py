@@ -92,9 +92,11 @@ class ReplicaSet:
                 self._links[address] = TargetLink(stub, self.metadata)
             return self._links[address]
 
-    def live(self) -> list[st.ReplicaRecord]:
+    def live(self, serves: Callable[[pb.Load], bool] | None = None) -> list[st.ReplicaRecord]:
+        """The replicas that answered the last heartbeat (those `serves` accepts)."""
         with self._lock:
-            return list(self._live.values())
+            records = list(self._live.values())
+        return [r for r in records if serves(r.load)] if serves else records
 
     def mark_down(self, address: str) -> None:
         """A call to it failed: not a candidate until it answers a heartbeat again, and
@@ -154,14 +156,16 @@ class ReplicaSet:
     # -- choice ------------------------------------------------------------------------------
     def pick(self, acceptance: Acceptance, avoid: set[str] = frozenset(),
              max_waiting: int = MAX_QUEUED_PER_REPLICA, prompt_ids: list[int] = (),
-             max_tokens: int = 1, request_id: str = "") -> st.ReplicaRecord | None:
+             max_tokens: int = 1, request_id: str = "",
+             serves: Callable[[pb.Load], bool] | None = None) -> st.ReplicaRecord | None:
         """The replica expected to serve this request soonest (`expected_seconds`), or
         the next in turn under round-robin; those not in `avoid` first (a replica that
         failed this request may serve it again once it answers heartbeats). None when
         none is live or every queue is full. The choice is remembered: the request's
         prompt is in that replica's cache from now on, and its prefill is queued there
-        until `prefilled(address, request_id)`."""
-        candidates = [r for r in self.live() if r.load.num_waiting < max_waiting]
+        until `prefilled(address, request_id)`. `serves`: the replicas of the request's
+        model (router/models.py)."""
+        candidates = [r for r in self.live(serves) if r.load.num_waiting < max_waiting]
         candidates = [r for r in candidates if r.address not in avoid] or candidates
         if not candidates:
             return None

@@ -105,7 +105,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, store, replicas: ReplicaSet,
                  auth: Authenticator, limits: ServiceLimits = ServiceLimits(),
                  telemetry: RouterTelemetry | None = None,
-                 sampling_defaults: dict | None = None) -> None:
+                 sampling_defaults: dict | None = None,
+                 admission: Admission | None = None) -> None:
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
         self.sampling_defaults = sampling_defaults or {}  # generation_config.json's
         # structured outputs are compiled here before any replica sees them (§3.8)
@@ -115,8 +116,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self._priors: dict[tuple[str, str], tuple[float, list[float]]] = {}
         self._lock = threading.Lock()
         self._claims = ClaimKeeper(store, limits.journal_lease_s)
-        self.admission = Admission(limits.max_running, limits.max_queued,
-                                   limits.max_queue_wait_s)
+        # the router's, shared by the models it serves (router/models.py)
+        self.admission = admission or Admission(limits.max_running, limits.max_queued,
+                                                limits.max_queue_wait_s)
         self.telemetry.metrics.watch_admission(self.admission)
 
     def close(self) -> None:
@@ -137,15 +139,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             self.authorize(context, request.tag)
         except Refused as refusal:
             _abort(context, refusal)
-        now = time.time()
-        replicas = [gp.Replica(address=r.address, model_pair=r.load.model_pair,
-                               heat=r.load.heat, num_running=r.load.num_running,
-                               num_waiting=r.load.num_waiting,
-                               kv_used_blocks=r.load.kv_used_blocks,
-                               kv_total_blocks=r.load.kv_total_blocks,
-                               tokens_per_s=r.load.tokens_per_s,
-                               age_s=now - r.heartbeat_unix_s)
-                    for r in sorted(self.replicas.live(), key=lambda r: r.address)]
+        replicas = replica_rows(self.replicas.live())
         try:
             stats, reachable = self.store.acceptance_all(), True
         except StoreUnavailable:
@@ -484,6 +478,17 @@ def merge_responses(parts: list[gp.GenerateResponse]) -> gp.GenerateResponse:
         out.MergeFrom(part)  # appends token_ids and rounds; the last message sets the rest
     out.text = "".join(p.text for p in parts)
     return out
+
+
+def replica_rows(records: list[st.ReplicaRecord]) -> list[gp.Replica]:
+    """Status's rows of the live replicas, by address."""
+    now = time.time()
+    return [gp.Replica(address=r.address, model_pair=r.load.model_pair, heat=r.load.heat,
+                       num_running=r.load.num_running, num_waiting=r.load.num_waiting,
+                       kv_used_blocks=r.load.kv_used_blocks,
+                       kv_total_blocks=r.load.kv_total_blocks,
+                       tokens_per_s=r.load.tokens_per_s, age_s=now - r.heartbeat_unix_s)
+            for r in sorted(records, key=lambda r: r.address)]
 
 
 def _abort(context, refusal: Refused) -> None:

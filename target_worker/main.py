@@ -213,8 +213,8 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
     from outrider.target_worker.service import TargetService
 
     from outrider import cluster_tls
+    from outrider.core.tokenizer import vocab_fingerprint
     from outrider.dense_channel import TARGET_RANK, DenseChannel
-    from outrider.engine.cross_vocab import vocab_fingerprint
     from outrider.engine.distributed import TPRunnerGroup
     from outrider.engine.mix import ProposerMix
     from outrider.engine.spec_decode import SpeculativeDecoder
@@ -230,10 +230,11 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
     if channel and not channel.wait_ready(timeout_s=60):
         print("dense q channel did not come up; full-vocabulary q goes as fp16 over gRPC",
               file=sys.stderr, flush=True)
+    vocab = vocab_fingerprint(cfg.runner.model_dir)
     drafter = (RemoteDrafter(list(cfg.draft_addresses), token,
                              seq_prefix=f"{uuid.uuid4().hex[:8]}:", dense_channel=channel,
                              head=remote_head(cfg, group.runner),
-                             target_vocab=vocab_fingerprint(cfg.runner.model_dir))
+                             target_vocab=vocab)
                if cfg.draft_addresses else None)
     if cfg.draft_head and not cfg.draft_addresses:
         from outrider.engine.heads import head_proposer
@@ -266,7 +267,7 @@ def start(cfg: TargetWorkerConfig, token: str | None, tp_init_method: str | None
     speculates = drafter is not None or cfg.proposer is not ProposerKind.MODEL
     service = TargetService(engine, default_gamma=cfg.gamma if speculates else 0,
                             auto_gamma_max=cfg.auto_gamma_max if speculates else 0,
-                            metrics_port=metrics_port)
+                            metrics_port=metrics_port, target_vocab=vocab)
     # every open stream holds a handler thread, waiting ones too: room for a full batch,
     # the queue a router may build (ServiceLimits.max_waiting) and the control calls
     # (GetLoad, Cancel), which must stay answerable under load or routers drop a

@@ -53,7 +53,7 @@ class RemoteDrafter:
                  timeout_s: float = 10.0, retry_after_s: float = 2.0,
                  dense_channel: DenseChannel | None = None,
                  head: RemoteHead | None = None, target_vocab: str = "") -> None:
-        """target_vocab: this target's vocabulary (cross_vocab.vocab_fingerprint), so that
+        """target_vocab: this target's vocabulary (core.tokenizer.vocab_fingerprint), so that
         a replica drafting for targets of several proposes in its ids."""
         if not addresses:
             raise DraftReplicaError("no draft replica addresses given")

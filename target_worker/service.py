@@ -226,9 +226,11 @@ class ServeSession:
 
 class TargetService(worker_pb2_grpc.TargetServicer):
     def __init__(self, engine: TargetEngine, default_gamma: int,
-                 auto_gamma_max: int | None = None, metrics_port: int = 0) -> None:
+                 auto_gamma_max: int | None = None, metrics_port: int = 0,
+                 target_vocab: str = "") -> None:
         self.engine = engine
         self.metrics_port = metrics_port  # told to routers, which serve what it holds
+        self.target_vocab = target_vocab  # told to routers, which match it to their models
         self.default_gamma = default_gamma            # FIXED requests that set no γ
         self.auto_gamma_max = default_gamma if auto_gamma_max is None else auto_gamma_max
 
@@ -307,7 +309,8 @@ class TargetService(worker_pb2_grpc.TargetServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, self.engine.broken)
         cost = pb.CostModel(**vars(self.engine.policy.cost))  # as the latest steps measured it
         return pb.Load(**dataclasses.asdict(self.engine.load()), cost=cost,
-                       gamma_max=self.auto_gamma_max, metrics_port=self.metrics_port)
+                       gamma_max=self.auto_gamma_max, metrics_port=self.metrics_port,
+                       target_vocab=self.target_vocab)
 
     def _handle(self, request: pb.TargetRequest, sink) -> Handle:
         if request.gamma > MAX_GAMMA:

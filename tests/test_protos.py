@@ -32,8 +32,9 @@ def test_typed_records_match_the_messages_they_travel_in():
     from outrider.v1 import worker_pb2 as pb
 
     load_fields = set(pb.Load.DESCRIPTOR.fields_by_name)
-    # (the service adds what the engine does not hold: its cost model, γ cap, metrics port)
-    assert {f.name for f in fields(ReplicaLoad)} == load_fields - {"cost", "gamma_max",
-                                                                   "metrics_port"}
+    # (the service adds what the engine does not hold: its cost model, γ cap, metrics
+    # port, vocabulary)
+    assert {f.name for f in fields(ReplicaLoad)} == load_fields - {
+        "cost", "gamma_max", "metrics_port", "target_vocab"}
     assert set(RoundStats._fields) == set(pb.RoundStats.DESCRIPTOR.fields_by_name)
     assert [r.value for r in FinishReason] == ["stop", "length", "cancelled", "error"]

@@ -134,6 +134,7 @@ def _local_system_config(args):
                              cache_aware_sampling=args.cache_aware_sampling,
                              self_draft_layers=args.self_draft_layers if args.gamma else None,
                              ngram_sizes=ngram_sizes_of_args(args),
+                             also_serve=tuple(str(d) for d in args.also_serve),
                              # --gamma 0: no speculation, so nothing proposes
                              proposer=args.proposer if args.gamma else "model")
 

@@ -10,6 +10,7 @@ from outrider.client.errors import (
     DeadlineExceededError,
     InternalError,
     InvalidRequestError,
+    NotFoundError,
     OutriderError,
     PermissionDeniedError,
     RateLimitError,
@@ -31,7 +32,8 @@ from outrider.client.sync import Client, GenerationStream
 __all__ = [
     "AsyncClient", "AsyncGenerationStream", "AuthenticationError", "CancelledError", "Client",
     "ConflictError", "DeadlineExceededError", "Delta", "Generation", "GenerationStream",
-    "InternalError", "InvalidRequestError", "Logprob", "OutriderError", "PermissionDeniedError",
+    "InternalError", "InvalidRequestError", "Logprob", "NotFoundError", "OutriderError",
+    "PermissionDeniedError",
     "RateLimitError", "Resume", "Retry", "Round", "SpeculationStats", "Timings", "Tls",
     "UnavailableError", "Usage", "build_request",
 ]

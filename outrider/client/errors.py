@@ -30,6 +30,10 @@ class PermissionDeniedError(OutriderError):
     """The key is disabled or may not use the request's tag."""
 
 
+class NotFoundError(OutriderError):
+    """The request names a model the router does not serve; the message lists those it does."""
+
+
 class RateLimitError(OutriderError):
     """The key's rate limit or every replica's queue is full; see retry_after_s."""
 
@@ -59,6 +63,7 @@ _BY_CODE = {
     grpc.StatusCode.OUT_OF_RANGE: InvalidRequestError,
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: RateLimitError,
     grpc.StatusCode.ALREADY_EXISTS: ConflictError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,

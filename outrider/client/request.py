@@ -25,7 +25,7 @@ def build_request(prompt: str | list[int], *, max_tokens: int | None = None,
                   regex: str | None = None, choice: list[str] | None = None,
                   grammar: str | None = None,
                   whitespace_flexible: bool = False, include_stop_str_in_output: bool = False,
-                  skip_special_tokens: bool = True) -> gp.GenerateRequest:
+                  skip_special_tokens: bool = True, model: str = "") -> gp.GenerateRequest:
     """A GenerateRequest; options left None take the router's defaults (16 tokens,
     temperature 1, no top-k/top-p/min-p, no penalties, a random seed, no logprobs).
     logprobs=k returns each token's log-probability and its k likeliest alternatives.
@@ -36,7 +36,8 @@ def build_request(prompt: str | list[int], *, max_tokens: int | None = None,
     (a dict or JSON text), json_object, regex, choice (the output is one of the strings)
     or grammar (Lark or GBNF); whitespace_flexible lets JSON hold any whitespace.
     The text: include_stop_str_in_output keeps the stop string that ends it;
-    skip_special_tokens=False shows special tokens (vLLM's meanings)."""
+    skip_special_tokens=False shows special tokens (vLLM's meanings).
+    model: the served model's id, of a router serving several ("": its first)."""
     if speculation not in MODES:
         raise ValueError(f"speculation must be one of {sorted(MODES)}, got {speculation!r}")
     sampling = gp.SamplingOptions(stop=list(stop), ignore_eos=ignore_eos,
@@ -64,7 +65,7 @@ def build_request(prompt: str | list[int], *, max_tokens: int | None = None,
     if constraint is not None:
         sampling.structured_output.CopyFrom(constraint)
     req = gp.GenerateRequest(sampling=sampling, request_id=request_id, tag=tag,
-                             include_rounds=include_rounds, proposer=proposer,
+                             include_rounds=include_rounds, proposer=proposer, model=model,
                              speculation=gp.SpeculationOptions(
                                  mode=MODES[speculation], gamma_max=gamma_max,
                                  tree_topk=tree_topk, tree_tokens=tree_tokens))

@@ -76,8 +76,9 @@ class Client:
     Options are build_request's (max_tokens, temperature, top_k, top_p, seed, stop,
     stop_token_ids, ignore_eos, speculation="auto"|"off"|"fixed", gamma_max, request_id,
     tag, include_rounds, proposer="auto"|"model"|"ngram"|"suffix"|"lookahead", tree_topk and
-    tree_tokens (its token tree within the replica's; 1: chains), and one output
-    constraint: json_schema, json_object, regex, choice or grammar). The API key defaults
+    tree_tokens (its token tree within the replica's; 1: chains), one output constraint:
+    json_schema, json_object, regex, choice or grammar, and model, of a router serving
+    several). The API key defaults
     to $OUTRIDER_API_KEY.
 
     `timeout_s` is each call's deadline (None: none; a call may set its own). Calls that

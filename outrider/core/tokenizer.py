@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
 import re
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+
+from outrider.core.hf_config import read_config
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 log = logging.getLogger(__name__)
@@ -164,3 +167,15 @@ class IncrementalDetokenizer:
         prefix = self.tokenizer.decode(self.token_ids[self._prefix_start:self._read_start], skip)
         text = self.tokenizer.decode(self.token_ids[self._prefix_start:], skip)
         return text[len(prefix):]
+
+
+def vocab_fingerprint(model_dir: str | Path) -> str:
+    """A checkpoint's vocabulary in 16 hex digits: its tokenizer's tokens and ids and its
+    model's vocabulary size. A draft replica tells its targets apart by it, and a router
+    the target replicas of its models (a token id means nothing in another vocabulary)."""
+    try:
+        vocab = sorted(Tokenizer(model_dir).vocab.items())
+    except TokenizerError:
+        vocab = []
+    size = int(read_config(model_dir)["vocab_size"])
+    return hashlib.sha256(json.dumps([size, vocab]).encode()).hexdigest()[:16]

@@ -22,8 +22,6 @@ change, is dropped unless the draft ended its text.
 from __future__ import annotations
 
 import codecs
-import hashlib
-import json
 import re
 from dataclasses import dataclass, field
 
@@ -286,17 +284,6 @@ class CrossVocabDrafter:
             q[:, self._shared[self._shared_mask]] = q_own[:, self._shared_mask]
         self.bridge.extend(ctx, ids)
         return ids, q
-
-
-def vocab_fingerprint(model_dir: str) -> str:
-    """A checkpoint's vocabulary in 16 hex digits: its tokenizer's tokens and ids and
-    its model's vocabulary size (a draft replica tells its targets apart by it)."""
-    try:
-        vocab = sorted(Tokenizer(model_dir).vocab.items())
-    except TokenizerError:
-        vocab = []
-    size = ModelConfig.from_dir(model_dir).vocab_size
-    return hashlib.sha256(json.dumps([size, vocab]).encode()).hexdigest()[:16]
 
 
 def across_vocabularies(drafter: Drafter, target_dir: str, draft_dir: str, target_vocab: int):

@@ -104,7 +104,7 @@ class SpeculationOptions(_message.Message):
     def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., gamma_max: _Optional[int] = ..., tree_topk: _Optional[int] = ..., tree_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "sampling", "speculation", "request_id", "tag", "include_rounds", "resume_from", "proposer")
+    __slots__ = ("text", "token_ids", "sampling", "speculation", "request_id", "tag", "include_rounds", "resume_from", "proposer", "model")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class GenerateRequest(_message.Message):
     INCLUDE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     sampling: SamplingOptions
@@ -123,7 +124,8 @@ class GenerateRequest(_message.Message):
     include_rounds: bool
     resume_from: int
     proposer: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., request_id: _Optional[str] = ..., tag: _Optional[str] = ..., include_rounds: _Optional[bool] = ..., resume_from: _Optional[int] = ..., proposer: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., request_id: _Optional[str] = ..., tag: _Optional[str] = ..., include_rounds: _Optional[bool] = ..., resume_from: _Optional[int] = ..., proposer: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_ids", "top_logprobs")

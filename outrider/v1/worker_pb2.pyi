@@ -365,7 +365,7 @@ class CostModel(_message.Message):
     def __init__(self, verify_base_s: _Optional[float] = ..., verify_per_token_s: _Optional[float] = ..., knee_tokens: _Optional[int] = ..., draft_per_position_s: _Optional[float] = ..., draft_rtt_s: _Optional[float] = ..., draft_per_token_s: _Optional[float] = ..., plain_offset_s: _Optional[float] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "heat", "kv_used_blocks", "kv_total_blocks", "tokens_per_s", "model_pair", "cost", "max_batch_tokens", "gamma_max", "block_size", "prefix_caching", "queued_tokens", "metrics_port")
+    __slots__ = ("num_running", "num_waiting", "heat", "kv_used_blocks", "kv_total_blocks", "tokens_per_s", "model_pair", "cost", "max_batch_tokens", "gamma_max", "block_size", "prefix_caching", "queued_tokens", "metrics_port", "target_vocab")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     HEAT_FIELD_NUMBER: _ClassVar[int]
@@ -380,6 +380,7 @@ class Load(_message.Message):
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VOCAB_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     heat: float
@@ -394,7 +395,8 @@ class Load(_message.Message):
     prefix_caching: bool
     queued_tokens: int
     metrics_port: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., heat: _Optional[float] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., model_pair: _Optional[str] = ..., cost: _Optional[_Union[CostModel, _Mapping]] = ..., max_batch_tokens: _Optional[int] = ..., gamma_max: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., queued_tokens: _Optional[int] = ..., metrics_port: _Optional[int] = ...) -> None: ...
+    target_vocab: str
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., heat: _Optional[float] = ..., kv_used_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., model_pair: _Optional[str] = ..., cost: _Optional[_Union[CostModel, _Mapping]] = ..., max_batch_tokens: _Optional[int] = ..., gamma_max: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., queued_tokens: _Optional[int] = ..., metrics_port: _Optional[int] = ..., target_vocab: _Optional[str] = ...) -> None: ...
 
 class DraftReplicas(_message.Message):
     __slots__ = ("addresses",)

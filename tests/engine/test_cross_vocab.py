@@ -13,13 +13,12 @@ import pytest
 
 from outrider.core.sampling import SamplingParams
 from outrider.core.stats import CROSS_VOCAB_METHOD, MODEL_METHOD
-from outrider.core.tokenizer import Tokenizer
+from outrider.core.tokenizer import Tokenizer, vocab_fingerprint
 from outrider.engine.cross_vocab import (
     CrossVocabDrafter,
     TextBridge,
     _Context,
     pair_bridge,
-    vocab_fingerprint,
 )
 from outrider.engine.drafter import Drafter
 from outrider.engine.runner import ModelRunner, RunnerConfig

@@ -1,0 +1,151 @@
+"""The models one router serves, each on its own target replicas (docs/DESIGN.md §9.2).
+
+A router may serve several targets, of one tokenizer or of many: a request names its model
+(`GenerateRequest.model`, HTTP's `model`), and goes to a `GenerationService` of that
+model, which picks among that model's replicas only. The replicas themselves are one
+ReplicaSet (one heartbeat, one stream per replica); a replica belongs to a model by the
+vocabulary it reports (`Load.target_vocab`: a token id means nothing in another
+vocabulary) and, where two of the router's models share a vocabulary, by its checkpoint's
+name (`Load.model_pair`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from outrider.router.refusal import Refused
+from outrider.router.replicas import ReplicaSet
+from outrider.router.service import GenerationService, _abort, replica_rows
+
+from outrider.core.tokenizer import vocab_fingerprint
+from outrider.v1 import generate_pb2 as gp
+from outrider.v1 import generate_pb2_grpc
+from outrider.v1 import worker_pb2 as pb
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What tells a model's replicas apart from the other models' of the same router."""
+
+    checkpoint: str          # its dir's name, as its replicas name it in model_pair
+    vocab: str               # its vocab_fingerprint
+    is_only: bool = True     # the router serves no other model
+    vocab_shared: bool = False  # another of the router's models has this vocabulary
+
+    @classmethod
+    def of(cls, model_dir: str) -> ModelIdentity:
+        return cls(Path(model_dir).resolve().name, vocab_fingerprint(model_dir))
+
+    def serves(self, load: pb.Load) -> bool:
+        """Whether a replica reporting `load` serves this model. A replica of another
+        vocabulary never does; one of this vocabulary does when no other model of the
+        router shares it; otherwise (or when it does not report its vocabulary, as
+        replicas before it did not) its checkpoint's name decides."""
+        if load.target_vocab and load.target_vocab != self.vocab:
+            return False
+        told_apart = bool(load.target_vocab) and not self.vocab_shared
+        return self.is_only or told_apart or load.model_pair.split("+")[0] == self.checkpoint
+
+
+class ModelReplicas:
+    """The router's replicas as one model's service sees them: those serving the model."""
+
+    def __init__(self, replicas: ReplicaSet, identity: ModelIdentity) -> None:
+        self.all, self.identity = replicas, identity
+
+    def live(self):
+        return self.all.live(self.identity.serves)
+
+    def pick(self, *args, **kwargs):
+        return self.all.pick(*args, **kwargs, serves=self.identity.serves)
+
+    def link(self, address: str):
+        return self.all.link(address)
+
+    def prefilled(self, address: str, request_id: str) -> None:
+        self.all.prefilled(address, request_id)
+
+    def note_prefix(self, address: str, token_ids: list[int]) -> None:
+        self.all.note_prefix(address, token_ids)
+
+    def mark_down(self, address: str) -> None:
+        self.all.mark_down(address)
+
+
+def identities(model_dirs: list[str]) -> list[ModelIdentity]:
+    """Each model's identity, knowing the others'."""
+    own = [ModelIdentity.of(d) for d in model_dirs]
+    vocabs = [i.vocab for i in own]
+    return [ModelIdentity(i.checkpoint, i.vocab, is_only=len(own) == 1,
+                          vocab_shared=vocabs.count(i.vocab) > 1) for i in own]
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One model of the router: its id, its service, and what the HTTP API needs of it."""
+
+    name: str                   # the id requests name and /v1/models lists
+    service: GenerationService
+    chat_template: object = None  # router.chat_template.ChatTemplate, or None: none
+
+
+class Models(generate_pb2_grpc.GenerationServicer):
+    """The router's models by id, the first the default (a request naming none); the
+    gRPC Generation service, each request handed to its model's service."""
+
+    def __init__(self, served: list[ServedModel]) -> None:
+        if not served:
+            raise ValueError("a router serves at least one model")
+        names = [m.name for m in served]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two served models have one id: {names} (give each its own "
+                             "--served-model-name)")
+        self.served = {m.name: m for m in served}
+        self.default = served[0]
+
+    def __iter__(self):
+        return iter(self.served.values())
+
+    def named(self, name: str | None) -> ServedModel:
+        """The model `name` (None or empty: the default); NOT_FOUND naming those served."""
+        if not name:
+            return self.default
+        if name not in self.served:
+            raise Refused(grpc.StatusCode.NOT_FOUND, f"model {name!r} does not exist; this "
+                          f"router serves {', '.join(map(repr, self.served))} "
+                          "(see /v1/models)")
+        return self.served[name]
+
+    def for_request(self, request: gp.GenerateRequest) -> GenerationService:
+        """The request's model's service; the request names it from now on, so that a
+        retry naming it and one naming none are the same request to the journal."""
+        served = self.named(request.model)
+        request.model = served.name
+        return served.service
+
+    def live(self) -> list:
+        """Every model's live replicas."""
+        return self.default.service.replicas.all.live()
+
+    # -- the gRPC Generation service ----------------------------------------------------
+    def GenerateStream(self, request: gp.GenerateRequest, context):
+        yield from self._service(request, context).GenerateStream(request, context)
+
+    def Generate(self, request: gp.GenerateRequest, context) -> gp.GenerateResponse:
+        return self._service(request, context).Generate(request, context)
+
+    def Status(self, request: gp.StatusRequest, context) -> gp.RouterStatus:
+        """The default model's status (the shared statistics) with every model's replicas."""
+        status = self.default.service.Status(request, context)
+        if len(self.served) > 1:
+            del status.replicas[:]
+            status.replicas.extend(replica_rows(self.live()))
+        return status
+
+    def _service(self, request: gp.GenerateRequest, context) -> GenerationService:
+        try:
+            return self.for_request(request)
+        except Refused as refusal:
+            self.default.service.telemetry.metrics.answered(refusal.code.name, "grpc")
+            _abort(context, refusal)
