@@ -10,9 +10,11 @@ import secrets
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from outrider.core.hf_config import head_kind
 from outrider.core.sequence import NGRAM_SIZES
+from outrider.core.tokenizer import vocab_fingerprint
 from outrider.cpus import plan_cpus
 from outrider.flags import check_self_draft, resolve_device
 from outrider.launch import RestartPolicy, free_port, supervised_group
@@ -79,15 +81,32 @@ class LocalSystemConfig:
         if self.cache_aware_sampling is not None and not self.speculation_cache:
             raise ValueError("--cache-aware-sampling needs --speculation-cache")
         check_self_draft(self.self_draft_layers, "--draft", self.draft)
-        if self.also_serve and (kind or self.self_draft_layers):
-            raise ValueError("--also-serve shares draft replicas among targets: a draft "
-                             "model, or none; a head or --self-draft-layers belongs to one "
-                             "target")
+        if self.also_serve:
+            self._check_targets(kind)
         if self.tree_topk > 1 and (self.head_on_replicas
                                    or not (kind or self.self_draft_layers)):
             raise ValueError("--tree-topk > 1 needs a draft head (--draft DIR of an EAGLE "
                              "or Medusa head) in the target's process, or "
                              "--self-draft-layers: draft replicas propose chains")
+
+    def _check_targets(self, head_kind: str | None) -> None:
+        """Several targets (--also-serve): told apart by their dirs' names, sharing the
+        draft replicas, which draft for another vocabulary through text only."""
+        names = [Path(t).resolve().name for t in self.targets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--also-serve: the targets' dirs must have distinct names (a "
+                             f"request chooses by it), got {names}")
+        if head_kind or self.self_draft_layers:
+            raise ValueError("--also-serve shares draft replicas among targets: a draft "
+                             "model, or none; a head or --self-draft-layers belongs to one "
+                             "target")
+        if self.draft and (self.speculation_cache or self.adapt):
+            own = vocab_fingerprint(self.draft)
+            other = next((t for t in self.targets if vocab_fingerprint(t) != own), None)
+            if other:
+                raise ValueError(f"{other} has another vocabulary than the draft "
+                                 f"{self.draft}, which drafts for it through text: without "
+                                 "--speculation-cache or --adapt (both work in the draft's ids)")
 
 
 @dataclass(frozen=True)

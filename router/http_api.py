@@ -192,22 +192,22 @@ def build_app(models: Models, settings: HttpSettings) -> FastAPI:
                           f"the vocabulary [0, {vocab})", param="tokens")
         return {"prompt": tokenizer.decode(body.tokens)}
 
-    def ignoring(body) -> list[str]:
-        """The body's unknown fields: refused under strict_fields, else counted and named
-        in the answer's X-Outrider-Ignored-Fields header."""
+    def ignoring(body, chosen: GenerationService) -> list[str]:
+        """The body's unknown fields: refused under strict_fields, else counted (under
+        the chosen model) and named in the answer's X-Outrider-Ignored-Fields header."""
         ignored = body.ignored_fields
         if ignored and settings.strict_fields:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{ignored[0]}: unknown field "
                           "(this router refuses fields it does not know)", param=ignored[0])
         if ignored:
-            service.telemetry.metrics.ignored_fields.inc(len(ignored))
+            chosen.telemetry.metrics.ignored_fields.inc(len(ignored))
         return ignored
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         served = models.named(body.model)
         chosen = served.service
-        ignored = ignoring(body)
+        ignored = ignoring(body, chosen)
         prompts = _refusing(lambda: body.prompts)
         if len(prompts) > settings.max_prompts:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
@@ -226,7 +226,7 @@ def build_app(models: Models, settings: HttpSettings) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         served = models.named(body.model)
         chosen, chat_template = served.service, served.chat_template
-        ignored = ignoring(body)
+        ignored = ignoring(body, chosen)
         if body.chooses_calls and settings.tool_call_parser is None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "tool_choice: 'auto' (the "
                           "default with tools) reads the model's calls from its text, which "

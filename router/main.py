@@ -15,7 +15,7 @@ from outrider.router.auth import Authenticator
 from outrider.router.chat_template import ChatTemplate
 from outrider.router.http_api import GRACEFUL_STOP_S, HttpSettings, build_app, start_http
 from outrider.router.http_guard import HttpBounds
-from outrider.router.models import ModelIdentity, ModelReplicas, Models, ServedModel, identities
+from outrider.router.models import ModelIdentity, ModelReplicas, Models, ServedModel
 from outrider.router.replicas import ROUTING, ReplicaSet
 from outrider.router.service import GenerationService, ServiceLimits
 from outrider.router.telemetry import RouterTelemetry
@@ -205,10 +205,9 @@ def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
     replicas.start()
     admission = Admission(cfg.limits.max_running, cfg.limits.max_queued,
                           cfg.limits.max_queue_wait_s)
-    models = Models([_served_model(cfg, model_dir, index, identity, store, replicas, auth,
-                                   admission)
-                     for index, (model_dir, identity)
-                     in enumerate(zip(cfg.model_dirs, identities(cfg.model_dirs)))])
+    models = Models([_served_model(cfg, model_dir, index, store, replicas, auth, admission)
+                     for index, model_dir in enumerate(cfg.model_dirs)])
+    models.default.service.telemetry.metrics.watch_admission(admission)  # the router's
     if cfg.metrics_port is not None:
         serve_metrics(cfg.host, cfg.metrics_port, "router")  # its own: scraped beside
         #                                   each replica's, it must not repeat theirs
@@ -218,9 +217,9 @@ def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
         [SERVICE_NAME], f"{cfg.host}:{cfg.port}", token=None,
         max_workers=cfg.limits.max_running + cfg.limits.max_queued + CONTROL_THREADS,
         credentials=_tls(cfg), health_servicer=health_servicer)
-    # readiness: the Generation service is SERVING while some target replica is live
-    replicas.on_live = lambda is_live: health_servicer.set(
-        SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if is_live
+    # readiness: the Generation service is SERVING while a replica of its models is live
+    replicas.on_live = lambda _: health_servicer.set(
+        SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if models.live()
         else health_pb2.HealthCheckResponse.NOT_SERVING)
     stop_http = _start_http(cfg, models) if cfg.http_port is not None else None
     server.start()
@@ -235,7 +234,7 @@ def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
     return Running(server, f"{cfg.host}:{bound}", [close], models)
 
 
-def _served_model(cfg: RouterConfig, model_dir: str, index: int, identity: ModelIdentity,
+def _served_model(cfg: RouterConfig, model_dir: str, index: int,
                   store, replicas: ReplicaSet, auth: Authenticator,
                   admission: Admission) -> ServedModel:
     """One of the router's models: its tokenizer, context, sampling defaults and chat
@@ -245,7 +244,8 @@ def _served_model(cfg: RouterConfig, model_dir: str, index: int, identity: Model
     max_model_len = min(context_length(read_config(model_dir)), cfg.max_model_len or sys.maxsize)
     defaults = sampling_defaults(model_dir) if cfg.generation_config == "auto" else {}
     service = GenerationService(Tokenizer(model_dir), max_model_len, store,
-                                ModelReplicas(replicas, identity), auth, cfg.limits,
+                                ModelReplicas(replicas, ModelIdentity.of(model_dir)), auth,
+                                cfg.limits,
                                 RouterTelemetry(name), defaults, admission)
     # the first model's --chat-template; the others' their own
     template = ChatTemplate.from_dir(model_dir, cfg.chat_template if index == 0 else None)

@@ -5,8 +5,7 @@ A router may serve several targets, of one tokenizer or of many: a request names
 model, which picks among that model's replicas only. The replicas themselves are one
 ReplicaSet (one heartbeat, one stream per replica); a replica belongs to a model by the
 vocabulary it reports (`Load.target_vocab`: a token id means nothing in another
-vocabulary) and, where two of the router's models share a vocabulary, by its checkpoint's
-name (`Load.model_pair`)."""
+vocabulary) and by its checkpoint's name (`Load.model_pair`)."""
 
 from __future__ import annotations
 
@@ -28,24 +27,23 @@ from outrider.v1 import worker_pb2 as pb
 class ModelIdentity:
     """What tells a model's replicas apart from the other models' of the same router."""
 
-    checkpoint: str          # its dir's name, as its replicas name it in model_pair
+    names: frozenset[str]    # its dir's name, as its replicas name it in model_pair (as
+    #                          given or resolved: a replica started on "." names it "")
     vocab: str               # its vocab_fingerprint
-    is_only: bool = True     # the router serves no other model
-    vocab_shared: bool = False  # another of the router's models has this vocabulary
 
     @classmethod
     def of(cls, model_dir: str) -> ModelIdentity:
-        return cls(Path(model_dir).resolve().name, vocab_fingerprint(model_dir))
+        return cls(frozenset({Path(model_dir).name, Path(model_dir).resolve().name}),
+                   vocab_fingerprint(model_dir))
 
     def serves(self, load: pb.Load) -> bool:
-        """Whether a replica reporting `load` serves this model. A replica of another
-        vocabulary never does; one of this vocabulary does when no other model of the
-        router shares it; otherwise (or when it does not report its vocabulary, as
-        replicas before it did not) its checkpoint's name decides."""
+        """Whether a replica reporting `load` serves this model: its vocabulary (when it
+        reports one: replicas before it did not) and its checkpoint's name are this
+        model's. The name too, since two checkpoints of one tokenizer (a base model and
+        its fine-tune, served by routers sharing a registry) are different models."""
         if load.target_vocab and load.target_vocab != self.vocab:
             return False
-        told_apart = bool(load.target_vocab) and not self.vocab_shared
-        return self.is_only or told_apart or load.model_pair.split("+")[0] == self.checkpoint
+        return load.model_pair.split("+")[0] in self.names
 
 
 class ModelReplicas:
@@ -71,14 +69,6 @@ class ModelReplicas:
 
     def mark_down(self, address: str) -> None:
         self.all.mark_down(address)
-
-
-def identities(model_dirs: list[str]) -> list[ModelIdentity]:
-    """Each model's identity, knowing the others'."""
-    own = [ModelIdentity.of(d) for d in model_dirs]
-    vocabs = [i.vocab for i in own]
-    return [ModelIdentity(i.checkpoint, i.vocab, is_only=len(own) == 1,
-                          vocab_shared=vocabs.count(i.vocab) > 1) for i in own]
 
 
 @dataclass(frozen=True)
@@ -125,8 +115,10 @@ class Models(generate_pb2_grpc.GenerationServicer):
         return served.service
 
     def live(self) -> list:
-        """Every model's live replicas."""
-        return self.default.service.replicas.all.live()
+        """The live replicas of any of the router's models (not those of other routers'
+        models in a shared registry): health, Status and /metrics count these."""
+        return self.default.service.replicas.all.live(
+            lambda load: any(m.service.replicas.identity.serves(load) for m in self))
 
     # -- the gRPC Generation service ----------------------------------------------------
     def GenerateStream(self, request: gp.GenerateRequest, context):

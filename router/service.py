@@ -119,7 +119,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         # the router's, shared by the models it serves (router/models.py)
         self.admission = admission or Admission(limits.max_running, limits.max_queued,
                                                 limits.max_queue_wait_s)
-        self.telemetry.metrics.watch_admission(self.admission)
+        if admission is None:  # (a shared one is watched once, by its owner)
+            self.telemetry.metrics.watch_admission(self.admission)
 
     def close(self) -> None:
         self._claims.close()
@@ -317,8 +318,10 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 if self.replicas.live():
                     raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   "every target replica's queue is full", retry_after_s=1.0)
-                raise Refused(grpc.StatusCode.UNAVAILABLE, "no target replica is available",
-                              retry_after_s=2.0)
+                raise Refused(grpc.StatusCode.UNAVAILABLE, "no target replica of model "
+                              f"{self.telemetry.model_name!r} is available (a replica serves "
+                              "the router's model when its vocabulary and its checkpoint "
+                              "dir's name are the same)", retry_after_s=2.0)
             time.sleep(0.1)
 
     def _stream_from(self, address: str, progress: Progress, context,

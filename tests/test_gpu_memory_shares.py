@@ -50,6 +50,9 @@ def test_serve_splits_one_gpu_between_its_processes():
     two_targets = LocalSystemConfig("t", None, device="cuda:0", target_replicas=2,
                                     memory_utilization=0.6)
     assert flags(two_targets, 0) == (None, pytest.approx(0.3))
+    two_models = LocalSystemConfig("t", None, device="cuda:0", also_serve=("u",),
+                                   memory_utilization=0.6)  # (--also-serve: one replica)
+    assert flags(two_models, 0) == (None, pytest.approx(0.3))
 
 
 def test_on_a_cpu_the_flag_is_passed_on_as_given():

@@ -100,3 +100,31 @@ def test_the_index_matches_leading_blocks_and_forgets_the_least_recent():
     assert index.num_cached_blocks("r", one) == 2
     index.forget("r")
     assert index.num_cached_blocks("r", two) == 0
+
+
+def test_each_served_model_picks_among_its_own_replicas_only():
+    """Replicas of three models, two of one vocabulary (the demo target and its 4-bit
+    copy): each model's view holds its own only, by vocabulary and by checkpoint name (a
+    replica reporting no vocabulary, as older ones, by its name alone); a name given as
+    "dir/." is its dir's."""
+    from outrider.router.models import ModelIdentity, ModelReplicas
+
+    from outrider import paths
+    dirs = [paths.demo_target_dir(), paths.demo_w4a16_target_dir(),
+            paths.demo_cross_draft_dir()]
+    models = [ModelIdentity.of(str(d)) for d in dirs]
+    vocab = [m.vocab for m in models]
+    assert vocab[0] == vocab[1] != vocab[2]
+    loads = {f"r{i}:1": pb.Load(target_vocab=vocab[i], model_pair=f"{d.name}+demo-draft",
+                                cost=load().cost, gamma_max=8) for i, d in enumerate(dirs)}
+    loads["old:1"] = pb.Load(model_pair="demo-target-w4a16", cost=load().cost, gamma_max=8)
+    # a replica of another vocabulary named as the first model is not the first model's
+    loads["alike:1"] = pb.Load(target_vocab=vocab[2], model_pair="demo-target",
+                               cost=load().cost, gamma_max=8)
+    replicas = replica_set(loads)
+    own = {i: sorted(r.address for r in ModelReplicas(replicas, m).live())
+           for i, m in enumerate(models)}
+    assert own == {0: ["r0:1"], 1: ["old:1", "r1:1"], 2: ["r2:1"]}
+    assert ModelReplicas(replicas, models[2]).pick(Acceptance([0.7] * 8)).address == "r2:1"
+    dotted = ModelIdentity.of(f"{dirs[0]}/.")
+    assert [r.address for r in ModelReplicas(replicas, dotted).live()] == ["r0:1"]

@@ -22,6 +22,7 @@ TOKENS = 24
 TOKEN = "several-models"  # the workers' cluster token
 
 
+@pytest.mark.slow
 def test_one_router_serves_two_targets_of_two_tokenizers_from_one_draft_replica():
     """The demo target and a checkpoint of its own 2,048-token BPE (the shipped
     demo-draft-bpe2k, served as a target here), behind one router, both speculating with
@@ -65,10 +66,27 @@ def test_one_router_serves_two_targets_of_two_tokenizers_from_one_draft_replica(
         with pytest.raises(openai.NotFoundError, match="demo-target"):
             oai.completions.create(model="nope", prompt=PROMPTS[0], max_tokens=4)
         # each replica says its vocabulary, and only its own model's identity accepts it
-        identities = [ModelIdentity(d.name, vocab_fingerprint(d), is_only=False)
-                      for d in (first, other)]
+        identities = [ModelIdentity.of(str(d)) for d in (first, other)]
         for address, own in zip(system.targets, identities):
-            load = worker_pb2_grpc.TargetStub(grpc.insecure_channel(address)).GetLoad(
-                pb.LoadRequest(), metadata=token_metadata(TOKEN), timeout=10)
-            assert load.target_vocab == own.vocab
+            with grpc.insecure_channel(address) as channel:
+                load = worker_pb2_grpc.TargetStub(channel).GetLoad(
+                    pb.LoadRequest(), metadata=token_metadata(TOKEN), timeout=10)
+            assert load.target_vocab == own.vocab == vocab_fingerprint(
+                first if own is identities[0] else other)
             assert [i.serves(load) for i in identities] == [i is own for i in identities]
+
+
+def test_serve_refuses_targets_it_could_not_tell_apart_or_draft_for():
+    """Refused at start, naming why: two targets of one dir name (a request names its model
+    by it); a head shared among targets; the speculation cache or --adapt with a target of
+    another vocabulary (both work in the draft's ids)."""
+    target, draft = str(paths.demo_target_dir()), str(paths.demo_draft_dir())
+    other = str(paths.demo_cross_draft_dir())
+    with pytest.raises(ValueError, match="distinct names"):
+        LocalSystemConfig(target, draft, also_serve=(target,))
+    with pytest.raises(ValueError, match="a head or --self-draft-layers belongs to one"):
+        LocalSystemConfig(target, str(paths.demo_head_dir()), also_serve=(other,))
+    for flag in ({"speculation_cache": True}, {"adapt": True}):
+        with pytest.raises(ValueError, match="another vocabulary .* --speculation-cache"):
+            LocalSystemConfig(target, draft, also_serve=(other,), **flag)
+    LocalSystemConfig(target, draft, also_serve=(other,))  # (through text: served)
