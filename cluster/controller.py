@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import ray
 from outrider.cluster.actors import DraftReplica, RouterReplica, TargetDriver, TargetRank
-from outrider.cluster.spec import ClusterSpec
+from outrider.cluster.spec import ClusterSpec, ModelPair
 from outrider.target_worker.main import runner_config
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import (
@@ -44,7 +44,8 @@ class Draft:
 
 @dataclass
 class Target:
-    index: int
+    index: int                   # among all the cluster's targets
+    pair: ModelPair              # the model pair it serves (its drafts are the pair's)
     pg: object = None
     driver: object = None
     ranks: list = field(default_factory=list)
@@ -69,11 +70,11 @@ class Controller:
     def up(self) -> dict:
         with self._lock:
             if not self.targets:
-                pair = self.spec.pair
-                self.targets = [Target(i) for i in range(pair.target_replicas)]
+                pairs = [p for p in self.spec.models for _ in range(p.target_replicas)]
+                self.targets = [Target(i, pair) for i, pair in enumerate(pairs)]
                 for target in self.targets:
-                    target.drafts = [self._start_draft(Draft(None))
-                                     for _ in range(pair.drafts_per_target)]
+                    target.drafts = [self._start_draft(Draft(None), target.pair)
+                                     for _ in range(target.pair.drafts_per_target)]
                     self._start_target(target)
                 if self.spec.router.enabled:
                     self._start_router()
@@ -90,14 +91,13 @@ class Controller:
                 "http": f"{host}:{r.http_port}" if r.http_port is not None else None,
                 "targets": [t.address for t in self.targets]}
 
-    def _start_draft(self, draft: Draft) -> Draft:
-        pair = self.spec.pair
+    def _start_draft(self, draft: Draft, pair: ModelPair) -> Draft:
         options = {**pair.draft_resources.ray_options(), "max_concurrency": 4}
         if draft.node_id:  # a restart: back where its target expects it, if there is room
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(draft.node_id,
                                                                             soft=True)
         draft.actor = ray.remote(DraftReplica).options(**options).remote(
-            self._runner(pair.draft), self.spec.worker_host, draft.port, self.token,
+            self._runner(pair, pair.draft), self.spec.worker_host, draft.port, self.token,
             pair.draft_metrics_port, pair.adapt, self.spec.redis_url,
             f"{self.spec.name}-{pair.name}",  # adapting drafts share versions in Redis
             pair.target,  # a head's embedding; a draft of another vocabulary's tokenizer
@@ -108,7 +108,7 @@ class Controller:
         return draft
 
     def _start_target(self, target: Target) -> None:
-        pair = self.spec.pair
+        pair = target.pair
         bundles = [pair.target_resources.bundle() for _ in range(pair.tp)]
         target.pg = placement_group(bundles, strategy="STRICT_PACK",
                                     name=f"{self.spec.name}-target-{target.index}")
@@ -119,8 +119,8 @@ class Controller:
                     "num_gpus": pair.target_resources.gpus, "max_concurrency": 4,
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(
                         target.pg, placement_group_bundle_index=k)}
-        cfg = self._target_config(self._runner(pair.target, tp=pair.tp,
-                                                       quantization=pair.quantization),
+        cfg = self._target_config(pair, self._runner(pair, pair.target, tp=pair.tp,
+                                                     quantization=pair.quantization),
                                   [d.address for d in target.drafts])
         runner = runner_config(cfg)  # (every rank's: they agree on the KV blocks)
         target.driver = ray.remote(TargetDriver).options(**in_bundle(0)).remote()
@@ -135,10 +135,11 @@ class Controller:
         from outrider.router.main import RouterConfig
         from outrider.router.service import ServiceLimits
 
-        r = self.spec.router
-        cfg = RouterConfig(self.spec.pair.target, (), r.host, r.grpc_port, self.spec.redis_url,
+        r, first = self.spec.router, self.spec.pair
+        cfg = RouterConfig(first.target, (), r.host, r.grpc_port, self.spec.redis_url,
                            http_port=r.http_port, metrics_port=r.metrics_port,
-                           served_model_name=self.spec.pair.name,
+                           served_model_name=first.name,
+                           also_serve=tuple(f"{p.name}={p.target}" for p in self.spec.models[1:]),
                            limits=ServiceLimits(replica_wait_s=r.replica_wait_s,
                                                 max_running=r.max_running_requests),
                            routing=r.routing)
@@ -150,10 +151,10 @@ class Controller:
         for target in self.targets:
             self._register(target.address)
 
-    def _runner(self, model_dir: str, tp: int = 1, quantization: str | None = None):
+    def _runner(self, pair: ModelPair, model_dir: str, tp: int = 1,
+                quantization: str | None = None):
         from outrider.engine.runner import RunnerConfig
 
-        pair = self.spec.pair
         return RunnerConfig(model_dir=model_dir, device=pair.device, dtype=pair.dtype, tp=tp,
                             kv_cache_mb=pair.kv_cache_mb,
                             memory_utilization=pair.gpu_memory_utilization,
@@ -162,11 +163,11 @@ class Controller:
                             enforce_eager=pair.enforce_eager,
                             prepared_rows=pair.max_batch_tokens, quantization=quantization)
 
-    def _target_config(self, runner, draft_addresses: list[str]):
+    def _target_config(self, pair: ModelPair, runner, draft_addresses: list[str]):
         from outrider.target_worker.main import TargetWorkerConfig
         from outrider.target_worker.scheduler import SchedulerConfig
 
-        pair, policy = self.spec.pair, self.spec.policy
+        policy = self.spec.policy
         return TargetWorkerConfig(
             runner, SchedulerConfig(max_num_seqs=pair.max_num_seqs,
                                     max_batch_tokens=pair.max_batch_tokens),
@@ -191,8 +192,10 @@ class Controller:
         while not self._stop.wait(self.spec.health_period_s):
             try:
                 self._heal()
-                autoscale = self.spec.pair.autoscale
-                if autoscale.enabled and time.monotonic() - last_scale >= autoscale.period_s:
+                # every pair's drafts at the shortest period any pair asks for
+                period = min((p.autoscale.period_s for p in self.spec.models
+                              if p.autoscale.enabled), default=None)
+                if period is not None and time.monotonic() - last_scale >= period:
                     self._autoscale(time.monotonic() - last_scale)
                     last_scale = time.monotonic()
             except Exception:  # the watcher must outlive any one failure
@@ -206,7 +209,7 @@ class Controller:
                 for k, draft in enumerate(target.drafts):
                     if not _alive(draft.actor):
                         self._log(f"draft {k} of target {target.index} died: restarting")
-                        self._start_draft(draft)
+                        self._start_draft(draft, target.pair)
                 if not all(_alive(a) for a in [target.driver, *target.ranks]):
                     self._log(f"target {target.index} lost a rank: restarting the replica")
                     self._stop_target(target, grace_s=0)
@@ -217,9 +220,11 @@ class Controller:
                 self._start_router()
 
     def _autoscale(self, period_s: float) -> None:
-        autoscale = self.spec.pair.autoscale
         with self._lock:
             for target in self.targets:
+                autoscale = target.pair.autoscale
+                if not autoscale.enabled:
+                    continue
                 busy = [ray.get(d.actor.busy_seconds.remote()) for d in target.drafts]
                 fraction = sum(b - d.busy_s for b, d in zip(busy, target.drafts)) / (
                     period_s * len(busy))
@@ -238,7 +243,7 @@ class Controller:
         with self._lock:
             target = self.targets[target_index]
             while len(target.drafts) < count:
-                target.drafts.append(self._start_draft(Draft(None)))
+                target.drafts.append(self._start_draft(Draft(None), target.pair))
                 self._set_drafts(target)
                 self._log(f"target {target_index}: draft replica added ({count})")
             while len(target.drafts) > count:
@@ -269,7 +274,8 @@ class Controller:
         for target in targets:
             load = _call(target.driver.load) or {}
             rows.append(_row("target", target.index, target.address, target.driver, load,
-                             restarts=target.restarts, tp=len(target.ranks) + 1))
+                             restarts=target.restarts, tp=len(target.ranks) + 1,
+                             model=target.pair.name))
             for k, rank in enumerate(target.ranks, start=1):
                 rows.append(_row(f"target rank {k}", target.index, target.address, rank, {}))
             for k, draft in enumerate(target.drafts):

@@ -117,12 +117,15 @@ def stop_local_head() -> None:
 
 
 def required_cpus(spec: ClusterSpec) -> float:
-    pair = spec.pair
+    return sum(_pair_cpus(pair) for pair in spec.models) + spec.router.resources.cpus
+
+
+def _pair_cpus(pair) -> float:
     targets = pair.target_replicas * pair.tp * pair.target_resources.cpus
     drafts = pair.target_replicas * max(pair.drafts_per_target,
                                         pair.autoscale.max_drafts if pair.autoscale.enabled
                                         else 0) * pair.draft_resources.cpus
-    return targets + drafts + spec.router.resources.cpus
+    return targets + drafts
 
 
 def with_absolute_paths(spec: ClusterSpec, base: Path) -> ClusterSpec:
@@ -132,6 +135,6 @@ def with_absolute_paths(spec: ClusterSpec, base: Path) -> ClusterSpec:
             return path
         here = (base / path).resolve()
         return str(here if here.exists() else Path(path).resolve())
-    pair = spec.pair.model_copy(update={"target": resolve(spec.pair.target),
-                                        "draft": resolve(spec.pair.draft)})
-    return spec.model_copy(update={"models": [pair]})
+    return spec.model_copy(update={"models": [
+        pair.model_copy(update={"target": resolve(pair.target), "draft": resolve(pair.draft)})
+        for pair in spec.models]})

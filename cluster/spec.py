@@ -19,6 +19,7 @@ from outrider.core.policy import MAX_GAMMA, PolicyConfig
 from outrider.core.sequence import ProposerKind
 
 Port = Annotated[int, Field(ge=0, le=65535)]
+MAX_PAIRS = 8  # models one cluster (its one router) serves
 
 
 class _Strict(BaseModel):
@@ -166,13 +167,26 @@ class ClusterSpec(_Strict):
     name: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,40}$")] = "outrider"
     redis_url: Annotated[str, Field(pattern=r"^rediss?://")]
     router: RouterSpec = RouterSpec()
-    models: Annotated[list[ModelPair], Field(min_length=1, max_length=1)]
+    # the router serves every pair's target, the first by default (a request's `model`
+    # names the pair); each pair has its own target and draft replicas
+    models: Annotated[list[ModelPair], Field(min_length=1, max_length=MAX_PAIRS)]
     policy: Policy = Policy()
     worker_host: str = "127.0.0.1"   # interface workers listen on ("0.0.0.0" across nodes)
     health_period_s: Annotated[float, Field(gt=0)] = 1.0
 
+    @model_validator(mode="after")
+    def _pairs_told_apart(self) -> ClusterSpec:
+        for what, values in (("name", [p.name for p in self.models]),
+                             ("target dir's name", [Path(p.target).name
+                                                    for p in self.models])):
+            if len(set(values)) != len(values):
+                raise ValueError(f"models: each pair needs a {what} of its own (the router "
+                                 f"tells the pairs apart by it), got {values}")
+        return self
+
     @property
     def pair(self) -> ModelPair:
+        """The first pair: the router's default model."""
         return self.models[0]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 
 from outrider.core.sequence import NGRAM_MAX, NGRAM_MIN, NGRAM_SIZES, ProposerKind
 
@@ -198,3 +199,12 @@ def check_self_draft(layers: str | None, flags: str, *drafts: object) -> None:
     if layers and any(drafts):
         raise ValueError(f"--self-draft-layers drafts with the target's own layers: give it "
                          f"without {flags}")
+
+
+def served_as(entry: str) -> tuple[str, str]:
+    """An --also-serve entry as (model id, checkpoint dir): NAME=DIR, or DIR served under
+    its dir's name (a NAME holds no "/", so a dir with "=" in its path is read whole)."""
+    name, sep, model_dir = entry.partition("=")
+    if sep and name and "/" not in name:
+        return name, model_dir
+    return Path(entry).resolve().name, entry

@@ -16,7 +16,7 @@ from outrider.core.hf_config import head_kind
 from outrider.core.sequence import NGRAM_SIZES
 from outrider.core.tokenizer import vocab_fingerprint
 from outrider.cpus import plan_cpus
-from outrider.flags import check_self_draft, resolve_device
+from outrider.flags import check_self_draft, resolve_device, served_as
 from outrider.launch import RestartPolicy, free_port, supervised_group
 from outrider.target_worker.main import TargetWorkerConfig
 from outrider.target_worker.scheduler import SchedulerConfig
@@ -62,12 +62,13 @@ class LocalSystemConfig:
     memory_utilization: float | None = None  # --gpu-memory-utilization: all replicas'
     #                                          share of the GPU, split (gpu_shares)
     # other targets served beside `target` by the one router, a replica each, speculating
-    # with the same draft replicas (of any tokenizer: they draft through text)
+    # with the same draft replicas (of any tokenizer: they draft through text); DIR or
+    # NAME=DIR (outrider.flags.served_as)
     also_serve: tuple[str, ...] = ()
 
     @property
     def targets(self) -> list[str]:
-        return [self.target, *self.also_serve]
+        return [self.target, *(served_as(entry)[1] for entry in self.also_serve)]
 
     def __post_init__(self) -> None:
         if self.draft and self.draft_replicas < 1:
@@ -94,8 +95,8 @@ class LocalSystemConfig:
         draft replicas, which draft for another vocabulary through text only."""
         names = [Path(t).resolve().name for t in self.targets]
         if len(set(names)) != len(names):
-            raise ValueError(f"--also-serve: the targets' dirs must have distinct names (a "
-                             f"request chooses by it), got {names}")
+            raise ValueError(f"--also-serve: the targets' dirs must have distinct names (the "
+                             f"router tells their replicas apart by it), got {names}")
         if head_kind or self.self_draft_layers:
             raise ValueError("--also-serve shares draft replicas among targets: a draft "
                              "model, or none; a head or --self-draft-layers belongs to one "
@@ -170,7 +171,7 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                            *(("--target-cpus", cpus.target, "--threads", "1") if cpus else ()),
                            *cfg.extra_draft_args)
                        for i in range(num_drafts))
-        replicas = [cfg.target] * cfg.target_replicas + list(cfg.also_serve)
+        replicas = [cfg.target] * cfg.target_replicas + cfg.targets[1:]
         targets = tuple(run("target" if i == 0 else f"target-{i}", "target-worker",
                             "--model", model_dir, "--tp", str(cfg.tp),
                             "--gamma", str(cfg.gamma), "--proposer", cfg.proposer, *model,

@@ -23,7 +23,7 @@ from outrider.router.tool_calls import CALL_FORMATS
 
 from outrider.core.hf_config import context_length, read_config, sampling_defaults
 from outrider.core.tokenizer import Tokenizer, tokenizer_file
-from outrider.flags import add_cpus_arg, add_max_model_len_arg, add_metrics_arg
+from outrider.flags import add_cpus_arg, add_max_model_len_arg, add_metrics_arg, served_as
 from outrider.grpc_server import Running, build_server, serve_until_signalled
 from outrider.state import open_store
 from outrider.telemetry.metrics import serve_metrics
@@ -65,19 +65,22 @@ class RouterConfig:
     generation_config: str = "auto"         # auto: unset sampling fields take the model's
     max_model_len: int | None = None        # requests longer are refused (None: the model's)
     chat_template: str | None = None        # a file or the template (None: the model's)
-    # other targets served beside model_dir, each on its own replicas, named by its dir
+    # other targets served beside model_dir, each on its own replicas: DIR (named by
+    # its dir) or NAME=DIR (outrider.flags.served_as)
     also_serve: tuple[str, ...] = ()
 
     @property
-    def model_dirs(self) -> list[str]:
-        return [self.model_dir, *self.also_serve]
+    def served(self) -> list[tuple[str, str]]:
+        """(model id, checkpoint dir) of each model, the first first."""
+        first = self.served_model_name or Path(self.model_dir).resolve().name
+        return [(first, self.model_dir), *map(served_as, self.also_serve)]
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
-        for model_dir in self.model_dirs:  # (a TokenizerError, a ValueError, naming what lacks)
+        for _, model_dir in self.served:  # (a TokenizerError, a ValueError, naming what lacks)
             tokenizer_file(model_dir)
 
     @classmethod
@@ -138,11 +141,11 @@ def add_public_arguments(p: argparse.ArgumentParser,
     p.add_argument("--no-http", action="store_true", help="no HTTP API, gRPC only")
     p.add_argument("--served-model-name",
                    help="model id of the HTTP API (default: the target dir's name)")
-    p.add_argument("--also-serve", action="append", default=[], metavar="DIR",
+    p.add_argument("--also-serve", action="append", default=[], metavar="[NAME=]DIR",
                    help="another target checkpoint served beside the first, on target "
                         "replicas of its own (serve starts one, speculating with the same "
-                        "draft replicas), named by its dir (repeatable; any tokenizer): a "
-                        "request's `model` chooses, and one naming none gets the first")
+                        "draft replicas), as NAME or its dir's name (repeatable; any "
+                        "tokenizer): a request's `model` chooses, one naming none the first")
     p.add_argument("--routing", choices=ROUTING, default=RouterConfig.routing,
                    help="cache-aware: the replica expected to serve a request soonest, "
                         "counting its cached prefix, its load and speculation (default); "
@@ -205,8 +208,9 @@ def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
     replicas.start()
     admission = Admission(cfg.limits.max_running, cfg.limits.max_queued,
                           cfg.limits.max_queue_wait_s)
-    models = Models([_served_model(cfg, model_dir, index, store, replicas, auth, admission)
-                     for index, model_dir in enumerate(cfg.model_dirs)])
+    models = Models([_served_model(cfg, name, model_dir, index == 0, store, replicas, auth,
+                                   admission)
+                     for index, (name, model_dir) in enumerate(cfg.served)])
     models.default.service.telemetry.metrics.watch_admission(admission)  # the router's
     if cfg.metrics_port is not None:
         serve_metrics(cfg.host, cfg.metrics_port, "router")  # its own: scraped beside
@@ -234,13 +238,11 @@ def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
     return Running(server, f"{cfg.host}:{bound}", [close], models)
 
 
-def _served_model(cfg: RouterConfig, model_dir: str, index: int,
+def _served_model(cfg: RouterConfig, name: str, model_dir: str, is_first: bool,
                   store, replicas: ReplicaSet, auth: Authenticator,
                   admission: Admission) -> ServedModel:
     """One of the router's models: its tokenizer, context, sampling defaults and chat
     template, over its own replicas of the router's."""
-    name = (cfg.served_model_name if index == 0 and cfg.served_model_name
-            else Path(model_dir).resolve().name)
     max_model_len = min(context_length(read_config(model_dir)), cfg.max_model_len or sys.maxsize)
     defaults = sampling_defaults(model_dir) if cfg.generation_config == "auto" else {}
     service = GenerationService(Tokenizer(model_dir), max_model_len, store,
@@ -248,7 +250,7 @@ def _served_model(cfg: RouterConfig, model_dir: str, index: int,
                                 cfg.limits,
                                 RouterTelemetry(name), defaults, admission)
     # the first model's --chat-template; the others' their own
-    template = ChatTemplate.from_dir(model_dir, cfg.chat_template if index == 0 else None)
+    template = ChatTemplate.from_dir(model_dir, cfg.chat_template if is_first else None)
     return ServedModel(name, service, template)
 
 

@@ -1,6 +1,7 @@
 """The Ray control plane on a local Ray (CPU): a tp=2 target and two drafts from a spec,
-served through the router; replicas killed mid-generation come back and no request
-notices; drafts added and removed while requests run; `down` leaves nothing behind."""
+served through the router beside a second pair's target (another vocabulary, no draft);
+replicas killed mid-generation come back and no request notices; drafts added and
+removed while requests run; `down` leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -31,12 +32,16 @@ PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 61], [11, 12, 13, 14], [200, 2, 9, 77, 41]
 MAX_TOKENS = 120
 
 
-def write_spec(path, llama_dir, draft_dir, redis_url, port: int, **pair) -> str:
+def write_spec(path, llama_dir, draft_dir, redis_url, port: int, other_dir=None,
+               **pair) -> str:
+    """other_dir: a second pair's target (no draft), served as "other"."""
+    others = [{"name": "other", "target": str(other_dir), "drafts_per_target": 0,
+               "kv_cache_mb": 8, "threads": 1}] if other_dir else []
     spec = {"name": "test", "redis_url": redis_url,
             "router": {"grpc_port": port, "http_port": None, "replica_wait_s": 120},
             "models": [{"name": "test-pair", "target": str(llama_dir), "draft": str(draft_dir),
                         "tp": 2, "drafts_per_target": 2, "gamma": 3, "kv_cache_mb": 8,
-                        "threads": 1, **pair}]}
+                        "threads": 1, **pair}, *others]}
     path.write_text(yaml.safe_dump(spec))
     return str(path)
 
@@ -49,7 +54,15 @@ def expected(llama_dir, draft_dir, prompt) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, llama_dir, draft_dir, redis_url):
+def other_dir(tmp_path_factory, llama_dir):
+    """The second pair's target: llama_dir over another vocabulary (its ids shuffled)."""
+    from tests.checkpoints import permuted_vocab_copy
+
+    return permuted_vocab_copy(llama_dir, tmp_path_factory.mktemp("pair") / "other-target")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, llama_dir, draft_dir, redis_url, other_dir):
     from outrider.launch import free_port
 
     redis.Redis.from_url(redis_url).flushdb()
@@ -61,7 +74,7 @@ def cluster(tmp_path_factory, llama_dir, draft_dir, redis_url):
     # the drafts keep a speculation cache: a tp=2 target's output, and a draft killed
     # mid-round, are exact with it too
     spec = write_spec(tmp_path_factory.mktemp("spec") / "spec.yaml", llama_dir, draft_dir,
-                      redis_url, free_port(), speculation_cache=True)
+                      redis_url, free_port(), other_dir, speculation_cache=True)
     endpoints, seconds = launch.up(spec, None)
     controller = ray.get_actor(NAME, namespace=NAMESPACE)
     try:
@@ -85,10 +98,25 @@ def test_tp2_target_and_two_drafts_serve_the_single_process_output(cluster, llam
     controller, router, seconds = cluster
     assert generate_all(router) == [expected(llama_dir, draft_dir, p) for p in PROMPTS]
     rows = ray.get(controller.status.remote())["rows"]
-    roles = sorted(r["role"] for r in rows)
-    assert roles == ["draft 0", "draft 1", "router", "target", "target rank 1"]
+    roles = sorted((r["role"], r.get("model")) for r in rows if r["target"] != 1)
+    assert roles == [("draft 0", None), ("draft 1", None), ("router", None),
+                     ("target", "test-pair"), ("target rank 1", None)]
+    assert [(r["role"], r["model"]) for r in rows if r["target"] == 1] == [("target", "other")]
     assert all(r["alive"] and r["rss_mb"] > 0 for r in rows)
-    assert len({r["pid"] for r in rows}) == 5  # every rank and replica its own process
+    assert len({r["pid"] for r in rows}) == 6  # every rank and replica its own process
+
+
+def test_the_second_pair_is_served_by_its_name(cluster, other_dir):
+    """A request naming the second pair gets its target's own output (its vocabulary's
+    ids); the first pair stays the default."""
+    _, router, _ = cluster
+    alone = SpeculativeDecoder(ModelRunner(RunnerConfig(str(other_dir), kv_cache_mb=8)), None)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    with Client(router, timeout_s=300) as client:
+        for prompt in PROMPTS:
+            served = client.generate(prompt, max_tokens=24, temperature=0.0, ignore_eos=True,
+                                     model="other")
+            assert list(served.token_ids) == alone.generate([prompt], params, 0)[0].output_ids
 
 
 def test_killed_draft_and_target_rank_come_back_and_requests_finish(cluster, llama_dir,

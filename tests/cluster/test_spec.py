@@ -58,3 +58,23 @@ def test_cache_aware_sampling_is_a_share_and_needs_the_cache():
                      (dict(cache_aware_sampling=0.5), "needs speculation_cache: true")]:
         with pytest.raises(SpecError, match=why):
             parse_spec(spec_with(**bad))
+
+
+def test_several_pairs_each_named_and_counted():
+    """A spec may list several pairs (one router serves every pair's target); each needs a
+    name and a target dir name of its own; Ray is asked for every pair's cores."""
+    from pathlib import Path
+
+    from outrider.cluster.launch import required_cpus, with_absolute_paths
+
+    second = {"name": "cross", "target": "models/demo-draft-bpe2k", "drafts_per_target": 0}
+    spec = parse_spec({**spec_with(), "models": [*spec_with()["models"], second]})
+    assert [p.name for p in spec.models] == ["demo", "cross"] and spec.pair.name == "demo"
+    alone = parse_spec(spec_with())
+    assert required_cpus(spec) == required_cpus(alone) + 1  # the second target's core
+    assert all(Path(p.target).is_absolute()
+               for p in with_absolute_paths(spec, Path.cwd()).models)
+    for clash, what in (({"name": "demo"}, "a name"),
+                        ({"target": "other/demo-target"}, "a target dir's name")):
+        with pytest.raises(SpecError, match=f"models: each pair needs {what} of its own"):
+            parse_spec({**spec_with(), "models": [*spec_with()["models"], {**second, **clash}]})
