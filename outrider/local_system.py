@@ -65,10 +65,18 @@ class LocalSystemConfig:
     # with the same draft replicas (of any tokenizer: they draft through text); DIR or
     # NAME=DIR (outrider.flags.served_as)
     also_serve: tuple[str, ...] = ()
+    # other draft models for `target`: each on draft_replicas replicas of its own, with
+    # target_replicas target replicas speculating with it; the router sends each request
+    # to the replica, so the draft, it expects to serve it soonest (router/replicas.py)
+    also_draft: tuple[str, ...] = ()
 
     @property
     def targets(self) -> list[str]:
         return [self.target, *(served_as(entry)[1] for entry in self.also_serve)]
+
+    @property
+    def num_target_replicas(self) -> int:
+        return self.target_replicas * (1 + len(self.also_draft)) + len(self.also_serve)
 
     def __post_init__(self) -> None:
         if self.draft and self.draft_replicas < 1:
@@ -82,7 +90,11 @@ class LocalSystemConfig:
         if self.cache_aware_sampling is not None and not self.speculation_cache:
             raise ValueError("--cache-aware-sampling needs --speculation-cache")
         check_self_draft(self.self_draft_layers, "--draft", self.draft)
-        if self.also_serve:
+        if self.also_draft and (not self.draft or kind
+                                or any(head_kind(d) for d in self.also_draft)):
+            raise ValueError("--also-draft: another draft model beside --draft's (a draft "
+                             "model, not a head: heads draft in their target's process)")
+        if self.also_serve or self.also_draft:
             self._check_targets(kind)
         if self.tree_topk > 1 and (self.head_on_replicas
                                    or not (kind or self.self_draft_layers)):
@@ -101,13 +113,18 @@ class LocalSystemConfig:
             raise ValueError("--also-serve shares draft replicas among targets: a draft "
                              "model, or none; a head or --self-draft-layers belongs to one "
                              "target")
-        if self.draft and (self.speculation_cache or self.adapt):
-            own = vocab_fingerprint(self.draft)
+        for draft in self.drafts if self.speculation_cache or self.adapt else ():
+            own = vocab_fingerprint(draft)
             other = next((t for t in self.targets if vocab_fingerprint(t) != own), None)
             if other:
-                raise ValueError(f"{other} has another vocabulary than the draft "
-                                 f"{self.draft}, which drafts for it through text: without "
+                raise ValueError(f"{other} has another vocabulary than the draft {draft}, "
+                                 "which drafts for it through text: without "
                                  "--speculation-cache or --adapt (both work in the draft's ids)")
+
+    @property
+    def drafts(self) -> list[str]:
+        """The draft models, each on replicas of its own."""
+        return [self.draft, *self.also_draft] if self.draft else []
 
 
 @dataclass(frozen=True)
@@ -137,8 +154,7 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                           on_give_up) as start:
         metrics: dict[str, str] = {}
         # the plan gives one target replica cores of its own; several would share them
-        is_pinned = (cfg.pin_cpus and cfg.device == "cpu" and cfg.target_replicas == 1
-                     and not cfg.also_serve)
+        is_pinned = cfg.pin_cpus and cfg.device == "cpu" and cfg.num_target_replicas == 1
         cpus = plan_cpus() if is_pinned else None
         pinned = lambda role: ("--cpus", getattr(cpus, role)) if cpus else ()  # noqa: E731
 
@@ -157,21 +173,30 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
         head = cfg.draft if cfg.draft and head_kind(cfg.draft) else None
         num_drafts = cfg.draft_replicas if cfg.draft and (cfg.head_on_replicas or not head) \
             else 0
-        draft_share, target_share = gpu_shares(cfg, num_drafts)
-        drafts = tuple(run(f"draft-{i}", "draft-worker", "--model", cfg.draft, *model,
-                           # (a head's; each target's vocabulary, its own or through text)
-                           *[a for t in cfg.targets for a in ("--target-model", t)],
-                           *draft_share,
-                           *(("--adapt",) if cfg.adapt else ()),
-                           *(("--speculation-cache",) if cfg.speculation_cache else ()),
-                           *(("--cache-aware-sampling", str(cfg.cache_aware_sampling))
-                             if cfg.cache_aware_sampling is not None else ()),
-                           *(("--adapt-redis", cfg.redis_url) if cfg.adapt and cfg.redis_url
-                             else ()),
-                           *(("--target-cpus", cpus.target, "--threads", "1") if cpus else ()),
-                           *cfg.extra_draft_args)
-                       for i in range(num_drafts))
-        replicas = [cfg.target] * cfg.target_replicas + cfg.targets[1:]
+        draft_share, target_share = gpu_shares(cfg, num_drafts * len(cfg.drafts))
+        # each draft model's replicas (the first's named draft-0, draft-1, ... as before)
+        groups = [tuple(run(f"draft-{k * num_drafts + i}", "draft-worker", "--model", draft,
+                            *model,
+                            # (a head's; each target's vocabulary, its own or through text)
+                            *[a for t in cfg.targets for a in ("--target-model", t)],
+                            *draft_share,
+                            *(("--adapt",) if cfg.adapt else ()),
+                            *(("--speculation-cache",) if cfg.speculation_cache else ()),
+                            *(("--cache-aware-sampling", str(cfg.cache_aware_sampling))
+                              if cfg.cache_aware_sampling is not None else ()),
+                            *(("--adapt-redis", cfg.redis_url) if cfg.adapt and cfg.redis_url
+                              else ()),
+                            *(("--target-cpus", cpus.target, "--threads", "1") if cpus
+                              else ()),
+                            *cfg.extra_draft_args)
+                        for i in range(num_drafts))
+                  for k, draft in enumerate(cfg.drafts)] or [()]
+        drafts = tuple(a for group in groups for a in group)
+        # (target dir, its draft replicas): the first target with each draft model, the
+        # others (--also-serve) with the first's
+        replicas = ([(cfg.target, group) for group in groups
+                     for _ in range(cfg.target_replicas)]
+                    + [(t, groups[0]) for t in cfg.targets[1:]])
         targets = tuple(run("target" if i == 0 else f"target-{i}", "target-worker",
                             "--model", model_dir, "--tp", str(cfg.tp),
                             "--gamma", str(cfg.gamma), "--proposer", cfg.proposer, *model,
@@ -183,7 +208,7 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                               else ()), *context,
                             "--max-batch-tokens", str(cfg.max_batch_tokens),
                             "--max-num-seqs", str(cfg.max_num_seqs),
-                            *[a for d in drafts for a in ("--draft-address", d)],
+                            *[a for d in group for a in ("--draft-address", d)],
                             *(("--draft-head", head) if head else ()),
                             *(("--self-draft-layers", cfg.self_draft_layers)
                               if cfg.self_draft_layers else ()),
@@ -191,7 +216,7 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                             "--tree-tokens", str(cfg.tree_tokens),
                             *(("--small-step-threads", str(cpus.small_step_threads))
                               if cpus else ()), *cfg.extra_target_args)
-                        for i, model_dir in enumerate(replicas))
+                        for i, (model_dir, group) in enumerate(replicas))
         http_port = None if cfg.http_port is None else cfg.http_port or free_port()
         router = run("router", "router", "--model", cfg.target,
                      *[a for t in cfg.also_serve for a in ("--also-serve", t)],
@@ -223,4 +248,4 @@ def gpu_shares(cfg: LocalSystemConfig, num_drafts: int) -> tuple[tuple[str, ...]
     drafts = whole * DRAFT_GPU_SHARE if num_drafts else 0.0
     flag = lambda share: ("--gpu-memory-utilization", f"{share:.4f}")  # noqa: E731
     draft_flag = flag(drafts / num_drafts) if num_drafts else ()
-    return draft_flag, flag((whole - drafts) / (cfg.target_replicas + len(cfg.also_serve)))
+    return draft_flag, flag((whole - drafts) / cfg.num_target_replicas)

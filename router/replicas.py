@@ -154,12 +154,15 @@ class ReplicaSet:
             self.is_store_reachable = False
 
     # -- choice ------------------------------------------------------------------------------
-    def pick(self, acceptance: Acceptance, avoid: set[str] = frozenset(),
+    def pick(self, acceptance_of: Callable[[str], Acceptance], avoid: set[str] = frozenset(),
              max_waiting: int = MAX_QUEUED_PER_REPLICA, prompt_ids: list[int] = (),
              max_tokens: int = 1, request_id: str = "",
              serves: Callable[[pb.Load], bool] | None = None) -> st.ReplicaRecord | None:
-        """The replica expected to serve this request soonest (`expected_seconds`), or
-        the next in turn under round-robin; those not in `avoid` first (a replica that
+        """The replica expected to serve this request soonest (`expected_seconds`, at
+        the request's acceptance with each replica's model pair, `acceptance_of(pair)`,
+        and the cost of that pair's replicas: where replicas of one target speculate with
+        different drafts, the choice of replica is the choice of draft), or the next in
+        turn under round-robin; those not in `avoid` first (a replica that
         failed this request may serve it again once it answers heartbeats). None when
         none is live or every queue is full. The choice is remembered: the request's
         prompt is in that replica's cache from now on, and its prefill is queued there
@@ -176,10 +179,13 @@ class ReplicaSet:
             chains = _Chains(prompt_ids)  # each block size's chain, hashed once
             uncached = {r.address: len(prompt_ids) - self._cached_tokens(r, chains)
                         for r in candidates}
-            cost = mean_cost([r.load for r in candidates])
-            seconds = {r.address: expected_seconds(r.load, acceptance, uncached[r.address],
-                                                   max_tokens, *self._now(r), cost)
-                       for r in candidates}
+            pairs = {r.load.model_pair for r in candidates}
+            cost = {pair: mean_cost([r.load for r in candidates if r.load.model_pair == pair])
+                    for pair in pairs}
+            acceptance = {pair: acceptance_of(pair) for pair in pairs}
+            seconds = {r.address: expected_seconds(
+                r.load, acceptance[r.load.model_pair], uncached[r.address], max_tokens,
+                *self._now(r), cost[r.load.model_pair]) for r in candidates}
             choice = min(candidates, key=lambda r: (seconds[r.address], uncached[r.address]))
             with self._lock:
                 self._prefilling[choice.address][request_id] = uncached[choice.address]
@@ -241,7 +247,7 @@ class _Chains:
 
 
 def mean_cost(loads: list[pb.Load]) -> CostModel | None:
-    """The replicas' cost models averaged: the router compares replicas of one model pair
+    """The cost models of replicas of one model pair averaged: the router compares them
     by their load and cache, not by the noise between their models (a replica refits its
     model only while it runs, so an idle one's looks cheaper). None: none reports one."""
     costs = [x.cost for x in loads if x.cost.verify_base_s]

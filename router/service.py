@@ -31,7 +31,7 @@ from outrider.router.validate import Job, ValidationError, client_tag, validate
 from outrider.core.grammar import Grammars
 from outrider.core.policy import MAX_QUEUED_PER_REPLICA, Acceptance, SpecMode
 from outrider.core.sampling import sampling_to_proto
-from outrider.core.stats import SpecStats
+from outrider.core.stats import PRIOR_ALPHA, SpecStats
 from outrider.core.tokenizer import Tokenizer
 from outrider.grpc_server import remaining_timeout
 from outrider.state import MAX_ACCEPTANCE_ENTRIES, StoreUnavailable
@@ -309,9 +309,12 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     def _pick(self, job: Job, tried: set[str]):
         deadline = time.monotonic() + self.limits.replica_wait_s
         while True:
-            acceptance = Acceptance(self._prior(self._pair_hint(), job.stats_tag))
-            replica = self.replicas.pick(acceptance, tried, self.limits.max_waiting,
-                                         job.prompt_ids, job.params.max_tokens, job.request_id)
+            # a pair nothing was measured for is believed to do well until it is tried:
+            # else a second draft for a target would never get a request to learn from
+            replica = self.replicas.pick(
+                lambda pair: Acceptance(self._prior(pair, job.stats_tag) or [PRIOR_ALPHA]),
+                tried, self.limits.max_waiting, job.prompt_ids, job.params.max_tokens,
+                job.request_id)
             if replica is not None:
                 return replica
             if time.monotonic() >= deadline:
@@ -447,10 +450,6 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 self.store.add_acceptance(progress.model_pair, job.stats_tag, counts)
         except StoreUnavailable:
             pass
-
-    def _pair_hint(self) -> str:
-        live = self.replicas.live()
-        return live[0].load.model_pair if live else ""
 
     def _prior(self, pair: str, tag: str) -> list[float]:
         """Per-position acceptance to start AUTO requests from: the shared statistics

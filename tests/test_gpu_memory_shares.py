@@ -53,6 +53,10 @@ def test_serve_splits_one_gpu_between_its_processes():
     two_models = LocalSystemConfig("t", None, device="cuda:0", also_serve=("u",),
                                    memory_utilization=0.6)  # (--also-serve: one replica)
     assert flags(two_models, 0) == (None, pytest.approx(0.3))
+    two_drafts = LocalSystemConfig("t", "d", device="cuda:0", also_draft=("e",),
+                                   memory_utilization=0.6)  # (a target replica each)
+    draft, target = flags(two_drafts, 2)
+    assert 2 * draft + 2 * target == pytest.approx(0.6, abs=1e-4)
 
 
 def test_on_a_cpu_the_flag_is_passed_on_as_given():

@@ -60,6 +60,11 @@ def serve_flags(serve: argparse.ArgumentParser) -> None:
                             "features with each Propose (default: in the target's process)")
     serve.add_argument("--target-replicas", type=int, default=LocalSystemConfig.target_replicas,
                        help="target replicas behind the router (they share the drafts)")
+    serve.add_argument("--also-draft", action="append", default=[], metavar="DIR",
+                       help="another draft model for the target (repeatable; any tokenizer): "
+                            "on --draft-replicas replicas of its own, with --target-replicas "
+                            "target replicas speculating with it; the router sends each "
+                            "request where its acceptance and cost say it is served soonest")
     serve.add_argument("--speculation-cache", action=argparse.BooleanOptionalAction,
                        default=LocalSystemConfig.speculation_cache,
                        help="the draft replicas draft the next round for its likely "
@@ -135,6 +140,7 @@ def _local_system_config(args):
                              self_draft_layers=args.self_draft_layers if args.gamma else None,
                              ngram_sizes=ngram_sizes_of_args(args),
                              also_serve=tuple(str(d) for d in args.also_serve),
+                             also_draft=tuple(args.also_draft) if args.gamma else (),
                              # --gamma 0: no speculation, so nothing proposes
                              proposer=args.proposer if args.gamma else "model")
 

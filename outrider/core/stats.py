@@ -18,6 +18,7 @@ CROSS_VOCAB_METHOD = "cross_vocab"  # ... a draft model of another tokenizer (cr
 DRAFT_MODEL_METHODS = (MODEL_METHOD, CROSS_VOCAB_METHOD)  # a draft model's, of either kind
 HEAD_METHODS = {"eagle3": "eagle3", "eagle1": "eagle", "medusa": "medusa"}  # vLLM's names
 GRAMMAR_METHOD = "grammar"  # tokens a request's grammar forces, proposed for free (§3.8)
+PRIOR_ALPHA = 0.7  # acceptance believed where little or nothing was measured
 
 
 def _add(total: list[int], values: list[int]) -> None:
@@ -64,7 +65,7 @@ class AcceptanceCounts:
         _add(self.tested, other.tested)
         _add(self.accepted, other.accepted)
 
-    def alphas(self, prior: float = 0.7, prior_weight: float = 4.0) -> list[float]:
+    def alphas(self, prior: float = PRIOR_ALPHA, prior_weight: float = 4.0) -> list[float]:
         """P(position j accepted | positions < j accepted), shrunk towards `prior` where
         data is thin."""
         return [(a + prior * prior_weight) / (t + prior_weight)

@@ -75,6 +75,9 @@ def test_several_pairs_each_named_and_counted():
     assert all(Path(p.target).is_absolute()
                for p in with_absolute_paths(spec, Path.cwd()).models)
     for clash, what in (({"name": "demo"}, "a name"),
-                        ({"target": "other/demo-target"}, "a target dir's name")):
-        with pytest.raises(SpecError, match=f"models: each pair needs {what} of its own"):
+                        ({"target": "other/demo-target"}, r"a target dir's name \(or")):
+        with pytest.raises(SpecError, match=f"models: each pair needs {what}"):
             parse_spec({**spec_with(), "models": [*spec_with()["models"], {**second, **clash}]})
+    # a second draft for the same target: one model, two pairs
+    again = {**second, "target": "models/demo-target"}
+    assert len(parse_spec({**spec_with(), "models": [*spec_with()["models"], again]}).models) == 2

@@ -31,7 +31,7 @@ def replica_set(loads: dict[str, pb.Load], routing: str = "cache-aware") -> Repl
 
 
 def pick(replicas: ReplicaSet, prompt: list[int], request_id: str = "r") -> str:
-    return replicas.pick(Acceptance([0.7] * 8), prompt_ids=prompt, max_tokens=48,
+    return replicas.pick(lambda pair: Acceptance([0.7] * 8), prompt_ids=prompt, max_tokens=48,
                          request_id=request_id).address
 
 
@@ -125,6 +125,26 @@ def test_each_served_model_picks_among_its_own_replicas_only():
     own = {i: sorted(r.address for r in ModelReplicas(replicas, m).live())
            for i, m in enumerate(models)}
     assert own == {0: ["r0:1"], 1: ["old:1", "r1:1"], 2: ["r2:1"]}
-    assert ModelReplicas(replicas, models[2]).pick(Acceptance([0.7] * 8)).address == "r2:1"
+    chosen = ModelReplicas(replicas, models[2]).pick(lambda pair: Acceptance([0.7] * 8))
+    assert chosen.address == "r2:1"
     dotted = ModelIdentity.of(f"{dirs[0]}/.")
     assert [r.address for r in ModelReplicas(replicas, dotted).live()] == ["r0:1"]
+
+
+def test_where_replicas_speculate_with_different_drafts_the_request_goes_to_the_better():
+    """Two idle replicas of one target, each with its own draft: a request goes to the
+    pair whose drafts it is expected to keep more of (the shared statistics for its tag),
+    and at equal acceptance to the pair whose drafting costs less."""
+    def with_draft(draft: str, draft_s: float = 0.0007) -> pb.Load:
+        one = load()
+        one.model_pair, one.cost.draft_per_position_s = f"target+{draft}", draft_s
+        return one
+
+    replicas = replica_set({"a:1": with_draft("same-family"), "b:1": with_draft("cross")})
+    for better in ("same-family", "cross"):
+        alphas = lambda pair, better=better: Acceptance([0.9 if better in pair else 0.3] * 8)  # noqa: E731
+        chosen = replicas.pick(alphas, prompt_ids=[1, 2, 3], max_tokens=48)
+        assert chosen.load.model_pair == f"target+{better}"
+    slow = replica_set({"a:1": with_draft("same-family"), "b:1": with_draft("cross", 0.005)})
+    chosen = slow.pick(lambda pair: Acceptance([0.7] * 8), prompt_ids=[1, 2, 3], max_tokens=48)
+    assert chosen.load.model_pair == "target+same-family"

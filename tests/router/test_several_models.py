@@ -87,6 +87,12 @@ def test_serve_refuses_targets_it_could_not_tell_apart_or_draft_for():
     with pytest.raises(ValueError, match="a head or --self-draft-layers belongs to one"):
         LocalSystemConfig(target, str(paths.demo_head_dir()), also_serve=(other,))
     for flag in ({"speculation_cache": True}, {"adapt": True}):
-        with pytest.raises(ValueError, match="another vocabulary .* --speculation-cache"):
-            LocalSystemConfig(target, draft, also_serve=(other,), **flag)
-    LocalSystemConfig(target, draft, also_serve=(other,))  # (through text: served)
+        for more in ({"also_serve": (other,)}, {"also_draft": (other,)}):
+            with pytest.raises(ValueError, match="another vocabulary .* --speculation-cache"):
+                LocalSystemConfig(target, draft, **more, **flag)
+    with pytest.raises(ValueError, match="--also-draft: another draft model beside"):
+        LocalSystemConfig(target, None, also_draft=(other,))
+    # (through text: served) a target replica per draft model, one per other target
+    both = LocalSystemConfig(target, draft, also_serve=(other,), also_draft=(other,),
+                             target_replicas=2)
+    assert both.drafts == [draft, other] and both.num_target_replicas == 5
