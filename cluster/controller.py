@@ -223,7 +223,7 @@ class Controller:
         with self._lock:
             for target in self.targets:
                 autoscale = target.pair.autoscale
-                if not autoscale.enabled:
+                if not autoscale.enabled or not target.drafts:
                     continue
                 busy = [ray.get(d.actor.busy_seconds.remote()) for d in target.drafts]
                 fraction = sum(b - d.busy_s for b, d in zip(busy, target.drafts)) / (

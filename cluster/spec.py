@@ -169,8 +169,8 @@ class ClusterSpec(_Strict):
     router: RouterSpec = RouterSpec()
     # the router serves every pair's target, the first by default (a request's `model`
     # names the pair); each pair has its own target and draft replicas. Pairs of one
-    # target (several drafts for it) are one model: the router sends each request to the
-    # replica, so the draft, it expects to serve it soonest
+    # target (several drafts for it) are one model, their names aliases: the router sends
+    # each request to the replica, so the draft, it expects to serve it soonest
     models: Annotated[list[ModelPair], Field(min_length=1, max_length=MAX_PAIRS)]
     policy: Policy = Policy()
     worker_host: str = "127.0.0.1"   # interface workers listen on ("0.0.0.0" across nodes)
@@ -179,9 +179,11 @@ class ClusterSpec(_Strict):
     @model_validator(mode="after")
     def _pairs_told_apart(self) -> ClusterSpec:
         targets = list(dict.fromkeys(p.target for p in self.models))  # (one model each)
+        pairs = [(p.target, Path(p.draft).name if p.draft else "") for p in self.models]
         for what, values in (("a name", [p.name for p in self.models]),
                              ("a target dir's name (or the same target)",
-                              [Path(t).name for t in targets])):
+                              [Path(t).name for t in targets]),
+                             ("a draft dir's name (among pairs of one target)", pairs)):
             if len(set(values)) != len(values):
                 raise ValueError(f"models: each pair needs {what} of its own (the router "
                                  f"tells the models apart by it), got {values}")

@@ -203,8 +203,10 @@ def check_self_draft(layers: str | None, flags: str, *drafts: object) -> None:
 
 def served_as(entry: str) -> tuple[str, str]:
     """An --also-serve entry as (model id, checkpoint dir): NAME=DIR, or DIR served under
-    its dir's name (a NAME holds no "/", so a dir with "=" in its path is read whole)."""
+    its dir's name. A NAME holds no "/": write a dir whose name holds "=" as ./DIR."""
     name, sep, model_dir = entry.partition("=")
-    if sep and name and "/" not in name:
+    if sep and "/" not in name:
+        if not name or not model_dir:
+            raise ValueError(f"--also-serve {entry!r}: give NAME=DIR or DIR")
         return name, model_dir
     return Path(entry).resolve().name, entry

@@ -105,10 +105,11 @@ class LocalSystemConfig:
     def _check_targets(self, head_kind: str | None) -> None:
         """Several targets (--also-serve): told apart by their dirs' names, sharing the
         draft replicas, which draft for another vocabulary through text only."""
-        names = [Path(t).resolve().name for t in self.targets]
-        if len(set(names)) != len(names):
-            raise ValueError(f"--also-serve: the targets' dirs must have distinct names (the "
-                             f"router tells their replicas apart by it), got {names}")
+        for what, dirs in (("targets", self.targets), ("draft models", self.drafts)):
+            names = [Path(d).resolve().name for d in dirs]
+            if len(set(names)) != len(names):
+                raise ValueError(f"the {what}' dirs must have distinct names (replicas are "
+                                 f"told apart by them: model pairs, statistics), got {names}")
         if head_kind or self.self_draft_layers:
             raise ValueError("--also-serve shares draft replicas among targets: a draft "
                              "model, or none; a head or --self-draft-layers belongs to one "

@@ -44,6 +44,9 @@ TARGET_MODES = {SpecMode.AUTO: pb.SPEC_MODE_AUTO, SpecMode.OFF: pb.SPEC_MODE_OFF
                 SpecMode.FIXED: pb.SPEC_MODE_FIXED}
 # a replica that fails with these may be gone: the request moves to another one
 MIGRATE_ON = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+# requests a model pair with a draft may finish without a drafted round before the choice
+# of replica stops believing PRIOR_ALPHA of it
+UNTRIED_REQUESTS = 4
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self.telemetry = telemetry or RouterTelemetry("")
         self.store, self.replicas, self.auth, self.limits = store, replicas, auth, limits
         self._priors: dict[tuple[str, str], tuple[float, list[float]]] = {}
+        # (model pair, tag) -> requests that finished there with no drafted round
+        self._undrafted: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         self._claims = ClaimKeeper(store, limits.journal_lease_s)
         # the router's, shared by the models it serves (router/models.py)
@@ -309,11 +314,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     def _pick(self, job: Job, tried: set[str]):
         deadline = time.monotonic() + self.limits.replica_wait_s
         while True:
-            # a pair nothing was measured for is believed to do well until it is tried:
-            # else a second draft for a target would never get a request to learn from
             replica = self.replicas.pick(
-                lambda pair: Acceptance(self._prior(pair, job.stats_tag) or [PRIOR_ALPHA]),
-                tried, self.limits.max_waiting, job.prompt_ids, job.params.max_tokens,
+                lambda pair: self._routing_acceptance(pair, job.stats_tag), tried,
+                self.limits.max_waiting, job.prompt_ids, job.params.max_tokens,
                 job.request_id)
             if replica is not None:
                 return replica
@@ -443,13 +446,32 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         record = st.JournalRecord(fingerprint=job.fingerprint, prompt_ids=job.prompt_ids,
                                   is_finished=True, response=whole.SerializeToString(),
                                   seed=job.params.seed)
+        counts = progress.stats.counts
+        if not counts.tested and progress.model_pair:
+            with self._lock:
+                key = (progress.model_pair, job.stats_tag)
+                if key in self._undrafted or len(self._undrafted) < MAX_ACCEPTANCE_ENTRIES:
+                    self._undrafted[key] = self._undrafted.get(key, 0) + 1
         try:
             self.store.journal_finish(job.request_id, record, self.limits.journal_ttl_s)
-            counts = progress.stats.counts
             if counts.tested and progress.model_pair:
                 self.store.add_acceptance(progress.model_pair, job.stats_tag, counts)
         except StoreUnavailable:
             pass
+
+    def _routing_acceptance(self, pair: str, tag: str) -> Acceptance:
+        """What the choice of replica believes a request keeps of a replica's pair's
+        drafts: the shared statistics; for a pair with a draft that nothing was measured
+        for, PRIOR_ALPHA, so that it is tried (else a second draft for a target would never
+        get a request to learn from), until UNTRIED_REQUESTS of its requests finished there
+        without a drafted round (its AUTO stands aside: it serves plain steps); for a
+        pair without a draft model (lookups alone), nothing."""
+        alphas = self._prior(pair, tag)
+        if alphas or "+" not in pair:
+            return Acceptance(alphas)
+        with self._lock:
+            quiet = self._undrafted.get((pair, tag), 0)
+        return Acceptance([PRIOR_ALPHA] if quiet < UNTRIED_REQUESTS else [])
 
     def _prior(self, pair: str, tag: str) -> list[float]:
         """Per-position acceptance to start AUTO requests from: the shared statistics

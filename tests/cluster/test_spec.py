@@ -78,6 +78,10 @@ def test_several_pairs_each_named_and_counted():
                         ({"target": "other/demo-target"}, r"a target dir's name \(or")):
         with pytest.raises(SpecError, match=f"models: each pair needs {what}"):
             parse_spec({**spec_with(), "models": [*spec_with()["models"], {**second, **clash}]})
-    # a second draft for the same target: one model, two pairs
-    again = {**second, "target": "models/demo-target"}
+    # a second draft for the same target: one model, two pairs (but not two of one name)
+    again = {**second, "target": "models/demo-target", "draft": "models/demo-draft",
+             "drafts_per_target": 1}
     assert len(parse_spec({**spec_with(), "models": [*spec_with()["models"], again]}).models) == 2
+    with pytest.raises(SpecError, match=r"a draft dir's name \(among pairs of one target"):
+        parse_spec({**spec_with(), "models": [*spec_with()["models"], again,
+                                              {**again, "name": "third", "draft": "x/demo-draft"}]})

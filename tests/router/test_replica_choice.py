@@ -145,6 +145,29 @@ def test_where_replicas_speculate_with_different_drafts_the_request_goes_to_the_
         alphas = lambda pair, better=better: Acceptance([0.9 if better in pair else 0.3] * 8)  # noqa: E731
         chosen = replicas.pick(alphas, prompt_ids=[1, 2, 3], max_tokens=48)
         assert chosen.load.model_pair == f"target+{better}"
-    slow = replica_set({"a:1": with_draft("same-family"), "b:1": with_draft("cross", 0.005)})
+    # (the slow one first: a tie would go to the first)
+    slow = replica_set({"b:1": with_draft("cross", 0.005), "a:1": with_draft("same-family")})
     chosen = slow.pick(lambda pair: Acceptance([0.7] * 8), prompt_ids=[1, 2, 3], max_tokens=48)
     assert chosen.load.model_pair == "target+same-family"
+
+
+def test_routing_believes_an_untried_draft_until_its_requests_show_it_stands_aside():
+    """A pair with a draft nothing was measured for is believed at PRIOR_ALPHA (so it gets
+    requests to learn from) until UNTRIED_REQUESTS of its requests drafted nothing; once
+    measured, its statistics; a replica without a draft model is believed to keep nothing."""
+    from outrider.router.auth import Authenticator
+    from outrider.router.service import UNTRIED_REQUESTS, GenerationService
+
+    from outrider import paths
+    from outrider.core.stats import PRIOR_ALPHA, AcceptanceCounts
+    from outrider.core.tokenizer import Tokenizer
+
+    store = MemoryStore()
+    service = GenerationService(Tokenizer(paths.demo_target_dir()), 2048, store,
+                                replica_set({}), Authenticator(store, is_required=False))
+    believed = lambda pair: service._routing_acceptance(pair, "code").alphas  # noqa: E731
+    assert believed("target") == [] and believed("target+draft") == [PRIOR_ALPHA]
+    service._undrafted[("target+draft", "code")] = UNTRIED_REQUESTS  # (as _record counts)
+    assert believed("target+draft") == []
+    store.add_acceptance("target+other", "code", AcceptanceCounts([40, 30], [30, 3]))
+    assert believed("target+other") == pytest.approx([32.8 / 44, 5.8 / 34])

@@ -82,7 +82,7 @@ def test_serve_refuses_targets_it_could_not_tell_apart_or_draft_for():
     another vocabulary (both work in the draft's ids)."""
     target, draft = str(paths.demo_target_dir()), str(paths.demo_draft_dir())
     other = str(paths.demo_cross_draft_dir())
-    with pytest.raises(ValueError, match="distinct names"):
+    with pytest.raises(ValueError, match="targets' dirs must have distinct names"):
         LocalSystemConfig(target, draft, also_serve=(target,))
     with pytest.raises(ValueError, match="a head or --self-draft-layers belongs to one"):
         LocalSystemConfig(target, str(paths.demo_head_dir()), also_serve=(other,))
@@ -90,6 +90,8 @@ def test_serve_refuses_targets_it_could_not_tell_apart_or_draft_for():
         for more in ({"also_serve": (other,)}, {"also_draft": (other,)}):
             with pytest.raises(ValueError, match="another vocabulary .* --speculation-cache"):
                 LocalSystemConfig(target, draft, **more, **flag)
+    with pytest.raises(ValueError, match="draft models' dirs must have distinct names"):
+        LocalSystemConfig(target, draft, also_draft=(draft,))
     with pytest.raises(ValueError, match="--also-draft: another draft model beside"):
         LocalSystemConfig(target, None, also_draft=(other,))
     # (through text: served) a target replica per draft model, one per other target
