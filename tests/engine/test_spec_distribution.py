@@ -45,8 +45,8 @@ from outrider.core.sampling import History, SamplingParams
 from outrider.core.sequence import ProposerKind
 from outrider.core.stats import MODEL_METHOD, SpecStats
 from outrider.core.structured import StructuredOutput
-from outrider.core.tokenizer import Tokenizer
-from outrider.engine.cross_vocab import CrossVocabDrafter, pair_bridge
+from outrider.core.tokenizer import Tokenizer, vocab_fingerprint
+from outrider.engine.cross_vocab import CrossVocabDrafter
 from outrider.engine.drafter import Drafter
 from outrider.engine.heads import head_proposer
 from outrider.engine.layer_skip import LAYER_SKIP_METHOD, layer_skip_proposer
@@ -573,19 +573,30 @@ def test_layer_skip_speculative_sampling_matches_target_distribution(samples):
 @pytest.mark.slow
 def test_cross_vocab_speculative_sampling_matches_target_distribution(samples, close_draft_dir,
                                                                       tmp_path_factory):
-    """The close draft over shuffled ids, its own tokenizer.json, proposes through text: its
-    context the committed text re-encoded, a sampled row drawn from the tokens the target
-    has too (each one target token), its q moved over to the target's ids; truncation,
-    penalties and a bias act on p alone (the draft reads none). Exact."""
-    config = "truncated-penalties-bias"
+    """The close draft over shuffled ids, its own tokenizer.json, on a draft replica started
+    for the target (--target-model), proposes through text: its context the committed text
+    re-encoded, a sampled row drawn from the tokens the target has too (each one target
+    token), its q moved over to the target's ids and sent over gRPC; truncation, penalties
+    and a bias act on p alone (the draft reads none). Exact. (In process the same
+    CrossVocabDrafter proposes, without the wire.)"""
+    from outrider.draft_worker.main import DraftWorkerConfig, start
+    from outrider.target_worker.remote_drafter import RemoteDrafter
+
+    config, token = "truncated-penalties-bias", "chi2-cross-vocab"
     target = samples.decoders["far", False].target
     draft_dir = permuted_vocab_copy(close_draft_dir, tmp_path_factory.mktemp("cross_vocab"))
-    drafter = CrossVocabDrafter(Drafter(ModelRunner(RunnerConfig(str(draft_dir),
-                                                                 kv_cache_mb=64))),
-                                pair_bridge(str(target.cfg.model_dir), str(draft_dir)),
-                                target.vocab_size)
-    seqs, stats = sampled_run(SpeculativeDecoder(target, drafter), 4, config, "cross-vocab")
-    assert drafter.inner.runner.blocks.num_used_blocks == 0
+    target_dir = str(target.cfg.model_dir)
+    running = start(DraftWorkerConfig(str(draft_dir), kv_cache_mb=64,
+                                      target_models=(target_dir,)), token)
+    remote = RemoteDrafter([running.address], token, "t0-",
+                           target_vocab=vocab_fingerprint(target_dir))
+    try:
+        assert isinstance(running.service.proposers[vocab_fingerprint(target_dir)],
+                          CrossVocabDrafter)
+        seqs, stats = sampled_run(SpeculativeDecoder(target, remote), 4, config, "cross-vocab")
+    finally:
+        remote.close()
+        running.stop(0)
     assert min(stats.accepted_per_position[:4]) >= NUM_SAMPLES // 100, stats
     assert stats.num_accepted_tokens < stats.num_draft_tokens
     pvalues = comparisons([tuple(s.output_ids) for s in seqs], samples.target_only(config))

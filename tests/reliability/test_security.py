@@ -133,7 +133,9 @@ def test_workers_refuse_every_call_without_the_cluster_token(secured):
 def exercise(router: str, http: str, model_dir) -> None:
     """Good and failing calls of every kind a secret rides on."""
     with Client(router, api_key=API_KEY, timeout_s=60) as client:
-        assert client.generate([5, 6, 7], max_tokens=4).usage.completion_tokens == 4
+        # (ignore_eos: sampled with a random seed, EOS may come first, ~1 % of runs)
+        assert client.generate([5, 6, 7], max_tokens=4,
+                               ignore_eos=True).usage.completion_tokens == 4
         assert client.status().replicas
         with pytest.raises(InvalidRequestError):
             client.generate([5, 6, 7], top_p=3.0)
