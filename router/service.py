@@ -314,10 +314,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     def _pick(self, job: Job, tried: set[str]):
         deadline = time.monotonic() + self.limits.replica_wait_s
         while True:
-            replica = self.replicas.pick(
-                lambda pair: self._routing_acceptance(pair, job.stats_tag), tried,
-                self.limits.max_waiting, job.prompt_ids, job.params.max_tokens,
-                job.request_id)
+            replica = self.replicas.pick(lambda pair: self._routing_acceptance(pair, job),
+                                         tried, self.limits.max_waiting, job.prompt_ids,
+                                         job.params.max_tokens, job.request_id)
             if replica is not None:
                 return replica
             if time.monotonic() >= deadline:
@@ -459,18 +458,21 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         except StoreUnavailable:
             pass
 
-    def _routing_acceptance(self, pair: str, tag: str) -> Acceptance:
-        """What the choice of replica believes a request keeps of a replica's pair's
-        drafts: the shared statistics; for a pair with a draft that nothing was measured
-        for, PRIOR_ALPHA, so that it is tried (else a second draft for a target would never
-        get a request to learn from), until UNTRIED_REQUESTS of its requests finished there
-        without a drafted round (its AUTO stands aside: it serves plain steps); for a
-        pair without a draft model (lookups alone), nothing."""
-        alphas = self._prior(pair, tag)
+    def _routing_acceptance(self, pair: str, job: Job) -> Acceptance:
+        """What the choice of replica believes `job` keeps of a replica's pair's drafts:
+        the shared statistics for its tag; for a pair with a draft that nothing was
+        measured for, PRIOR_ALPHA, so that it is tried (else a second draft for a target
+        would never get a request to learn from), until UNTRIED_REQUESTS of its requests
+        finished there without a drafted round (its AUTO stands aside: it serves plain
+        steps); for a pair without a draft model (lookups alone), or a request with
+        speculation off, nothing."""
+        if job.mode is SpecMode.OFF:
+            return Acceptance([])
+        alphas = self._prior(pair, job.stats_tag)
         if alphas or "+" not in pair:
             return Acceptance(alphas)
         with self._lock:
-            quiet = self._undrafted.get((pair, tag), 0)
+            quiet = self._undrafted.get((pair, job.stats_tag), 0)
         return Acceptance([PRIOR_ALPHA] if quiet < UNTRIED_REQUESTS else [])
 
     def _prior(self, pair: str, tag: str) -> list[float]:

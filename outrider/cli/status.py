@@ -46,10 +46,10 @@ def _cluster_status(ray_address: str | None, as_json: bool = False) -> str | Non
 
 
 def _cluster_table(status: dict) -> str:
-    rows = [("ROLE", "TARGET", "ADDRESS", "NODE", "DEVICE", "PID", "RSS MB", "HEAT", "TOK/S",
-             "ALIVE")]
-    rows += [(r["role"], str(r["target"]), r["address"], r["node_ip"], r["device"],
-              str(r["pid"]), f"{r['rss_mb']:.0f}", _num(r["heat"], 2),
+    rows = [("ROLE", "TARGET", "MODEL", "ADDRESS", "NODE", "DEVICE", "PID", "RSS MB", "HEAT",
+             "TOK/S", "ALIVE")]
+    rows += [(r["role"], str(r["target"]), r.get("model") or "-", r["address"], r["node_ip"],
+              r["device"], str(r["pid"]), f"{r['rss_mb']:.0f}", _num(r["heat"], 2),
               _num(r["tokens_per_s"], 1), "yes" if r["alive"] else "NO")
              for r in status["rows"]]
     lines = [f"cluster endpoints: {status['endpoints']}", *_columns(rows)]

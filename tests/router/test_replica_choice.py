@@ -154,19 +154,25 @@ def test_where_replicas_speculate_with_different_drafts_the_request_goes_to_the_
 def test_routing_believes_an_untried_draft_until_its_requests_show_it_stands_aside():
     """A pair with a draft nothing was measured for is believed at PRIOR_ALPHA (so it gets
     requests to learn from) until UNTRIED_REQUESTS of its requests drafted nothing; once
-    measured, its statistics; a replica without a draft model is believed to keep nothing."""
+    measured, its statistics; a replica without a draft model, or a request with
+    speculation off, is believed to keep nothing."""
+    from types import SimpleNamespace
+
     from outrider.router.auth import Authenticator
     from outrider.router.service import UNTRIED_REQUESTS, GenerationService
 
     from outrider import paths
+    from outrider.core.policy import SpecMode
     from outrider.core.stats import PRIOR_ALPHA, AcceptanceCounts
     from outrider.core.tokenizer import Tokenizer
 
     store = MemoryStore()
     service = GenerationService(Tokenizer(paths.demo_target_dir()), 2048, store,
                                 replica_set({}), Authenticator(store, is_required=False))
-    believed = lambda pair: service._routing_acceptance(pair, "code").alphas  # noqa: E731
+    auto = SimpleNamespace(mode=SpecMode.AUTO, stats_tag="code")
+    believed = lambda pair, job=auto: service._routing_acceptance(pair, job).alphas  # noqa: E731
     assert believed("target") == [] and believed("target+draft") == [PRIOR_ALPHA]
+    assert believed("target+draft", SimpleNamespace(mode=SpecMode.OFF, stats_tag="code")) == []
     service._undrafted[("target+draft", "code")] = UNTRIED_REQUESTS  # (as _record counts)
     assert believed("target+draft") == []
     store.add_acceptance("target+other", "code", AcceptanceCounts([40, 30], [30, 3]))
