@@ -78,12 +78,13 @@ class Live:
 def live(llama_dir, draft_dir, tmp_path_factory):
     model = tmp_path_factory.mktemp("fuzz") / MODEL  # the served model id: its folder name
     shutil.copytree(llama_dir, model)
-    http_port, metrics_port = free_port(), free_port()
     with process_group(TOKEN) as start:
         draft_proc, draft = start("draft-worker", "--model", str(draft_dir))
+        metrics_port = free_port()  # (each just before its process binds it)
         target_proc, target = start("target-worker", "--model", str(model), "--draft-address",
                                     draft, "--metrics-port", str(metrics_port),
                                     "--max-num-seqs", str(MAX_NUM_SEQS))
+        http_port = free_port()
         router_proc, router = start("router", "--model", str(model), "--target-address",
                                     target, "--port", "0", "--http-port", str(http_port))
         with grpc.insecure_channel(router) as channel:

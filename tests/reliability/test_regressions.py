@@ -220,9 +220,9 @@ def test_a_router_at_its_limit_refuses_more_and_stays_answerable(llama_dir):
     request = gp.GenerateRequest(token_ids=gp.TokenIds(ids=[5, 6, 7]),
                                  sampling=gp.SamplingOptions(max_tokens=400, temperature=0.0,
                                                              ignore_eos=True))
-    http_port = free_port()
     with process_group(TOKEN) as start:
         _, target = start("target-worker", "--model", str(llama_dir), "--max-num-seqs", "4")
+        http_port = free_port()  # (just before the router binds it)
         _, router = start("router", "--model", str(llama_dir), "--target-address", target,
                           "--port", "0", "--http-port", str(http_port),
                           "--max-running-requests", "100", "--max-queued-requests", "0")

@@ -72,7 +72,6 @@ def secured(llama_dir, draft_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     env = dict(os.environ, OUTRIDER_CLUSTER_TOKEN=CLUSTER_TOKEN, PYTHONUNBUFFERED="1",
                OUTRIDER_API_KEYS=f"{API_KEY},{OTHER_KEY}")
-    http_port = free_port()
     procs = {}
     try:
         procs["draft"] = Captured(logs / "draft.log", "draft-worker", "--model",
@@ -80,6 +79,8 @@ def secured(llama_dir, draft_dir, tmp_path_factory):
         procs["target"] = Captured(logs / "target.log", "target-worker", "--model",
                                    str(llama_dir), "--draft-address", procs["draft"].address,
                                    env=env)
+        http_port = free_port()  # (just before the router binds it, not before the
+        #                          workers start: another server was once given it first)
         procs["router"] = Captured(logs / "router.log", "router", "--model", str(llama_dir),
                                    "--target-address", procs["target"].address, "--port", "0",
                                    "--http-port", str(http_port), env=env)

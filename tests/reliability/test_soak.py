@@ -298,7 +298,6 @@ def test_soak_many_streams_no_errors_no_growth_nothing_held(llama_dir, draft_dir
     shutil.copytree(llama_dir, model)
     edit_config(model, max_position_embeddings=CONTEXT)
     expected = reference_greedy(model, PROMPTS, MAX_TOKENS)
-    http_port = free_port()
     store = RedisServer(free_port(), tmp_path).start() if WITH_REDIS else None
     with contextlib.ExitStack() as cleanup, process_group(TOKEN) as start:
         if store is not None:
@@ -306,6 +305,9 @@ def test_soak_many_streams_no_errors_no_growth_nothing_held(llama_dir, draft_dir
         draft_proc, draft = start("draft-worker", "--model", str(draft_dir))
         target_proc, target = start("target-worker", "--model", str(model), "--draft-address",
                                     draft, "--max-num-seqs", "64")
+        # a free port taken just before the router binds it: taken while the workers
+        # started, another test's server was once given it first
+        http_port = free_port()
         router_proc, router = start("router", "--model", str(model), "--target-address",
                                     target, "--port", "0", "--http-port", str(http_port),
                                     *(["--redis", store.url] if store else []))
