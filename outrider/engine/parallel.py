@@ -19,13 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from outrider.engine.compiled import ONEDNN_MAX_ROWS, onednn_linear, onednn_rows, packed_linear
-from outrider.engine.quant.weight import (
-    Int8Int8Linear,
-    QuantizedWeight,
-    cpu_kernel,
-    gpu_kernel,
-    stacked,
-)
+from outrider.engine.quant.weight import Int8Int8Linear, QuantizedWeight, kernel_for, stacked
 
 
 @dataclass(frozen=True)
@@ -239,10 +233,7 @@ class ReplicatedLinear(PackedForCPU, nn.Module):
                              f"{self.weight.shape[0]}: a fused layer (q/k/v, gate/up) whose "
                              f"parts are not all quantized is not supported")
         device = self.weight_device
-        if device.type == "cpu":
-            self.quantized_matmul = cpu_kernel(weight, self.weight.dtype)
-        elif device.type == "cuda":
-            self.quantized_matmul = gpu_kernel(weight, self.weight.dtype, device)
+        self.quantized_matmul = kernel_for(weight, self.weight.dtype, device)
         if self.quantized_matmul is None:
             self.allocated_weight().data.copy_(weight.dequantized(self.weight.dtype))
         elif device.type != "cpu":

@@ -457,6 +457,24 @@ def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def kernel_for(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device):
+    """The matmul that keeps `weight` quantized on `device` (cpu_kernel, gpu_kernel), or
+    None: it is then dequantized. A checkpoint that quantizes its inputs but whose layer
+    gets no W8A8 kernel here says so once, whichever the device and the reason."""
+    kernel = (cpu_kernel(weight, dtype) if device.type == "cpu"
+              else gpu_kernel(weight, dtype, device) if device.type == "cuda" else None)
+    if weight.int8_inputs and not isinstance(kernel, Int8Int8Linear):
+        _warn_inputs_kept()
+    return kernel
+
+
+def _is_w8a8(weight: QuantizedWeight) -> bool:
+    """Whether the int8 x int8 kernels take `weight`: 8-bit, its inputs quantized too,
+    symmetric, one scale a channel."""
+    return (weight.bits == 8 and weight.int8_inputs and not weight.is_fp8
+            and weight.scale.shape[1] == 1 and weight.zero is None)
+
+
 def cpu_kernel(weight: QuantizedWeight, dtype: torch.dtype
                ) -> Int4GemmLinear | Int4Linear | Int8Linear | Int8Int8Linear | None:
     """The CPU matmul for `weight` that never holds it in floats, or None where none takes
@@ -468,11 +486,8 @@ def cpu_kernel(weight: QuantizedWeight, dtype: torch.dtype
     _scaled_mm is a reference loop: 1 s for 4 rows of 1,024 x 2,816 here)."""
     if weight.is_fp8:
         return None
-    per_channel = weight.scale.shape[1] == 1
-    if weight.int8_inputs:
-        if weight.bits == 8 and per_channel and weight.zero is None and has_int8_gemm():
-            return Int8Int8Linear(weight, dtype)
-        _warn_inputs_kept()
+    if _is_w8a8(weight) and has_int8_gemm():
+        return Int8Int8Linear(weight, dtype)
     if weight.group_of_column is not None or dtype != torch.bfloat16:
         return None
     out_features, in_features = weight.shape
@@ -483,7 +498,7 @@ def cpu_kernel(weight: QuantizedWeight, dtype: torch.dtype
         if group % 4 == 0 and group <= INT4_GEMM_MAX_GROUP and has_int4_gemm():
             return Int4GemmLinear(weight, group)
         return Int4Linear(weight, dtype, group) if group in INT4_GROUPS else None
-    if weight.bits == 8 and per_channel and weight.zero is None:
+    if weight.bits == 8 and weight.scale.shape[1] == 1 and weight.zero is None:
         return Int8Linear(weight, dtype)
     return None
 
@@ -497,8 +512,6 @@ def gpu_kernel(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
     right (not act-order's scattered groups); W8A8 by torch._int_mm. A dequantized FP8
     layer says so once (no memory or time saved)."""
     if weight.bits == 4 and not weight.is_fp8:
-        if weight.int8_inputs:
-            _warn_inputs_kept()
         return _cuda_int4(weight, dtype, device)
     if weight.bits == 8 and weight.int8_inputs and not weight.is_fp8:
         return _cuda_int8(weight, dtype, device)
@@ -513,10 +526,9 @@ def gpu_kernel(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
 
 def _cuda_int8(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
                ) -> Int8Int8Linear | None:
-    """W8A8 as on CPU, by torch._int_mm: a symmetric per-channel weight, dimensions
-    multiples of 8 (cuBLASLt's), where a product of the largest levels is exact."""
-    if (weight.scale.shape[1] > 1 or weight.zero is not None
-            or weight.group_of_column is not None
+    """W8A8 as on CPU, by torch._int_mm: dimensions multiples of 8 (cuBLASLt's), where a
+    product of the largest levels is exact."""
+    if (not _is_w8a8(weight) or weight.group_of_column is not None
             or any(n % CUDA_INT8_MULTIPLE for n in weight.shape)
             or not has_cuda_int8_gemm(device)):
         return None
