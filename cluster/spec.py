@@ -14,7 +14,7 @@ from outrider.target_worker.main import TargetWorkerConfig
 from outrider.target_worker.scheduler import SchedulerConfig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from outrider.core.hf_config import head_kind
+from outrider.core.hf_config import checkpoint_name, head_kind
 from outrider.core.policy import MAX_GAMMA, PolicyConfig
 from outrider.core.sequence import ProposerKind
 
@@ -179,10 +179,10 @@ class ClusterSpec(_Strict):
     @model_validator(mode="after")
     def _pairs_told_apart(self) -> ClusterSpec:
         targets = list(dict.fromkeys(p.target for p in self.models))  # (one model each)
-        pairs = [(p.target, Path(p.draft).name if p.draft else "") for p in self.models]
+        pairs = [(p.target, checkpoint_name(p.draft) if p.draft else "") for p in self.models]
         for what, values in (("a name", [p.name for p in self.models]),
                              ("a target dir's name (or the same target)",
-                              [Path(t).name for t in targets]),
+                              [checkpoint_name(t) for t in targets]),
                              ("a draft dir's name (among pairs of one target)", pairs)):
             if len(set(values)) != len(values):
                 raise ValueError(f"models: each pair needs {what} of its own (the router "

@@ -209,4 +209,10 @@ def served_as(entry: str) -> tuple[str, str]:
         if not name or not model_dir:
             raise ValueError(f"--also-serve {entry!r}: give NAME=DIR or DIR")
         return name, model_dir
-    return Path(entry).resolve().name, entry
+    return served_model_id(entry), entry
+
+
+def served_model_id(model_dir: str) -> str:
+    """A checkpoint's model id where none is given: its dir's name, the path resolved
+    (what `/v1/models` lists; replicas are matched by core.hf_config.checkpoint_name)."""
+    return Path(model_dir).resolve().name

@@ -10,11 +10,10 @@ import secrets
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from outrider.core.hf_config import head_kind
+from outrider.core.hf_config import checkpoint_name, head_kind
 from outrider.core.sequence import NGRAM_SIZES
-from outrider.core.tokenizer import vocab_fingerprint
+from outrider.core.tokenizer import shares_vocabulary
 from outrider.cpus import plan_cpus
 from outrider.flags import check_self_draft, resolve_device, served_as
 from outrider.launch import RestartPolicy, free_port, supervised_group
@@ -75,8 +74,17 @@ class LocalSystemConfig:
         return [self.target, *(served_as(entry)[1] for entry in self.also_serve)]
 
     @property
+    def target_plan(self) -> list[tuple[str, int]]:
+        """Each target replica: its checkpoint and the draft model it speculates with
+        (its index in `drafts`; 0 with none): the first target, target_replicas replicas
+        with each draft model; every other target (--also-serve), one with the first's."""
+        return ([(self.target, k) for k in range(max(1, len(self.drafts)))
+                 for _ in range(self.target_replicas)]
+                + [(t, 0) for t in self.targets[1:]])
+
+    @property
     def num_target_replicas(self) -> int:
-        return self.target_replicas * (1 + len(self.also_draft)) + len(self.also_serve)
+        return len(self.target_plan)
 
     def __post_init__(self) -> None:
         if self.draft and self.draft_replicas < 1:
@@ -106,7 +114,7 @@ class LocalSystemConfig:
         """Several targets (--also-serve): told apart by their dirs' names, sharing the
         draft replicas, which draft for another vocabulary through text only."""
         for what, dirs in (("targets", self.targets), ("draft models", self.drafts)):
-            names = [Path(d).resolve().name for d in dirs]
+            names = [checkpoint_name(d) for d in dirs]
             if len(set(names)) != len(names):
                 raise ValueError(f"the {what}' dirs must have distinct names (replicas are "
                                  f"told apart by them: model pairs, statistics), got {names}")
@@ -115,8 +123,7 @@ class LocalSystemConfig:
                              "model, or none; a head or --self-draft-layers belongs to one "
                              "target")
         for draft in self.drafts if self.speculation_cache or self.adapt else ():
-            own = vocab_fingerprint(draft)
-            other = next((t for t in self.targets if vocab_fingerprint(t) != own), None)
+            other = next((t for t in self.targets if not shares_vocabulary(t, draft)), None)
             if other:
                 raise ValueError(f"{other} has another vocabulary than the draft {draft}, "
                                  "which drafts for it through text: without "
@@ -193,11 +200,7 @@ def local_system(cfg: LocalSystemConfig, token: str | None = None, echo: bool = 
                         for i in range(num_drafts))
                   for k, draft in enumerate(cfg.drafts)] or [()]
         drafts = tuple(a for group in groups for a in group)
-        # (target dir, its draft replicas): the first target with each draft model, the
-        # others (--also-serve) with the first's
-        replicas = ([(cfg.target, group) for group in groups
-                     for _ in range(cfg.target_replicas)]
-                    + [(t, groups[0]) for t in cfg.targets[1:]])
+        replicas = [(model_dir, groups[k]) for model_dir, k in cfg.target_plan]
         targets = tuple(run("target" if i == 0 else f"target-{i}", "target-worker",
                             "--model", model_dir, "--tp", str(cfg.tp),
                             "--gamma", str(cfg.gamma), "--proposer", cfg.proposer, *model,

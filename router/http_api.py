@@ -124,7 +124,7 @@ def build_app(models: Models, settings: HttpSettings) -> FastAPI:
     created = int(time.time())
     app.state.streams = OpenStreams()
     service = models.default.service  # (what does not depend on the model)
-    replica_metrics = ReplicaMetrics(models)  # every model's engines' on /metrics too
+    replica_metrics = ReplicaMetrics(models)  # its models' engines' on /metrics too
 
     def answer(refusal: Refused) -> JSONResponse:
         """A refusal made before the service ran the request, counted as it counts its own."""
@@ -677,9 +677,9 @@ def _refusing(build):
 
 
 def _naming(requests: list[gp.GenerateRequest], served: ServedModel):
-    """The requests, each naming its model (as the gRPC API's do: the journal's identity)."""
+    """The requests, each naming its model (ServedModel.take)."""
     for request in requests:
-        request.model = served.name
+        served.take(request)
     return requests
 
 

@@ -15,7 +15,7 @@ from outrider.router.auth import Authenticator
 from outrider.router.chat_template import ChatTemplate
 from outrider.router.http_api import GRACEFUL_STOP_S, HttpSettings, build_app, start_http
 from outrider.router.http_guard import HttpBounds
-from outrider.router.models import ModelIdentity, ModelReplicas, Models, ServedModel
+from outrider.router.models import ModelIdentity, Models, ServedModel
 from outrider.router.replicas import ROUTING, ReplicaSet
 from outrider.router.service import GenerationService, ServiceLimits
 from outrider.router.telemetry import RouterTelemetry
@@ -23,7 +23,13 @@ from outrider.router.tool_calls import CALL_FORMATS
 
 from outrider.core.hf_config import context_length, read_config, sampling_defaults
 from outrider.core.tokenizer import Tokenizer, tokenizer_file
-from outrider.flags import add_cpus_arg, add_max_model_len_arg, add_metrics_arg, served_as
+from outrider.flags import (
+    add_cpus_arg,
+    add_max_model_len_arg,
+    add_metrics_arg,
+    served_as,
+    served_model_id,
+)
 from outrider.grpc_server import Running, build_server, serve_until_signalled
 from outrider.state import open_store
 from outrider.telemetry.metrics import serve_metrics
@@ -72,7 +78,7 @@ class RouterConfig:
     @property
     def served(self) -> list[tuple[str, str]]:
         """(model id, checkpoint dir) of each model, the first first."""
-        first = self.served_model_name or Path(self.model_dir).resolve().name
+        first = self.served_model_name or served_model_id(self.model_dir)
         return [(first, self.model_dir), *map(served_as, self.also_serve)]
 
     def __post_init__(self) -> None:
@@ -210,7 +216,7 @@ def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
                           cfg.limits.max_queue_wait_s)
     models = Models([_served_model(cfg, name, model_dir, index == 0, store, replicas, auth,
                                    admission)
-                     for index, (name, model_dir) in enumerate(cfg.served)])
+                     for index, (name, model_dir) in enumerate(cfg.served)], replicas)
     models.default.service.telemetry.metrics.watch_admission(admission)  # the router's
     if cfg.metrics_port is not None:
         serve_metrics(cfg.host, cfg.metrics_port, "router")  # its own: scraped beside
@@ -222,7 +228,7 @@ def start(cfg: RouterConfig, cluster_token: str | None) -> Running:
         max_workers=cfg.limits.max_running + cfg.limits.max_queued + CONTROL_THREADS,
         credentials=_tls(cfg), health_servicer=health_servicer)
     # readiness: the Generation service is SERVING while a replica of its models is live
-    replicas.on_live = lambda _: health_servicer.set(
+    replicas.on_live = lambda: health_servicer.set(
         SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if models.live()
         else health_pb2.HealthCheckResponse.NOT_SERVING)
     stop_http = _start_http(cfg, models) if cfg.http_port is not None else None
@@ -245,10 +251,9 @@ def _served_model(cfg: RouterConfig, name: str, model_dir: str, is_first: bool,
     template, over its own replicas of the router's."""
     max_model_len = min(context_length(read_config(model_dir)), cfg.max_model_len or sys.maxsize)
     defaults = sampling_defaults(model_dir) if cfg.generation_config == "auto" else {}
-    service = GenerationService(Tokenizer(model_dir), max_model_len, store,
-                                ModelReplicas(replicas, ModelIdentity.of(model_dir)), auth,
-                                cfg.limits,
-                                RouterTelemetry(name), defaults, admission)
+    service = GenerationService(Tokenizer(model_dir), max_model_len, store, replicas, auth,
+                                cfg.limits, RouterTelemetry(name), defaults, admission,
+                                ModelIdentity.of(model_dir).serves)
     # the first model's --chat-template; the others' their own
     template = ChatTemplate.from_dir(model_dir, cfg.chat_template if is_first else None)
     return ServedModel(name, service, template)

@@ -10,13 +10,14 @@ vocabulary) and by its checkpoint's name (`Load.model_pair`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from outrider.router.refusal import Refused
 from outrider.router.replicas import ReplicaSet
 from outrider.router.service import GenerationService, _abort, replica_rows
 
+from outrider.core.hf_config import checkpoint_name
+from outrider.core.load import pair_target
 from outrider.core.tokenizer import vocab_fingerprint
 from outrider.v1 import generate_pb2 as gp
 from outrider.v1 import generate_pb2_grpc
@@ -27,14 +28,12 @@ from outrider.v1 import worker_pb2 as pb
 class ModelIdentity:
     """What tells a model's replicas apart from the other models' of the same router."""
 
-    names: frozenset[str]    # its dir's name, as its replicas name it in model_pair (as
-    #                          given or resolved: a replica started on "." names it "")
+    name: str                # its dir's name, as its replicas name it (core.load.model_pair)
     vocab: str               # its vocab_fingerprint
 
     @classmethod
     def of(cls, model_dir: str) -> ModelIdentity:
-        return cls(frozenset({Path(model_dir).name, Path(model_dir).resolve().name}),
-                   vocab_fingerprint(model_dir))
+        return cls(checkpoint_name(model_dir), vocab_fingerprint(model_dir))
 
     def serves(self, load: pb.Load) -> bool:
         """Whether a replica reporting `load` serves this model: its vocabulary (when it
@@ -43,32 +42,7 @@ class ModelIdentity:
         its fine-tune, served by routers sharing a registry) are different models."""
         if load.target_vocab and load.target_vocab != self.vocab:
             return False
-        return load.model_pair.split("+")[0] in self.names
-
-
-class ModelReplicas:
-    """The router's replicas as one model's service sees them: those serving the model."""
-
-    def __init__(self, replicas: ReplicaSet, identity: ModelIdentity) -> None:
-        self.all, self.identity = replicas, identity
-
-    def live(self):
-        return self.all.live(self.identity.serves)
-
-    def pick(self, *args, **kwargs):
-        return self.all.pick(*args, **kwargs, serves=self.identity.serves)
-
-    def link(self, address: str):
-        return self.all.link(address)
-
-    def prefilled(self, address: str, request_id: str) -> None:
-        self.all.prefilled(address, request_id)
-
-    def note_prefix(self, address: str, token_ids: list[int]) -> None:
-        self.all.note_prefix(address, token_ids)
-
-    def mark_down(self, address: str) -> None:
-        self.all.mark_down(address)
+        return pair_target(load.model_pair) == self.name
 
 
 @dataclass(frozen=True)
@@ -76,15 +50,21 @@ class ServedModel:
     """One model of the router: its id, its service, and what the HTTP API needs of it."""
 
     name: str                   # the id requests name and /v1/models lists
-    service: GenerationService
+    service: GenerationService  # over the router's replicas that serve it (its `serves`)
     chat_template: object = None  # router.chat_template.ChatTemplate, or None: none
+
+    def take(self, request: gp.GenerateRequest) -> GenerationService:
+        """Its service, the request naming the model from now on (gRPC and HTTP alike): a
+        retry naming it and one naming none are the same request to the journal."""
+        request.model = self.name
+        return self.service
 
 
 class Models(generate_pb2_grpc.GenerationServicer):
     """The router's models by id, the first the default (a request naming none); the
     gRPC Generation service, each request handed to its model's service."""
 
-    def __init__(self, served: list[ServedModel]) -> None:
+    def __init__(self, served: list[ServedModel], replicas: ReplicaSet) -> None:
         if not served:
             raise ValueError("a router serves at least one model")
         names = [m.name for m in served]
@@ -93,6 +73,7 @@ class Models(generate_pb2_grpc.GenerationServicer):
                              "--served-model-name)")
         self.served = {m.name: m for m in served}
         self.default = served[0]
+        self.replicas = replicas
 
     def __iter__(self):
         return iter(self.served.values())
@@ -107,18 +88,10 @@ class Models(generate_pb2_grpc.GenerationServicer):
                           "(see /v1/models)")
         return self.served[name]
 
-    def for_request(self, request: gp.GenerateRequest) -> GenerationService:
-        """The request's model's service; the request names it from now on, so that a
-        retry naming it and one naming none are the same request to the journal."""
-        served = self.named(request.model)
-        request.model = served.name
-        return served.service
-
     def live(self) -> list:
         """The live replicas of any of the router's models (not those of other routers'
         models in a shared registry): health, Status and /metrics count these."""
-        return self.default.service.replicas.all.live(
-            lambda load: any(m.service.replicas.identity.serves(load) for m in self))
+        return self.replicas.live(lambda load: any(m.service.serves(load) for m in self))
 
     # -- the gRPC Generation service ----------------------------------------------------
     def GenerateStream(self, request: gp.GenerateRequest, context):
@@ -130,14 +103,14 @@ class Models(generate_pb2_grpc.GenerationServicer):
     def Status(self, request: gp.StatusRequest, context) -> gp.RouterStatus:
         """The default model's status (the shared statistics) with every model's replicas."""
         status = self.default.service.Status(request, context)
-        if len(self.served) > 1:
+        if len(self.served) > 1:  # (the default's rows are one model's)
             del status.replicas[:]
             status.replicas.extend(replica_rows(self.live()))
         return status
 
     def _service(self, request: gp.GenerateRequest, context) -> GenerationService:
         try:
-            return self.for_request(request)
+            return self.named(request.model).take(request)
         except Refused as refusal:
             self.default.service.telemetry.metrics.answered(refusal.code.name, "grpc")
             _abort(context, refusal)

@@ -53,7 +53,7 @@ class ReplicaSet:
         self.static_addresses = list(addresses)
         self.heartbeat_s, self.ttl_s = heartbeat_s, ttl_s
         self.metadata = token_metadata(token)
-        self.on_live: Callable[[bool], None] | None = None  # after each heartbeat: any live?
+        self.on_live: Callable[[], None] | None = None  # after each heartbeat (live() new)
         self.is_store_reachable = True
         self._live: dict[str, st.ReplicaRecord] = {}   # answered the last heartbeat
         self._known: set[str] = set(addresses)
@@ -127,13 +127,13 @@ class ReplicaSet:
                 continue
             live[address] = st.ReplicaRecord(address=address, load=load,
                                              heartbeat_unix_s=time.time())
-        if self.on_live is not None:
-            self.on_live(bool(live))
         with self._lock:
             self._live = live
             self._own_at_report = own
             # addresses that stopped answering are forgotten once the registry drops them
             self._known = set(self.static_addresses) | set(live) | self._registered
+        if self.on_live is not None:
+            self.on_live()
         self._publish(live.values())
 
     def _discover(self) -> None:
@@ -179,10 +179,11 @@ class ReplicaSet:
             chains = _Chains(prompt_ids)  # each block size's chain, hashed once
             uncached = {r.address: len(prompt_ids) - self._cached_tokens(r, chains)
                         for r in candidates}
-            pairs = {r.load.model_pair for r in candidates}
-            cost = {pair: mean_cost([r.load for r in candidates if r.load.model_pair == pair])
-                    for pair in pairs}
-            acceptance = {pair: acceptance_of(pair) for pair in pairs}
+            by_pair = defaultdict(list)
+            for r in candidates:
+                by_pair[r.load.model_pair].append(r.load)
+            cost = {pair: mean_cost(loads) for pair, loads in by_pair.items()}
+            acceptance = {pair: acceptance_of(pair) for pair in by_pair}
             seconds = {r.address: expected_seconds(
                 r.load, acceptance[r.load.model_pair], uncached[r.address], max_tokens,
                 *self._now(r), cost[r.load.model_pair]) for r in candidates}

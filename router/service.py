@@ -29,6 +29,7 @@ from outrider.router.text_stream import TextStream
 from outrider.router.validate import Job, ValidationError, client_tag, validate
 
 from outrider.core.grammar import Grammars
+from outrider.core.load import pair_has_draft
 from outrider.core.policy import MAX_QUEUED_PER_REPLICA, Acceptance, SpecMode
 from outrider.core.sampling import sampling_to_proto
 from outrider.core.stats import PRIOR_ALPHA, SpecStats
@@ -109,8 +110,12 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                  auth: Authenticator, limits: ServiceLimits = ServiceLimits(),
                  telemetry: RouterTelemetry | None = None,
                  sampling_defaults: dict | None = None,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None,
+                 serves: Callable[[pb.Load], bool] | None = None) -> None:
+        """One model's service; `serves`: which of the router's replicas serve it
+        (router/models.py; None: all)."""
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
+        self.serves = serves
         self.sampling_defaults = sampling_defaults or {}  # generation_config.json's
         # structured outputs are compiled here before any replica sees them (§3.8)
         self.grammars = Grammars(tokenizer.path, tokenizer.vocab_size, ())
@@ -145,7 +150,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             self.authorize(context, request.tag)
         except Refused as refusal:
             _abort(context, refusal)
-        replicas = replica_rows(self.replicas.live())
+        replicas = replica_rows(self.replicas.live(self.serves))
         try:
             stats, reachable = self.store.acceptance_all(), True
         except StoreUnavailable:
@@ -316,11 +321,11 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         while True:
             replica = self.replicas.pick(lambda pair: self._routing_acceptance(pair, job),
                                          tried, self.limits.max_waiting, job.prompt_ids,
-                                         job.params.max_tokens, job.request_id)
+                                         job.params.max_tokens, job.request_id, self.serves)
             if replica is not None:
                 return replica
             if time.monotonic() >= deadline:
-                if self.replicas.live():
+                if self.replicas.live(self.serves):
                     raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   "every target replica's queue is full", retry_after_s=1.0)
                 raise Refused(grpc.StatusCode.UNAVAILABLE, "no target replica of model "
@@ -447,10 +452,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                                   seed=job.params.seed)
         counts = progress.stats.counts
         if not counts.tested and progress.model_pair:
+            key = (progress.model_pair, job.stats_tag)
             with self._lock:
-                key = (progress.model_pair, job.stats_tag)
-                if key in self._undrafted or len(self._undrafted) < MAX_ACCEPTANCE_ENTRIES:
-                    self._undrafted[key] = self._undrafted.get(key, 0) + 1
+                _put_newest(self._undrafted, key, self._undrafted.get(key, 0) + 1)
         try:
             self.store.journal_finish(job.request_id, record, self.limits.journal_ttl_s)
             if counts.tested and progress.model_pair:
@@ -469,7 +473,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         if job.mode is SpecMode.OFF:
             return Acceptance([])
         alphas = self._prior(pair, job.stats_tag)
-        if alphas or "+" not in pair:
+        if alphas or not pair_has_draft(pair):
             return Acceptance(alphas)
         with self._lock:
             quiet = self._undrafted.get((pair, job.stats_tag), 0)
@@ -490,11 +494,17 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         except StoreUnavailable:
             alphas = cached[1] if cached else []
         with self._lock:
-            self._priors.pop((pair, tag), None)  # re-inserted last: oldest refresh first
-            self._priors[(pair, tag)] = (now, alphas)
-            while len(self._priors) > MAX_ACCEPTANCE_ENTRIES:
-                del self._priors[next(iter(self._priors))]
+            _put_newest(self._priors, (pair, tag), (now, alphas))
         return alphas
+
+
+def _put_newest(entries: dict, key, value) -> None:
+    """entries[key] = value, made the newest; the oldest dropped beyond
+    MAX_ACCEPTANCE_ENTRIES (a new draft version is a new model pair: keys keep coming)."""
+    entries.pop(key, None)
+    entries[key] = value
+    while len(entries) > MAX_ACCEPTANCE_ENTRIES:
+        del entries[next(iter(entries))]
 
 
 def merge_responses(parts: list[gp.GenerateResponse]) -> gp.GenerateResponse:

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from outrider.target_worker.scheduler import Scheduler, SchedulerConfig
 
-from outrider.core.load import ReplicaLoad
+from outrider.core.load import ReplicaLoad, model_pair
 from outrider.core.policy import Acceptance, GammaPolicy, OnlineCost, RequestState, SpecMode
 from outrider.core.sampling import SamplingParams, TokenLogprob
 from outrider.core.sequence import FinishReason, ProposerKind, Round, RoundStats, Sequence
@@ -113,12 +113,9 @@ class TargetEngine:
 
     @property
     def model_pair(self) -> str:
-        target, drafter = self.decoder.target.model_name, self.decoder.drafter
-        if drafter is None:
-            return target
-        # a new draft version is a new pair to the routers' acceptance statistics
-        version = f"@v{drafter.version}" if drafter.version else ""
-        return f"{target}+{drafter.model_name}{version}"
+        drafter = self.decoder.drafter
+        return model_pair(self.decoder.target.model_name,
+                          drafter.model_name if drafter else "", drafter.version if drafter else 0)
 
     # -- called from gRPC threads ---------------------------------------------------------
     def submit(self, handle: Handle) -> None:

@@ -29,6 +29,14 @@ def read_config(model_dir: str | Path, name: str = "config.json",
     return text_model(raw) if name == "config.json" and isinstance(raw, dict) else raw
 
 
+def checkpoint_name(model_dir: str | Path) -> str:
+    """A checkpoint dir's name as replicas name their model pair and routers match it: the
+    name as given (a symlink's, alike on every machine), resolved only where the path has
+    none ("." or "..")."""
+    name = Path(model_dir).name
+    return name if name not in ("", "..") else Path(model_dir).resolve().name
+
+
 # multimodal checkpoints whose language model is served alone (the vision tower is not
 # loaded: model.py skips its tensors), and that model's architecture
 TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}

@@ -21,3 +21,21 @@ class ReplicaLoad:
     block_size: int
     prefix_caching: bool
     queued_tokens: int        # prompt tokens still to compute, cached prefixes not counted
+
+
+def model_pair(target: str, draft: str = "", version: int = 0) -> str:
+    """How a replica names what it serves (`Load.model_pair`): "target+draft@vN", or
+    "target" with no draft model. A new draft version is a new pair to the routers'
+    acceptance statistics."""
+    if not draft:
+        return target
+    return f"{target}+{draft}" + (f"@v{version}" if version else "")
+
+
+def pair_target(pair: str) -> str:
+    """A model pair's target checkpoint name."""
+    return pair.split("+", 1)[0]
+
+
+def pair_has_draft(pair: str) -> bool:
+    return "+" in pair

@@ -179,3 +179,18 @@ def vocab_fingerprint(model_dir: str | Path) -> str:
         vocab = []
     size = int(read_config(model_dir)["vocab_size"])
     return hashlib.sha256(json.dumps([size, vocab]).encode()).hexdigest()[:16]
+
+
+def shares_vocabulary(target_dir: str | Path, draft_dir: str | Path) -> bool:
+    """Whether a draft proposes in the target's ids as it is: its vocabulary size is the
+    target's, and it has no tokenizer.json of its own (it uses the target's) or one of
+    the same tokens and ids. Otherwise it proposes through text, if at all
+    (engine/cross_vocab.py)."""
+    size = lambda d: int(read_config(d)["vocab_size"])  # noqa: E731
+    if size(target_dir) != size(draft_dir):
+        return False
+    try:
+        draft = Tokenizer(draft_dir).vocab
+    except TokenizerError:
+        return True
+    return draft == Tokenizer(target_dir).vocab

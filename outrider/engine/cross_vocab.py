@@ -29,7 +29,7 @@ import torch
 
 from outrider.core.sampling import SamplingParams
 from outrider.core.stats import CROSS_VOCAB_METHOD
-from outrider.core.tokenizer import Tokenizer, TokenizerError
+from outrider.core.tokenizer import Tokenizer, TokenizerError, shares_vocabulary
 from outrider.engine.drafter import Drafter
 from outrider.engine.features import FeatureTap
 from outrider.engine.model_config import ModelConfig
@@ -298,19 +298,16 @@ def pair_bridge(target_dir: str, draft_dir: str) -> TextBridge | None:
     otherwise the text bridge a draft of its own tokenizer proposes through (§2.9). A
     draft of another vocabulary size without a tokenizer.json cannot propose."""
     target_size, draft_size = (ModelConfig.from_dir(d).vocab_size for d in (target_dir, draft_dir))
+    if shares_vocabulary(target_dir, draft_dir):
+        return None
     try:
         draft_tok = Tokenizer(draft_dir)
     except TokenizerError:
-        if target_size != draft_size:
-            raise RequestError(f"draft and target have different vocabularies: "
-                               f"{draft_size} vs {target_size} tokens, and the draft has no "
-                               f"tokenizer.json to propose through text") from None
-        return None  # a draft without its own tokenizer.json uses the target's
-    target_tok = Tokenizer(target_dir)
-    if target_tok.vocab == draft_tok.vocab and target_size == draft_size:
-        return None
+        raise RequestError(f"draft and target have different vocabularies: "
+                           f"{draft_size} vs {target_size} tokens, and the draft has no "
+                           f"tokenizer.json to propose through text") from None
     try:
-        return TextBridge(target_tok, draft_tok, target_size, draft_size)
+        return TextBridge(Tokenizer(target_dir), draft_tok, target_size, draft_size)
     except VocabularyError as exc:
         raise RequestError(str(exc)) from None
 

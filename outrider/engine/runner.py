@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from outrider.core.hf_config import checkpoint_name
 from outrider.core.stats import MODEL_METHOD
 from outrider.engine.attention import (
     AttentionMetadata,
@@ -206,7 +207,7 @@ class ModelRunner:
     @property
     def model_name(self) -> str:
         """The checkpoint folder's name (how replicas name their model pair)."""
-        return Path(self.cfg.model_dir).name
+        return checkpoint_name(self.cfg.model_dir)
 
     def build_model(self, state: dict[str, torch.Tensor] | None = None) -> CausalLM:
         """This rank's model with the checkpoint's weights (or `state`'s), as plain

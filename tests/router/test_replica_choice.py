@@ -107,7 +107,7 @@ def test_each_served_model_picks_among_its_own_replicas_only():
     copy): each model's view holds its own only, by vocabulary and by checkpoint name (a
     replica reporting no vocabulary, as older ones, by its name alone); a name given as
     "dir/." is its dir's."""
-    from outrider.router.models import ModelIdentity, ModelReplicas
+    from outrider.router.models import ModelIdentity
 
     from outrider import paths
     dirs = [paths.demo_target_dir(), paths.demo_w4a16_target_dir(),
@@ -122,13 +122,13 @@ def test_each_served_model_picks_among_its_own_replicas_only():
     loads["alike:1"] = pb.Load(target_vocab=vocab[2], model_pair="demo-target",
                                cost=load().cost, gamma_max=8)
     replicas = replica_set(loads)
-    own = {i: sorted(r.address for r in ModelReplicas(replicas, m).live())
+    own = {i: sorted(r.address for r in replicas.live(m.serves))
            for i, m in enumerate(models)}
     assert own == {0: ["r0:1"], 1: ["old:1", "r1:1"], 2: ["r2:1"]}
-    chosen = ModelReplicas(replicas, models[2]).pick(lambda pair: Acceptance([0.7] * 8))
+    chosen = replicas.pick(lambda pair: Acceptance([0.7] * 8), serves=models[2].serves)
     assert chosen.address == "r2:1"
     dotted = ModelIdentity.of(f"{dirs[0]}/.")
-    assert [r.address for r in ModelReplicas(replicas, dotted).live()] == ["r0:1"]
+    assert [r.address for r in replicas.live(dotted.serves)] == ["r0:1"]
 
 
 def test_where_replicas_speculate_with_different_drafts_the_request_goes_to_the_better():
